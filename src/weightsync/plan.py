@@ -1,0 +1,158 @@
+"""The transfer plan: which bytes of which tensor go to which bucket, at which offset.
+
+The sender builds the plan once from tensor metadata, hashes it, and ships it; receivers check it
+(`check_plan`) before anything is allocated or written. Chunk boundaries are never recomputed on
+the receiving side.
+
+Packing is greedy and in order: each tensor starts on a 64-byte boundary; a tensor that does not
+fit in what is left of the current bucket starts a new one; a tensor larger than a bucket fills the
+rest of the current bucket and continues over as many whole buckets as it needs (chunking).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+
+import msgspec
+import torch
+
+from weightsync.dtypes import dtype_from_name, dtype_name, itemsize
+from weightsync.errors import ConfigError, PlanError
+from weightsync.sizing import ALIGN_BYTES, align_up
+from weightsync.source import TensorMeta
+from weightsync.types import Piece, Plan, TensorSpec
+
+__all__ = ["build_plan", "check_plan", "plan_digest", "tensor_nbytes", "wire_specs"]
+
+MAX_TENSORS = 1 << 20
+MAX_NAME_LENGTH = 4096
+MAX_DIMS = 16
+
+
+def tensor_nbytes(spec: TensorSpec) -> int:
+    return math.prod(spec.shape) * itemsize(dtype_from_name(spec.dtype))
+
+
+def _wire_dtype(meta: TensorMeta, cast: torch.dtype | Mapping[str, torch.dtype] | None) -> torch.dtype:
+    if isinstance(cast, Mapping):
+        return cast.get(meta.name, meta.dtype)
+    # A blanket cast applies to floating-point tensors only: ints, bools and fp8 keep their dtype.
+    if cast is not None and meta.dtype.is_floating_point and meta.dtype.itemsize > 1:
+        return cast
+    return meta.dtype
+
+
+def wire_specs(
+    metas: Sequence[TensorMeta], cast: torch.dtype | Mapping[str, torch.dtype] | None = None
+) -> list[TensorSpec]:
+    """Tensor specs as they travel, with the optional cast on send applied.
+
+    Args:
+        metas: the source's tensor metadata.
+        cast: a dtype every floating-point tensor (2+ bytes per element) is sent as, or a
+            mapping from name to the dtype that tensor is sent as.
+    """
+    if cast is not None and not isinstance(cast, (torch.dtype, Mapping)):
+        raise ConfigError(f"cast must be a torch.dtype or a mapping of name to dtype, got {cast!r}")
+    return [
+        TensorSpec(meta.name, dtype_name(_wire_dtype(meta, cast)), tuple(int(d) for d in meta.shape), dtype_name(meta.dtype))
+        for meta in metas
+    ]
+
+
+def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int) -> Plan:
+    """Pack `specs` into buckets of `bucket_bytes` (a multiple of 64), chunking what does not fit."""
+    if bucket_bytes < ALIGN_BYTES or bucket_bytes % ALIGN_BYTES:
+        raise ConfigError(f"bucket_bytes must be a positive multiple of {ALIGN_BYTES}, got {bucket_bytes}")
+    buckets: list[tuple[Piece, ...]] = []
+    current: list[Piece] = []
+    fill = 0
+
+    def close_bucket() -> None:
+        nonlocal current, fill
+        if current:
+            buckets.append(tuple(current))
+        current, fill = [], 0
+
+    for index, spec in enumerate(specs):
+        nbytes = tensor_nbytes(spec)
+        start = align_up(fill)
+        if nbytes > bucket_bytes - start and nbytes <= bucket_bytes:
+            close_bucket()
+            start = 0
+        if nbytes <= bucket_bytes - start:
+            current.append(Piece(index, 0, start, nbytes))
+            fill = start + nbytes
+            continue
+        offset = 0
+        while offset < nbytes:
+            start = align_up(fill)
+            if start >= bucket_bytes:
+                close_bucket()
+                start = 0
+            length = min(nbytes - offset, bucket_bytes - start)
+            current.append(Piece(index, offset, start, length))
+            offset += length
+            fill = start + length
+    close_bucket()
+    total = sum(piece.nbytes for bucket in buckets for piece in bucket)
+    return Plan(bucket_bytes=bucket_bytes, tensors=tuple(specs), buckets=tuple(buckets), total_bytes=total)
+
+
+def plan_digest(plan: Plan) -> str:
+    """A hash of the plan's canonical encoding; sender and receivers compare it at commit."""
+    return hashlib.blake2b(msgspec.msgpack.encode(plan), digest_size=16).hexdigest()
+
+
+def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
+    """Validate a plan received from a peer before anything it asks for is allocated.
+
+    Checks sizes, names, dtypes and that the pieces cover every tensor exactly once, in order,
+    inside their buckets without overlapping.
+
+    Raises:
+        PlanError: with the first problem found.
+    """
+    if not 0 < plan.bucket_bytes <= max_bucket_bytes or plan.bucket_bytes % ALIGN_BYTES:
+        raise PlanError(f"bucket size {plan.bucket_bytes} is not a multiple of {ALIGN_BYTES} in (0, {max_bucket_bytes}]")
+    if len(plan.tensors) > MAX_TENSORS:
+        raise PlanError(f"plan has {len(plan.tensors)} tensors, more than the limit of {MAX_TENSORS}")
+    sizes = [_checked_nbytes(spec) for spec in plan.tensors]
+    if len({spec.name for spec in plan.tensors}) != len(plan.tensors):
+        raise PlanError("plan names a tensor twice")
+    if sum(sizes) != plan.total_bytes:
+        raise PlanError(f"plan total_bytes {plan.total_bytes} != sum of tensor sizes {sum(sizes)}")
+    tensor, offset, started = 0, 0, False
+    for bucket_index, bucket in enumerate(plan.buckets):
+        bucket_end = 0
+        if not bucket:
+            raise PlanError(f"bucket {bucket_index} is empty")
+        for piece in bucket:
+            if started and offset == sizes[tensor]:
+                tensor, offset, started = tensor + 1, 0, False
+            if tensor >= len(sizes) or piece.tensor != tensor or piece.tensor_offset != offset:
+                raise PlanError(f"bucket {bucket_index}: piece {piece} breaks plan order (expected tensor {tensor} at {offset})")
+            if piece.nbytes < 0 or (piece.nbytes == 0 and sizes[tensor] > 0) or offset + piece.nbytes > sizes[tensor]:
+                raise PlanError(f"bucket {bucket_index}: piece {piece} is empty or runs past its tensor ({sizes[tensor]} bytes)")
+            if piece.bucket_offset < bucket_end or piece.bucket_offset + piece.nbytes > plan.bucket_bytes:
+                raise PlanError(f"bucket {bucket_index}: piece {piece} overlaps or leaves the bucket")
+            size = itemsize(dtype_from_name(plan.tensors[tensor].dtype))
+            if piece.tensor_offset % size or piece.nbytes % size:
+                raise PlanError(f"bucket {bucket_index}: piece {piece} splits an element of {size} bytes")
+            bucket_end = piece.bucket_offset + piece.nbytes
+            offset += piece.nbytes
+            started = True
+    complete = not sizes or (started and tensor == len(sizes) - 1 and offset == sizes[tensor])
+    if not complete:
+        raise PlanError(f"plan leaves tensor {plan.tensors[min(tensor, len(sizes) - 1)].name!r} and those after it incomplete")
+
+
+def _checked_nbytes(spec: TensorSpec) -> int:
+    if not spec.name or len(spec.name) > MAX_NAME_LENGTH:
+        raise PlanError(f"tensor name of length {len(spec.name)} is empty or longer than {MAX_NAME_LENGTH}")
+    if len(spec.shape) > MAX_DIMS or any(dim < 0 for dim in spec.shape):
+        raise PlanError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
+    dtype_from_name(spec.source_dtype)
+    return tensor_nbytes(spec)

@@ -1,0 +1,186 @@
+"""Where received weights go, and how each planned byte lands there.
+
+A `WeightSink` is the receiving engine's side of a sync. It may expose destination tensors by
+name (`destination`), in which case every chunk is copied straight into place; otherwise whole
+tensors are handed to `load` as they complete. `Landing` tracks one sync's progress against the
+plan on the receiving side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from weightsync.dtypes import dtype_from_name
+from weightsync.errors import ConfigError, PlanError, SinkError
+from weightsync.pack import byte_view
+from weightsync.plan import tensor_nbytes
+from weightsync.types import Piece, Plan
+
+__all__ = ["CallableSink", "Landing", "TensorDictSink", "WeightSink", "as_sink"]
+
+LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class WeightSink:
+    """Base class for what receives weights. Override the hooks your engine needs.
+
+    Order of calls for one sync: `begin` (may reject the plan before any byte moves), then
+    `destination` per tensor, then `load` per bucket for tensors without a destination, then
+    exactly one of `commit` or `abort`.
+    """
+
+    def begin(self, plan: Plan, version: int) -> None:
+        """Check the plan against the engine; raise PlanError to refuse it."""
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        """The live tensor `name` should be written into, or None to receive it via `load`."""
+        return None
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Take complete tensors. They may be views into transfer buffers: copy what you keep."""
+        raise SinkError(f"sink {type(self).__name__} has no destination for {[n for n, _ in named_tensors][:5]}")
+
+    def commit(self, version: int) -> None:
+        """Every byte of `version` has arrived; start serving it."""
+
+    def abort(self, version: int, error: BaseException) -> None:
+        """The sync of `version` failed; `error` says why."""
+
+
+class CallableSink(WeightSink):
+    """A sink that hands every completed tensor to a function."""
+
+    def __init__(self, load: LoadFn) -> None:
+        self._load = load
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._load(named_tensors)
+
+
+class TensorDictSink(WeightSink):
+    """A sink that writes into existing tensors, in place, by name.
+
+    Args:
+        tensors: destination tensors by name (e.g. `dict(model.named_parameters())`).
+        strict: also refuse plans that leave some of `tensors` out.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        self.tensors = dict(tensors)
+        self.strict = strict
+        self.version: int | None = None
+
+    def begin(self, plan: Plan, version: int) -> None:
+        check_against(plan, self.tensors, strict=self.strict)
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self.tensors[name].data
+
+    def commit(self, version: int) -> None:
+        self.version = version
+
+
+def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bool) -> None:
+    """Raise PlanError naming every tensor of `plan` that `tensors` lacks or disagrees with."""
+    problems = []
+    for spec in plan.tensors:
+        target = tensors.get(spec.name)
+        if target is None:
+            problems.append(f"unknown tensor {spec.name!r}")
+        elif tuple(target.shape) != spec.shape or target.dtype != dtype_from_name(spec.dtype):
+            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {str(target.dtype).removeprefix('torch.')}{list(target.shape)}")
+    if strict:
+        missing = set(tensors) - {spec.name for spec in plan.tensors}
+        problems += [f"plan lacks {name!r}" for name in sorted(missing)]
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise PlanError("plan does not match the receiver's tensors: " + "; ".join(problems[:8]) + more)
+
+
+def as_sink(sink: WeightSink | LoadFn | Mapping[str, torch.Tensor]) -> WeightSink:
+    """Accept a WeightSink; wrap a mapping of destination tensors or a load function."""
+    if isinstance(sink, WeightSink):
+        return sink
+    if isinstance(sink, Mapping):
+        return TensorDictSink(sink)
+    if callable(sink):
+        return CallableSink(sink)
+    raise ConfigError(f"a sink must be a WeightSink, a mapping of tensors or a callable, got {type(sink).__name__}")
+
+
+class Landing:
+    """One sync's landing site on the receiver: where each piece's bytes go.
+
+    A tensor with a contiguous destination of the right shape and dtype is written in place.
+    Any other tensor is staged in a fresh tensor and, once complete, copied into its destination
+    or handed to `sink.load` at the end of the bucket that completes it.
+    """
+
+    def __init__(self, plan: Plan, sink: WeightSink) -> None:
+        self.plan = plan
+        self.sink = sink
+        self.version = -1
+        self.digest = ""
+        self.touched_live = False
+        """True once any byte was written into a live destination (an abort then leaves a mix)."""
+        self._dest: list[torch.Tensor | None] = []
+        self._staged: dict[int, torch.Tensor] = {}
+        self._completes: list[list[int]] = [[] for _ in plan.buckets]
+        for spec in plan.tensors:
+            dest = sink.destination(spec.name)
+            if dest is not None and (tuple(dest.shape) != spec.shape or dest.dtype != dtype_from_name(spec.dtype)):
+                raise PlanError(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, destination is {dest.dtype}{list(dest.shape)}")
+            self._dest.append(dest)
+        for bucket_index, bucket in enumerate(plan.buckets):
+            for piece in bucket:
+                if piece.tensor_offset + piece.nbytes == tensor_nbytes(plan.tensors[piece.tensor]):
+                    self._completes[bucket_index].append(piece.tensor)
+
+    def in_place(self, tensor: int) -> bool:
+        dest = self._dest[tensor]
+        return dest is not None and dest.device.type == "cpu" and dest.is_contiguous()
+
+    def target(self, piece: Piece) -> np.ndarray:
+        """The writable bytes `piece` lands in."""
+        if self.in_place(piece.tensor):
+            self.touched_live = True
+            whole = byte_view(self._dest[piece.tensor])  # type: ignore[arg-type]
+        else:
+            whole = byte_view(self._stage(piece.tensor))
+        return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
+
+    def adopt(self, tensor: int, value: torch.Tensor) -> bool:
+        """Take `value` (already in the wire dtype and shape) as tensor `tensor`'s content without
+        copying, when it is not written in place. Returns False when the caller must copy."""
+        if self.in_place(tensor):
+            return False
+        self._staged[tensor] = value
+        return True
+
+    def finish_bucket(self, index: int) -> None:
+        """Deliver the tensors bucket `index` completed to their destinations or the sink."""
+        loads = []
+        for tensor in self._completes[index]:
+            if self.in_place(tensor):
+                continue
+            value = self._staged.pop(tensor) if tensor in self._staged else self._stage(tensor)
+            dest = self._dest[tensor]
+            if dest is not None:
+                self.touched_live = True
+                dest.copy_(value)
+            else:
+                loads.append((self.plan.tensors[tensor].name, value))
+        if loads:
+            self.sink.load(loads)
+
+    def _stage(self, tensor: int) -> torch.Tensor:
+        staged = self._staged.get(tensor)
+        if staged is None:
+            spec = self.plan.tensors[tensor]
+            staged = torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
+            self._staged[tensor] = staged
+        return staged
+

@@ -1,0 +1,146 @@
+"""Bucket sizes: the floor a model needs, the automatic choice, and the negotiated agreement.
+
+A bucket is the unit of transfer. Any size works, because tensors larger than a bucket are
+chunked, but a bucket that holds the embedding whole avoids chunking the largest tensor, and a
+bucket that is too large wastes memory on both sides. Sender and receivers always agree on one
+size in the handshake (`negotiate_bucket_bytes`) before a byte moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from weightsync.dtypes import itemsize
+from weightsync.errors import ConfigError, NegotiationError
+
+__all__ = [
+    "ALIGN_BYTES",
+    "auto_bucket_bytes",
+    "min_bucket_bytes",
+    "negotiate_bucket_bytes",
+    "parse_bucket_bytes",
+]
+
+MIB = 1 << 20
+ALIGN_BYTES = 64
+"""Every tensor starts on a 64-byte boundary of its bucket, and bucket sizes are multiples of it."""
+
+DEFAULT_MEMORY_BUDGET_BYTES = 512 * MIB
+"""What one side spends on buckets by default (all ring slots together)."""
+
+SMALLEST_AUTO_BUCKET_BYTES = 64 * MIB
+"""Auto sizing never goes below this unless the budget forces it: per-bucket messages then cost
+well under 1% of the copy time."""
+
+
+def align_up(num_bytes: int) -> int:
+    return -(-num_bytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def align_down(num_bytes: int) -> int:
+    return num_bytes // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _config_get(config: Any, key: str) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(key)
+    return getattr(config, key, None)
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    for key in ("dtype", "torch_dtype"):
+        value = _config_get(config, key)
+        if isinstance(value, torch.dtype):
+            return value
+        if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
+            return getattr(torch, value)
+    return None
+
+
+def min_bucket_bytes(hf_config: Any, dtype: torch.dtype | str | None = None) -> int:
+    """The smallest bucket that holds a model's embedding matrix whole.
+
+    Reads `vocab_size` and `hidden_size` from a transformers config object or a plain dict,
+    looking inside a nested `text_config` (vision-language models) when the top level lacks them.
+
+    Args:
+        hf_config: a `transformers.PretrainedConfig` or a dict (e.g. a parsed `config.json`).
+        dtype: the dtype the weights travel in; defaults to the config's `dtype`/`torch_dtype`,
+            then bfloat16.
+
+    Returns:
+        `vocab_size * hidden_size * itemsize`, rounded up to the bucket alignment.
+
+    Raises:
+        ConfigError: the config names no vocab or hidden size, or the dtype is unknown.
+    """
+    text_config = _config_get(hf_config, "text_config")
+    candidates = [hf_config] + ([text_config] if text_config is not None else [])
+    for config in candidates:
+        vocab, hidden = _config_get(config, "vocab_size"), _config_get(config, "hidden_size")
+        if isinstance(vocab, int) and isinstance(hidden, int) and vocab > 0 and hidden > 0:
+            break
+    else:
+        raise ConfigError(
+            "config has no positive integer vocab_size and hidden_size "
+            "(looked at the top level and at text_config)"
+        )
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ConfigError(f"unknown dtype {dtype!r}")
+        dtype = getattr(torch, dtype)
+    resolved = dtype or _config_dtype(config) or _config_dtype(hf_config) or torch.bfloat16
+    return align_up(vocab * hidden * itemsize(resolved))
+
+
+def auto_bucket_bytes(
+    largest_tensor_bytes: int,
+    *,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    num_slots: int = 2,
+) -> int:
+    """Pick a bucket size for tensors whose largest is `largest_tensor_bytes`.
+
+    Aims to hold the largest tensor whole (no chunking) but no smaller than 64 MiB, and never
+    more than the budget split over the ring slots. Larger tensors are then chunked.
+    """
+    if memory_budget_bytes < num_slots * ALIGN_BYTES:
+        raise ConfigError(f"memory budget of {memory_budget_bytes} bytes is too small for {num_slots} slots")
+    want = max(align_up(largest_tensor_bytes), SMALLEST_AUTO_BUCKET_BYTES)
+    return align_down(min(want, memory_budget_bytes // num_slots))
+
+
+def parse_bucket_bytes(value: int | str, what: str = "bucket_bytes") -> int | None:
+    """Validate a configured bucket size: a positive int, a numeric string, or "auto" (None)."""
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            return None
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(f"{what} must be a positive integer or 'auto', got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < ALIGN_BYTES:
+        raise ConfigError(f"{what} must be an integer >= {ALIGN_BYTES} or 'auto', got {value!r}")
+    return align_down(value)
+
+
+def negotiate_bucket_bytes(proposed: int, receiver_limits: Mapping[str, int], floor: int = ALIGN_BYTES) -> int:
+    """The one bucket size every side can afford: the smallest of the sender's proposal and each
+    receiver's limit, aligned.
+
+    Raises:
+        NegotiationError: that size is below `floor` (the sender's minimum); names the receiver.
+    """
+    agreed, limiter = align_down(proposed), "sender"
+    for address, limit in receiver_limits.items():
+        if align_down(limit) < agreed:
+            agreed, limiter = align_down(limit), address
+    if agreed < max(floor, ALIGN_BYTES):
+        raise NegotiationError(
+            f"receiver {limiter} can afford buckets of at most {agreed} bytes, "
+            f"but the sender requires at least {floor}"
+        )
+    return agreed

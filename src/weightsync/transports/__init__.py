@@ -1,0 +1,38 @@
+"""Transports, one file each, behind the contract in `base.py`.
+
+| name   | reach                      | how bytes move                                      |
+|--------|----------------------------|-----------------------------------------------------|
+| inproc | same process               | source -> destination, one copy (or none)           |
+| shm    | same host                  | source -> shared ring slot -> each receiver         |
+| tcp    | any host                   | source memory -> socket -> destination memory       |
+"""
+
+from __future__ import annotations
+
+from weightsync.errors import ConfigError
+from weightsync.transports.base import BucketItem, Peer, ReceiverTransport, SenderTransport, SyncTarget
+from weightsync.transports.inproc import InprocReceiver, InprocSender
+from weightsync.transports.shm import ShmReceiver, ShmSender
+from weightsync.transports.tcp import TcpReceiver, TcpSender
+
+__all__ = [
+    "RECEIVERS",
+    "SENDERS",
+    "BucketItem",
+    "Peer",
+    "ReceiverTransport",
+    "SenderTransport",
+    "SyncTarget",
+    "scheme_of",
+]
+
+SENDERS: dict[str, type[SenderTransport]] = {"inproc": InprocSender, "shm": ShmSender, "tcp": TcpSender}
+RECEIVERS: dict[str, type[ReceiverTransport]] = {"inproc": InprocReceiver, "shm": ShmReceiver, "tcp": TcpReceiver}
+
+
+def scheme_of(address: str) -> str:
+    """The transport name an address belongs to: "tcp" for "tcp://127.0.0.1:5555"."""
+    scheme, sep, _ = address.partition("://")
+    if not sep or scheme not in SENDERS:
+        raise ConfigError(f"address {address!r} names no known transport; expected one of {sorted(SENDERS)}://...")
+    return scheme

@@ -1,0 +1,255 @@
+"""Shared-memory transport: same host, different processes.
+
+The sender owns a ring of pre-faulted shared-memory slots, one bucket each, created once and
+reused across syncs. It writes bucket k into slot k % num_slots while receivers copy bucket k-1
+out, and every receiver reads the same slot (written once, read N times). A Unix socket per
+receiver carries the control messages and the per-bucket acks that free a slot for reuse.
+
+Segments never outlive a sync's setup: every receiver maps the ring before it accepts a plan, and
+the sender unlinks the names right after, so a crash of either side leaves nothing in /dev/shm.
+A segment created by a process that died before unlinking is reaped by the next ring.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import socket
+import time
+import weakref
+
+import numpy as np
+
+from weightsync.errors import ConfigError, ConnectError, ProtocolError
+from weightsync.pack import write_piece
+from weightsync.sink import Landing
+from weightsync.transports.base import BucketItem, Peer
+from weightsync.transports.stream import StreamReceiver, StreamSender
+from weightsync.types import BucketDone, BucketReady, Message, Offer, Ring
+from weightsync.wire import Connection
+
+__all__ = ["ShmReceiver", "ShmRing", "ShmSender", "reap_stale_segments"]
+
+SHM_DIR = "/dev/shm"
+MAX_SLOTS = 16
+_SEGMENT = re.compile(r"weightsync-(\d+)-[0-9a-f]{12}-\d{1,2}")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_stale_segments() -> list[str]:
+    """Unlink weightsync segments whose creating process is gone. Returns the names removed."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        match = _SEGMENT.fullmatch(name)
+        if match and not _pid_alive(int(match.group(1))):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _unlink(names: list[str]) -> None:
+    for name in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+class ShmRing:
+    """The sender's slots: `num_slots` shared-memory segments of `slot_bytes` each."""
+
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        reap_stale_segments()
+        token = secrets.token_hex(6)
+        self.names = [f"weightsync-{os.getpid()}-{token}-{i}" for i in range(num_slots)]
+        self.slot_bytes = slot_bytes
+        self.members: set[Peer] = set()
+        self._maps: list[mmap.mmap] = []
+        self._unlinker = weakref.finalize(self, _unlink, list(self.names))
+        try:
+            for name in self.names:
+                self._maps.append(self._create(name, slot_bytes))
+        except BaseException:
+            self.close()
+            raise
+        self.slots = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+
+    @staticmethod
+    def _create(name: str, size: int) -> mmap.mmap:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)  # fail now with ENOSPC, not later with SIGBUS
+            except OSError as exc:
+                raise ConfigError(f"cannot reserve {size} bytes in {SHM_DIR}: {exc.strerror}; lower bucket_bytes or grow {SHM_DIR}") from exc
+            region = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        try:
+            region.madvise(_MADV_POPULATE_WRITE)  # pre-fault: the first sync runs at full speed
+        except OSError:
+            np.frombuffer(region, dtype=np.uint8)[:: mmap.PAGESIZE] = 0
+        return region
+
+    def unlink(self) -> None:
+        """Remove the names; mappings stay valid in every process that has them."""
+        self._unlinker()
+
+    def close(self) -> None:
+        self.unlink()
+        self.slots = []
+        for region in self._maps:
+            region.close()
+        self._maps = []
+
+
+class ShmSender(StreamSender):
+    name = "shm"
+
+    def __init__(self, peers: list[Peer], timeout: float, num_slots: int = 2) -> None:
+        super().__init__(peers, timeout)
+        if not 1 <= num_slots <= MAX_SLOTS:
+            raise ConfigError(f"num_slots must be in [1, {MAX_SLOTS}], got {num_slots}")
+        self.num_slots = num_slots
+        self.ring: ShmRing | None = None
+        self._acked: dict[Peer, int] = {}
+
+    def open_socket(self, address: str) -> socket.socket:
+        return _connect_unix(address, self.timeout)
+
+    def offer(self, offer: Offer) -> None:
+        live = set(self.live())
+        ring = self.ring
+        if ring is None or ring.slot_bytes != offer.plan.bucket_bytes or not live <= ring.members:
+            if ring is not None:
+                ring.close()
+            self.ring = ring = ShmRing(self.num_slots, offer.plan.bucket_bytes)
+            ring.members = live
+            message = Ring(tuple(ring.names), ring.slot_bytes)
+            self.each(lambda peer, conn: conn.send(message, self.timeout))
+        self._acked = {peer: -1 for peer in live}
+        try:
+            super().offer(offer)  # every peer that accepts has mapped the ring
+        finally:
+            ring.unlink()
+
+    def send_bucket(self, index: int, items: list[BucketItem]) -> None:
+        assert self.ring is not None
+        slot = index % self.num_slots
+        deadline = time.monotonic() + self.timeout
+        self.each(lambda peer, conn: self._wait_ack(peer, index - self.num_slots, deadline))
+        out = self.ring.slots[slot]
+        for item in items:
+            piece = item.piece
+            write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, out[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+        message = BucketReady(index, slot)
+
+        def notify(peer: Peer, conn: Connection) -> None:
+            conn.bucket = index
+            conn.send(message, self.timeout)
+
+        self.each(notify)
+
+    def _wait_ack(self, peer: Peer, index: int, deadline: float) -> None:
+        while self._acked.get(peer, -1) < index:
+            self._acked[peer] = self.expect(peer, BucketDone, deadline).index  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        super().close()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+
+class ShmReceiver(StreamReceiver):
+    name = "shm"
+
+    def __init__(self, target, *, host: str, port: int, timeout: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(target, host=host, port=port, timeout=timeout)
+        self._socket_name = f"weightsync-{os.getpid()}-{secrets.token_hex(8)}"
+        self._rings: dict[Connection, tuple[list[mmap.mmap], list[np.ndarray], int]] = {}
+
+    @property
+    def address(self) -> str:
+        return f"shm://@{self._socket_name}"
+
+    def listen(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self._socket_name)  # abstract namespace: nothing to clean up after a crash
+        sock.listen(64)
+        return sock
+
+    def on_setup(self, conn: Connection, message: Message) -> bool:
+        if not isinstance(message, Ring):
+            return False
+        limit = self.target.welcome().max_bucket_bytes
+        if not 0 < len(message.segments) <= MAX_SLOTS or not 0 < message.slot_bytes <= limit:
+            raise ProtocolError(f"ring of {len(message.segments)} x {message.slot_bytes} bytes exceeds this receiver's limits", transport=self.name)
+        if not all(_SEGMENT.fullmatch(name) for name in message.segments):
+            raise ProtocolError("ring names a segment that is not a weightsync segment", transport=self.name)
+        self.on_disconnect(conn)
+        maps = [_map_readonly(name, message.slot_bytes) for name in message.segments]
+        self._rings[conn] = (maps, [np.frombuffer(m, dtype=np.uint8) for m in maps], message.slot_bytes)
+        return True
+
+    def receive_bucket(self, conn: Connection, message: Message, index: int, landing: Landing) -> None:
+        ring = self._rings.get(conn)
+        if not isinstance(message, BucketReady) or message.index != index:
+            raise ProtocolError(f"expected BucketReady for bucket {index}, got {message!r}"[:200], transport=self.name, version=conn.version, bucket=index)
+        if ring is None or not 0 <= message.slot < len(ring[1]) or landing.plan.bucket_bytes > ring[2]:
+            raise ProtocolError("bucket refers to a ring slot this receiver has not mapped", transport=self.name, version=conn.version, bucket=index)
+        slot = ring[1][message.slot]
+        for piece in landing.plan.buckets[index]:
+            np.copyto(landing.target(piece), slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+        landing.finish_bucket(index)
+        conn.send(BucketDone(index), self.timeout)
+
+    def on_disconnect(self, conn: Connection) -> None:
+        ring = self._rings.pop(conn, None)
+        if ring is not None:
+            maps, arrays, _ = ring
+            arrays.clear()
+            for region in maps:
+                region.close()
+        reap_stale_segments()
+
+
+def _map_readonly(name: str, size: int) -> mmap.mmap:
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except OSError as exc:
+        raise ProtocolError(f"cannot open ring segment {name}: {exc.strerror}", transport="shm") from exc
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ProtocolError(f"ring segment {name} is not {size} bytes", transport="shm")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _connect_unix(address: str, timeout: float) -> socket.socket:
+    if not address.startswith("shm://@"):
+        raise ConfigError(f"shm address must look like shm://@NAME, got {address!r}")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect("\0" + address.removeprefix("shm://@"))
+    except OSError as exc:
+        sock.close()
+        raise ConnectError(f"cannot reach receiver {address}: {exc.strerror or exc}", transport="shm") from exc
+    return sock

@@ -1,0 +1,283 @@
+"""What the socket-based transports (shm, tcp) share: connections, the sender's inbox per peer,
+and the receiver's accept loop and sync conversation.
+
+Each transport subclasses `StreamSender` and `StreamReceiver` and supplies only how a socket is
+opened and how one bucket's bytes move (`send_bucket` / `receive_bucket`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Callable
+
+from weightsync.errors import (
+    PeerClosedError,
+    ProtocolError,
+    RemoteError,
+    TransferTimeout,
+    WeightSyncError,
+)
+from weightsync.sink import Landing
+from weightsync.transports.base import Peer, ReceiverTransport, SenderTransport
+from weightsync.types import (
+    PROTOCOL_VERSION,
+    Abort,
+    Accept,
+    Commit,
+    Committed,
+    Failed,
+    Hello,
+    Message,
+    Offer,
+    Welcome,
+)
+from weightsync.wire import Connection
+
+__all__ = ["StreamReceiver", "StreamSender"]
+
+log = logging.getLogger(__name__)
+
+
+class _Inbox:
+    """Messages a peer sends back to the sender, read by a background thread so the sender can
+    wait on several peers with one deadline."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._queue: queue.Queue[Message | WeightSyncError] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(conn,), daemon=True, name="weightsync-inbox")
+        self._thread.start()
+
+    def _read(self, conn: Connection) -> None:
+        while True:
+            try:
+                self._queue.put(conn.recv(timeout=None))
+            except WeightSyncError as exc:
+                self._queue.put(exc)
+                return
+
+    def reason(self) -> RemoteError | None:
+        """The receiver's own failure message, if one is waiting in the inbox."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(item, Failed):
+                return RemoteError(f"receiver failed: {item.kind}: {item.message}")
+
+    def get(self, deadline: float, conn: Connection) -> Message:
+        try:
+            item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TransferTimeout("peer sent no reply in time", transport=conn.transport, version=conn.version, bucket=conn.bucket) from None
+        if isinstance(item, WeightSyncError):
+            raise item
+        if isinstance(item, Failed):
+            raise RemoteError(f"receiver failed: {item.kind}: {item.message}")
+        return item
+
+
+class StreamSender(SenderTransport):
+    """Sender side over one stream socket per peer."""
+
+    def __init__(self, peers: list[Peer], timeout: float) -> None:
+        super().__init__(peers, timeout)
+        self._conns: dict[Peer, Connection] = {}
+        self._inboxes: dict[Peer, _Inbox] = {}
+        self.sender_id = f"{socket.gethostname()}:{id(self):x}"
+
+    @abstractmethod
+    def open_socket(self, address: str) -> socket.socket:
+        """A socket connected to `address`."""
+
+    def connect(self) -> None:
+        for peer in self.peers:
+            if peer in self._conns and peer.error is None:
+                continue
+            self._drop(peer)
+            peer.error, peer.welcome = None, None
+            try:
+                conn = Connection(self.open_socket(peer.address), self.name)
+                self._conns[peer] = conn
+                conn.send(Hello(PROTOCOL_VERSION, self.sender_id), self.timeout)
+                self._inboxes[peer] = _Inbox(conn)
+                welcome = self.expect(peer, Welcome, time.monotonic() + self.timeout)
+                if welcome.protocol != PROTOCOL_VERSION:
+                    raise ProtocolError(f"receiver speaks protocol {welcome.protocol}, sender {PROTOCOL_VERSION}", transport=self.name)
+                peer.welcome = welcome
+            except (WeightSyncError, OSError) as exc:
+                self.fail(peer, exc)
+
+    def expect(self, peer: Peer, kind: type, deadline: float) -> Message:
+        conn = self._conns[peer]
+        message = self._inboxes[peer].get(deadline, conn)
+        if not isinstance(message, kind):
+            raise ProtocolError(f"expected {kind.__name__}, got {type(message).__name__}", transport=self.name, version=conn.version, bucket=conn.bucket)
+        return message
+
+    def each(self, action: Callable[[Peer, Connection], None]) -> None:
+        """Run `action` for every live peer; a peer whose action raises is marked failed."""
+        for peer in self.live():
+            try:
+                action(peer, self._conns[peer])
+            except (WeightSyncError, OSError) as exc:
+                self.fail(peer, exc)
+
+    def fail(self, peer: Peer, exc: BaseException) -> None:
+        peer.error = exc if isinstance(exc, WeightSyncError) else PeerClosedError(str(exc), transport=self.name)
+        inbox = self._inboxes.get(peer)
+        if inbox is not None and isinstance(peer.error, PeerClosedError):
+            peer.error = inbox.reason() or peer.error  # the receiver usually said why before closing
+        log.warning("receiver %s failed: %s", peer.address, peer.error)
+        self._drop(peer)
+
+    def offer(self, offer: Offer) -> None:
+        def send(peer: Peer, conn: Connection) -> None:
+            conn.version, conn.bucket = offer.version, None
+            conn.send(offer, self.timeout)
+
+        self.each(send)
+        deadline = time.monotonic() + self.timeout
+        self.each(lambda peer, conn: self.expect(peer, Accept, deadline) and None)
+
+    def commit(self, commit: Commit) -> None:
+        self.each(lambda peer, conn: conn.send(commit, self.timeout))
+        deadline = time.monotonic() + self.timeout
+
+        def confirm(peer: Peer, conn: Connection) -> None:
+            while not isinstance(self.expect(peer, object, deadline), Committed):
+                pass  # acks of the last buckets may precede the confirmation
+            peer.committed = True
+
+        self.each(confirm)
+
+    def abort(self, abort: Abort) -> None:
+        self.each(lambda peer, conn: conn.send(abort, self.timeout))
+
+    def close(self) -> None:
+        for peer in list(self._conns):
+            self._drop(peer)
+
+    def _drop(self, peer: Peer) -> None:
+        conn = self._conns.pop(peer, None)
+        self._inboxes.pop(peer, None)
+        if conn is not None:
+            conn.close()
+
+
+class StreamReceiver(ReceiverTransport):
+    """Receiver side: accepts senders and runs the sync conversation on each connection."""
+
+    def __init__(self, target, *, host: str, port: int, timeout: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(target, host=host, port=port, timeout=timeout)
+        self._listener: socket.socket | None = None
+        self._conns: set[Connection] = set()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+
+    @abstractmethod
+    def listen(self) -> socket.socket:
+        """A bound, listening socket."""
+
+    @abstractmethod
+    def receive_bucket(self, conn: Connection, message: Message, index: int, landing: Landing) -> None:
+        """Land bucket `index`, announced by `message`, into `landing`."""
+
+    def on_setup(self, conn: Connection, message: Message) -> bool:
+        """Handle a transport-specific message between syncs; False if it is not one."""
+        return False
+
+    def on_disconnect(self, conn: Connection) -> None:
+        """Release what this connection held."""
+
+    def start(self) -> None:
+        self._listener = self.listen()
+        threading.Thread(target=self._accept_loop, daemon=True, name=f"weightsync-{self.name}-accept").start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            conn.close()
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            conn = Connection(sock, self.name)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"weightsync-{self.name}-conn").start()
+
+    def _serve(self, conn: Connection) -> None:
+        try:
+            hello = conn.recv(self.timeout)
+            if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
+                conn.send(Failed(-1, "ProtocolError", f"expected Hello with protocol {PROTOCOL_VERSION}, got {hello!r}"[:500]), self.timeout)
+                return
+            conn.send(self.target.welcome(), self.timeout)
+            while not self._closed.is_set():
+                message = conn.recv(timeout=None)
+                if isinstance(message, Offer):
+                    self._sync(conn, message)
+                elif not self.on_setup(conn, message):
+                    raise ProtocolError(f"unexpected {type(message).__name__} between syncs", transport=self.name)
+        except WeightSyncError as exc:
+            if not self._closed.is_set() and not isinstance(exc, PeerClosedError):
+                log.warning("closing connection from sender: %s", exc)
+        finally:
+            self.on_disconnect(conn)
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _sync(self, conn: Connection, offer: Offer) -> None:
+        conn.version, conn.bucket = offer.version, None
+        try:
+            landing = self.target.begin(offer)
+        except WeightSyncError as exc:
+            conn.send(Failed(offer.version, type(exc).__name__, str(exc)), self.timeout)
+            return
+        try:
+            conn.send(Accept(offer.version), self.timeout)
+            for index in range(len(offer.plan.buckets)):
+                conn.bucket = index
+                message = self._next(conn, offer.version)
+                self.receive_bucket(conn, message, index, landing)
+            conn.bucket = None
+            commit = self._next(conn, offer.version)
+            if not isinstance(commit, Commit):
+                raise ProtocolError(f"expected Commit, got {type(commit).__name__}", transport=self.name, version=offer.version)
+            self.target.commit(landing, commit)
+        except BaseException as exc:
+            self.target.abort(landing, exc)
+            if not isinstance(exc, WeightSyncError):
+                raise
+            if not isinstance(exc, (PeerClosedError, RemoteError)):
+                try:
+                    conn.send(Failed(offer.version, type(exc).__name__, str(exc)), self.timeout)
+                except WeightSyncError:
+                    pass
+            raise
+        conn.send(Committed(offer.version), self.timeout)
+
+    def _next(self, conn: Connection, version: int) -> Message:
+        message = conn.recv(self.timeout)
+        if isinstance(message, Abort):
+            raise RemoteError(f"sender aborted the sync of version {version}: {message.reason}")
+        return message

@@ -1,0 +1,192 @@
+"""Typed data: the transfer plan, the control messages, and the sync report.
+
+Every message a peer can send is a frozen msgspec Struct declared here and encoded only in
+`wire.py`. Messages are tagged, so a decoder accepts exactly these types and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+
+__all__ = [
+    "Abort",
+    "Accept",
+    "BucketData",
+    "BucketDone",
+    "BucketReady",
+    "Commit",
+    "Committed",
+    "Failed",
+    "Hello",
+    "Message",
+    "Offer",
+    "Piece",
+    "Plan",
+    "ReceiverOutcome",
+    "Ring",
+    "SyncReport",
+    "TensorSpec",
+    "Welcome",
+]
+
+PROTOCOL_VERSION = 1
+
+
+class TensorSpec(msgspec.Struct, frozen=True):
+    """One tensor as it travels: wire dtype and shape, plus the dtype it had on the sender."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    source_dtype: str
+
+
+class Piece(msgspec.Struct, frozen=True, array_like=True):
+    """A run of `nbytes` bytes of tensor `tensor` (index into Plan.tensors), starting at byte
+    `tensor_offset` of that tensor, stored at byte `bucket_offset` of its bucket."""
+
+    tensor: int
+    tensor_offset: int
+    bucket_offset: int
+    nbytes: int
+
+
+class Plan(msgspec.Struct, frozen=True):
+    """Where every byte of a sync goes. Built once by the sender, shipped, checked by receivers."""
+
+    bucket_bytes: int
+    tensors: tuple[TensorSpec, ...]
+    buckets: tuple[tuple[Piece, ...], ...]
+    total_bytes: int
+
+
+# --- control messages -------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver, first frame on a connection."""
+
+    protocol: int
+    sender_id: str
+
+
+class Welcome(msgspec.Struct, frozen=True, tag=True):
+    """Receiver -> sender: what the receiver can afford and what it holds."""
+
+    protocol: int
+    receiver_id: str
+    max_bucket_bytes: int
+    version: int | None
+
+
+class Ring(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver (shm only): the shared-memory slots buckets are written to."""
+
+    segments: tuple[str, ...]
+    slot_bytes: int
+
+
+class Offer(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver: the plan of version `version`; receivers accept or fail."""
+
+    version: int
+    plan: Plan
+    digest: str
+
+
+class Accept(msgspec.Struct, frozen=True, tag=True):
+    """Receiver -> sender: the plan fits; send the buckets."""
+
+    version: int
+
+
+class BucketReady(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver (shm): bucket `index` sits in ring slot `slot`."""
+
+    index: int
+    slot: int
+
+
+class BucketData(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver (tcp): the raw bytes of bucket `index`'s pieces follow, in plan order."""
+
+    index: int
+    nbytes: int
+
+
+class BucketDone(msgspec.Struct, frozen=True, tag=True):
+    """Receiver -> sender: bucket `index` has landed; its slot may be reused."""
+
+    index: int
+
+
+class Commit(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver: every bucket was sent; commit `version` if everything arrived."""
+
+    version: int
+    digest: str
+
+
+class Committed(msgspec.Struct, frozen=True, tag=True):
+    """Receiver -> sender: `version` is committed and serving."""
+
+    version: int
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver: the sync of `version` is abandoned."""
+
+    version: int
+    reason: str
+
+
+class Failed(msgspec.Struct, frozen=True, tag=True):
+    """Receiver -> sender: the receiver rejected or failed the sync; `kind` is the error class."""
+
+    version: int
+    kind: str
+    message: str
+
+
+Message = Hello | Welcome | Ring | Offer | Accept | BucketReady | BucketData | BucketDone | Commit | Committed | Abort | Failed
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceiverOutcome:
+    """How one receiver fared in a push. `error` is empty when it committed."""
+
+    address: str
+    committed: bool
+    error: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SyncReport:
+    """What a push did: how much it moved, how fast, and what each receiver made of it."""
+
+    version: int
+    total_bytes: int
+    num_tensors: int
+    num_buckets: int
+    bucket_bytes: int
+    seconds: float
+    outcomes: tuple[ReceiverOutcome, ...]
+
+    @property
+    def gbps(self) -> float:
+        """Payload gigabytes (1e9 bytes) per second, end to end."""
+        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every receiver committed the version."""
+        return all(outcome.committed for outcome in self.outcomes)
+
+    @property
+    def failed(self) -> tuple[ReceiverOutcome, ...]:
+        return tuple(outcome for outcome in self.outcomes if not outcome.committed)

@@ -1,0 +1,100 @@
+"""Framing and encoding: typed control messages and raw byte runs over a stream socket.
+
+A frame is a 4-byte big-endian length followed by a msgpack-encoded message from `types.py`.
+The decoder accepts only those tagged types (no pickle, no arbitrary objects), and a frame's
+length is checked against `MAX_FRAME_BYTES` before anything is allocated for it. Raw payload
+bytes are never framed: a message announces them (`BucketData.nbytes`) and they follow as is.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+from weightsync.errors import PeerClosedError, ProtocolError, TransferTimeout, TransportError
+from weightsync.types import Message
+
+__all__ = ["MAX_FRAME_BYTES", "Connection", "decode", "encode"]
+
+MAX_FRAME_BYTES = 64 << 20
+"""The largest control frame accepted: a plan for ~500k tensors. Payload bytes are not framed."""
+
+_HEADER = struct.Struct("!I")
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """Decode one message; anything but a well-formed known message raises ProtocolError."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from exc
+
+
+class Connection:
+    """A connected stream socket carrying frames and raw byte runs, every wait bounded.
+
+    `version` and `bucket` are set by the sync loop so that errors say where they happened.
+    Timeouts are in seconds; None waits forever and is used only between syncs.
+    """
+
+    def __init__(self, sock: socket.socket, transport: str) -> None:
+        self.sock = sock
+        self.transport = transport
+        self.version: int | None = None
+        self.bucket: int | None = None
+
+    def send(self, message: Message, timeout: float | None) -> None:
+        body = encode(message)
+        self._call(timeout, self.sock.sendall, _HEADER.pack(len(body)) + body)
+
+    def recv(self, timeout: float | None) -> Message:
+        header = bytearray(_HEADER.size)
+        self.recv_into(memoryview(header), timeout)
+        (length,) = _HEADER.unpack(header)
+        if length > MAX_FRAME_BYTES:
+            raise self._error(ProtocolError, f"control frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        body = bytearray(length)
+        self.recv_into(memoryview(body), timeout)
+        return decode(body)
+
+    def send_bytes(self, data: Any, timeout: float | None) -> None:
+        """Send a buffer as is (zero copy from the caller's memory)."""
+        self._call(timeout, self.sock.sendall, data)
+
+    def recv_into(self, buffer: Any, timeout: float | None) -> None:
+        """Fill `buffer` (any writable buffer) completely from the socket."""
+        view = memoryview(buffer).cast("B")
+        received = 0
+        while received < len(view):
+            count = self._call(timeout, self.sock.recv_into, view[received:])
+            if count == 0:
+                raise self._error(PeerClosedError, "peer closed the connection")
+            received += count
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _call(self, timeout: float | None, fn: Any, *args: Any) -> Any:
+        try:
+            self.sock.settimeout(timeout)
+            return fn(*args)
+        except TimeoutError as exc:
+            raise self._error(TransferTimeout, f"no progress from peer within {timeout} s") from exc
+        except (ConnectionError, OSError) as exc:
+            raise self._error(PeerClosedError, f"connection lost: {exc}") from exc
+
+    def _error(self, cls: type[TransportError], message: str) -> TransportError:
+        return cls(message, transport=self.transport, version=self.version, bucket=self.bucket)
