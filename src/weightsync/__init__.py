@@ -1,6 +1,6 @@
 """weightsync: move model weights from an RL trainer to rollout engines, bucket by bucket.
 
-    source (named tensors) -> plan (buckets, chunks) -> transport (bytes) -> sink (engine loader)
+source (named tensors) -> plan (buckets, chunks) -> transport (bytes) -> sink (engine loader)
 """
 
 from __future__ import annotations

@@ -57,7 +57,9 @@ def wire_specs(
     if cast is not None and not isinstance(cast, (torch.dtype, Mapping)):
         raise ConfigError(f"cast must be a torch.dtype or a mapping of name to dtype, got {cast!r}")
     return [
-        TensorSpec(meta.name, dtype_name(_wire_dtype(meta, cast)), tuple(int(d) for d in meta.shape), dtype_name(meta.dtype))
+        TensorSpec(
+            meta.name, dtype_name(_wire_dtype(meta, cast)), tuple(int(d) for d in meta.shape), dtype_name(meta.dtype)
+        )
         for meta in metas
     ]
 
@@ -116,7 +118,9 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
         PlanError: with the first problem found.
     """
     if not 0 < plan.bucket_bytes <= max_bucket_bytes or plan.bucket_bytes % ALIGN_BYTES:
-        raise PlanError(f"bucket size {plan.bucket_bytes} is not a multiple of {ALIGN_BYTES} in (0, {max_bucket_bytes}]")
+        raise PlanError(
+            f"bucket size {plan.bucket_bytes} is not a multiple of {ALIGN_BYTES} in (0, {max_bucket_bytes}]"
+        )
     if len(plan.tensors) > MAX_TENSORS:
         raise PlanError(f"plan has {len(plan.tensors)} tensors, more than the limit of {MAX_TENSORS}")
     sizes = [_checked_nbytes(spec) for spec in plan.tensors]
@@ -133,9 +137,13 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
             if started and offset == sizes[tensor]:
                 tensor, offset, started = tensor + 1, 0, False
             if tensor >= len(sizes) or piece.tensor != tensor or piece.tensor_offset != offset:
-                raise PlanError(f"bucket {bucket_index}: piece {piece} breaks plan order (expected tensor {tensor} at {offset})")
+                raise PlanError(
+                    f"bucket {bucket_index}: piece {piece} breaks plan order (expected tensor {tensor} at {offset})"
+                )
             if piece.nbytes < 0 or (piece.nbytes == 0 and sizes[tensor] > 0) or offset + piece.nbytes > sizes[tensor]:
-                raise PlanError(f"bucket {bucket_index}: piece {piece} is empty or runs past its tensor ({sizes[tensor]} bytes)")
+                raise PlanError(
+                    f"bucket {bucket_index}: piece {piece} is empty or runs past its tensor ({sizes[tensor]} bytes)"
+                )
             if piece.bucket_offset < bucket_end or piece.bucket_offset + piece.nbytes > plan.bucket_bytes:
                 raise PlanError(f"bucket {bucket_index}: piece {piece} overlaps or leaves the bucket")
             size = itemsize(dtype_from_name(plan.tensors[tensor].dtype))
@@ -146,7 +154,9 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
             started = True
     complete = not sizes or (started and tensor == len(sizes) - 1 and offset == sizes[tensor])
     if not complete:
-        raise PlanError(f"plan leaves tensor {plan.tensors[min(tensor, len(sizes) - 1)].name!r} and those after it incomplete")
+        raise PlanError(
+            f"plan leaves tensor {plan.tensors[min(tensor, len(sizes) - 1)].name!r} and those after it incomplete"
+        )
 
 
 def _checked_nbytes(spec: TensorSpec) -> int:

@@ -60,7 +60,9 @@ class WeightReceiver:
         if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 128:
             raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {memory_budget_bytes!r}")
         self._sink: WeightSink = as_sink(sink)
-        self._max_bucket_bytes = parse_bucket_bytes(max_bucket_bytes, "max_bucket_bytes") or align_down(memory_budget_bytes // 2)
+        self._max_bucket_bytes = parse_bucket_bytes(max_bucket_bytes, "max_bucket_bytes") or align_down(
+            memory_budget_bytes // 2
+        )
         self._id = secrets.token_hex(4)
         self._busy = threading.Lock()
         self._changed = threading.Condition()
@@ -82,7 +84,7 @@ class WeightReceiver:
 
     @property
     def state(self) -> str:
-        """"empty", "syncing", "ready" or "dirty" (a failed sync partly overwrote live weights)."""
+        """ "empty", "syncing", "ready" or "dirty" (a failed sync partly overwrote live weights)."""
         return self._state
 
     @property
@@ -119,7 +121,9 @@ class WeightReceiver:
     def commit(self, landing: Landing, commit: Commit) -> None:
         try:
             if (commit.version, commit.digest) != (landing.version, landing.digest):
-                raise PlanError(f"commit of version {commit.version} does not match the sync of version {landing.version}")
+                raise PlanError(
+                    f"commit of version {commit.version} does not match the sync of version {landing.version}"
+                )
             self._sink.commit(commit.version)
         except BaseException as exc:
             self._finish_abort(landing, exc)
@@ -166,5 +170,3 @@ class WeightReceiver:
 
     def __repr__(self) -> str:
         return f"WeightReceiver({self.address!r}, state={self._state!r}, version={self._version})"
-
-

@@ -138,20 +138,35 @@ class WeightSender:
             num_buckets=len(plan.buckets),
             bucket_bytes=plan.bucket_bytes,
             seconds=time.perf_counter() - started,
-            outcomes=tuple(ReceiverOutcome(p.address, p.committed, "" if p.committed else str(p.error or "not committed")) for p in self._peers),
+            outcomes=tuple(
+                ReceiverOutcome(p.address, p.committed, "" if p.committed else str(p.error or "not committed"))
+                for p in self._peers
+            ),
         )
-        log.info("pushed version %d: %d bytes in %.3f s (%.2f GB/s), %d/%d receivers committed", version, report.total_bytes, report.seconds, report.gbps, len(report.outcomes) - len(report.failed), len(report.outcomes))
+        log.info(
+            "pushed version %d: %d bytes in %.3f s (%.2f GB/s), %d/%d receivers committed",
+            version,
+            report.total_bytes,
+            report.seconds,
+            report.gbps,
+            len(report.outcomes) - len(report.failed),
+            len(report.outcomes),
+        )
         if self._raise_on_failure and not report.ok:
             raise SyncFailed("; ".join(f"{o.address}: {o.error}" for o in report.failed), report)
         return report
 
     def _agree_bucket_bytes(self, largest_tensor_bytes: int) -> int:
         """Negotiate one bucket size; receivers that cannot afford the minimum are failed."""
-        proposed = self._bucket_bytes or auto_bucket_bytes(largest_tensor_bytes, memory_budget_bytes=self._memory_budget_bytes, num_slots=self._num_slots)
+        proposed = self._bucket_bytes or auto_bucket_bytes(
+            largest_tensor_bytes, memory_budget_bytes=self._memory_budget_bytes, num_slots=self._num_slots
+        )
         proposed = max(proposed, ALIGN_BYTES)
         for peer in self._peers:
             if peer.alive and peer.welcome is not None and peer.welcome.max_bucket_bytes < self._min_bucket_bytes:
-                peer.error = NegotiationError(f"receiver {peer.address} accepts buckets of at most {peer.welcome.max_bucket_bytes} bytes, the sender requires at least {self._min_bucket_bytes}")
+                peer.error = NegotiationError(
+                    f"receiver {peer.address} accepts buckets of at most {peer.welcome.max_bucket_bytes} bytes, the sender requires at least {self._min_bucket_bytes}"
+                )
         limits = {p.address: p.welcome.max_bucket_bytes for p in self._peers if p.alive and p.welcome is not None}
         return negotiate_bucket_bytes(proposed, limits, self._min_bucket_bytes) if limits else proposed
 
@@ -188,5 +203,7 @@ def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta) 
     except StopIteration:
         raise PlanError(f"source ended before yielding {meta.name!r}") from None
     if name != meta.name or tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
-        raise PlanError(f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised {meta.name!r} {meta.dtype}{list(meta.shape)}")
+        raise PlanError(
+            f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised {meta.name!r} {meta.dtype}{list(meta.shape)}"
+        )
     return tensor

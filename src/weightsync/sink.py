@@ -91,7 +91,9 @@ def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bo
         if target is None:
             problems.append(f"unknown tensor {spec.name!r}")
         elif tuple(target.shape) != spec.shape or target.dtype != dtype_from_name(spec.dtype):
-            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {str(target.dtype).removeprefix('torch.')}{list(target.shape)}")
+            problems.append(
+                f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+            )
     if strict:
         missing = set(tensors) - {spec.name for spec in plan.tensors}
         problems += [f"plan lacks {name!r}" for name in sorted(missing)]
@@ -132,7 +134,9 @@ class Landing:
         for spec in plan.tensors:
             dest = sink.destination(spec.name)
             if dest is not None and (tuple(dest.shape) != spec.shape or dest.dtype != dtype_from_name(spec.dtype)):
-                raise PlanError(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, destination is {dest.dtype}{list(dest.shape)}")
+                raise PlanError(
+                    f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, destination is {dest.dtype}{list(dest.shape)}"
+                )
             self._dest.append(dest)
         for bucket_index, bucket in enumerate(plan.buckets):
             for piece in bucket:
@@ -183,4 +187,3 @@ class Landing:
             staged = torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
             self._staged[tensor] = staged
         return staged
-

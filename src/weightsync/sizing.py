@@ -85,8 +85,7 @@ def min_bucket_bytes(hf_config: Any, dtype: torch.dtype | str | None = None) -> 
             break
     else:
         raise ConfigError(
-            "config has no positive integer vocab_size and hidden_size "
-            "(looked at the top level and at text_config)"
+            "config has no positive integer vocab_size and hidden_size (looked at the top level and at text_config)"
         )
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
@@ -140,7 +139,6 @@ def negotiate_bucket_bytes(proposed: int, receiver_limits: Mapping[str, int], fl
             agreed, limiter = align_down(limit), address
     if agreed < max(floor, ALIGN_BYTES):
         raise NegotiationError(
-            f"receiver {limiter} can afford buckets of at most {agreed} bytes, "
-            f"but the sender requires at least {floor}"
+            f"receiver {limiter} can afford buckets of at most {agreed} bytes, but the sender requires at least {floor}"
         )
     return agreed

@@ -150,7 +150,20 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-Message = Hello | Welcome | Ring | Offer | Accept | BucketReady | BucketData | BucketDone | Commit | Committed | Abort | Failed
+Message = (
+    Hello
+    | Welcome
+    | Ring
+    | Offer
+    | Accept
+    | BucketReady
+    | BucketData
+    | BucketDone
+    | Commit
+    | Committed
+    | Abort
+    | Failed
+)
 
 
 # --- results ----------------------------------------------------------------------------------

@@ -52,7 +52,9 @@ class InprocSender(SenderTransport):
             peer.error, peer.welcome = None, None
             receiver = _LISTENING.get(peer.address)
             if receiver is None:
-                peer.error = ConnectError(f"no receiver listening at {peer.address} in this process", transport=self.name)
+                peer.error = ConnectError(
+                    f"no receiver listening at {peer.address} in this process", transport=self.name
+                )
                 continue
             self._targets[peer] = receiver.target
             peer.welcome = receiver.target.welcome()

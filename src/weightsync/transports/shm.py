@@ -96,7 +96,9 @@ class ShmRing:
             try:
                 os.posix_fallocate(fd, 0, size)  # fail now with ENOSPC, not later with SIGBUS
             except OSError as exc:
-                raise ConfigError(f"cannot reserve {size} bytes in {SHM_DIR}: {exc.strerror}; lower bucket_bytes or grow {SHM_DIR}") from exc
+                raise ConfigError(
+                    f"cannot reserve {size} bytes in {SHM_DIR}: {exc.strerror}; lower bucket_bytes or grow {SHM_DIR}"
+                ) from exc
             region = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -156,7 +158,13 @@ class ShmSender(StreamSender):
         out = self.ring.slots[slot]
         for item in items:
             piece = item.piece
-            write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, out[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+            write_piece(
+                item.tensor,
+                item.wire_dtype,
+                piece.tensor_offset,
+                piece.nbytes,
+                out[piece.bucket_offset : piece.bucket_offset + piece.nbytes],
+            )
         message = BucketReady(index, slot)
 
         def notify(peer: Peer, conn: Connection) -> None:
@@ -199,7 +207,10 @@ class ShmReceiver(StreamReceiver):
             return False
         limit = self.target.welcome().max_bucket_bytes
         if not 0 < len(message.segments) <= MAX_SLOTS or not 0 < message.slot_bytes <= limit:
-            raise ProtocolError(f"ring of {len(message.segments)} x {message.slot_bytes} bytes exceeds this receiver's limits", transport=self.name)
+            raise ProtocolError(
+                f"ring of {len(message.segments)} x {message.slot_bytes} bytes exceeds this receiver's limits",
+                transport=self.name,
+            )
         if not all(_SEGMENT.fullmatch(name) for name in message.segments):
             raise ProtocolError("ring names a segment that is not a weightsync segment", transport=self.name)
         self.on_disconnect(conn)
@@ -210,9 +221,19 @@ class ShmReceiver(StreamReceiver):
     def receive_bucket(self, conn: Connection, message: Message, index: int, landing: Landing) -> None:
         ring = self._rings.get(conn)
         if not isinstance(message, BucketReady) or message.index != index:
-            raise ProtocolError(f"expected BucketReady for bucket {index}, got {message!r}"[:200], transport=self.name, version=conn.version, bucket=index)
+            raise ProtocolError(
+                f"expected BucketReady for bucket {index}, got {message!r}"[:200],
+                transport=self.name,
+                version=conn.version,
+                bucket=index,
+            )
         if ring is None or not 0 <= message.slot < len(ring[1]) or landing.plan.bucket_bytes > ring[2]:
-            raise ProtocolError("bucket refers to a ring slot this receiver has not mapped", transport=self.name, version=conn.version, bucket=index)
+            raise ProtocolError(
+                "bucket refers to a ring slot this receiver has not mapped",
+                transport=self.name,
+                version=conn.version,
+                bucket=index,
+            )
         slot = ring[1][message.slot]
         for piece in landing.plan.buckets[index]:
             np.copyto(landing.target(piece), slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])

@@ -74,7 +74,9 @@ class _Inbox:
         try:
             item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            raise TransferTimeout("peer sent no reply in time", transport=conn.transport, version=conn.version, bucket=conn.bucket) from None
+            raise TransferTimeout(
+                "peer sent no reply in time", transport=conn.transport, version=conn.version, bucket=conn.bucket
+            ) from None
         if isinstance(item, WeightSyncError):
             raise item
         if isinstance(item, Failed):
@@ -108,7 +110,9 @@ class StreamSender(SenderTransport):
                 self._inboxes[peer] = _Inbox(conn)
                 welcome = self.expect(peer, Welcome, time.monotonic() + self.timeout)
                 if welcome.protocol != PROTOCOL_VERSION:
-                    raise ProtocolError(f"receiver speaks protocol {welcome.protocol}, sender {PROTOCOL_VERSION}", transport=self.name)
+                    raise ProtocolError(
+                        f"receiver speaks protocol {welcome.protocol}, sender {PROTOCOL_VERSION}", transport=self.name
+                    )
                 peer.welcome = welcome
             except (WeightSyncError, OSError) as exc:
                 self.fail(peer, exc)
@@ -117,7 +121,12 @@ class StreamSender(SenderTransport):
         conn = self._conns[peer]
         message = self._inboxes[peer].get(deadline, conn)
         if not isinstance(message, kind):
-            raise ProtocolError(f"expected {kind.__name__}, got {type(message).__name__}", transport=self.name, version=conn.version, bucket=conn.bucket)
+            raise ProtocolError(
+                f"expected {kind.__name__}, got {type(message).__name__}",
+                transport=self.name,
+                version=conn.version,
+                bucket=conn.bucket,
+            )
         return message
 
     def each(self, action: Callable[[Peer, Connection], None]) -> None:
@@ -228,7 +237,12 @@ class StreamReceiver(ReceiverTransport):
         try:
             hello = conn.recv(self.timeout)
             if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
-                conn.send(Failed(-1, "ProtocolError", f"expected Hello with protocol {PROTOCOL_VERSION}, got {hello!r}"[:500]), self.timeout)
+                conn.send(
+                    Failed(
+                        -1, "ProtocolError", f"expected Hello with protocol {PROTOCOL_VERSION}, got {hello!r}"[:500]
+                    ),
+                    self.timeout,
+                )
                 return
             conn.send(self.target.welcome(), self.timeout)
             while not self._closed.is_set():
@@ -262,7 +276,9 @@ class StreamReceiver(ReceiverTransport):
             conn.bucket = None
             commit = self._next(conn, offer.version)
             if not isinstance(commit, Commit):
-                raise ProtocolError(f"expected Commit, got {type(commit).__name__}", transport=self.name, version=offer.version)
+                raise ProtocolError(
+                    f"expected Commit, got {type(commit).__name__}", transport=self.name, version=offer.version
+                )
             self.target.commit(landing, commit)
         except BaseException as exc:
             self.target.abort(landing, exc)

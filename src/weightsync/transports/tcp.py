@@ -113,7 +113,12 @@ class TcpReceiver(StreamReceiver):
         pieces = landing.plan.buckets[index]
         expected = sum(piece.nbytes for piece in pieces)
         if not isinstance(message, BucketData) or message.index != index or message.nbytes != expected:
-            raise ProtocolError(f"expected BucketData({index}, {expected}), got {message!r}"[:200], transport=self.name, version=conn.version, bucket=index)
+            raise ProtocolError(
+                f"expected BucketData({index}, {expected}), got {message!r}"[:200],
+                transport=self.name,
+                version=conn.version,
+                bucket=index,
+            )
         for piece in pieces:
             conn.recv_into(landing.target(piece), self.timeout)
         landing.finish_bucket(index)
