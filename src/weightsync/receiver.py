@@ -68,6 +68,7 @@ class WeightReceiver:
         self._changed = threading.Condition()
         self._version: int | None = None
         self._state = "empty"
+        self._state_before_sync = "empty"
         self._last_error = ""
         self._transport = RECEIVERS[transport](self, host=host, port=port, timeout=float(timeout))
         self._transport.start()
@@ -115,6 +116,7 @@ class WeightReceiver:
             self._busy.release()
             raise
         landing.version, landing.digest = offer.version, offer.digest
+        self._state_before_sync = self._state
         self._set_state("syncing")
         return landing
 
@@ -146,7 +148,7 @@ class WeightReceiver:
         if landing.touched_live:
             self._set_state("dirty", None)
         else:
-            self._set_state("ready" if self._version is not None else "empty")
+            self._set_state(self._state_before_sync)
         self._busy.release()
 
     def _set_state(self, state: str, version: int | None | type[Ellipsis] = ...) -> None:

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv, lint, then run the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+.venv/bin/ruff check src tests benchmarks
+.venv/bin/ruff format --check src tests benchmarks
+exec .venv/bin/pytest -q "$@"
