@@ -101,7 +101,15 @@ class SinkError(WeightSyncError):
 
 
 class RemoteError(WeightSyncError):
-    """The peer reported a failure; the message is the peer's."""
+    """The peer reported a failure; the message is the peer's.
+
+    Attributes:
+        kind: the class name of the error the peer raised (e.g. "PlanError"), or "" if unknown.
+    """
+
+    def __init__(self, message: str, *, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class SyncFailed(WeightSyncError):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ConfigError, NegotiationError, PlanError, SyncFailed
+from weightsync.errors import ConfigError, NegotiationError, PlanError, RemoteError, SyncFailed
 from weightsync.plan import build_plan, plan_digest, tensor_nbytes, wire_specs
 from weightsync.sizing import (
     ALIGN_BYTES,
@@ -138,10 +138,7 @@ class WeightSender:
             num_buckets=len(plan.buckets),
             bucket_bytes=plan.bucket_bytes,
             seconds=time.perf_counter() - started,
-            outcomes=tuple(
-                ReceiverOutcome(p.address, p.committed, "" if p.committed else str(p.error or "not committed"))
-                for p in self._peers
-            ),
+            outcomes=tuple(_outcome(peer) for peer in self._peers),
         )
         log.info(
             "pushed version %d: %d bytes in %.3f s (%.2f GB/s), %d/%d receivers committed",
@@ -153,7 +150,7 @@ class WeightSender:
             len(report.outcomes),
         )
         if self._raise_on_failure and not report.ok:
-            raise SyncFailed("; ".join(f"{o.address}: {o.error}" for o in report.failed), report)
+            raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
 
     def _agree_bucket_bytes(self, largest_tensor_bytes: int) -> int:
@@ -207,3 +204,13 @@ def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta) 
             f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised {meta.name!r} {meta.dtype}{list(meta.shape)}"
         )
     return tensor
+
+
+def _outcome(peer: Peer) -> ReceiverOutcome:
+    if peer.committed:
+        return ReceiverOutcome(peer.address, True)
+    error = peer.error
+    if error is None:
+        return ReceiverOutcome(peer.address, False, "WeightSyncError", "the sync ended before this receiver committed")
+    kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
+    return ReceiverOutcome(peer.address, False, kind, str(error))

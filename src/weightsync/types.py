@@ -171,10 +171,15 @@ Message = (
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReceiverOutcome:
-    """How one receiver fared in a push. `error` is empty when it committed."""
+    """How one receiver fared in a push.
+
+    `kind` is the error's class name (the receiver's own for errors it reported, e.g.
+    "PlanError"), and `error` its message; both are empty when the receiver committed.
+    """
 
     address: str
     committed: bool
+    kind: str = ""
     error: str = ""
 
 

@@ -68,7 +68,7 @@ class _Inbox:
             except queue.Empty:
                 return None
             if isinstance(item, Failed):
-                return RemoteError(f"receiver failed: {item.kind}: {item.message}")
+                return RemoteError(item.message, kind=item.kind)
 
     def get(self, deadline: float, conn: Connection) -> Message:
         try:
@@ -80,7 +80,7 @@ class _Inbox:
         if isinstance(item, WeightSyncError):
             raise item
         if isinstance(item, Failed):
-            raise RemoteError(f"receiver failed: {item.kind}: {item.message}")
+            raise RemoteError(item.message, kind=item.kind)
         return item
 
 

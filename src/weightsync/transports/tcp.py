@@ -22,6 +22,7 @@ from weightsync.wire import Connection
 
 __all__ = ["TcpReceiver", "TcpSender", "parse_tcp_address"]
 
+
 def parse_tcp_address(address: str) -> tuple[str, int]:
     """("host", port) from "tcp://host:port" (IPv6 hosts in brackets)."""
     rest = address.removeprefix("tcp://")
