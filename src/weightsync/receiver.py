@@ -18,7 +18,7 @@ from typing import Any
 
 from weightsync.errors import ConfigError, NegotiationError, PlanError
 from weightsync.plan import check_plan, plan_digest
-from weightsync.sink import Landing, WeightSink, as_sink
+from weightsync.sink import Landing, WeightSink, as_sink, sink_errors
 from weightsync.sizing import DEFAULT_MEMORY_BUDGET_BYTES, align_down, parse_bucket_bytes
 from weightsync.transports import RECEIVERS
 from weightsync.types import PROTOCOL_VERSION, Commit, Offer, Welcome
@@ -110,7 +110,8 @@ class WeightReceiver:
             check_plan(offer.plan, self._max_bucket_bytes)
             if plan_digest(offer.plan) != offer.digest:
                 raise PlanError("plan digest does not match the plan")
-            self._sink.begin(offer.plan, offer.version)
+            with sink_errors("begin"):
+                self._sink.begin(offer.plan, offer.version)
             landing = Landing(offer.plan, self._sink)
         except BaseException:
             self._busy.release()

@@ -8,13 +8,15 @@ plan on the receiving side.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import numpy as np
+import psutil
 import torch
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ConfigError, PlanError, SinkError
+from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
 from weightsync.pack import byte_view
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Piece, Plan
@@ -132,7 +134,8 @@ class Landing:
         self._staged: dict[int, torch.Tensor] = {}
         self._completes: list[list[int]] = [[] for _ in plan.buckets]
         for spec in plan.tensors:
-            dest = sink.destination(spec.name)
+            with sink_errors("destination"):
+                dest = sink.destination(spec.name)
             if dest is not None and (tuple(dest.shape) != spec.shape or dest.dtype != dtype_from_name(spec.dtype)):
                 raise PlanError(
                     f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, destination is {dest.dtype}{list(dest.shape)}"
@@ -142,6 +145,20 @@ class Landing:
             for piece in bucket:
                 if piece.tensor_offset + piece.nbytes == tensor_nbytes(plan.tensors[piece.tensor]):
                     self._completes[bucket_index].append(piece.tensor)
+        self._check_staging_fits()
+
+    def _check_staging_fits(self) -> None:
+        """Refuse, before allocating anything, a plan whose staged tensors cannot fit in memory.
+
+        Staged tensors live one bucket at a time, plus a chunked tensor across its buckets, so
+        the largest one is what must fit; a hostile plan claiming a 1 TB tensor stops here.
+        """
+        staged = [tensor_nbytes(spec) for index, spec in enumerate(self.plan.tensors) if not self.in_place(index)]
+        available = psutil.virtual_memory().available
+        if staged and max(staged) > available:
+            raise PlanError(
+                f"plan needs to stage a {max(staged)}-byte tensor; only {available} bytes of memory are available"
+            )
 
     def in_place(self, tensor: int) -> bool:
         dest = self._dest[tensor]
@@ -178,7 +195,8 @@ class Landing:
             else:
                 loads.append((self.plan.tensors[tensor].name, value))
         if loads:
-            self.sink.load(loads)
+            with sink_errors("load"):
+                self.sink.load(loads)
 
     def _stage(self, tensor: int) -> torch.Tensor:
         staged = self._staged.get(tensor)
@@ -187,3 +205,15 @@ class Landing:
             staged = torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
             self._staged[tensor] = staged
         return staged
+
+
+@contextmanager
+def sink_errors(hook: str) -> Iterator[None]:
+    """Report an exception from a sink hook as a SinkError naming the hook (weightsync's own
+    errors pass through), so a buggy sink fails the sync cleanly instead of the thread."""
+    try:
+        yield
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        raise SinkError(f"sink.{hook} raised {type(exc).__name__}: {exc}") from exc

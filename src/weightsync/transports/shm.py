@@ -78,7 +78,8 @@ class ShmRing:
         token = secrets.token_hex(6)
         self.names = [f"weightsync-{os.getpid()}-{token}-{i}" for i in range(num_slots)]
         self.slot_bytes = slot_bytes
-        self.members: set[Peer] = set()
+        self.members: set[Connection] = set()
+        """The connections that have mapped this ring; a reconnected peer needs a new ring."""
         self._maps: list[mmap.mmap] = []
         self._unlinker = weakref.finalize(self, _unlink, list(self.names))
         try:
@@ -135,7 +136,7 @@ class ShmSender(StreamSender):
         return _connect_unix(address, self.timeout)
 
     def offer(self, offer: Offer) -> None:
-        live = set(self.live())
+        live = {self.connection(peer) for peer in self.live()}
         ring = self.ring
         if ring is None or ring.slot_bytes != offer.plan.bucket_bytes or not live <= ring.members:
             if ring is not None:
@@ -144,7 +145,7 @@ class ShmSender(StreamSender):
             ring.members = live
             message = Ring(tuple(ring.names), ring.slot_bytes)
             self.each(lambda peer, conn: conn.send(message, self.timeout))
-        self._acked = {peer: -1 for peer in live}
+        self._acked = {peer: -1 for peer in self.live()}
         try:
             super().offer(offer)  # every peer that accepts has mapped the ring
         finally:

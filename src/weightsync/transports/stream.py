@@ -117,6 +117,9 @@ class StreamSender(SenderTransport):
             except (WeightSyncError, OSError) as exc:
                 self.fail(peer, exc)
 
+    def connection(self, peer: Peer) -> Connection:
+        return self._conns[peer]
+
     def expect(self, peer: Peer, kind: type, deadline: float) -> Message:
         conn = self._conns[peer]
         message = self._inboxes[peer].get(deadline, conn)
