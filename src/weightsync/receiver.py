@@ -112,11 +112,10 @@ class WeightReceiver:
                 raise PlanError("plan digest does not match the plan")
             with sink_errors("begin"):
                 self._sink.begin(offer.plan, offer.version)
-            landing = Landing(offer.plan, self._sink)
+            landing = Landing(offer.plan, self._sink, offer.version, offer.digest)
         except BaseException:
             self._busy.release()
             raise
-        landing.version, landing.digest = offer.version, offer.digest
         self._state_before_sync = self._state
         self._set_state("syncing")
         return landing

@@ -123,11 +123,11 @@ class Landing:
     or handed to `sink.load` at the end of the bucket that completes it.
     """
 
-    def __init__(self, plan: Plan, sink: WeightSink) -> None:
+    def __init__(self, plan: Plan, sink: WeightSink, version: int, digest: str) -> None:
         self.plan = plan
         self.sink = sink
-        self.version = -1
-        self.digest = ""
+        self.version = version
+        self.digest = digest
         self.touched_live = False
         """True once any byte was written into a live destination (an abort then leaves a mix)."""
         self._dest: list[torch.Tensor | None] = []

@@ -191,6 +191,7 @@ class StreamReceiver(ReceiverTransport):
         self._conns: set[Connection] = set()
         self._closed = threading.Event()
         self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
 
     @abstractmethod
     def listen(self) -> socket.socket:
@@ -209,7 +210,13 @@ class StreamReceiver(ReceiverTransport):
 
     def start(self) -> None:
         self._listener = self.listen()
-        threading.Thread(target=self._accept_loop, daemon=True, name=f"weightsync-{self.name}-accept").start()
+        self._spawn(self._accept_loop, "accept")
+
+    def _spawn(self, target: Callable[..., None], role: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True, name=f"weightsync-{self.name}-{role}")
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
 
     def close(self) -> None:
         self._closed.set()
@@ -220,9 +227,12 @@ class StreamReceiver(ReceiverTransport):
                 pass
             self._listener.close()
         with self._lock:
-            conns = list(self._conns)
+            conns, threads = list(self._conns), list(self._threads)
         for conn in conns:
             conn.close()
+        for thread in threads:  # a sync in flight aborts (and tells its sink) before close returns
+            if thread is not threading.current_thread():
+                thread.join(timeout=self.timeout)
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -234,7 +244,7 @@ class StreamReceiver(ReceiverTransport):
             conn = Connection(sock, self.name)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name=f"weightsync-{self.name}-conn").start()
+            self._spawn(self._serve, "conn", conn)
 
     def _serve(self, conn: Connection) -> None:
         try:
