@@ -49,6 +49,8 @@ class _Inbox:
 
     def __init__(self, conn: Connection) -> None:
         self._queue: queue.Queue[Message | WeightSyncError] = queue.Queue()
+        self.closed = threading.Event()
+        """Set once the connection is gone: the peer closed it, died, or sent garbage."""
         self._thread = threading.Thread(target=self._read, args=(conn,), daemon=True, name="weightsync-inbox")
         self._thread.start()
 
@@ -58,6 +60,7 @@ class _Inbox:
                 self._queue.put(conn.recv(timeout=None))
             except WeightSyncError as exc:
                 self._queue.put(exc)
+                self.closed.set()
                 return
 
     def reason(self) -> RemoteError | None:
@@ -99,8 +102,8 @@ class StreamSender(SenderTransport):
 
     def connect(self) -> None:
         for peer in self.peers:
-            if peer in self._conns and peer.error is None:
-                continue
+            if peer in self._conns and peer.error is None and not self._inboxes[peer].closed.is_set():
+                continue  # still connected from the last push; a receiver that restarted is reconnected
             self._drop(peer)
             peer.error, peer.welcome = None, None
             try:
