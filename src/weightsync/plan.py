@@ -29,6 +29,8 @@ __all__ = ["build_plan", "check_plan", "plan_digest", "tensor_nbytes", "wire_spe
 MAX_TENSORS = 1 << 20
 MAX_NAME_LENGTH = 4096
 MAX_DIMS = 16
+MAX_ELEMENTS = 1 << 56
+"""More elements than any real tensor has; keeps every byte size torch computes within int64."""
 
 
 def tensor_nbytes(spec: TensorSpec) -> int:
@@ -162,7 +164,14 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
 def _checked_nbytes(spec: TensorSpec) -> int:
     if not spec.name or len(spec.name) > MAX_NAME_LENGTH:
         raise PlanError(f"tensor name of length {len(spec.name)} is empty or longer than {MAX_NAME_LENGTH}")
-    if len(spec.shape) > MAX_DIMS or any(dim < 0 for dim in spec.shape):
+    # torch sizes a tensor in int64 even when a zero dimension makes it empty: a shape such as
+    # (2**62, 2**62, 0) is 0 bytes here but makes torch.empty raise on the receiver, so the
+    # product of the nonzero dimensions is bounded too.
+    if (
+        len(spec.shape) > MAX_DIMS
+        or any(dim < 0 for dim in spec.shape)
+        or math.prod(max(dim, 1) for dim in spec.shape) > MAX_ELEMENTS
+    ):
         raise PlanError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
     dtype_from_name(spec.source_dtype)
     return tensor_nbytes(spec)
