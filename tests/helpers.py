@@ -1,0 +1,216 @@
+"""Shared test helpers: deterministic tensors, a recording sink, bit-exact comparison, and the
+hypothesis strategies the contract suite draws tensor sets from."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from hypothesis import strategies as st
+
+from weightsync import WeightReceiver, WeightSender, WeightSink
+
+TRANSPORTS = ["inproc", "shm", "tcp"]
+"""Every transport; inproc first, as the reference."""
+
+PROCESS_TRANSPORTS = ["shm", "tcp"]
+"""The transports whose peers can live in other processes."""
+
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
+
+SHM_DIR = "/dev/shm"
+
+WAIT_S = 10.0
+"""Every bounded wait in the tests: far above what any step takes, far below a hang."""
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = WAIT_S, interval: float = 0.01) -> bool:
+    """Poll `predicate` until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return bool(predicate())
+        time.sleep(interval)
+    return True
+
+
+def shm_segments() -> set[str]:
+    """Names of weightsync's shared-memory segments present right now."""
+    return {name for name in os.listdir(SHM_DIR) if name.startswith("weightsync-")}
+
+
+def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """A contiguous tensor of random bytes (any bit pattern, NaN payloads included; 0/1 for bool)."""
+    gen = torch.Generator().manual_seed(seed)
+    numel = math.prod(shape)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen, dtype=torch.uint8).bool()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (numel * itemsize,), generator=gen, dtype=torch.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def random_values(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Ordinary finite values (for casts, where NaN payloads would not be comparable)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * 3).to(dtype)
+
+
+def non_contiguous(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as `tensor`, laid out non-contiguously ("transposed" or "strided")."""
+    if layout == "contiguous" or tensor.dim() == 0:
+        return tensor
+    if layout == "transposed":
+        dims = list(range(tensor.dim()))[::-1]
+        return tensor.permute(*dims).contiguous().permute(*dims)
+    if layout == "strided":
+        wide = torch.zeros((*tensor.shape[:-1], tensor.shape[-1] * 2), dtype=tensor.dtype)
+        wide[..., ::2] = tensor
+        return wide[..., ::2]
+    raise ValueError(layout)
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
+    """Same dtype, same shape, and the same bytes (NaN payloads and -0.0 included)."""
+    assert actual.dtype == expected.dtype, f"{name!r}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), f"{name!r}: shape {actual.shape} != {expected.shape}"
+    assert raw_bytes(actual) == raw_bytes(expected), f"{name!r}: bytes differ"
+
+
+def assert_all_bit_exact(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():
+        assert_bit_exact(actual[name], tensor, name)
+
+
+class Recorder(WeightSink):
+    """A sink that records every hook call and keeps a copy of every tensor handed to `load`.
+
+    Args:
+        dest: destination tensors by name (written in place); names without one go to `load`.
+        gate: if set, `load` waits on it (bounded) before taking tensors, to hold a sync open.
+        fail_load: an exception `load` raises (after the gate).
+    """
+
+    def __init__(
+        self,
+        dest: dict[str, torch.Tensor] | None = None,
+        *,
+        gate: threading.Event | None = None,
+        fail_load: BaseException | None = None,
+    ) -> None:
+        self.dest = dest
+        self.gate = gate
+        self.fail_load = fail_load
+        self.loading = threading.Event()
+        """Set when `load` is first entered."""
+        self.received: dict[str, torch.Tensor] = {}
+        self.calls: list[tuple[str, object]] = []
+        self.plans: list[object] = []
+        self.aborts: list[tuple[int, BaseException]] = []
+        self.aborted = threading.Event()
+
+    def reset(self, dest: dict[str, torch.Tensor] | None = None) -> None:
+        self.dest = dest
+        self.received = {}
+        self.calls = []
+        self.plans = []
+        self.aborts = []
+        self.aborted.clear()
+
+    def begin(self, plan, version):  # type: ignore[no-untyped-def]
+        self.calls.append(("begin", version))
+        self.plans.append(plan)
+
+    def destination(self, name):  # type: ignore[no-untyped-def]
+        return None if self.dest is None else self.dest.get(name)
+
+    def load(self, named_tensors):  # type: ignore[no-untyped-def]
+        self.loading.set()
+        if self.gate is not None:
+            assert self.gate.wait(timeout=30), "test gate never opened"
+        if self.fail_load is not None:
+            raise self.fail_load
+        self.calls.append(("load", [name for name, _ in named_tensors]))
+        for name, tensor in named_tensors:
+            self.received[name] = tensor.clone()
+
+    def commit(self, version):  # type: ignore[no-untyped-def]
+        self.calls.append(("commit", version))
+
+    def abort(self, version, error):  # type: ignore[no-untyped-def]
+        self.calls.append(("abort", version))
+        self.aborts.append((version, error))
+        self.aborted.set()
+
+    def hooks(self) -> list[str]:
+        return [call[0] for call in self.calls]
+
+
+@contextlib.contextmanager
+def receiving(sink: object, transport: str, **kwargs: object) -> Iterator[WeightReceiver]:
+    kwargs.setdefault("timeout", 10.0)
+    receiver = WeightReceiver(sink, transport=transport, **kwargs)
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+
+
+@contextlib.contextmanager
+def sending(addresses: list[str] | str, **kwargs: object) -> Iterator[WeightSender]:
+    kwargs.setdefault("timeout", 10.0)
+    sender = WeightSender(addresses, **kwargs)
+    try:
+        yield sender
+    finally:
+        sender.close()
+
+
+# --- hypothesis strategies --------------------------------------------------------------------
+
+names = st.text(min_size=1, max_size=16)
+"""Tensor names: any unicode text (hypothesis leaves out lone surrogates, which are not text)."""
+
+shapes = st.one_of(
+    st.lists(st.integers(0, 6), min_size=0, max_size=4).map(tuple),  # 0-dim, empty and small
+    st.integers(0, 300).map(lambda n: (n,)),  # long enough to chunk over small buckets
+)
+
+layouts = st.sampled_from(["contiguous", "transposed", "strided"])
+
+
+@st.composite
+def tensor_sets(draw: st.DrawFn, max_tensors: int = 6) -> dict[str, torch.Tensor]:
+    """Named tensors of every dtype and layout, some of them tied (one tensor under two names)."""
+    tensor_names = draw(st.lists(names, max_size=max_tensors, unique=True))
+    out: dict[str, torch.Tensor] = {}
+    for index, name in enumerate(tensor_names):
+        if out and draw(st.integers(0, 7)) == 0:
+            out[name] = out[draw(st.sampled_from(sorted(out)))]  # tied, as embed/lm_head
+            continue
+        base = random_tensor(draw(st.sampled_from(DTYPES)), draw(shapes), seed=draw(st.integers(0, 2**31)) + index)
+        out[name] = non_contiguous(base, draw(layouts))
+    return out
