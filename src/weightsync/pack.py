@@ -15,7 +15,12 @@ __all__ = ["byte_view", "piece_bytes", "write_piece"]
 
 def byte_view(tensor: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
-    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    flat = tensor.detach().reshape(-1)
+    if flat.numel() <= 1:
+        # torch calls an empty or one-element tensor contiguous whatever its stride (x[::2][:1]),
+        # but view(uint8) refuses a stride other than 1; restate it, same memory.
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8).numpy()
 
 
 def _is_plain(tensor: torch.Tensor, wire_dtype: torch.dtype) -> bool:
