@@ -113,7 +113,9 @@ class WeightReceiver:
             with sink_errors("begin"):
                 self._sink.begin(offer.plan, offer.version)
             landing = Landing(offer.plan, self._sink, offer.version, offer.digest)
-        except BaseException:
+        except BaseException as exc:
+            # A refused plan is a failed sync too: say why (state and version stay as they were).
+            self._last_error = f"sync of version {offer.version} failed: {exc}"
             self._busy.release()
             raise
         self._state_before_sync = self._state
@@ -126,7 +128,8 @@ class WeightReceiver:
                 raise PlanError(
                     f"commit of version {commit.version} does not match the sync of version {landing.version}"
                 )
-            self._sink.commit(commit.version)
+            with sink_errors("commit"):  # like every other hook: the sink's error fails this sync cleanly
+                self._sink.commit(commit.version)
         except BaseException as exc:
             self._finish_abort(landing, exc)
             raise
