@@ -21,6 +21,7 @@ from weightsync.plan import build_plan, plan_digest, tensor_nbytes, wire_specs
 from weightsync.sizing import (
     ALIGN_BYTES,
     DEFAULT_MEMORY_BUDGET_BYTES,
+    align_up,
     auto_bucket_bytes,
     negotiate_bucket_bytes,
     parse_bucket_bytes,
@@ -158,7 +159,9 @@ class WeightSender:
         proposed = self._bucket_bytes or auto_bucket_bytes(
             largest_tensor_bytes, memory_budget_bytes=self._memory_budget_bytes, num_slots=self._num_slots
         )
-        proposed = max(proposed, ALIGN_BYTES)
+        # The sender's own minimum bounds its proposal too: "auto" sized from small tensors
+        # must not propose less than it then requires.
+        proposed = max(proposed, ALIGN_BYTES, align_up(self._min_bucket_bytes))
         for peer in self._peers:
             if peer.alive and peer.welcome is not None and peer.welcome.max_bucket_bytes < self._min_bucket_bytes:
                 peer.error = NegotiationError(
