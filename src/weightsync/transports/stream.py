@@ -173,6 +173,10 @@ class StreamSender(SenderTransport):
 
     def abort(self, abort: Abort) -> None:
         self.each(lambda peer, conn: conn.send(abort, self.timeout))
+        # A receiver ends the connection after an abort, and this one may still hold the aborted
+        # sync's late acks: the next push must reconnect, not race that close or read those acks.
+        for peer in self.live():
+            self._drop(peer)
 
     def close(self) -> None:
         for peer in list(self._conns):
