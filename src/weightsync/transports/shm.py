@@ -247,7 +247,12 @@ class ShmReceiver(StreamReceiver):
             maps, arrays, _ = ring
             arrays.clear()
             for region in maps:
-                region.close()
+                try:
+                    region.close()
+                except BufferError:
+                    # A view of the slot is still alive (held by the traceback of the error that
+                    # ended the sync); the mapping goes when that view is collected.
+                    pass
         reap_stale_segments()
 
 
