@@ -89,7 +89,9 @@ def non_contiguous(tensor: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def raw_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    # a fresh tensor: `contiguous()` keeps odd strides on empty and one-element tensors
+    fresh = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor.detach())
+    return fresh.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor, name: str = "") -> None:
