@@ -1,0 +1,358 @@
+"""Failure paths with real processes: a sender or receiver killed with SIGKILL mid-sync, a peer
+that stalls, a sender that dies while its shared-memory ring still has names. After each, the
+survivors say what happened (version, bucket), no receiver claims a version it does not hold
+intact, nothing is left in /dev/shm, and the next push succeeds."""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from tests.helpers import (
+    PROCESS_TRANSPORTS,
+    SHM_DIR,
+    WAIT_S,
+    Recorder,
+    assert_all_bit_exact,
+    receiving,
+    sending,
+    shm_segments,
+    wait_until,
+)
+from weightsync import PeerClosedError, TransferTimeout, WeightReceiver, WeightSink
+
+pytestmark = pytest.mark.slow
+
+N = 1 << 14
+"""Elements per tensor in the child programs (64 KiB of float32: one bucket each)."""
+
+SENDER_CHILD = f"""
+import sys, time, torch
+from weightsync import TensorMeta, WeightSender
+
+address, version, stall_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+N = {N}
+
+class Slow:
+    def metas(self):
+        return [TensorMeta(f"t{{i}}", (N,), torch.float32) for i in range(3)]
+
+    def tensors(self):
+        for i in range(3):
+            if i == stall_at:
+                print("STALLED", flush=True)
+                time.sleep(120)
+            yield f"t{{i}}", torch.full((N,), float(i + 1))
+
+sender = WeightSender([address], bucket_bytes=N * 4, timeout=120)
+good = {{f"t{{i}}": torch.full((N,), -1.0) for i in range(3)}}
+assert sender.push(good, version=version - 1).ok
+print("PUSHED", flush=True)
+sender.push(Slow(), version=version)
+print("UNEXPECTED END", flush=True)
+"""
+
+RECEIVER_CHILD = """
+import sys, time
+from weightsync import WeightReceiver
+
+def load(named):
+    print("LOADING", flush=True)
+    time.sleep(120)
+
+receiver = WeightReceiver(load, transport=sys.argv[1], timeout=120)
+print("ADDRESS", receiver.address, flush=True)
+time.sleep(120)
+"""
+
+
+class Child:
+    """A Python child process whose stdout lines the test waits on, killed on exit."""
+
+    def __init__(self, code: str, *args: object) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *map(str, args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.pid = self.proc.pid
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+
+    def expect(self, prefix: str, timeout: float = 60.0) -> str:
+        """The next line starting with `prefix` (child start-up imports torch: allow a minute)."""
+        while True:
+            try:
+                line = self._lines.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"child {self.pid} never printed {prefix!r}") from None
+            if line.startswith(prefix):
+                return line
+
+    def kill(self) -> None:
+        """SIGKILL, then reap: a zombie's pid still counts as alive."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+        self.proc.wait(WAIT_S)
+        assert self.proc.stdout is not None
+        self._reader.join(WAIT_S)
+        self.proc.stdout.close()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.kill()
+
+
+def segments_of(pid: int) -> set[str]:
+    return {name for name in shm_segments() if name.startswith(f"weightsync-{pid}-")}
+
+
+def healthy_push(receiver: WeightReceiver, dest: dict[str, torch.Tensor] | None, version: int) -> None:
+    """A fresh sender in this process pushes to `receiver`, and it commits intact."""
+    names = list(dest) if dest is not None else ["t0", "t1", "t2"]
+    source = {name: torch.full((N,), float(version * 10 + i)) for i, name in enumerate(names)}
+    with sending(receiver.address) as sender:
+        report = sender.push(source, version=version)
+    assert report.ok, report.failed
+    assert receiver.version == version and receiver.state == "ready" and receiver.last_error == ""
+    if dest is not None:
+        assert_all_bit_exact(dest, source)
+
+
+# --- the sender dies --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
+@pytest.mark.parametrize("stall_at", [1, 0], ids=["after-first-bucket", "before-any-bucket"])
+def test_sender_killed_mid_sync(transport, stall_at):
+    dest = {f"t{i}": torch.zeros(N) for i in range(3)}
+    sink = Recorder(dest)
+    with (
+        receiving(sink, transport, timeout=60) as receiver,
+        Child(SENDER_CHILD, receiver.address, 5, stall_at) as child,
+    ):
+        child.expect("PUSHED")
+        assert receiver.version == 4
+        child.expect("STALLED")
+        assert wait_until(lambda: receiver.state == "syncing")
+        if stall_at == 1:
+            # bucket 0 went straight into the live tensor before the sender stalled
+            assert wait_until(lambda: bool((dest["t0"] == 1.0).all()))
+        child.kill()
+
+        assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
+        assert f"version={5}" in receiver.last_error and f"bucket={stall_at}" in receiver.last_error
+        assert "version 5" in receiver.last_error
+        assert [version for version, _ in sink.aborts] == [5]
+        assert isinstance(sink.aborts[0][1], PeerClosedError)
+        assert "commit" not in [hook for hook, version in sink.calls if version == 5]
+        if stall_at == 1:
+            assert (receiver.state, receiver.version) == ("dirty", None), "never claim a version not held intact"
+        else:
+            assert (receiver.state, receiver.version) == ("ready", 4), "nothing live was touched: version 4 stays"
+            assert all(bool((t == -1.0).all()) for t in dest.values())
+        assert not segments_of(child.pid)
+
+        healthy_push(receiver, dest, version=6)
+
+
+@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)  # inproc has no wait of its own: it runs in push
+def test_sender_stalling_times_the_receiver_out(transport):
+    """A sender that stops sending mid-sync (alive, silent): the receiver gives up after its
+    timeout, names version and bucket, and tells the sink."""
+    gate = threading.Event()
+
+    class Stuck:
+        def metas(self):  # type: ignore[no-untyped-def]
+            from weightsync import TensorMeta
+
+            return [TensorMeta("t0", (N,), torch.float32), TensorMeta("t1", (N,), torch.float32)]
+
+        def tensors(self):  # type: ignore[no-untyped-def]
+            yield "t0", torch.ones(N)
+            gate.wait(WAIT_S)
+            yield "t1", torch.ones(N)
+
+    sink = Recorder()
+    with receiving(sink, transport, timeout=0.5) as receiver, sending(receiver.address, bucket_bytes=N * 4) as sender:
+        reports = []
+        thread = threading.Thread(target=lambda: reports.append(sender.push(Stuck(), version=3)))
+        thread.start()
+        try:
+            assert sink.aborted.wait(WAIT_S), "the receiver never gave up"
+            assert isinstance(sink.aborts[0][1], TransferTimeout)
+            assert wait_until(lambda: receiver.state != "syncing")
+            assert "version=3" in receiver.last_error and "bucket=1" in receiver.last_error
+            assert receiver.state == "empty" and receiver.version is None
+        finally:
+            gate.set()
+            thread.join(WAIT_S)
+        assert not thread.is_alive()
+        assert not reports[0].ok
+        healthy_push(receiver, None, version=4)
+
+
+# --- a receiver dies or stalls ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
+def test_receiver_killed_mid_sync(transport):
+    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
+    with Child(RECEIVER_CHILD, transport) as victim, receiving(dest, transport) as healthy:
+        address = victim.expect("ADDRESS").split()[1]
+        killer = threading.Thread(target=lambda: (victim.expect("LOADING"), victim.kill()))
+        killer.start()
+        with sending([address, healthy.address], bucket_bytes=N * 4, timeout=WAIT_S) as sender:
+            try:
+                report = sender.push(source, version=1)
+            finally:
+                killer.join(WAIT_S)
+            assert [o.address for o in report.failed] == [address]
+            assert report.failed[0].kind == "PeerClosedError", report.failed[0]
+            assert "version=1" in report.failed[0].error
+            assert healthy.version == 1
+            assert_all_bit_exact(dest, source)
+            assert not segments_of(victim.pid)
+
+            # the same sender goes on: the dead receiver is unreachable, the other commits
+            report = sender.push(source, version=2)
+            assert [(o.address, o.kind) for o in report.failed] == [(address, "ConnectError")]
+            assert healthy.version == 2
+        healthy_push(healthy, dest, version=3)
+
+
+@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
+def test_receiver_stalling_is_timed_out_and_the_others_complete(transport):
+    gate = threading.Event()
+    slow = Recorder(gate=gate)
+    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
+    with (
+        receiving(slow, transport, timeout=WAIT_S) as stalled,
+        receiving(dest, transport) as healthy,
+        sending([stalled.address, healthy.address], bucket_bytes=N * 4, timeout=1.0) as sender,
+    ):
+        reports = []
+        pusher = threading.Thread(target=lambda: reports.append(sender.push(source, version=1)))
+        pusher.start()
+        try:
+            pusher.join(WAIT_S)
+            assert not pusher.is_alive(), "push waited on a stalled receiver past its timeout"
+        finally:
+            gate.set()
+            pusher.join(WAIT_S)
+        (report,) = reports
+        assert [(o.address, o.kind) for o in report.failed] == [(stalled.address, "TransferTimeout")]
+        assert "version=1" in report.failed[0].error
+        assert healthy.version == 1
+        assert_all_bit_exact(dest, source)
+
+        # The stalled receiver, once unstuck, finds its sender gone and aborts, claiming nothing.
+        # Over tcp every byte and the commit may already sit in its socket buffer: then it may
+        # commit instead, but only with the version intact.
+        assert wait_until(lambda: slow.aborts or ("commit", 1) in slow.calls)
+        assert wait_until(lambda: stalled.state != "syncing")
+        if slow.aborts:
+            assert [version for version, _ in slow.aborts] == [1]
+            assert stalled.state == "empty" and stalled.version is None and "version 1" in stalled.last_error
+        else:
+            assert transport == "tcp", "over shm each bucket is acked: a stalled receiver cannot commit"
+            assert stalled.version == 1 and stalled.state == "ready"
+            assert_all_bit_exact(slow.received, source)
+
+        slow.gate = None
+        report = sender.push(source, version=2)
+        assert report.ok, report.failed
+        assert stalled.version == 2 and healthy.version == 2
+
+
+# --- shared memory: nothing left behind ----------------------------------------------------------
+
+
+class HoldsBegin(WeightSink):
+    """Holds the sync open inside `begin`, i.e. while the sender's ring still has names."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.aborts: list[int] = []
+
+    def begin(self, plan, version):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.release.wait(WAIT_S)
+
+    def load(self, named):  # type: ignore[no-untyped-def]
+        pass
+
+    def abort(self, version, error):  # type: ignore[no-untyped-def]
+        self.aborts.append(version)
+
+
+def test_sender_killed_while_its_ring_has_names_leaves_nothing_behind():
+    sink = HoldsBegin()
+    with receiving(sink, "shm", timeout=60) as receiver:
+        with Child(SENDER_CHILD, receiver.address, 5, 9) as child:
+            # the child's first push creates the ring; its names live until every receiver accepts
+            assert sink.entered.wait(60)
+            assert segments_of(child.pid), "the ring is named while receivers map it"
+            child.kill()  # reaped inside: its pid is gone
+            assert segments_of(child.pid), "a SIGKILLed sender cannot unlink its own ring"
+            sink.release.set()
+            # the receiver's connection drops; it aborts and reaps the dead sender's segments
+            assert wait_until(lambda: not segments_of(child.pid)), "stale segments were not reaped"
+            assert wait_until(lambda: sink.aborts == [4])
+            assert receiver.version is None and receiver.state == "empty"
+            assert "version 4" in receiver.last_error
+        healthy_push(receiver, None, version=6)
+
+
+def test_stale_segments_of_dead_processes_are_reaped_by_the_next_ring():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    token = secrets.token_hex(6)
+    stale = [f"weightsync-{dead_pid}-{token}-{slot}" for slot in (0, 1)]
+    mine = f"weightsync-{os.getpid()}-{secrets.token_hex(6)}-0"  # a live process's: kept
+    unrelated = f"weightsync-notasegment-{token}"  # not the segment pattern: kept
+    made = [*stale, mine, unrelated]
+    try:
+        for name in made:
+            with open(os.path.join(SHM_DIR, name), "wb") as f:
+                f.write(b"\x00" * 64)
+        with receiving(Recorder(), "shm") as receiver, sending(receiver.address) as sender:
+            assert sender.push({"w": torch.ones(8)}, version=1).ok  # creates a ring
+        left = shm_segments()
+        assert not set(stale) & left, "dead process's segments survived"
+        assert {mine, unrelated} <= left, "a live or unrelated file was removed"
+    finally:
+        for name in made:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+            except FileNotFoundError:
+                pass
+
+
+def test_no_segment_outlives_the_offer():
+    """Segments exist only while receivers map the ring: by the time push returns, and for as
+    long as the sender lives, /dev/shm holds nothing of it."""
+    before = shm_segments()
+    with receiving(Recorder(), "shm") as receiver, sending(receiver.address) as sender:
+        for version in range(3):
+            assert sender.push({"w": torch.ones(1000 * (version + 1))}, version=version).ok
+            assert shm_segments() == before
