@@ -741,3 +741,86 @@ def test_busy_receiver_refuses_a_second_sender(transport):
             first.close()
         assert first_report and first_report[0].ok
         assert receiver.version == 1
+
+
+# --- lifecycle ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])  # inproc syncs run inside push itself
+def test_receiver_closed_mid_sync_aborts_before_close_returns(transport):
+    gate = threading.Event()
+
+    class Held:
+        def metas(self):  # type: ignore[no-untyped-def]
+            return [TensorMeta("a", (64,), torch.float32), TensorMeta("b", (64,), torch.float32)]
+
+        def tensors(self):  # type: ignore[no-untyped-def]
+            yield "a", torch.ones(64)
+            gate.wait(WAIT_S)
+            yield "b", torch.ones(64)
+
+    dest = {"a": torch.zeros(64), "b": torch.zeros(64)}
+    sink = Recorder(dest)
+    receiver = WeightReceiver(sink, transport=transport, timeout=WAIT_S)
+    with sending(receiver.address, bucket_bytes=256) as sender:
+        reports = []
+        pusher = threading.Thread(target=lambda: reports.append(sender.push(Held(), version=1)))
+        pusher.start()
+        try:
+            assert wait_until(lambda: bool((dest["a"] == 1).all()))
+            receiver.close()
+            assert [version for version, _ in sink.aborts] == [1], "abort is heard before close returns"
+            assert receiver.state == "dirty" and receiver.version is None
+        finally:
+            gate.set()
+            pusher.join(WAIT_S)
+        assert not reports[0].ok
+
+
+def test_tcp_receiver_restarted_on_the_same_port_rejoins():
+    first = WeightReceiver({"w": torch.zeros(4)}, transport="tcp")
+    port = int(first.address.rpartition(":")[2])
+    with sending(first.address) as sender:
+        try:
+            assert sender.push({"w": torch.ones(4)}, version=1).ok
+        finally:
+            first.close()
+        dest = {"w": torch.zeros(4)}
+        with receiving(dest, "tcp", port=port) as second:
+            assert second.address == first.address
+            report = sender.push({"w": torch.full((4,), 2.0)}, version=2)
+            assert report.ok, report.failed
+            assert second.version == 2 and torch.equal(dest["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("num_slots", [1, 3, 16])
+def test_ring_sizes(transport, num_slots):
+    source = {f"t{i}": random_tensor(torch.float32, (40 + i,), seed=i) for i in range(20)}  # one per bucket
+    sink = Recorder()
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=256, num_slots=num_slots) as s:
+        for version in (1, 2):
+            report = s.push(source, version=version)
+            assert report.ok and report.num_buckets == 20
+    assert_all_bit_exact(sink.received, source)
+
+
+def test_tensor_larger_than_the_largest_auto_bucket(transport):
+    """80 MiB in one tensor: auto sizing stops at 64 MiB, so it is chunked; still bit-exact."""
+    big = random_tensor(torch.uint8, (80 << 20,), seed=1).view(torch.bfloat16)
+    dest = {"big": torch.zeros_like(big), "small": torch.zeros(3)}
+    with receiving(dest, transport) as receiver, sending(receiver.address) as sender:
+        report = sender.push({"big": big, "small": torch.ones(3)}, version=1)
+    assert report.ok, report.failed
+    assert report.bucket_bytes == 64 << 20 and report.num_buckets == 2
+    assert torch.equal(dest["big"].view(torch.uint8), big.view(torch.uint8))
+
+
+def test_destination_of_the_wrong_dtype_from_a_custom_sink_is_a_plan_error(transport):
+    class Loose(WeightSink):
+        def destination(self, name):  # type: ignore[no-untyped-def]
+            return {"w": torch.zeros(4, dtype=torch.float16)}.get(name)
+
+    with receiving(Loose(), transport) as receiver, sending(receiver.address) as sender:
+        report = sender.push({"w": torch.ones(4)}, version=1)
+    assert [o.kind for o in report.failed] == ["PlanError"]
+    assert "'w'" in report.failed[0].error and receiver.state == "empty"

@@ -8,6 +8,7 @@ import os
 import pickle
 import socket
 import struct
+import threading
 import tracemalloc
 
 import msgspec
@@ -178,7 +179,6 @@ def test_connection_round_trips_frames_and_raw_bytes(pair):
     assert conn.recv(1) == Commit(7, "abc")
     data = torch.arange(3 << 18, dtype=torch.int32)  # 3 MiB: more than one stream slice
     out = torch.empty_like(data)
-    import threading
 
     sender = threading.Thread(target=peer.send_bytes, args=(data.numpy(), 5))
     sender.start()
@@ -206,7 +206,6 @@ def test_frame_at_the_limit_is_read(pair):
     conn, right = pair
     body = encode(Failed(1, "X", "y" * (MAX_FRAME_BYTES - 64)))
     assert len(body) <= MAX_FRAME_BYTES
-    import threading
 
     writer = threading.Thread(target=right.sendall, args=(HEADER.pack(len(body)) + body,))
     writer.start()
@@ -629,3 +628,98 @@ def test_bucket_in_a_slot_never_mapped_is_refused(shm_live):
     assert receiver.state == "empty"
     assert_all_bit_exact(dest, before)
     assert_still_serves(receiver, dest)
+
+
+# --- a hostile receiver against a real sender ---------------------------------------------------
+
+
+class FakeReceiver:
+    """A tcp listener that answers one sender connection with a scripted (mis)behaviour."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, name="fake-receiver")
+        self.thread.start()
+
+    def _serve(self) -> None:
+        sock, _ = self.listener.accept()
+        conn = Connection(sock, "fake")
+        try:
+            self._play(conn, sock)  # returns early to hang up
+        except Exception:  # the sender hanging up on us is the point of most scripts
+            pass
+        finally:
+            sock.close()
+
+    def _play(self, conn: Connection, sock: socket.socket) -> None:
+        welcome = Welcome(PROTOCOL_VERSION, "fake", 1 << 20, None)
+        conn.recv(WAIT_S)  # Hello
+        if self.script == "close-at-once":
+            return
+        if self.script == "garbage":
+            sock.sendall(HEADER.pack(5) + b"\xc1" * 5)
+        elif self.script == "huge-header":
+            sock.sendall(HEADER.pack(2**32 - 1))
+        elif self.script == "pickle":
+            sock.sendall(HEADER.pack(len(PICKLED)) + PICKLED)
+        elif self.script == "wrong-protocol":
+            conn.send(Welcome(PROTOCOL_VERSION + 1, "fake", 1 << 20, None), WAIT_S)
+        elif self.script == "no-room":
+            conn.send(Welcome(PROTOCOL_VERSION, "fake", 0, None), WAIT_S)
+        elif self.script == "negative-room":
+            conn.send(Welcome(PROTOCOL_VERSION, "fake", -(2**63), None), WAIT_S)
+        elif self.script == "hello-back":
+            conn.send(Hello(PROTOCOL_VERSION, "fake"), WAIT_S)
+        elif self.script == "silent":
+            pass
+        else:
+            conn.send(welcome, WAIT_S)
+            offer = conn.recv(WAIT_S)
+            assert isinstance(offer, Offer)
+            if self.script == "fails-offer":
+                conn.send(Failed(offer.version, "PlanError", "no such tensor here"), WAIT_S)
+            elif self.script == "accept-then-vanish":
+                conn.send(Accept(offer.version), WAIT_S)
+                return
+        self.done.wait(WAIT_S)
+
+    def close(self) -> None:
+        self.done.set()
+        self.thread.join(WAIT_S)
+        self.listener.close()
+
+
+@pytest.mark.parametrize(
+    ("script", "kind"),
+    [
+        ("close-at-once", "PeerClosedError"),
+        ("garbage", "ProtocolError"),
+        ("huge-header", "ProtocolError"),
+        ("pickle", "ProtocolError"),
+        ("wrong-protocol", "ProtocolError"),
+        ("no-room", "NegotiationError"),
+        ("negative-room", "NegotiationError"),
+        ("hello-back", "ProtocolError"),
+        ("silent", "TransferTimeout"),
+        ("silent-after-offer", "TransferTimeout"),
+        ("fails-offer", "PlanError"),
+        ("accept-then-vanish", "PeerClosedError"),
+    ],
+)
+def test_misbehaving_receiver_fails_alone(script, kind):
+    """Everything the sender reads from a receiver is checked; a receiver that lies, stalls or
+    hangs up is failed with a precise kind, and the honest receiver beside it commits."""
+    fake = FakeReceiver(script)
+    dest = {"w": torch.zeros(64)}
+    try:
+        with receiving(dest, "tcp") as honest, sending([fake.address, honest.address], timeout=0.5) as sender:
+            report = sender.push({"w": torch.ones(64)}, version=1)
+            assert [(o.address, o.kind) for o in report.failed] == [(fake.address, kind)], report.failed
+            assert honest.version == 1 and torch.equal(dest["w"], torch.ones(64))
+            if script == "fails-offer":
+                assert report.failed[0].error == "no such tensor here"
+    finally:
+        fake.close()
