@@ -86,6 +86,36 @@ def test_random_tensor_sets_round_trip_bit_exact(shared, named, bucket_bytes, de
     assert sink.hooks()[0] == "begin" and sink.hooks()[-1] == "commit"
 
 
+@st.composite
+def master_weights(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    """fp32/fp64/fp16/bf16 tensors of finite values, any layout, plus an int tensor casts leave alone."""
+    out = {}
+    for index in range(draw(st.integers(1, 5))):
+        dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+        shape = draw(st.lists(st.integers(0, 40), min_size=0, max_size=2).map(tuple))
+        layout = draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+        out[f"w{index}"] = non_contiguous(random_values(dtype, shape, seed=index), layout)
+    out["step"] = torch.arange(draw(st.integers(0, 9)))
+    return out
+
+
+@settings(max_examples=50)
+@given(master=master_weights(), cast=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]))
+def test_random_cast_on_send_matches_torch_conversion(shared, master, cast):
+    receiver, sink, versions = shared
+    sink.reset(None)
+    version = next(versions)
+    with sending(receiver.address, bucket_bytes=64, cast=cast) as sender:
+        report = sender.push(master, version=version)
+    assert report.ok, report.failed
+    expected = {name: t if name == "step" else t.to(cast) for name, t in master.items()}
+    assert_all_bit_exact(sink.received, {name: t.contiguous() for name, t in expected.items()})
+    declared = {spec.name: (spec.source_dtype, spec.dtype) for spec in sink.plans[0].tensors}
+    for name, tensor in master.items():
+        assert declared[name][0] == str(tensor.dtype).removeprefix("torch.")
+        assert declared[name][1] == str(expected[name].dtype).removeprefix("torch.")
+
+
 # --- every dtype, every shape kind --------------------------------------------------------------
 
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (5, 3), (2, 3, 4)]
@@ -824,3 +854,48 @@ def test_destination_of_the_wrong_dtype_from_a_custom_sink_is_a_plan_error(trans
         report = sender.push({"w": torch.ones(4)}, version=1)
     assert [o.kind for o in report.failed] == ["PlanError"]
     assert "'w'" in report.failed[0].error and receiver.state == "empty"
+
+
+# --- the receiver's state machine -----------------------------------------------------------------
+
+
+def test_failure_after_staging_only_keeps_the_previous_version(transport):
+    """Bytes that landed in staging (a callable sink) are not live: the previous version stands."""
+    sink = Recorder()
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:
+        assert sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=1).ok
+        sink.fail_load = RuntimeError("engine busy")
+        report = sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=2)
+        assert report.failed[0].kind == "SinkError"
+        assert receiver.state == "ready" and receiver.version == 1
+        assert "version 2" in receiver.last_error and "engine busy" in receiver.last_error
+
+
+def test_dirty_stays_dirty_until_a_sync_commits(transport):
+    dest = {"a": torch.zeros(16), "b": torch.zeros(16)}
+
+    class FailsOnB(Recorder):
+        armed = True
+
+        def destination(self, name):  # type: ignore[no-untyped-def]
+            return dest["a"] if name == "a" else None
+
+        def load(self, named):  # type: ignore[no-untyped-def]
+            if self.armed:
+                raise RuntimeError("cannot load b")
+            super().load(named)
+
+    sink = FailsOnB()
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:
+        assert not sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=1).ok
+        assert (receiver.state, receiver.version) == ("dirty", None)
+        # a refused plan and an aborted sync leave it dirty: it still holds a mix
+        refused = sender.push({"a": torch.ones(16, dtype=torch.float64), "b": torch.ones(16)}, version=2)
+        assert refused.failed[0].kind == "PlanError"
+        assert (receiver.state, receiver.version) == ("dirty", None)
+        assert not sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=3).ok
+        assert (receiver.state, receiver.version) == ("dirty", None)
+        sink.armed = False
+        assert sender.push({"a": torch.full((16,), 2.0), "b": torch.ones(16)}, version=4).ok
+        assert (receiver.state, receiver.version, receiver.last_error) == ("ready", 4, "")
+        assert torch.equal(dest["a"], torch.full((16,), 2.0))
