@@ -32,11 +32,16 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(autouse=True)
 def no_shm_leak():  # type: ignore[no-untyped-def]
-    """No test may leave a /dev/shm/weightsync-* segment behind, on any path."""
-    before = shm_segments()
+    """No test may leave a /dev/shm/weightsync-* segment of this process behind, on any path.
+
+    Segments of child processes are checked by the tests that start them; other processes'
+    are left out so that two test runs on one host do not see each other's rings.
+    """
+    pid = os.getpid()
+    before = shm_segments(pid)
     yield
-    wait_until(lambda: not shm_segments() - before)
-    leaked = shm_segments() - before
+    wait_until(lambda: not shm_segments(pid) - before)
+    leaked = shm_segments(pid) - before
     assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
 
 

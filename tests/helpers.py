@@ -52,9 +52,11 @@ def wait_until(predicate: Callable[[], object], timeout: float = WAIT_S, interva
     return True
 
 
-def shm_segments() -> set[str]:
-    """Names of weightsync's shared-memory segments present right now."""
-    return {name for name in os.listdir(SHM_DIR) if name.startswith("weightsync-")}
+def shm_segments(pid: int | None = None) -> set[str]:
+    """Names of weightsync's shared-memory segments present right now; with `pid`, only those
+    that process created (another test run on this host may hold segments of its own)."""
+    prefix = "weightsync-" if pid is None else f"weightsync-{pid}-"
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(prefix)}
 
 
 def random_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

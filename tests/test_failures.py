@@ -121,7 +121,7 @@ class Child:
 
 
 def segments_of(pid: int) -> set[str]:
-    return {name for name in shm_segments() if name.startswith(f"weightsync-{pid}-")}
+    return shm_segments(pid)
 
 
 def healthy_push(receiver: WeightReceiver, dest: dict[str, torch.Tensor] | None, version: int) -> None:
@@ -351,8 +351,8 @@ def test_stale_segments_of_dead_processes_are_reaped_by_the_next_ring():
 def test_no_segment_outlives_the_offer():
     """Segments exist only while receivers map the ring: by the time push returns, and for as
     long as the sender lives, /dev/shm holds nothing of it."""
-    before = shm_segments()
+    before = shm_segments(os.getpid())
     with receiving(Recorder(), "shm") as receiver, sending(receiver.address) as sender:
         for version in range(3):
             assert sender.push({"w": torch.ones(1000 * (version + 1))}, version=version).ok
-            assert shm_segments() == before
+            assert shm_segments(os.getpid()) == before
