@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ from weightsync.sizing import (
     parse_bucket_bytes,
 )
 from weightsync.source import TensorMeta, as_source
-from weightsync.transports import SENDERS, BucketItem, Peer, SenderTransport, scheme_of
+from weightsync.transports import SENDERS, BucketItem, Peer, SenderTransport, check_address, scheme_of
 from weightsync.types import Abort, Commit, Offer, Plan, ReceiverOutcome, SyncReport
 
 __all__ = ["WeightSender"]
@@ -68,6 +69,8 @@ class WeightSender:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses or len(set(addresses)) != len(addresses):
             raise ConfigError(f"need one or more distinct receiver addresses, got {addresses!r}")
+        for address in addresses:
+            check_address(address)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(min_bucket_bytes, int) or min_bucket_bytes < 1:
@@ -173,13 +176,17 @@ class WeightSender:
     def _send_buckets(self, plan: Plan, metas: list[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         """Cut each bucket's pieces from the source, consuming it lazily and in order."""
         current: tuple[int, torch.Tensor] | None = None
+        num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
         for index, bucket in enumerate(plan.buckets):
             if not any(transport.live() for transport in self._transports):
                 return  # every receiver failed: nothing left to send to
             items = []
             for piece in bucket:
                 if current is None or current[0] != piece.tensor:
-                    current = (piece.tensor, _next_tensor(tensors, metas[piece.tensor]))
+                    tensor = _next_tensor(tensors, metas[piece.tensor])
+                    if num_pieces[piece.tensor] > 1 and not tensor.is_contiguous():
+                        tensor = tensor.contiguous()  # once per tensor, not once per chunk
+                    current = (piece.tensor, tensor)
                 items.append(BucketItem(piece, current[1], dtype_from_name(plan.tensors[piece.tensor].dtype)))
             for transport in self._transports:
                 if transport.live():

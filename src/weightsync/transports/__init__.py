@@ -13,7 +13,7 @@ from weightsync.errors import ConfigError
 from weightsync.transports.base import BucketItem, Peer, ReceiverTransport, SenderTransport, SyncTarget
 from weightsync.transports.inproc import InprocReceiver, InprocSender
 from weightsync.transports.shm import ShmReceiver, ShmSender
-from weightsync.transports.tcp import TcpReceiver, TcpSender
+from weightsync.transports.tcp import TcpReceiver, TcpSender, parse_tcp_address
 
 __all__ = [
     "RECEIVERS",
@@ -23,6 +23,7 @@ __all__ = [
     "ReceiverTransport",
     "SenderTransport",
     "SyncTarget",
+    "check_address",
     "scheme_of",
 ]
 
@@ -36,3 +37,15 @@ def scheme_of(address: str) -> str:
     if not sep or scheme not in SENDERS:
         raise ConfigError(f"address {address!r} names no known transport; expected one of {sorted(SENDERS)}://...")
     return scheme
+
+
+def check_address(address: str) -> None:
+    """Raise ConfigError unless `address` is well formed for its transport (no I/O)."""
+    scheme = scheme_of(address)
+    rest = address.partition("://")[2]
+    if scheme == "tcp":
+        parse_tcp_address(address)
+    elif scheme == "shm" and (not rest.startswith("@") or len(rest) < 2):
+        raise ConfigError(f"shm address must look like shm://@NAME, got {address!r}")
+    elif scheme == "inproc" and not rest:
+        raise ConfigError(f"inproc address must look like inproc://NAME, got {address!r}")

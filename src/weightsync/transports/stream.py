@@ -147,7 +147,9 @@ class StreamSender(SenderTransport):
         peer.error = exc if isinstance(exc, WeightSyncError) else PeerClosedError(str(exc), transport=self.name)
         inbox = self._inboxes.get(peer)
         if inbox is not None and isinstance(peer.error, PeerClosedError):
-            peer.error = inbox.reason() or peer.error  # the receiver usually said why before closing
+            # The receiver usually said why before closing: let the inbox read up to the EOF.
+            inbox.closed.wait(min(1.0, self.timeout))
+            peer.error = inbox.reason() or peer.error
         log.warning("receiver %s failed: %s", peer.address, peer.error)
         self._drop(peer)
 
@@ -158,24 +160,36 @@ class StreamSender(SenderTransport):
 
         self.each(send)
         deadline = time.monotonic() + self.timeout
-        self.each(lambda peer, conn: self.expect(peer, Accept, deadline) and None)
+
+        def accepted(peer: Peer, conn: Connection) -> None:
+            self._check_version(self.expect(peer, Accept, deadline), offer.version)
+
+        self.each(accepted)
 
     def commit(self, commit: Commit) -> None:
         self.each(lambda peer, conn: conn.send(commit, self.timeout))
         deadline = time.monotonic() + self.timeout
 
         def confirm(peer: Peer, conn: Connection) -> None:
-            while not isinstance(self.expect(peer, object, deadline), Committed):
+            while not isinstance(reply := self.expect(peer, object, deadline), Committed):
                 pass  # acks of the last buckets may precede the confirmation
+            self._check_version(reply, commit.version)
             peer.committed = True
 
         self.each(confirm)
 
+    def _check_version(self, reply: Accept | Committed, version: int) -> None:
+        if reply.version != version:
+            raise ProtocolError(f"receiver answered for version {reply.version}, not {version}", transport=self.name)
+
     def abort(self, abort: Abort) -> None:
         self.each(lambda peer, conn: conn.send(abort, self.timeout))
-        # A receiver ends the connection after an abort, and this one may still hold the aborted
-        # sync's late acks: the next push must reconnect, not race that close or read those acks.
+        # A receiver ends the connection once it has aborted (and released its sync slot). Wait
+        # for that close, so the next push neither finds the receiver still busy nor reads the
+        # aborted sync's late acks; then reconnect next time.
+        deadline = time.monotonic() + self.timeout
         for peer in self.live():
+            self._inboxes[peer].closed.wait(max(0.0, deadline - time.monotonic()))
             self._drop(peer)
 
     def close(self) -> None:
