@@ -1,0 +1,86 @@
+"""The engine contract: one model that the rollout server's loop steps, and that receives weights.
+
+An engine works on token ids only (the server owns the tokenizer) and is driven by exactly one
+thread, the server's engine loop, which never calls it concurrently. Weights land through
+`weight_sink()`, and only while the loop is paused, so no step ever runs on half-updated weights.
+
+    server loop:  add_request -> step -> step -> ... (outputs per step) ; abort
+    weight sync:  loop paused -> sink.begin -> destination/load per bucket -> sink.commit -> resume
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from typing import Literal
+
+from weightsync.sink import WeightSink
+
+__all__ = ["Engine", "LoadFormat", "SamplingParams", "StepOutput"]
+
+LoadFormat = Literal["dummy", "auto"]
+"""dummy: build from config.json only, weights uninitialised, serve nothing until a sync commits.
+auto: load the checkpoint from the model dir (standalone/debugging), servable at once."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one completion.
+
+    Attributes:
+        max_tokens: tokens to generate at most.
+        temperature: 0 is greedy.
+        seed: per-request seed for sampling (ignored when greedy).
+        logprobs: return the chosen token's logprob (and this many top alternatives) when not None.
+        stop_token_ids: token ids that end the completion (the model's EOS is added by the engine).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request: only the new tokens since the last step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" when finished by the engine
+
+
+class Engine(ABC):
+    """One model behind the rollout server. Subclasses: `engines/hf.py`, `engines/vllm.py`."""
+
+    name: str = ""
+
+    @abstractmethod
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Start generating for a request; tokens come out of later `step()` calls."""
+
+    @abstractmethod
+    def step(self) -> list[StepOutput]:
+        """Advance every unfinished request (by at least one token where possible)."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Drop a request; it produces no further output."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool:
+        """True while any added request has not finished or been aborted."""
+
+    @abstractmethod
+    def weight_sink(self) -> WeightSink:
+        """The sink a WeightReceiver lands syncs into (Hugging Face checkpoint names and layouts)."""
+
+    @abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes of model weights the engine holds (to show the server holds no second copy)."""
+
+    def close(self) -> None:
+        """Release the model and its caches."""
