@@ -1,0 +1,155 @@
+"""A transformers causal LM behind the Engine contract: simple, exact, and CPU-friendly.
+
+Each request keeps its own KV cache and advances one token per `step()`. It is the reference
+engine: greedy outputs equal `model.generate`, and the weights live in the model's own tensors,
+which the sink writes in place (the server holds no second copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput
+from weightsync.engines.hf_sink import InPlaceModelSink
+from weightsync.errors import ConfigError
+
+__all__ = ["HFEngine", "build_model"]
+
+log = logging.getLogger(__name__)
+
+
+def build_model(model_dir: str | Path, load_format: LoadFormat = "dummy") -> Any:
+    """The causal LM of `model_dir`: from the checkpoint ("auto"), or from config.json with
+    uninitialised weights ("dummy": no checkpoint read, no random init, ties kept)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"{model_dir} has no config.json")
+    if load_format == "auto":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
+    elif load_format == "dummy":
+        config = AutoConfig.from_pretrained(model_dir)
+        dtype = getattr(config, "dtype", None) or torch.float32
+        with no_init_weights():  # torch.empty only: pages stay untouched until a sync writes them
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.tie_weights()  # from_config leaves ties to loading, which dummy skips
+    else:
+        raise ConfigError(f"load_format must be 'dummy' or 'auto', got {load_format!r}")
+    return model.eval().requires_grad_(False)
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    next_input: torch.Tensor  # the prompt before the first step, then the last token
+    generator: torch.Generator | None
+    stop_ids: frozenset[int]
+    cache: Any = None
+    num_generated: int = 0
+
+
+class HFEngine(Engine):
+    """A transformers causal LM stepped token by token, one KV cache per request.
+
+    Args:
+        model_dir: directory with config.json (and the safetensors checkpoint for "auto").
+        load_format: "dummy" (serve nothing until a sync commits) or "auto".
+    """
+
+    name = "hf"
+
+    def __init__(self, model_dir: str | Path, load_format: LoadFormat = "dummy") -> None:
+        self.model = build_model(model_dir, load_format)
+        self._eos_ids = _eos_ids(self.model)
+        self._vocab_size = self.model.get_input_embeddings().num_embeddings
+        self._requests: dict[str, _Request] = {}
+        self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise ConfigError(f"request {request_id!r} already exists")
+        if not prompt_token_ids:
+            raise ConfigError("a prompt needs at least one token")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self._vocab_size:
+            raise ConfigError(f"prompt token ids must lie in [0, {self._vocab_size})")
+        generator = None
+        if params.temperature > 0:
+            generator = torch.Generator()
+            if params.seed is not None:
+                generator.manual_seed(params.seed)
+            else:
+                generator.seed()
+        self._requests[request_id] = _Request(
+            request_id,
+            params,
+            torch.tensor([prompt_token_ids], dtype=torch.long),
+            generator,
+            self._eos_ids | frozenset(params.stop_token_ids),
+        )
+
+    def step(self) -> list[StepOutput]:
+        return [self._advance(request) for request in list(self._requests.values())]
+
+    @torch.inference_mode()
+    def _advance(self, request: _Request) -> StepOutput:
+        out = self.model(input_ids=request.next_input, past_key_values=request.cache, use_cache=True)
+        request.cache = out.past_key_values
+        logits = out.logits[0, -1].float()
+        token = _sample(logits, request.params.temperature, request.generator)
+        logprob = torch.log_softmax(logits, dim=-1)[token].item() if request.params.logprobs is not None else None
+        request.num_generated += 1
+        request.next_input = torch.tensor([[token]], dtype=torch.long)
+        reason = None
+        if token in request.stop_ids:
+            reason = "stop"
+        elif request.num_generated >= request.params.max_tokens:
+            reason = "length"
+        if reason is not None:
+            del self._requests[request.request_id]
+        return StepOutput(
+            request.request_id, [token], None if logprob is None else [logprob], reason is not None, reason
+        )
+
+    def abort(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def weight_sink(self) -> InPlaceModelSink:
+        return self._sink
+
+    def weight_bytes(self) -> int:
+        seen: dict[int, int] = {}
+        for tensor in [*self.model.parameters(), *self.model.buffers()]:
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    def close(self) -> None:
+        self._requests.clear()
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    if temperature <= 0 or generator is None:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def _eos_ids(model: Any) -> frozenset[int]:
+    """EOS ids from the generation config, else the model config (an int, a list, or None)."""
+    ids: set[int] = set()
+    for config in (getattr(model, "generation_config", None), model.config):
+        value = getattr(config, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else value)
+    return frozenset(ids)

@@ -1,0 +1,237 @@
+"""The HTTP routes of the rollout server (FastAPI). Routes only: the work is in RolloutServer.
+
+POST /v1/completions   OpenAI completions; every choice says which weight version made it
+GET  /v1/models        the served model
+GET  /health           200 when serving a committed, intact version; 503 with the reason
+GET  /weight_info      version, state, last sync, receiver addresses
+POST /pause?mode=      pause generation (wait | abort | keep) until POST /resume
+POST /resume
+GET  /metrics          Prometheus
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from weightsync.engines.base import SamplingParams
+from weightsync.server.loop import TokenEvent
+from weightsync.server.runtime import RolloutServer
+from weightsync.server.schemas import Choice, CompletionRequest, CompletionResponse, Logprobs, Usage
+
+__all__ = ["create_app"]
+
+GATE_POLL_S = 0.02
+
+
+def error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def create_app(server: RolloutServer) -> FastAPI:
+    """The FastAPI app serving `server`."""
+    app = FastAPI(title="weightsync rollout server")
+    counter = itertools.count()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error(400, str(exc.errors()), "invalid_request_error")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok, reason = server.health()
+        body = {"status": "ok" if ok else "unavailable", "version": server.version, "state": server.state()}
+        if not ok:
+            body["reason"] = reason
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/weight_info")
+    async def weight_info() -> dict[str, Any]:
+        return server.weight_info()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": server.config.model_name, "object": "model", "owned_by": "weightsync"}
+        return {"object": "list", "data": [card | {"weight_version": server.version}]}
+
+    @app.post("/pause")
+    async def pause(mode: str = Query("wait"), timeout: float = Query(60.0, gt=0)) -> JSONResponse:
+        if mode not in ("wait", "abort", "keep"):
+            return error(400, f"mode must be wait, abort or keep; got {mode!r}", "invalid_request_error")
+        parked = await asyncio.to_thread(server.pause, mode, timeout)  # type: ignore[arg-type]
+        return JSONResponse({"paused": True, "parked": parked, "mode": mode})
+
+    @app.post("/resume")
+    async def resume() -> dict[str, Any]:
+        server.resume()
+        return {"paused": bool(server.loop.paused_by)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> JSONResponse:
+        response = await complete(server, body, f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}")
+        server.metrics.requests.labels(str(response.status_code)).inc()
+        return response
+
+    return app
+
+
+async def complete(server: RolloutServer, body: CompletionRequest, request_id: str) -> JSONResponse:
+    if body.stream:
+        return error(400, "streaming is not supported", "invalid_request_error")
+    if body.top_p != 1.0:
+        return error(400, "top_p other than 1 is not supported", "invalid_request_error")
+    if body.model is not None and body.model != server.config.model_name:
+        return error(404, f"model {body.model!r} is not served here; this is {server.config.model_name!r}", "not_found")
+    try:
+        prompts = tokenize(server, body.prompt)
+    except ValueError as exc:
+        return error(400, str(exc), "invalid_request_error")
+    if not await wait_at_gate(server):
+        _, reason = server.health()
+        return error(503, f"not serving after {server.config.ready_timeout} s: {reason}", "service_unavailable")
+    queues = submit(server, body, prompts, request_id)
+    try:
+        collected = await asyncio.gather(*(collect(queue) for queue in queues))
+    finally:  # the client went away or we failed: stop generating for it
+        for index in range(len(queues)):
+            server.loop.cancel(f"{request_id}-{index}")
+    failed = [c.finish_reason for c in collected if (c.finish_reason or "").startswith("error")]
+    if failed:
+        return error(400, failed[0] or "", "invalid_request_error")
+    choices = [c.choice(server, index, body.logprobs is not None) for index, c in enumerate(collected)]
+    return JSONResponse(response(server, request_id, choices, prompts, body.n).model_dump(exclude_none=True))
+
+
+def tokenize(server: RolloutServer, prompt: Any) -> list[list[int]]:
+    """Prompt text, token ids, or a list of either -> one list of token ids per prompt."""
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ValueError("prompt is empty")
+    ids = [p if isinstance(p, list) else server.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+    for one in ids:
+        if not one:
+            raise ValueError("a prompt has no tokens")
+        if min(one) < 0:
+            raise ValueError(f"token id {min(one)} is negative")
+    return ids
+
+
+async def wait_at_gate(server: RolloutServer) -> bool:
+    """Wait up to --ready-timeout for a committed, intact version (never serve dummy weights)."""
+    if server.version is not None:
+        return True
+    server.metrics.waiting_at_gate.inc()
+    try:
+        deadline = time.monotonic() + server.config.ready_timeout
+        while server.version is None and time.monotonic() < deadline:
+            await asyncio.sleep(GATE_POLL_S)
+        return server.version is not None
+    finally:
+        server.metrics.waiting_at_gate.dec()
+
+
+def submit(
+    server: RolloutServer, body: CompletionRequest, prompts: list[list[int]], request_id: str
+) -> list[asyncio.Queue[TokenEvent]]:
+    loop = asyncio.get_running_loop()
+    queues: list[asyncio.Queue[TokenEvent]] = []
+    for prompt in prompts:
+        for sample in range(body.n):
+            queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+            params = SamplingParams(
+                max_tokens=body.max_tokens,
+                temperature=body.temperature,
+                seed=None if body.seed is None else body.seed + sample,
+                logprobs=body.logprobs,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+            )
+
+            def deliver(event: TokenEvent, queue: asyncio.Queue[TokenEvent] = queue) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+            server.loop.submit(f"{request_id}-{len(queues)}", prompt, params, deliver)
+            queues.append(queue)
+    return queues
+
+
+class Collected:
+    """One choice's tokens as they came from the loop, with the versions that produced them."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.finish_reason: str | None = None
+        self.last_version: int | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        if event.token_ids and event.version is not None and (not self.versions or self.versions[-1] != event.version):
+            self.versions.append(event.version)
+        self.token_ids += event.token_ids
+        self.logprobs += event.logprobs or []
+        self.last_version = event.version
+        self.finish_reason = event.finish_reason
+
+    def choice(self, server: RolloutServer, index: int, with_logprobs: bool) -> Choice:
+        tokenizer = server.tokenizer
+        logprobs = None
+        if with_logprobs:
+            pieces = [tokenizer.decode([t]) for t in self.token_ids]
+            offsets = list(itertools.accumulate((len(p) for p in pieces), initial=0))[:-1]
+            logprobs = Logprobs(tokens=pieces, token_logprobs=self.logprobs, text_offset=offsets)
+        versions = self.versions or ([self.last_version] if self.last_version is not None else [])
+        return Choice(
+            index=index,
+            text=tokenizer.decode(self.token_ids, skip_special_tokens=True),
+            token_ids=self.token_ids,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            weight_version=versions[-1] if versions else None,
+            weight_versions=versions if len(versions) > 1 else None,
+        )
+
+
+async def collect(queue: asyncio.Queue[TokenEvent]) -> Collected:
+    collected = Collected()
+    while True:
+        event = await queue.get()
+        collected.add(event)
+        if event.finished:
+            return collected
+
+
+def response(
+    server: RolloutServer, request_id: str, choices: list[Choice], prompts: list[list[int]], n: int
+) -> CompletionResponse:
+    versions = sorted({v for c in choices for v in (c.weight_versions or [c.weight_version]) if v is not None})
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    prompt_tokens = sum(len(p) for p in prompts)
+    return CompletionResponse(
+        id=request_id,
+        created=int(time.time()),
+        model=server.config.model_name,
+        choices=choices,
+        usage=Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        ),
+        weight_version=versions[-1] if versions else None,
+        weight_versions=versions if len(versions) > 1 else None,
+    )

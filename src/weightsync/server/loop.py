@@ -1,0 +1,241 @@
+"""The engine loop: the one thread that touches the Engine.
+
+HTTP handlers submit requests and get token events back through a callback; weight syncs pause
+the loop, write weights while it is parked, and resume it with the new version. Pausing works the
+same for every engine, in three modes (as vLLM's `pause_generation`):
+
+    wait   stop admitting, finish the requests in flight, then park
+    abort  stop admitting, abort the requests in flight (they end with finish_reason "abort"), park
+    keep   stop admitting, freeze the requests in flight where they are, park; they continue on
+           resume, with whatever weights are then loaded (their events carry each version)
+
+A pause has an owner ("user" for /pause, "sync" for a weight sync); the loop steps again only
+when every owner has resumed. Every token event carries the weight version it was produced with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Literal
+
+from weightsync.engines.base import Engine, SamplingParams, StepOutput
+from weightsync.errors import ConfigError
+
+__all__ = ["PAUSE_MODES", "EngineLoop", "PauseMode", "TokenEvent"]
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["wait", "abort", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("wait", "abort", "keep")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """New tokens of one request, and the weight version that produced them."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    version: int | None
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+Deliver = Callable[[TokenEvent], None]
+
+
+@dataclasses.dataclass(slots=True)
+class _Submission:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    deliver: Deliver
+
+
+class EngineLoop:
+    """Owns an Engine and drives it from one thread.
+
+    Args:
+        engine: the engine; nothing else may call it once the loop is started.
+        version: the weight version the engine holds at start (None: nothing servable yet).
+    """
+
+    def __init__(self, engine: Engine, version: int | None = None) -> None:
+        self.engine = engine
+        self._version = version
+        self._cond = threading.Condition()
+        self._pending: deque[_Submission] = deque()
+        self._active: dict[str, _Submission] = {}
+        self._cancelled: set[str] = set()
+        self._pauses: dict[str, PauseMode] = {}
+        self._epoch = 0  # bumped by every pause request; the loop echoes it when it parks
+        self._parked_epoch = -1
+        self._parked = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="server-engine-loop", daemon=True)
+
+    # --- read by the server ---------------------------------------------------------------------
+
+    @property
+    def version(self) -> int | None:
+        """The weight version new tokens are produced with, or None (not servable)."""
+        return self._version
+
+    @property
+    def paused_by(self) -> dict[str, PauseMode]:
+        with self._cond:
+            return dict(self._pauses)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._active)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, deliver: Deliver) -> None:
+        """Queue a request; `deliver` is called from the loop thread with each TokenEvent."""
+        with self._cond:
+            if self._closed:
+                raise ConfigError("the engine loop is closed")
+            self._pending.append(_Submission(request_id, prompt_token_ids, params, deliver))
+            self._cond.notify_all()
+
+    def cancel(self, request_id: str) -> None:
+        """Drop a request (its client went away); it gets no further events."""
+        with self._cond:
+            self._cancelled.add(request_id)
+            self._cond.notify_all()
+
+    # --- pausing --------------------------------------------------------------------------------
+
+    def pause(self, owner: str, mode: PauseMode, timeout: float) -> bool:
+        """Pause for `owner` and wait until the loop is parked (no step running, none to come).
+
+        Returns False if it did not park within `timeout` seconds (wait mode with long requests);
+        the pause stays registered either way, so call `resume(owner)` to undo it.
+        """
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self._cond:
+            self._pauses[owner] = mode
+            self._epoch += 1
+            ticket = self._epoch
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._parked and self._parked_epoch >= ticket, timeout)
+
+    def resume(self, owner: str, version: int | None | type[Ellipsis] = ...) -> None:
+        """Remove `owner`'s pause; with `version`, first switch the served weight version."""
+        with self._cond:
+            if version is not ...:
+                self._version = version  # type: ignore[assignment]
+            self._pauses.pop(owner, None)
+            self._cond.notify_all()
+
+    def invalidate(self, owner: str) -> None:
+        """The weights are no longer intact: stop serving (version None), abort what is in
+        flight, and drop `owner`'s pause; requests wait at the gate for the next good sync."""
+        with self._cond:
+            self._version = None
+            self._pauses.pop(owner, None)
+            self._cond.notify_all()
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread; requests still queued or running end with finish_reason "abort"."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # --- the loop thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._decide():
+                    self._parked = True
+                    self._parked_epoch = self._epoch
+                    self._cond.notify_all()
+                    self._cond.wait()
+                self._parked = False
+                if self._closed:
+                    self._finish_all()
+                    return
+                version = self._version
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failing step must not kill the server: end its requests
+                log.exception("engine step failed")
+                with self._cond:
+                    self._abort_active(f"engine step failed: {exc}")
+                continue
+            for output in outputs:
+                self._dispatch(output, version)
+
+    def _decide(self) -> bool:
+        """Apply queued changes; True when the loop should step (or exit), False to park."""
+        if self._closed:
+            return True
+        touch_engine = not self._pauses or all(mode == "wait" for mode in self._pauses.values())
+        if any(mode == "abort" for mode in self._pauses.values()) or self._version is None:
+            self._abort_active("abort")
+            touch_engine = False
+        if touch_engine:
+            self._apply_cancels()
+        if touch_engine and not self._pauses and self._version is not None:
+            while self._pending:
+                self._admit(self._pending.popleft())
+        return touch_engine and self._version is not None and self.engine.has_unfinished()
+
+    def _admit(self, submission: _Submission) -> None:
+        if submission.request_id in self._cancelled:
+            self._cancelled.discard(submission.request_id)
+            return
+        try:
+            self.engine.add_request(submission.request_id, submission.prompt_token_ids, submission.params)
+        except Exception as exc:
+            log.warning("engine refused request %s: %s", submission.request_id, exc)
+            submission.deliver(TokenEvent([], None, self._version, True, f"error: {exc}"))
+            return
+        self._active[submission.request_id] = submission
+
+    def _apply_cancels(self) -> None:
+        for request_id in list(self._cancelled):
+            if request_id in self._active:
+                del self._active[request_id]
+                self.engine.abort(request_id)
+                self._cancelled.discard(request_id)
+        self._cancelled.intersection_update(s.request_id for s in self._pending)
+
+    def _abort_active(self, reason: str) -> None:
+        for request_id, submission in list(self._active.items()):
+            self.engine.abort(request_id)
+            del self._active[request_id]
+            submission.deliver(TokenEvent([], None, self._version, True, reason))
+
+    def _finish_all(self) -> None:
+        self._abort_active("abort")
+        while self._pending:
+            self._pending.popleft().deliver(TokenEvent([], None, self._version, True, "abort"))
+
+    def _dispatch(self, output: StepOutput, version: int | None) -> None:
+        with self._cond:
+            submission = self._active.get(output.request_id)
+            if submission is None:
+                return
+            if output.finished:
+                del self._active[output.request_id]
+        event = TokenEvent(output.new_token_ids, output.new_logprobs, version, output.finished, output.finish_reason)
+        submission.deliver(event)

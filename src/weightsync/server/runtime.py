@@ -1,0 +1,175 @@
+"""One rollout server's parts, built from one config: engine, loop, sink, receiver, metrics.
+
+The receiver lives in the server process and lands syncs straight into the engine's live tensors
+(through `ServerSink`), so the process holds one copy of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from weightsync.engines.base import Engine
+from weightsync.errors import ConfigError
+from weightsync.receiver import WeightReceiver
+from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
+from weightsync.server.metrics import ServerMetrics
+from weightsync.server.sync import ServerSink
+
+__all__ = ["ENGINES", "RolloutServer", "ServeConfig", "build_engine"]
+
+log = logging.getLogger(__name__)
+
+ENGINES = {"hf": "weightsync.engines.hf:HFEngine", "vllm": "weightsync.engines.vllm:VLLMEngine"}
+"""Engine name -> "module:Class", imported only when chosen."""
+
+AUTO_VERSION = 0
+"""The version a server started with --load-format auto serves: the checkpoint on disk."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig:
+    """What `weightsync serve` runs.
+
+    Attributes:
+        model: model directory (config.json, tokenizer; the checkpoint for load_format "auto").
+        engine: "hf" or "vllm".
+        load_format: "dummy" (serve nothing until the first sync) or "auto".
+        transport: the receiver's transport, "shm" or "tcp".
+        receiver_host: interface the tcp receiver listens on.
+        receiver_port: port of the tcp receiver (0: any free one).
+        sync_mode: how the engine loop pauses for a sync: "wait", "abort" or "keep".
+        ready_timeout: seconds a request waits for the first committed version before a 503.
+        drain_timeout: seconds a sync waits for the loop to park before it is refused.
+        sync_timeout: the receiver's bound on every wait inside a sync.
+        served_model_name: the name /v1/models reports (default: the model dir's name).
+    """
+
+    model: str
+    engine: str = "hf"
+    load_format: str = "dummy"
+    transport: str = "shm"
+    receiver_host: str = "127.0.0.1"
+    receiver_port: int = 0
+    sync_mode: str = "wait"
+    ready_timeout: float = 30.0
+    drain_timeout: float = 60.0
+    sync_timeout: float = 60.0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (Path(self.model) / "config.json").is_file():
+            raise ConfigError(f"model {self.model!r} is not a directory with a config.json")
+        choices = {
+            "engine": tuple(ENGINES),
+            "load_format": ("dummy", "auto"),
+            "transport": ("shm", "tcp"),
+            "sync_mode": PAUSE_MODES,
+        }
+        for field, allowed in choices.items():
+            if getattr(self, field) not in allowed:
+                raise ConfigError(f"{field} must be one of {', '.join(allowed)}; got {getattr(self, field)!r}")
+        for field in ("ready_timeout", "drain_timeout", "sync_timeout"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{field} must be a non-negative number of seconds, got {value!r}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model).resolve().name
+
+
+def build_engine(name: str, model: str, load_format: str) -> Engine:
+    """Import the engine class lazily (vLLM is heavy and optional) and build it."""
+    module_name, _, class_name = ENGINES[name].partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = "pip install vllm" if name == "vllm" else "pip install 'weightsync[hf]'"
+        raise ConfigError(f"engine {name!r} is not available ({exc}); {hint}") from exc
+    return getattr(module, class_name)(model, load_format=load_format)  # type: ignore[no-any-return]
+
+
+class RolloutServer:
+    """Engine + loop + receiver of one server; the HTTP app (`create_app`) reads from it."""
+
+    def __init__(self, config: ServeConfig, engine: Engine | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(config.model)
+        self.engine = engine or build_engine(config.engine, config.model, config.load_format)
+        self.metrics = ServerMetrics()
+        initial = AUTO_VERSION if config.load_format == "auto" else None
+        self.loop = EngineLoop(self.engine, version=initial)
+        if initial is not None:
+            self.metrics.version.set(initial)
+        self.sink = ServerSink(
+            self.engine.weight_sink(),
+            self.loop,
+            mode=config.sync_mode,  # type: ignore[arg-type]
+            drain_timeout=config.drain_timeout,
+            metrics=self.metrics,
+        )
+        self.receiver = WeightReceiver(
+            self.sink,
+            config.transport,
+            host=config.receiver_host,
+            port=config.receiver_port,
+            timeout=config.sync_timeout,
+        )
+        self.sink.receiver_state = lambda: self.receiver.state
+        self.loop.start()
+
+    @property
+    def version(self) -> int | None:
+        """The version served now (None: nothing servable)."""
+        return self.loop.version
+
+    def state(self) -> str:
+        """The receiver's state, except that a server started from the checkpoint is "ready"."""
+        state = self.receiver.state
+        if state == "empty" and self.loop.version is not None:
+            return "ready"
+        return state
+
+    def health(self) -> tuple[bool, str]:
+        """(serving?, why not): ready once a version is committed and intact."""
+        state = self.state()
+        if state == "dirty":
+            return False, f"weights are dirty: {self.receiver.last_error}; push a new version"
+        if self.loop.version is None:
+            if state == "syncing":
+                return False, "the first weight sync is in progress"
+            return False, "no weights committed yet (started with --load-format dummy): push weights first"
+        return True, ""
+
+    def weight_info(self) -> dict[str, object]:
+        return {
+            "version": self.loop.version,
+            "state": self.state(),
+            "last_error": self.receiver.last_error,
+            "last_sync": self.sink.stats.to_json(),
+            "transport": self.config.transport,
+            "addresses": [self.receiver.address],
+            "sync_mode": self.config.sync_mode,
+            "paused_by": self.loop.paused_by,
+            "weight_bytes": self.engine.weight_bytes(),
+            "engine": self.engine.name,
+            "model": self.config.model_name,
+        }
+
+    def pause(self, mode: PauseMode, timeout: float) -> bool:
+        return self.loop.pause("user", mode, timeout)
+
+    def resume(self) -> None:
+        self.loop.resume("user")
+
+    def close(self) -> None:
+        """Stop receiving, end every request, release the engine."""
+        self.receiver.close()
+        self.loop.close()
+        self.engine.close()

@@ -1,0 +1,144 @@
+"""The server's weight sink: the engine's own sink, with the engine loop paused around it.
+
+begin   the engine's sink checks the plan (a refused plan pauses nothing), then the loop is
+        paused in the server's sync mode and the sync lands while it is parked
+commit  the engine's sink commits, the loop switches to the new version and resumes
+        (a user's /pause stays in force: that pause has its own owner)
+abort   once the receiver has settled: intact weights resume the previous version; a dirty
+        receiver (live weights partly written) stops serving until the next good sync
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from weightsync.errors import SinkError
+from weightsync.server.loop import EngineLoop, PauseMode
+from weightsync.server.metrics import ServerMetrics
+from weightsync.sink import WeightSink
+from weightsync.types import Plan
+
+__all__ = ["ServerSink", "SyncStats"]
+
+SETTLE_S = 5.0
+"""How long to wait for the receiver to leave "syncing" after an abort (microseconds in practice)."""
+
+
+@dataclasses.dataclass(slots=True)
+class SyncStats:
+    """The last sync as the server saw it (GET /weight_info)."""
+
+    version: int | None = None
+    total_bytes: int = 0
+    seconds: float = 0.0
+    ok: bool | None = None
+    error: str = ""
+    num_committed: int = 0
+    num_failed: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "version": self.version,
+            "bytes": self.total_bytes,
+            "seconds": round(self.seconds, 6),
+            "gbps": round(self.gbps, 3),
+            "ok": self.ok,
+            "error": self.error,
+            "num_committed": self.num_committed,
+            "num_failed": self.num_failed,
+        }
+
+
+class ServerSink(WeightSink):
+    """Wraps an engine's sink so every sync lands while the engine loop is parked.
+
+    Args:
+        inner: the engine's sink (`engine.weight_sink()`).
+        loop: the engine loop to pause.
+        mode: how to pause for a sync ("wait", "abort" or "keep").
+        drain_timeout: seconds to wait for the loop to park before refusing the sync.
+        metrics: where sync metrics go.
+        receiver_state: reads the receiver's state (set once the receiver exists).
+    """
+
+    def __init__(
+        self,
+        inner: WeightSink,
+        loop: EngineLoop,
+        *,
+        mode: PauseMode,
+        drain_timeout: float,
+        metrics: ServerMetrics,
+    ) -> None:
+        self.inner = inner
+        self.loop = loop
+        self.mode = mode
+        self.drain_timeout = drain_timeout
+        self.metrics = metrics
+        self.stats = SyncStats()
+        self.receiver_state: Callable[[], str] = lambda: "empty"
+        self._started = 0.0
+
+    def begin(self, plan: Plan, version: int) -> None:
+        self.inner.begin(plan, version)
+        if not self.loop.pause("sync", self.mode, self.drain_timeout):
+            self.loop.resume("sync")
+            raise SinkError(
+                f"the engine did not finish its requests within {self.drain_timeout} s (sync mode {self.mode!r}); "
+                f"version {version} refused"
+            )
+        self._started = time.perf_counter()
+        self.stats = SyncStats(
+            version, plan.total_bytes, num_committed=self.stats.num_committed, num_failed=self.stats.num_failed
+        )
+        self.metrics.sync_in_progress.set(1)
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self.inner.destination(name)
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.inner.load(named_tensors)
+
+    def commit(self, version: int) -> None:
+        self.inner.commit(version)
+        self.stats.seconds = time.perf_counter() - self._started
+        self.stats.ok = True
+        self.stats.num_committed += 1
+        self.metrics.syncs.labels("committed").inc()
+        self.metrics.sync_seconds.observe(self.stats.seconds)
+        self.metrics.sync_bytes.inc(self.stats.total_bytes)
+        self.metrics.version.set(version)
+        self.metrics.sync_in_progress.set(0)
+        self.loop.resume("sync", version)
+
+    def abort(self, version: int, error: BaseException) -> None:
+        try:
+            self.inner.abort(version, error)
+        finally:
+            self.stats.seconds = time.perf_counter() - self._started
+            self.stats.ok = False
+            self.stats.error = str(error)
+            self.stats.num_failed += 1
+            self.metrics.syncs.labels("failed").inc()
+            self.metrics.sync_in_progress.set(0)
+            # The receiver decides dirty-or-intact right after this hook returns; settle then.
+            threading.Thread(target=self._settle, name="server-sync-settle", daemon=True).start()
+
+    def _settle(self) -> None:
+        deadline = time.monotonic() + SETTLE_S
+        while self.receiver_state() == "syncing" and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if self.receiver_state() in ("ready", "empty"):
+            self.loop.resume("sync")
+        else:  # dirty, or never settled: the live weights are not a version we can name
+            self.metrics.version.set(-1)
+            self.loop.invalidate("sync")

@@ -1,0 +1,64 @@
+"""Tiny models and a character tokenizer, built locally (no downloads), shared by the server and
+engine tests. Shapes suit the vLLM CPU engine too (head_dim 64 >= 32)."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<eos>"]
+CHARS = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+VOCAB = {token: index for index, token in enumerate(SPECIAL_TOKENS + CHARS)}
+VOCAB_SIZE = 128  # >= len(VOCAB); the extra ids are never produced by the tokenizer
+EOS_ID = VOCAB["<eos>"]
+
+MODEL_KINDS = ("qwen2", "llama")
+
+
+def save_tokenizer(path: Path) -> None:
+    """A character-level WordLevel tokenizer saved as tokenizer.json (+ its config)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.save_pretrained(path)
+
+
+def model_config(kind: str):  # type: ignore[no-untyped-def]
+    """Qwen2: tied embeddings, GQA, fp32. Llama: untied lm_head, bf16."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=EOS_ID,
+        pad_token_id=VOCAB["<pad>"],
+        bos_token_id=None,
+        initializer_range=0.2,
+    )
+    if kind == "qwen2":
+        return Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True, **common)
+    if kind == "llama":
+        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common)
+    raise ValueError(kind)
+
+
+def save_model(kind: str, path: Path, seed: int = 0) -> None:
+    """A randomly initialised tiny model of `kind`, saved with safetensors, plus the tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(kind))
+    if kind == "llama":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(path)
+    save_tokenizer(path)
