@@ -1,0 +1,258 @@
+"""The weight sink of the vLLM engine: syncs land through vLLM's own layerwise reload.
+
+vLLM does not keep weights in checkpoint layout: q/k/v become one `qkv_proj`, gate/up one
+`gate_up_proj`, and the CPU backend repacks every linear layer after loading (the live
+`qkv_proj.weight` is an empty tensor). So nothing is written in place. Instead each completed
+bucket is handed, in Hugging Face checkpoint names and layouts, to the worker's
+`reload_weights(weights_iterator=..., is_checkpoint_format=True)`, which runs on a loader thread
+and pulls tensors from a bounded queue::
+
+    begin   check names, shapes and dtypes against the checkpoint the model expects (PlanError);
+            nothing reaches vLLM, the previous weights keep serving
+    load    (first call) start the loader thread; put the bucket's tensors on the queue
+    commit  end the iterator, join the loader (bounded), re-derive what vLLM caches from weights
+    abort   end the iterator; vLLM puts back the layers it had not started, the others are new:
+            the engine reports its weights dirty until the next good sync
+
+The layerwise loader buffers a layer's tensors until the layer is complete, so `load` must be
+given tensors it may keep until the sync ends: the receiver hands over staged tensors it no
+longer touches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from weightsync.dtypes import dtype_from_name
+from weightsync.errors import PlanError, SinkError
+from weightsync.sink import WeightSink
+from weightsync.types import Plan
+
+__all__ = ["CheckpointLayout", "ReloadSink", "checkpoint_layout"]
+
+log = logging.getLogger(__name__)
+
+QUEUE_BUCKETS = 2
+"""Buckets that may wait for the loader: bounds the memory a slow loader can pile up."""
+
+_END = object()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointLayout:
+    """The tensors a Hugging Face checkpoint of the model holds, in the engine's dtype.
+
+    Attributes:
+        tensors: name -> (shape, dtype) of every tensor a sync must carry.
+        ties: groups of names that are one tensor (e.g. tied `lm_head.weight` and
+            `model.embed_tokens.weight`); the first name of a group is the one vLLM loads.
+    """
+
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    ties: tuple[tuple[str, ...], ...]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the weights, each tied group counted once."""
+        tied = {name for group in self.ties for name in group[1:]}
+        return sum(
+            _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            for name, (shape, dtype) in self.tensors.items()
+            if name not in tied
+        )
+
+
+def checkpoint_layout(model_dir: str | Path, dtype: torch.dtype) -> CheckpointLayout:
+    """The checkpoint layout of the model in `model_dir`, from config.json alone: transformers
+    builds the model on the meta device (no memory, no init), and its state dict names the
+    tensors exactly as a checkpoint saved by `save_pretrained` does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    state = model.state_dict(keep_vars=True)
+    groups: dict[int, list[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(id(tensor), []).append(name)
+    ties = []
+    for names in groups.values():
+        if len(names) > 1:
+            # vLLM loads a tied pair through the input embeddings and skips lm_head.
+            names.sort(key=lambda name: (name.startswith("lm_head."), name))
+            ties.append(tuple(names))
+    tensors = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+    return CheckpointLayout(tensors, tuple(ties))
+
+
+def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | None]:
+    """Raise PlanError naming every way `plan` disagrees with `layout`; otherwise return the
+    name each planned tensor is fed to vLLM under (None: a tied duplicate, not fed)."""
+    problems = []
+    for spec in plan.tensors:
+        expected = layout.tensors.get(spec.name)
+        if expected is None:
+            problems.append(f"unknown tensor {spec.name!r}")
+            continue
+        shape, dtype = expected
+        if spec.shape != shape or dtype_from_name(spec.dtype) != dtype:
+            wanted = f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {wanted}")
+    sent = {spec.name for spec in plan.tensors}
+    if len(sent) != len(plan.tensors):
+        problems.append("plan names a tensor twice")
+    feed: dict[str, str | None] = {name: name for name in sent}
+    tied = set()
+    for group in layout.ties:
+        tied.update(group)
+        present = [name for name in group if name in sent]
+        if not present:
+            problems.append(f"plan lacks {' / '.join(repr(name) for name in group)}")
+            continue
+        for name in present:
+            feed[name] = None
+        feed[present[0]] = group[0]
+    missing = sorted(set(layout.tensors) - sent - tied)
+    problems += [f"plan lacks {name!r}" for name in missing]
+    if problems:
+        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+        raise PlanError("plan does not match the model's checkpoint layout: " + "; ".join(problems[:8]) + more)
+    return feed
+
+
+class ReloadSink(WeightSink):
+    """Feeds a sync to vLLM's layerwise reload from a loader thread.
+
+    Args:
+        layout: what a sync must carry (names, shapes, dtypes, ties).
+        reload: runs vLLM's reload over an iterator of (name, tensor); returns when it ends.
+        on_commit: called after a committed reload (re-derive caches, clear the prefix cache).
+        set_dirty: told True when live weights start changing, False once a sync commits.
+        timeout: seconds `load` waits for queue room and `commit`/`abort` wait for the loader.
+    """
+
+    def __init__(
+        self,
+        layout: CheckpointLayout,
+        reload: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+        on_commit: Callable[[], None],
+        set_dirty: Callable[[bool], None],
+        timeout: float = 300.0,
+    ) -> None:
+        self.layout = layout
+        self.timeout = timeout
+        self.version: int | None = None
+        self._reload = reload
+        self._on_commit = on_commit
+        self._set_dirty = set_dirty
+        self._feed: dict[str, str | None] = {}
+        self._queue: queue.Queue[object] = queue.Queue(QUEUE_BUCKETS)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def loading(self) -> bool:
+        """True from the first `load` of a sync until it commits or aborts."""
+        return self._thread is not None
+
+    def begin(self, plan: Plan, version: int) -> None:
+        # Only checks: the server pauses its loop after this returns, so vLLM is not touched yet.
+        self._feed = check_plan_layout(plan, self.layout)
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self._thread is None:
+            self._start()
+        batch = [(self._feed[name], tensor) for name, tensor in named_tensors if self._feed[name] is not None]
+        self._put(batch)
+
+    def commit(self, version: int) -> None:
+        if self._thread is None:
+            self._start()  # a plan of only empty tensors: still run one (empty) reload
+        self._finish()
+        if self._error is not None:
+            raise SinkError(f"vLLM failed to load version {version}: {self._error}") from self._error
+        self._on_commit()
+        self.version = version
+        self._set_dirty(False)
+
+    def abort(self, version: int, error: BaseException) -> None:
+        if self._thread is not None:
+            # End the iterator cleanly rather than raising into vLLM: its finalize step then puts
+            # back every layer that got nothing, and leaves the model whole for the next sync.
+            self._finish()
+
+    # --- the loader thread ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._error = None
+        self._queue = queue.Queue(QUEUE_BUCKETS)
+        self._set_dirty(True)
+        self._thread = threading.Thread(target=self._run, name="weightsync-vllm-reload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._reload(self._tensors())
+        except BaseException as exc:  # reported by commit as a SinkError
+            log.exception("vLLM weight reload failed")
+            self._error = exc
+            self._drain()
+
+    def _tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        while True:
+            batch = self._queue.get()
+            if batch is _END:
+                return
+            yield from batch  # type: ignore[misc]
+
+    def _put(self, item: object) -> None:
+        thread = self._thread
+        for _ in range(max(1, int(self.timeout / 0.1))):
+            if self._error is not None or thread is None or not thread.is_alive():
+                raise SinkError(f"the vLLM loader stopped: {self._error}") from self._error
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+        raise SinkError(f"the vLLM loader took no tensors for {self.timeout} s")
+
+    def _finish(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        deadline = time.monotonic() + self.timeout
+        while thread.is_alive() and time.monotonic() < deadline:
+            try:
+                self._queue.put(_END, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            self._error = self._error or TimeoutError(f"the vLLM loader did not finish within {self.timeout} s")
+
+    def _drain(self) -> None:
+        """After a loader failure, take what the receiver still puts so it never blocks."""
+        while True:
+            try:
+                if self._queue.get(timeout=self.timeout) is _END:
+                    return
+            except queue.Empty:
+                return
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
