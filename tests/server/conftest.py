@@ -15,6 +15,17 @@ from tests.helpers import WAIT_S, wait_until
 from tests.models import MODEL_KINDS, save_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Engine steps of tiny models gain nothing from 2 threads, and spin badly on a busy host."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """kind -> model dir (config.json, model.safetensors, tokenizer) for qwen2 (tied) and llama."""
