@@ -13,6 +13,7 @@ that thread is parked, with no RPC and no second copy of any tensor.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -38,7 +39,9 @@ class VLLMEngine(Engine):
     Args:
         model_dir: directory with config.json (and the safetensors checkpoint for "auto").
         load_format: "dummy" (no checkpoint read; serve nothing until a sync commits) or "auto".
-        dtype: the weights' dtype in vLLM ("auto": the config's); syncs must send this dtype.
+        dtype: the weights' dtype in vLLM; syncs must send this dtype. "auto" is the dtype
+            config.json names (vLLM's own "auto" would run a float32 checkpoint in bfloat16 on
+            CPU, and a push of that checkpoint would then be refused).
         max_model_len: longest prompt + completion (None: the model's own limit).
         kv_cache_bytes: memory for the KV cache (the env var VLLM_CPU_KVCACHE_SPACE, in GiB,
             overrides it on CPU).
@@ -69,7 +72,7 @@ class VLLMEngine(Engine):
         self._llm = _build_llm_engine(
             model_dir,
             load_format=load_format,
-            dtype=dtype,
+            dtype=_config_dtype(model_dir) if dtype == "auto" else dtype,
             max_model_len=max_model_len,
             kv_cache_memory_bytes=kv_cache_bytes,
             seed=seed,
@@ -252,6 +255,13 @@ def _reprocess_tied_layers(worker: Any) -> None:
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
+
+
+def _config_dtype(model_dir: Path) -> str:
+    """The dtype config.json names ("dtype", or the older "torch_dtype"), else vLLM's "auto"."""
+    config = json.loads((model_dir / "config.json").read_text())
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value) if isinstance(value, str) else "auto"
 
 
 def _eos_ids(hf_config: Any, model_dir: Path) -> frozenset[int]:
