@@ -918,3 +918,19 @@ def test_dirty_stays_dirty_until_a_sync_commits(transport):
         assert sender.push({"a": torch.full((16,), 2.0), "b": torch.ones(16)}, version=4).ok
         assert (receiver.state, receiver.version, receiver.last_error) == ("ready", 4, "")
         assert torch.equal(dest["a"], torch.full((16,), 2.0))
+
+
+def test_sink_hears_abort_when_landing_refuses_after_begin(transport):
+    """A destination of the wrong shape is found after sink.begin accepted the plan: the sink
+    must still be told the sync is off (a server would otherwise stay paused)."""
+
+    class WrongDestination(Recorder):
+        def destination(self, name):  # type: ignore[no-untyped-def]
+            return torch.zeros(3)
+
+    sink = WrongDestination()
+    with receiving(sink, transport) as receiver, sending(receiver.address) as sender:
+        report = sender.push({"w": torch.ones(4)}, version=1)
+        assert report.failed[0].kind == "PlanError"
+        assert sink.hooks() == ["begin", "abort"]
+        assert receiver.state == "empty" and receiver.version is None
