@@ -934,3 +934,19 @@ def test_sink_hears_abort_when_landing_refuses_after_begin(transport):
         assert report.failed[0].kind == "PlanError"
         assert sink.hooks() == ["begin", "abort"]
         assert receiver.state == "empty" and receiver.version is None
+
+
+def test_failed_sync_into_a_live_loader_leaves_the_receiver_dirty(transport):
+    """A sink whose load() feeds the served model (loads_live) is mixed after a failure past the
+    first load, even though no byte was written in place."""
+
+    class LiveLoader(Recorder):
+        loads_live = True
+
+    sink = LiveLoader()
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:
+        assert sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=1).ok
+        sink.fail_load = ValueError("engine rejected b")
+        report = sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=2)
+        assert report.failed[0].kind == "SinkError"
+        assert receiver.state == "dirty" and receiver.version is None
