@@ -415,7 +415,7 @@ def test_huge_tensor_claim_is_refused_before_allocating(transport):
             peer.close()
     assert isinstance(reply, Failed) and reply.kind == "PlanError"
     assert "memory" in reply.message
-    assert sink.calls == [("begin", 1)]
+    assert sink.calls == [("begin", 1), ("abort", 1)]  # the sink began, so it hears the sync is off
 
 
 # --- tcp: a raw sync, byte for byte -------------------------------------------------------------
