@@ -321,9 +321,13 @@ def test_broken_first_frame_closes_that_connection_only(live, data):
     receiver, dest = live
     peer = RawPeer(receiver.address)
     try:
-        peer.sock.sendall(data)
-        peer.sock.shutdown(socket.SHUT_WR)
-        assert peer.closed_by_receiver()
+        try:
+            peer.sock.sendall(data)
+            peer.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the receiver may refuse the frame and close before we finish writing it
+        else:
+            assert peer.closed_by_receiver()
     finally:
         peer.close()
     assert receiver.state == "empty" and receiver.last_error == ""
