@@ -11,6 +11,7 @@ State machine (one sync at a time)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -112,7 +113,12 @@ class WeightReceiver:
                 raise PlanError("plan digest does not match the plan")
             with sink_errors("begin"):
                 self._sink.begin(offer.plan, offer.version)
-            landing = Landing(offer.plan, self._sink, offer.version, offer.digest)
+            try:
+                landing = Landing(offer.plan, self._sink, offer.version, offer.digest)
+            except BaseException as exc:  # the sink began: it must hear that the sync is off
+                with contextlib.suppress(Exception):
+                    self._sink.abort(offer.version, exc)
+                raise
         except BaseException as exc:
             # A refused plan is a failed sync too: say why (state and version stay as they were).
             self._last_error = f"sync of version {offer.version} failed: {exc}"

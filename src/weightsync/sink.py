@@ -34,6 +34,10 @@ class WeightSink:
     exactly one of `commit` or `abort`.
     """
 
+    loads_live: bool = False
+    """True when `load` writes into the weights being served (an engine's loader), so a sync that
+    fails after any `load` leaves them mixed; the receiver then reports itself dirty."""
+
     def begin(self, plan: Plan, version: int) -> None:
         """Check the plan against the engine; raise PlanError to refuse it."""
 
@@ -195,6 +199,7 @@ class Landing:
             else:
                 loads.append((self.plan.tensors[tensor].name, value))
         if loads:
+            self.touched_live = self.touched_live or self.sink.loads_live
             with sink_errors("load"):
                 self.sink.load(loads)
 

@@ -8,6 +8,7 @@ bytes are never framed: a message announces them (`BucketData.nbytes`) and they 
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 from typing import Any
@@ -85,6 +86,20 @@ class Connection:
             if count == 0:
                 raise self._error(PeerClosedError, "peer closed the connection")
             received += count
+
+    def wait_readable(self) -> None:
+        """Block until a read would not block (data, EOF or an error), leaving timeouts alone.
+
+        Polls in short rounds so that a socket closed by another thread (which wakes no poller)
+        is noticed; the read that follows then reports the closed connection.
+        """
+        poller = select.poll()
+        fd = self.sock.fileno()
+        if fd < 0:
+            return
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        while not poller.poll(250) and self.sock.fileno() >= 0:
+            pass
 
     def close(self) -> None:
         try:

@@ -918,3 +918,35 @@ def test_dirty_stays_dirty_until_a_sync_commits(transport):
         assert sender.push({"a": torch.full((16,), 2.0), "b": torch.ones(16)}, version=4).ok
         assert (receiver.state, receiver.version, receiver.last_error) == ("ready", 4, "")
         assert torch.equal(dest["a"], torch.full((16,), 2.0))
+
+
+def test_sink_hears_abort_when_landing_refuses_after_begin(transport):
+    """A destination of the wrong shape is found after sink.begin accepted the plan: the sink
+    must still be told the sync is off (a server would otherwise stay paused)."""
+
+    class WrongDestination(Recorder):
+        def destination(self, name):  # type: ignore[no-untyped-def]
+            return torch.zeros(3)
+
+    sink = WrongDestination()
+    with receiving(sink, transport) as receiver, sending(receiver.address) as sender:
+        report = sender.push({"w": torch.ones(4)}, version=1)
+        assert report.failed[0].kind == "PlanError"
+        assert sink.hooks() == ["begin", "abort"]
+        assert receiver.state == "empty" and receiver.version is None
+
+
+def test_failed_sync_into_a_live_loader_leaves_the_receiver_dirty(transport):
+    """A sink whose load() feeds the served model (loads_live) is mixed after a failure past the
+    first load, even though no byte was written in place."""
+
+    class LiveLoader(Recorder):
+        loads_live = True
+
+    sink = LiveLoader()
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:
+        assert sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=1).ok
+        sink.fail_load = ValueError("engine rejected b")
+        report = sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=2)
+        assert report.failed[0].kind == "SinkError"
+        assert receiver.state == "dirty" and receiver.version is None

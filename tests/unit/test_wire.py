@@ -321,9 +321,13 @@ def test_broken_first_frame_closes_that_connection_only(live, data):
     receiver, dest = live
     peer = RawPeer(receiver.address)
     try:
-        peer.sock.sendall(data)
-        peer.sock.shutdown(socket.SHUT_WR)
-        assert peer.closed_by_receiver()
+        try:
+            peer.sock.sendall(data)
+            peer.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the receiver may refuse the frame and close before we finish writing it
+        else:
+            assert peer.closed_by_receiver()
     finally:
         peer.close()
     assert receiver.state == "empty" and receiver.last_error == ""
@@ -415,7 +419,7 @@ def test_huge_tensor_claim_is_refused_before_allocating(transport):
             peer.close()
     assert isinstance(reply, Failed) and reply.kind == "PlanError"
     assert "memory" in reply.message
-    assert sink.calls == [("begin", 1)]
+    assert sink.calls == [("begin", 1), ("abort", 1)]  # the sink began, so it hears the sync is off
 
 
 # --- tcp: a raw sync, byte for byte -------------------------------------------------------------

@@ -47,7 +47,8 @@ class _Inbox:
     """Messages a peer sends back to the sender, read by a background thread so the sender can
     wait on several peers with one deadline."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, timeout: float) -> None:
+        self._timeout = timeout
         self._queue: queue.Queue[Message | WeightSyncError] = queue.Queue()
         self.closed = threading.Event()
         """Set once the connection is gone: the peer closed it, died, or sent garbage."""
@@ -57,7 +58,11 @@ class _Inbox:
     def _read(self, conn: Connection) -> None:
         while True:
             try:
-                self._queue.put(conn.recv(timeout=None))
+                # Wait for data without touching the socket's timeout: the sender thread uses the
+                # same socket, and switching it to blocking mode under a send in flight turns
+                # that send into EAGAIN. Reads then use the sender's own timeout, unchanged.
+                conn.wait_readable()
+                self._queue.put(conn.recv(timeout=self._timeout))
             except WeightSyncError as exc:
                 self._queue.put(exc)
                 self.closed.set()
@@ -110,7 +115,7 @@ class StreamSender(SenderTransport):
                 conn = Connection(self.open_socket(peer.address), self.name)
                 self._conns[peer] = conn
                 conn.send(Hello(PROTOCOL_VERSION, self.sender_id), self.timeout)
-                self._inboxes[peer] = _Inbox(conn)
+                self._inboxes[peer] = _Inbox(conn, self.timeout)
                 welcome = self.expect(peer, Welcome, time.monotonic() + self.timeout)
                 if welcome.protocol != PROTOCOL_VERSION:
                     raise ProtocolError(
