@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# Real vLLM (CPU build) for the vllm engine tests; WEIGHTSYNC_SKIP_VLLM=1 skips them.
+if [[ -z "${WEIGHTSYNC_SKIP_VLLM:-}" ]]; then
+    ./scripts/install-vllm.sh
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 exec .venv/bin/pytest -q "$@"

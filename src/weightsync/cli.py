@@ -1,6 +1,8 @@
 """The `weightsync` command: argument parsing only; each subcommand hands off to the library.
 
 weightsync bench [--transport shm,tcp] [--size-gb 4] [--bucket-mb auto] [--receivers 1,4] [--json]
+weightsync serve --engine vllm|hf --model DIR [--load-format dummy|auto] [--port P] [--transport shm|tcp]
+weightsync push --model DIR --to URL [URL ...]
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from weightsync.errors import ConfigError
+from weightsync.server.cli import add_push_parser, add_serve_parser
 
 __all__ = ["main"]
 
@@ -107,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description="Move model weights from trainer to engines.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(subparsers)
+    add_serve_parser(subparsers)
+    add_push_parser(subparsers)
     return parser
 
 

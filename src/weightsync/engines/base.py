@@ -82,5 +82,5 @@ class Engine(ABC):
     def weight_bytes(self) -> int:
         """Bytes of model weights the engine holds (to show the server holds no second copy)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional hook: engines without resources need not override)
         """Release the model and its caches."""
