@@ -100,6 +100,9 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
+    # Listen now, before the URL is printed: a client that connects while uvicorn is still
+    # starting waits in the backlog instead of being refused.
+    sock.listen(128)
     return sock
 
 
