@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,12 @@ class VLLMEngine(Engine):
         self.layout: CheckpointLayout = checkpoint_layout(model_dir, model_config.dtype)
         self._requests: set[str] = set()
         self._dirty = False
+        # vLLM's CPU worker plans attention for the OpenMP thread count it set at build time, and
+        # checks it when the kernel runs. That count is per calling thread, and the server steps
+        # from its own loop thread: each new stepping thread gets the build-time count. (vLLM
+        # replaces torch.set_num_threads with a no-op after binding, hence the C entry point.)
+        self._num_threads = torch.get_num_threads()
+        self._threads_set_for: int | None = None
         self._sink = ReloadSink(self.layout, self._reload, self._after_reload, self._set_dirty, load_timeout)
 
     # --- requests -------------------------------------------------------------------------------
@@ -122,6 +129,9 @@ class VLLMEngine(Engine):
         self._requests.add(request_id)
 
     def step(self) -> list[StepOutput]:
+        if self._threads_set_for != threading.get_ident():
+            torch._C.set_num_threads(self._num_threads)
+            self._threads_set_for = threading.get_ident()
         if self._sink.loading:
             raise SinkError("step() called while a weight sync is loading into vLLM")
         if self._dirty:
