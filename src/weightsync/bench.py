@@ -39,7 +39,7 @@ import psutil
 import torch
 
 from weightsync.errors import ConfigError
-from weightsync.pack import byte_view
+from weightsync.pack import STREAMING_COPY, byte_view
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 
@@ -178,6 +178,7 @@ def environment() -> dict[str, Any]:
         "memory_bytes": psutil.virtual_memory().total,
         "libc": " ".join(platform.libc_ver()),
         "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "copy_routine": "native streaming stores" if STREAMING_COPY else "numpy.copyto",
     }
 
 
@@ -678,6 +679,7 @@ def format_table(report: BenchReport) -> str:
         f"model: {report.total_bytes / GIB:.2f} GiB bf16, {report.num_tensors} tensors, "
         f"largest {report.largest_tensor_bytes / MIB:.0f} MiB; "
         f"memcpy (numpy.copyto, 1 thread, pre-faulted): {report.memcpy_gbps:.2f} GB/s; "
+        f"weightsync copies with {'native streaming stores' if STREAMING_COPY else 'numpy.copyto'}; "
         f"GB/s = median over syncs, 1e9 bytes of payload per second end to end"
     )
     return "\n".join([header, "", *(line.rstrip() for line in lines)])

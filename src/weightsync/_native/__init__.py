@@ -1,0 +1,1 @@
+"""Native helpers, built from C when a compiler is available (see setup.py)."""
