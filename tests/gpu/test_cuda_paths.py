@@ -1,0 +1,74 @@
+"""Weights on a GPU: CUDA sources and CUDA destinations over every transport, bit for bit.
+
+Skipped without CUDA (our CI has none); run on a GPU machine with `pytest tests/gpu`.
+A CUDA source is read through torch (device-to-host into the bucket); a CUDA destination is
+staged on the host and copied in once the tensor is complete (`Landing.finish_bucket`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_all_bit_exact, random_tensor, random_values, receiving, sending
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BUCKET = 1 << 16
+
+
+def model_like(device: str) -> dict[str, torch.Tensor]:
+    """A small mix: chunked (4.5 buckets), non-contiguous, tied, 0-dim, empty, several dtypes."""
+    big = random_tensor(torch.bfloat16, (9 * BUCKET // 4,), seed=1)
+    named = {
+        "embed.weight": big.reshape(-1, 64),
+        "layers.0.q.weight": random_tensor(torch.float16, (96, 128), seed=2).t(),
+        "layers.0.norm.weight": random_tensor(torch.float32, (128,), seed=3),
+        "layers.0.step": random_tensor(torch.int64, (), seed=4),
+        "layers.0.mask": random_tensor(torch.bool, (33,), seed=5),
+        "layers.0.fp8": random_tensor(torch.float8_e4m3fn, (257,), seed=6),
+        "empty": random_tensor(torch.float32, (0, 7), seed=7),
+    }
+    named = {name: tensor.to(device) for name, tensor in named.items()}
+    named["lm_head.weight"] = named["embed.weight"]  # tied
+    return named
+
+
+def zeros_like_all(named: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(t.shape, dtype=t.dtype, device=device) for name, t in named.items()}
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize(("source_device", "dest_device"), [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_round_trip_bit_exact(transport: str, source_device: str, dest_device: str) -> None:
+    source = model_like(source_device)
+    dest = zeros_like_all(source, dest_device)
+    with receiving(dest, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        report = sender.push(source, version=3)
+    assert report.ok, report
+    assert receiver.version == 3
+    assert all(t.device.type == dest_device for t in dest.values())
+    assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, {k: v.cpu() for k, v in source.items()})
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+def test_fp32_master_weights_cast_to_bf16_on_the_gpu(transport: str) -> None:
+    master = {f"w{i}": random_values(torch.float32, (3 * BUCKET // 8 + i,), seed=i).cuda() for i in range(4)}
+    dest = {name: torch.zeros(t.shape, dtype=torch.bfloat16, device="cuda") for name, t in master.items()}
+    with (
+        receiving(dest, transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, cast=torch.bfloat16) as sender,
+    ):
+        assert sender.push(master, version=1).ok
+    expected = {name: t.to(torch.bfloat16).cpu() for name, t in master.items()}
+    assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, expected)
+
+
+def test_several_versions_into_the_same_cuda_destinations() -> None:
+    dest = zeros_like_all(model_like("cpu"), "cuda")
+    with receiving(dest, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        for version in range(1, 4):
+            source = {name: t.roll(version, 0) if t.dim() else t for name, t in model_like("cuda").items()}
+            assert sender.push(source, version=version).ok
+            assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, {k: v.cpu() for k, v in source.items()})
+    assert receiver.version == 3
