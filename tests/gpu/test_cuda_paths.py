@@ -68,7 +68,8 @@ def test_several_versions_into_the_same_cuda_destinations() -> None:
     dest = zeros_like_all(model_like("cpu"), "cuda")
     with receiving(dest, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
         for version in range(1, 4):
-            source = {name: t.roll(version, 0) if t.dim() else t for name, t in model_like("cuda").items()}
+            # roll on the host: CUDA has no roll for fp8
+            source = {name: (t.roll(version, 0) if t.dim() else t).cuda() for name, t in model_like("cpu").items()}
             assert sender.push(source, version=version).ok
             assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, {k: v.cpu() for k, v in source.items()})
     assert receiver.version == 3
