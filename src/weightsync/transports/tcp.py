@@ -64,7 +64,7 @@ class TcpSender(StreamSender):
             for view in views:
                 conn.send_bytes(view, self.timeout)
 
-        self.each(stream)
+        self.each(stream, parallel=True)
 
     def _bytes_of(self, item: BucketItem, index: int) -> np.ndarray:
         piece = item.piece
