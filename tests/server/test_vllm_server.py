@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.server.checks import check_stop_strings, check_top_logprobs
 from tests.server.conftest import live_server
 from tests.server.test_server import PROMPTS, greedy, push
 from weightsync.checkpoint import SafetensorsSource
@@ -49,3 +50,13 @@ def test_vllm_server_gates_then_serves_pushed_weights(tiny_models) -> None:
         after = greedy(dummy, PROMPTS[0])
         assert after["weight_version"] == 1
         assert after["choices"][0]["token_ids"] == greedy(reference, PROMPTS[0])["choices"][0]["token_ids"]
+
+
+def test_vllm_stop_strings_and_top_logprobs(tiny_models) -> None:
+    model_dir = tiny_models["qwen2"]
+    with (
+        live_server(model_dir, engine="vllm", load_format="auto") as served,
+        live_server(model_dir, engine="hf", load_format="auto") as reference,
+    ):
+        check_stop_strings(served)
+        check_top_logprobs(served, reference.server.engine.model)

@@ -51,6 +51,9 @@ class StepOutput:
     new_logprobs: list[float] | None
     finished: bool
     finish_reason: str | None  # "stop" | "length" when finished by the engine
+    new_top_logprobs: list[dict[int, float]] | None = None
+    """Per new token, when `logprobs` >= 1: token id -> logprob of the `logprobs` most likely
+    tokens at that position, plus the chosen one."""
 
 
 class Engine(ABC):

@@ -104,7 +104,13 @@ class HFEngine(Engine):
         request.cache = out.past_key_values
         logits = out.logits[0, -1].float()
         token = _sample(logits, request.params.temperature, request.generator)
-        logprob = torch.log_softmax(logits, dim=-1)[token].item() if request.params.logprobs is not None else None
+        logprob, top = None, None
+        if request.params.logprobs is not None:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            logprob = logprobs[token].item()
+            if request.params.logprobs > 0:
+                values, ids = logprobs.topk(min(request.params.logprobs, logprobs.numel()))
+                top = dict(zip(ids.tolist(), values.tolist(), strict=True)) | {token: logprob}
         request.num_generated += 1
         request.next_input = torch.tensor([[token]], dtype=torch.long)
         reason = None
@@ -115,7 +121,12 @@ class HFEngine(Engine):
         if reason is not None:
             del self._requests[request.request_id]
         return StepOutput(
-            request.request_id, [token], None if logprob is None else [logprob], reason is not None, reason
+            request.request_id,
+            [token],
+            None if logprob is None else [logprob],
+            reason is not None,
+            reason,
+            None if top is None else [top],
         )
 
     def abort(self, request_id: str) -> None:

@@ -236,11 +236,13 @@ def _build_llm_engine(model_dir: Path, **engine_kwargs: Any) -> Any:
 def _step_output(output: Any) -> StepOutput:
     completion = output.outputs[0]
     token_ids = list(completion.token_ids)
-    logprobs = None
+    logprobs, tops = None, None
     if completion.logprobs is not None:
+        # vLLM returns, per position, the requested top alternatives plus the sampled token.
         logprobs = [float(top[token].logprob) for token, top in zip(token_ids, completion.logprobs, strict=True)]
+        tops = [{int(t): float(lp.logprob) for t, lp in top.items()} for top in completion.logprobs]
     reason = completion.finish_reason if output.finished else None
-    return StepOutput(output.request_id, token_ids, logprobs, bool(output.finished), reason)
+    return StepOutput(output.request_id, token_ids, logprobs, bool(output.finished), reason, tops)
 
 
 def _reprocess_tied_layers(worker: Any) -> None:

@@ -102,14 +102,16 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
         return error(503, f"not serving after {server.config.ready_timeout} s: {reason}", "service_unavailable")
     queues = submit(server, body, prompts, request_id)
     try:
-        collected = await asyncio.gather(*(collect(queue) for queue in queues))
+        collected = await asyncio.gather(
+            *(collect(server, queue, f"{request_id}-{index}", body.stop) for index, queue in enumerate(queues))
+        )
     finally:  # the client went away or we failed: stop generating for it
         for index in range(len(queues)):
             server.loop.cancel(f"{request_id}-{index}")
     failed = [c.finish_reason for c in collected if (c.finish_reason or "").startswith("error")]
     if failed:
         return error(400, failed[0] or "", "invalid_request_error")
-    choices = [c.choice(server, index, body.logprobs is not None) for index, c in enumerate(collected)]
+    choices = [c.choice(index, body.logprobs is not None) for index, c in enumerate(collected)]
     return JSONResponse(response(server, request_id, choices, prompts, body.n).model_dump(exclude_none=True))
 
 
@@ -171,34 +173,58 @@ def submit(
 
 
 class Collected:
-    """One choice's tokens as they came from the loop, with the versions that produced them."""
+    """One choice's tokens as they came from the loop, with the versions that produced them.
 
-    def __init__(self) -> None:
+    Stop strings are matched here, on the decoded text, so they work the same on every engine:
+    the text ends before the first stop string, and the request is cancelled in the loop.
+    """
+
+    def __init__(self, tokenizer: Any, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop or []
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
         self.versions: list[int] = []
         self.finish_reason: str | None = None
         self.last_version: int | None = None
+        self.text_end: int | None = None
+        """Where a stop string cut the text, once one was generated."""
+
+    @property
+    def done(self) -> bool:
+        return self.text_end is not None
 
     def add(self, event: TokenEvent) -> None:
         if event.token_ids and event.version is not None and (not self.versions or self.versions[-1] != event.version):
             self.versions.append(event.version)
         self.token_ids += event.token_ids
         self.logprobs += event.logprobs or []
+        self.top_logprobs += event.top_logprobs or []
         self.last_version = event.version
         self.finish_reason = event.finish_reason
+        if self.stop and event.token_ids:
+            text = self.text()
+            found = [at for at in (text.find(stop) for stop in self.stop) if at >= 0]
+            if found:
+                self.text_end, self.finish_reason = min(found), "stop"
 
-    def choice(self, server: RolloutServer, index: int, with_logprobs: bool) -> Choice:
-        tokenizer = server.tokenizer
+    def text(self) -> str:
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)[: self.text_end]
+
+    def choice(self, index: int, with_logprobs: bool) -> Choice:
         logprobs = None
         if with_logprobs:
-            pieces = [tokenizer.decode([t]) for t in self.token_ids]
+            pieces = [self.tokenizer.decode([t]) for t in self.token_ids]
             offsets = list(itertools.accumulate((len(p) for p in pieces), initial=0))[:-1]
-            logprobs = Logprobs(tokens=pieces, token_logprobs=self.logprobs, text_offset=offsets)
+            top = [{self.tokenizer.decode([t]): lp for t, lp in one.items()} for one in self.top_logprobs]
+            logprobs = Logprobs(
+                tokens=pieces, token_logprobs=self.logprobs, top_logprobs=top or None, text_offset=offsets
+            )
         versions = self.versions or ([self.last_version] if self.last_version is not None else [])
         return Choice(
             index=index,
-            text=tokenizer.decode(self.token_ids, skip_special_tokens=True),
+            text=self.text(),
             token_ids=self.token_ids,
             logprobs=logprobs,
             finish_reason=self.finish_reason,
@@ -207,12 +233,17 @@ class Collected:
         )
 
 
-async def collect(queue: asyncio.Queue[TokenEvent]) -> Collected:
-    collected = Collected()
+async def collect(
+    server: RolloutServer, queue: asyncio.Queue[TokenEvent], request_id: str, stop: list[str] | None
+) -> Collected:
+    collected = Collected(server.tokenizer, stop)
     while True:
         event = await queue.get()
         collected.add(event)
         if event.finished:
+            return collected
+        if collected.done:  # a stop string: no more tokens for this choice
+            server.loop.cancel(request_id)
             return collected
 
 

@@ -42,6 +42,7 @@ class TokenEvent:
     version: int | None
     finished: bool = False
     finish_reason: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 Deliver = Callable[[TokenEvent], None]
@@ -237,5 +238,12 @@ class EngineLoop:
                 return
             if output.finished:
                 del self._active[output.request_id]
-        event = TokenEvent(output.new_token_ids, output.new_logprobs, version, output.finished, output.finish_reason)
+        event = TokenEvent(
+            output.new_token_ids,
+            output.new_logprobs,
+            version,
+            output.finished,
+            output.finish_reason,
+            output.new_top_logprobs,
+        )
         submission.deliver(event)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 __all__ = [
     "Choice",
@@ -30,14 +30,25 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     n: int = Field(1, ge=1, le=128)
     logprobs: int | None = Field(None, ge=0, le=20)
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     stream: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> list[str] | None:
+        """OpenAI's rule: up to 4 stop sequences; an empty one would stop before any text."""
+        stops = [stop] if isinstance(stop, str) else stop
+        if stops is not None and (len(stops) > 4 or not all(stops)):
+            raise ValueError("stop takes up to 4 non-empty strings")
+        return stops or None
 
 
 class Logprobs(BaseModel):
     tokens: list[str]
     token_logprobs: list[float]
-    top_logprobs: None = None
+    top_logprobs: list[dict[str, float]] | None = None
+    """With `logprobs: N` >= 1, per token: the N most likely tokens and the chosen one."""
     text_offset: list[int]
 
 
