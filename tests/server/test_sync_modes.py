@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import pytest
@@ -12,6 +13,20 @@ from tests.server.conftest import live_server
 from weightsync import WeightSender
 
 MAX_TOKENS = 40
+
+ENGINES = [
+    "hf",
+    pytest.param(
+        "vllm",
+        marks=[
+            pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+            # vLLM's own imports warn (deprecated torch.jit APIs, future changes): not ours to fix.
+            pytest.mark.filterwarnings("ignore::FutureWarning"),
+            pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+            pytest.mark.filterwarnings("ignore::UserWarning"),
+        ],
+    ),
+]
 
 
 def run_concurrently(server, prompts):  # type: ignore[no-untyped-def]
@@ -27,12 +42,16 @@ def run_concurrently(server, prompts):  # type: ignore[no-untyped-def]
     return threads, results
 
 
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("mode", ["wait", "abort", "keep"])
-def test_sync_during_generation(tiny_models, mode) -> None:
+def test_sync_during_generation(tiny_models, mode, engine) -> None:
     model_dir = tiny_models["qwen2"]
     v1 = load_file(model_dir / "model.safetensors")
     v2 = {name: tensor * 1.5 for name, tensor in v1.items()}
-    with live_server(model_dir, sync_mode=mode) as server, WeightSender([server.address], timeout=WAIT_S) as sender:
+    with (
+        live_server(model_dir, sync_mode=mode, engine=engine) as server,
+        WeightSender([server.address], timeout=WAIT_S) as sender,
+    ):
         assert sender.push(v1, 1).ok
         body = server.client.completions([[i, i + 1] for i in range(3, 13)], max_tokens=MAX_TOKENS, temperature=0)
         # prompts that run to max_tokens on version 1 (no early EOS), so they are in flight at the sync
