@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput
+from weightsync.engines.malloc import return_large_frees_to_os
 from weightsync.engines.vllm_sink import CheckpointLayout, ReloadSink, checkpoint_layout
 from weightsync.errors import ConfigError, SinkError
 
@@ -70,6 +71,7 @@ class VLLMEngine(Engine):
             raise ConfigError(f"{model_dir} has no config.json")
         if load_format not in ("dummy", "auto"):
             raise ConfigError(f"load_format must be 'dummy' or 'auto', got {load_format!r}")
+        return_large_frees_to_os()  # each reload frees a model's worth of layer temporaries
         self._llm = _build_llm_engine(
             model_dir,
             load_format=load_format,
