@@ -1,5 +1,6 @@
 """The `weightsync` command: argument parsing only; each subcommand hands off to the library.
 
+weightsync demo [--mode disaggregated|colocated] [--servers 2] [--steps 60] [--out runs/demo]
 weightsync bench [--transport shm,tcp] [--size-gb 4] [--bucket-mb auto] [--receivers 1,4] [--json]
 weightsync serve --engine vllm|hf --model DIR [--load-format dummy|auto] [--port P] [--transport shm|tcp]
 weightsync push --model DIR --to URL [URL ...]
@@ -12,6 +13,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
+from weightsync.demo.cli import add_demo_parser
 from weightsync.errors import ConfigError
 from weightsync.server.cli import add_push_parser, add_serve_parser
 
@@ -109,6 +111,7 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description="Move model weights from trainer to engines.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_demo_parser(subparsers)
     _add_bench(subparsers)
     add_serve_parser(subparsers)
     add_push_parser(subparsers)

@@ -1,0 +1,203 @@
+"""The demo's training loop: sample from the rollout engines, score, GRPO step, push, repeat.
+
+Disaggregated (default): the rollout servers generate the next batch while the trainer trains
+on the current one (one-step off-policy); once both are done, the new weights are pushed to
+every server, so no request is in flight during the transfer. Colocated: generate, train and
+push in turn, through `inproc`, in one process.
+
+    step k:  train on samples of version k-1 (k in colocated mode)  -> version k+1 -> push
+             servers: generate step k+1's samples on version k ----^
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from weightsync.demo import grpo, task
+from weightsync.demo.report import StepLog
+from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
+from weightsync.module_source import ModuleSource
+from weightsync.sender import WeightSender
+from weightsync.types import SyncReport
+
+__all__ = ["DemoConfig", "run"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DemoConfig:
+    """Everything a run depends on; the defaults learn the task in about 40 steps."""
+
+    mode: str = "disaggregated"
+    servers: int = 2
+    engine: str = "hf"
+    steps: int = 60
+    prompts_per_step: int = 16
+    group: int = 8
+    lr: float = 3e-3
+    kl_coef: float = 0.0
+    max_staleness: int = 1
+    seed: int = 0
+    out: Path = Path("runs/demo")
+    timeout: float = 60.0
+    kill_server_at: int | None = None
+    progress: bool = True
+
+
+OnStep = Callable[[dict[str, Any], torch.nn.Module, Any], None]
+
+
+def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any]]:
+    """Train for `config.steps` steps; returns the per-step records (also in steps.jsonl)."""
+    torch.set_num_threads(1)  # the rollout servers need the other core
+    config.out.mkdir(parents=True, exist_ok=True)
+    model_dir = config.out / "policy"
+    model = task.build_policy(model_dir, seed=config.seed)
+    reference = task.build_policy(config.out / "reference", seed=config.seed) if config.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    rng = random.Random(config.seed)
+    if config.mode == "colocated":
+        rollouts: Any = LocalRollouts(model_dir, config.timeout)
+    elif config.mode == "disaggregated":
+        rollouts = ServerFleet(model_dir, config.servers, config.engine, config.timeout)
+    else:
+        raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
+    steps = StepLog(config.out / "steps.jsonl")
+    sender = WeightSender(rollouts.addresses(), timeout=config.timeout)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-demo-rollouts")
+    bar = tqdm(total=config.steps, disable=not config.progress, unit="step", file=None)
+    try:
+        sender, _ = push(sender, rollouts, model, 0, config.timeout)  # version 0: the initial weights
+        samples = rollouts.generate(new_request(config, rng, 0))
+        for step in range(config.steps):
+            if step == config.kill_server_at and isinstance(rollouts, ServerFleet):
+                rollouts.kill(0)
+            next_batch = None
+            if config.mode == "disaggregated":  # the servers generate step+1 while this step trains
+                next_batch = pool.submit(rollouts.generate, new_request(config, rng, step + 1))
+            used, dropped = fresh(samples, version=step, max_staleness=config.max_staleness)
+            rewards = [task.reward(task_digit(s), s.completion_ids) for s in used]
+            train_step(model, reference, optimizer, used, rewards, config)
+            if next_batch is not None:  # push only once no request is in flight: a pure transfer
+                samples = next_batch.result(timeout=config.timeout * 4)
+            rollouts.check_alive()
+            sender, report = push(sender, rollouts, model, step + 1, config.timeout)
+            if next_batch is None:
+                samples = rollouts.generate(new_request(config, rng, step + 1))
+            record = {
+                "step": step,
+                "reward_mean": sum(rewards) / max(len(rewards), 1),
+                "sync_seconds": report.seconds,
+                "sync_gbps": report.gbps,
+                "sync_bytes": report.total_bytes,
+                "weight_version": step + 1,
+                "sample_versions": sorted({s.weight_version for s in used}),
+                "max_version_lag": max((step - s.weight_version for s in used), default=0),
+                "samples": len(used),
+                "dropped_stale": dropped,
+                "receivers_committed": len(report.outcomes) - len(report.failed),
+                "receivers": len(report.outcomes),
+                "events": rollouts.events[:],
+            }
+            rollouts.events.clear()
+            steps.write(record)
+            for event in record["events"]:
+                bar.write(f"step {step}: {event}")
+            bar.set_postfix(
+                reward=f"{record['reward_mean']:.2f}",
+                sync=f"{record['sync_seconds'] * 1e3:.0f}ms",
+                lag=record["max_version_lag"],
+            )
+            bar.update(1)
+            if on_step is not None:
+                on_step(record, model, rollouts)
+        return steps.records
+    finally:
+        bar.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+        sender.close()
+        rollouts.close()
+        steps.close()
+
+
+def new_request(config: DemoConfig, rng: random.Random, step: int) -> Request:
+    digits = task.sample_digits(rng, config.prompts_per_step)
+    prompts = [task.encode(task.prompt_text(d)) for d in digits]
+    return Request(prompts, config.group, task.ANSWER_LENGTH, temperature=1.0, seed=config.seed * 1000 + step)
+
+
+def task_digit(sample: Sample) -> int:
+    return int(task.decode(sample.prompt_ids[:1]))
+
+
+def fresh(samples: list[Sample], version: int, max_staleness: int) -> tuple[list[Sample], int]:
+    """The samples at most `max_staleness` versions behind `version`, and how many were not."""
+    kept = [s for s in samples if version - s.weight_version <= max_staleness]
+    return kept, len(samples) - len(kept)
+
+
+def push(
+    sender: WeightSender, rollouts: Any, model: torch.nn.Module, version: int, timeout: float
+) -> tuple[WeightSender, SyncReport]:
+    """Push the model to every rollout engine; a fleet whose membership changed gets a new
+    sender (a restarted server listens on a new address)."""
+    if sorted(sender.addresses) != sorted(rollouts.addresses()):
+        sender.close()
+        sender = WeightSender(rollouts.addresses(), timeout=timeout)
+    report = sender.push(ModuleSource(model), version)
+    for outcome in report.failed:
+        log.warning("push of version %d to %s failed: %s", version, outcome.address, outcome.error)
+        server = rollouts.by_address(outcome.address) if isinstance(rollouts, ServerFleet) else None
+        if server is not None and server in rollouts.servers:
+            rollouts.drop(server, f"failed the push of version {version} ({outcome.kind})")
+    rollouts.joined({o.address for o in report.outcomes if o.committed})
+    return sender, report
+
+
+def train_step(
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    samples: list[Sample],
+    rewards: list[float],
+    config: DemoConfig,
+) -> None:
+    """One GRPO update on `samples` (one optimizer step over the whole batch)."""
+    if not samples:
+        return
+    width = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    inputs = torch.zeros(len(samples), width, dtype=torch.long)
+    mask = torch.zeros(len(samples), width - 1)
+    old = torch.zeros(len(samples), width - 1)
+    for row, sample in enumerate(samples):
+        ids = sample.prompt_ids + sample.completion_ids
+        inputs[row, : len(ids)] = torch.tensor(ids)
+        start, end = len(sample.prompt_ids) - 1, len(ids) - 1  # positions predicting the completion
+        mask[row, start:end] = 1
+        old[row, start:end] = torch.tensor(sample.logprobs, dtype=torch.float32)
+    advantages = grpo.group_advantages(torch.tensor(rewards), torch.tensor([s.prompt_index for s in samples]))
+    logprobs = token_logprobs(model, inputs)
+    ref = None
+    if reference is not None:
+        with torch.no_grad():
+            ref = token_logprobs(reference, inputs)
+    loss = grpo.policy_loss(logprobs, old, advantages, mask, ref_logprobs=ref, kl_coef=config.kl_coef)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def token_logprobs(model: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    """[batch, width - 1]: the logprob of each next token under `model`."""
+    logits = model(input_ids=inputs).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, inputs[:, 1:, None])[..., 0]

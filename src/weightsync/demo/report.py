@@ -1,0 +1,65 @@
+"""What a demo run leaves behind: steps.jsonl as it goes, then a plot and a short summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["StepLog", "plot", "summary"]
+
+
+class StepLog:
+    """steps.jsonl: one JSON object per training step, flushed as each step ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self._file = path.open("w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Mean reward and weight-sync seconds per step, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    figure, (reward_axis, sync_axis) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
+    reward_axis.plot(steps, [r["reward_mean"] for r in records], color="tab:green")
+    reward_axis.set_ylabel("mean reward")
+    reward_axis.set_ylim(0, 1.05)
+    sync_axis.plot(steps, [r["sync_seconds"] * 1e3 for r in records], color="tab:blue")
+    sync_axis.set_ylabel("weight sync (ms)")
+    sync_axis.set_xlabel("training step")
+    figure.suptitle("weightsync demo: GRPO, weights pushed after every step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Reward over the first and last 10% of steps, syncs done, mean sync GB/s, max lag."""
+    tenth = max(1, len(records) // 10)
+    mean = lambda rows: sum(r["reward_mean"] for r in rows) / len(rows)  # noqa: E731
+    seconds = sum(r["sync_seconds"] for r in records)
+    return {
+        "steps": len(records),
+        "reward_first_10pct": mean(records[:tenth]),
+        "reward_last_10pct": mean(records[-tenth:]),
+        "syncs": len(records) + 1,  # the initial push, then one per step
+        "mean_sync_gbps": sum(r["sync_bytes"] for r in records) / seconds / 1e9 if seconds else 0.0,
+        "mean_sync_seconds": seconds / len(records),
+        "max_version_lag": max(r["max_version_lag"] for r in records),
+        "dropped_stale": sum(r["dropped_stale"] for r in records),
+        "events": [f"step {r['step']}: {e}" for r in records for e in r["events"]],
+    }

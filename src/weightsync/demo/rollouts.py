@@ -1,0 +1,260 @@
+"""Where the demo's samples come from: rollout engines, never the trainer's own model.
+
+`LocalRollouts` (colocated): an engine in the trainer's process; weights arrive through the
+`inproc` transport into the engine's own tensors. `ServerFleet` (disaggregated): N
+`weightsync serve` processes; prompts are spread over the live ones, a server that stops
+answering is dropped (and restarted, if asked), and a restarted server gets the current weights
+before it serves: it starts on dummy weights and its gate holds requests until a push commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from weightsync.engines.base import SamplingParams
+from weightsync.receiver import WeightReceiver
+
+__all__ = ["LocalRollouts", "Sample", "ServerFleet"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """One completion, with what GRPO needs and the weight version that produced it."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Request:
+    """`group` samples of each prompt, seeded so that a run can be repeated."""
+
+    prompts: list[list[int]]
+    group: int
+    max_tokens: int
+    temperature: float
+    seed: int
+
+
+class LocalRollouts:
+    """An hf engine in this process, synced through `inproc` (colocated / hybrid mode)."""
+
+    def __init__(self, model_dir: Path, timeout: float) -> None:
+        from weightsync.engines.hf import HFEngine
+
+        self.engine = HFEngine(model_dir, load_format="dummy")
+        self.receiver = WeightReceiver(self.engine.weight_sink(), transport="inproc", timeout=timeout)
+        self.events: list[str] = []
+
+    def addresses(self) -> list[str]:
+        return [self.receiver.address]
+
+    def generate(self, request: Request) -> list[Sample]:
+        version = self.receiver.version
+        if version is None:
+            raise RuntimeError("no weights pushed yet")
+        samples: dict[str, tuple[int, list[int], list[int], list[float]]] = {}
+        for index, prompt in enumerate(request.prompts):
+            for k in range(request.group):
+                request_id = f"{index}-{k}"
+                params = SamplingParams(
+                    max_tokens=request.max_tokens,
+                    temperature=request.temperature,
+                    seed=request.seed + index * request.group + k,
+                    logprobs=0,
+                )
+                self.engine.add_request(request_id, prompt, params)
+                samples[request_id] = (index, prompt, [], [])
+        while self.engine.has_unfinished():
+            for output in self.engine.step():
+                _, _, tokens, logprobs = samples[output.request_id]
+                tokens += output.new_token_ids
+                logprobs += output.new_logprobs or []
+        return [Sample(i, p, t, lp, version) for i, p, t, lp in samples.values()]
+
+    def check_alive(self) -> None:
+        """One process: nothing can die on its own."""
+
+    def joined(self, committed: set[str]) -> None:
+        """Nothing joins a colocated run."""
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.engine.close()
+
+
+class _Server:
+    """One `weightsync serve` process."""
+
+    def __init__(self, index: int, model_dir: Path, engine: str, timeout: float) -> None:
+        self.index = index
+        command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model_dir)]
+        command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout)]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+        for line in self.process.stdout:  # type: ignore[union-attr]
+            if line.startswith("weightsync serve: http://"):
+                break
+        else:
+            raise RuntimeError(f"rollout server {index} exited with {self.process.wait(timeout)} before listening")
+        # engines may log to stdout: keep draining it so the pipe never fills
+        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+        fields = line.split()
+        self.url, self.address = fields[2], fields[4]
+        self.client = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def complete(self, request: Request, prompts: list[tuple[int, list[int]]]) -> list[Sample]:
+        body = {
+            "prompt": [p for _, p in prompts],
+            "n": request.group,
+            "max_tokens": request.max_tokens,
+            "temperature": request.temperature,
+            "seed": request.seed + prompts[0][0] * request.group,
+            "logprobs": 0,
+        }
+        response = self.client.post("/v1/completions", json=body)
+        response.raise_for_status()
+        choices = response.json()["choices"]
+        samples = []
+        for position, choice in enumerate(choices):
+            index, prompt = prompts[position // request.group]
+            logprobs = choice["logprobs"]["token_logprobs"]
+            samples.append(Sample(index, prompt, choice["token_ids"], logprobs, choice["weight_version"]))
+        return samples
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def close(self) -> None:
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.process.stdout.close()  # type: ignore[union-attr]
+
+
+class ServerFleet:
+    """N rollout servers in their own processes (disaggregated mode).
+
+    Args:
+        model_dir: the policy's directory (config.json and tokenizer; no weights are read).
+        size: servers to start.
+        engine: "hf" or "vllm".
+        timeout: seconds any request or start-up may take.
+        restart: start a replacement for a server that died (it rejoins after the next push).
+    """
+
+    def __init__(self, model_dir: Path, size: int, engine: str, timeout: float, restart: bool = True) -> None:
+        self._model_dir, self._engine, self._timeout, self._restart = model_dir, engine, timeout, restart
+        with ThreadPoolExecutor(size) as pool:
+            self.servers = list(pool.map(lambda i: _Server(i, model_dir, engine, timeout), range(size)))
+        self.joining: list[_Server] = []
+        """Restarted servers: they get the current weights at the next push, then serve."""
+        self.events: list[str] = []
+        self._lock = threading.RLock()  # generation (a background thread) and pushes both drop servers
+
+    def addresses(self) -> list[str]:
+        with self._lock:
+            return [server.address for server in self.servers + self.joining]
+
+    def generate(self, request: Request) -> list[Sample]:
+        """Spread the prompts over the live servers; a server that fails is dropped and its
+        prompts go to the others."""
+        todo = list(enumerate(request.prompts))
+        samples: list[Sample] = []
+        while todo:
+            with self._lock:
+                live = [server for server in self.servers if server.alive()]
+            if not live:
+                raise RuntimeError("every rollout server is down")
+            shares = [todo[i :: len(live)] for i in range(len(live))]
+            with ThreadPoolExecutor(len(live)) as pool:
+                results = list(
+                    pool.map(lambda pair: self._try(pair[0], request, pair[1]), zip(live, shares, strict=True))
+                )
+            todo = []
+            for server, share, result in zip(live, shares, results, strict=True):
+                if result is None:
+                    self.drop(server, "stopped answering")
+                    todo += share
+                else:
+                    samples += result
+        return samples
+
+    def _try(self, server: _Server, request: Request, share: list[tuple[int, list[int]]]) -> list[Sample] | None:
+        if not share:
+            return []
+        try:
+            return server.complete(request, share)
+        except httpx.HTTPError as exc:
+            log.warning("rollout server %d failed: %s", server.index, exc)
+            return None
+
+    def drop(self, server: _Server, why: str) -> None:
+        """Take `server` out of the fleet; start a replacement if restarting is on."""
+        with self._lock:
+            if server not in self.servers:
+                return
+            self.servers.remove(server)
+            server.close()
+            self.events.append(f"server {server.index} {why}; continuing on {len(self.servers)}")
+            if self._restart:
+                self.joining.append(_Server(server.index, self._model_dir, self._engine, self._timeout))
+                self.events.append(f"server {server.index} restarted; it serves after the next push")
+
+    def by_address(self, address: str) -> _Server | None:
+        with self._lock:
+            return next((s for s in self.servers + self.joining if s.address == address), None)
+
+    def check_alive(self) -> None:
+        with self._lock:
+            for server in list(self.servers):
+                if not server.alive():
+                    self.drop(server, "died")
+
+    def joined(self, committed: set[str]) -> None:
+        """Move restarted servers whose receiver committed the last push into the fleet."""
+        with self._lock:
+            for server in list(self.joining):
+                if server.address in committed:
+                    self.joining.remove(server)
+                    self.servers.append(server)
+                    self.events.append(f"server {server.index} rejoined with the current weights")
+
+    def kill(self, index: int) -> None:
+        """SIGKILL one server (to show the loop survives it)."""
+        for server in self.servers:
+            if server.index == index:
+                server.kill()
+
+    def __iter__(self) -> Iterator[_Server]:
+        with self._lock:
+            return iter(list(self.servers))
+
+    def close(self) -> None:
+        with self._lock:
+            for server in self.servers + self.joining:
+                server.close()

@@ -1,0 +1,83 @@
+"""The task: after a digit d and "=", write the next digit, (d + 1) mod 10, four times.
+
+Small enough for a tiny model to learn from scratch on a CPU in minutes, and checked by a
+function, not a learned reward: each of the four positions scores a quarter. A random policy
+over the 14-token vocabulary scores about 0.07.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+SPECIAL = ["<pad>", "<unk>", "<eos>"]
+CHARS = list("0123456789=")
+VOCAB = {token: index for index, token in enumerate(SPECIAL + CHARS)}
+EOS_ID = VOCAB["<eos>"]
+ANSWER_LENGTH = 4
+
+
+def prompt_text(digit: int) -> str:
+    return f"{digit}="
+
+
+def answer_text(digit: int) -> str:
+    return str((digit + 1) % 10) * ANSWER_LENGTH
+
+
+def encode(text: str) -> list[int]:
+    return [VOCAB[char] for char in text]
+
+
+def decode(token_ids: list[int]) -> str:
+    return "".join(CHARS[t - len(SPECIAL)] if t >= len(SPECIAL) else "" for t in token_ids)
+
+
+def reward(digit: int, completion_ids: list[int]) -> float:
+    """The fraction of the four answer positions the completion gets right."""
+    text = decode(completion_ids[:ANSWER_LENGTH])
+    return sum(a == b for a, b in zip(text, answer_text(digit), strict=False)) / ANSWER_LENGTH
+
+
+def sample_digits(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(10) for _ in range(count)]
+
+
+def save_tokenizer(path: Path) -> None:
+    """The task's character tokenizer, saved where a rollout server loads it from."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.save_pretrained(path)
+
+
+def build_policy(path: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A tiny Qwen2-shaped causal LM from a config (no download), saved with its tokenizer.
+
+    head_dim 32 keeps it loadable by vLLM's CPU backend too.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=len(VOCAB),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        eos_token_id=EOS_ID,
+        pad_token_id=VOCAB["<pad>"],
+        bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return model
