@@ -16,6 +16,7 @@ from weightsync import ConfigError, WeightReceiver, WeightSender
 EXPECTED = [
     "ConfigError",
     "ConnectError",
+    "ModuleSource",
     "NegotiationError",
     "PeerClosedError",
     "Plan",

@@ -19,6 +19,7 @@ from weightsync.errors import (
     TransportError,
     WeightSyncError,
 )
+from weightsync.module_source import ModuleSource
 from weightsync.plan import build_plan
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
@@ -32,6 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError",
     "ConnectError",
+    "ModuleSource",
     "NegotiationError",
     "PeerClosedError",
     "Plan",

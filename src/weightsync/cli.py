@@ -1,6 +1,6 @@
 """The `weightsync` command: argument parsing only; each subcommand hands off to the library.
 
-weightsync demo [--mode disaggregated|colocated] [--servers 2] [--steps 60] [--out runs/demo]
+weightsync demo [--mode disaggregated|colocated] [--servers 2] [--steps 80] [--out runs/demo]
 weightsync bench [--transport shm,tcp] [--size-gb 4] [--bucket-mb auto] [--receivers 1,4] [--json]
 weightsync serve --engine vllm|hf --model DIR [--load-format dummy|auto] [--port P] [--transport shm|tcp]
 weightsync push --model DIR --to URL [URL ...]

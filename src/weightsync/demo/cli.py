@@ -21,7 +21,7 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     demo.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     demo.add_argument("--servers", type=int, default=2, help="rollout servers (disaggregated; default 2)")
     demo.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
-    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.add_argument("--steps", type=int, default=80, help="training steps (default 80)")
     demo.add_argument("--prompts-per-step", type=int, default=16)
     demo.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
     demo.add_argument("--lr", type=float, default=3e-3)

@@ -1,0 +1,58 @@
+"""GRPO's pieces and the task's checker."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from weightsync.demo import grpo, task
+from weightsync.demo.loop import fresh
+from weightsync.demo.rollouts import Sample
+
+
+def test_group_advantages_normalise_within_each_group() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2, 0.9])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    adv = grpo.group_advantages(rewards, groups)
+    assert adv[0] > 0 > adv[1] and math.isclose(adv[0].item(), -adv[1].item(), rel_tol=1e-6)
+    assert adv[2:6].abs().max() == 0  # equal rewards: no signal
+    assert adv[6] == 0  # a group of one (its siblings dropped as stale): no signal
+
+
+def test_policy_loss_is_the_clipped_surrogate() -> None:
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    loss = grpo.policy_loss(new, old, adv, mask, clip=0.2)
+    # token (0,0): ratio e^.5 clipped to 1.2 (A>0); (1,0): ratio e^-.5 clipped to 0.8 (A<0);
+    # the others: ratio 1. Mean over the 4 unmasked tokens of -min(r*A, clip(r)*A).
+    expected = -(1.2 + 1.0 - 0.8 - 1.0) / 4
+    assert math.isclose(loss.item(), expected, rel_tol=1e-6)
+    loss.backward()
+    assert new.grad[0, 0] == 0 and new.grad[1, 0] == 0  # clipped tokens carry no gradient
+    assert new.grad[0, 2] == 0  # masked
+
+
+def test_kl_penalty_is_zero_at_the_reference_and_positive_away_from_it() -> None:
+    lp = torch.log(torch.tensor([[0.5, 0.25]]))
+    mask = torch.ones(1, 2)
+    zero = torch.zeros(1)
+    assert grpo.policy_loss(lp, lp, zero, mask, ref_logprobs=lp, kl_coef=1.0).item() == 0
+    assert grpo.policy_loss(lp, lp, zero, mask, ref_logprobs=lp - 0.3, kl_coef=1.0).item() > 0
+
+
+def test_reward_checks_each_position() -> None:
+    assert task.reward(3, task.encode("4444")) == 1.0
+    assert task.reward(9, task.encode("0000")) == 1.0
+    assert task.reward(3, task.encode("4") + [task.EOS_ID]) == 0.25
+    assert task.reward(3, task.encode("5444")) == 0.75
+    assert task.reward(3, []) == 0.0
+
+
+def test_staleness_bound_drops_older_samples() -> None:
+    samples = [Sample(0, [1], [2], [0.0], version) for version in (3, 4, 5)]
+    kept, dropped = fresh(samples, version=5, max_staleness=1)
+    assert [s.weight_version for s in kept] == [4, 5] and dropped == 1
+    assert fresh(samples, version=5, max_staleness=0)[1] == 2
