@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -20,7 +21,12 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     )
     demo.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     demo.add_argument("--servers", type=int, default=2, help="rollout servers (disaggregated; default 2)")
-    demo.add_argument("--engine", choices=["hf", "vllm"], default="hf", help="rollout engine (default hf)")
+    demo.add_argument(
+        "--engine",
+        choices=["auto", "hf", "vllm"],
+        default="auto",
+        help="rollout servers' engine: auto (default) is vllm where it is installed, else hf",
+    )
     demo.add_argument("--steps", type=int, default=80, help="training steps (default 80)")
     demo.add_argument("--prompts-per-step", type=int, default=16)
     demo.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
@@ -41,10 +47,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.servers < 1 or args.group < 2 or args.prompts_per_step < 1 or args.max_staleness < 0:
         raise argparse.ArgumentTypeError("steps, servers, prompts-per-step >= 1, group >= 2, max-staleness >= 0")
+    engine = args.engine
+    if engine == "auto":
+        engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
     config = DemoConfig(
         mode=args.mode,
         servers=args.servers,
-        engine=args.engine,
+        engine=engine,
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         group=args.group,
@@ -60,10 +69,10 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     records = run(config)
     plot(records, args.out / "reward_and_sync.png")
-    result = summary(records) | {"seconds": time.perf_counter() - started, "mode": args.mode}
+    result = summary(records) | {"seconds": time.perf_counter() - started, "mode": args.mode, "engine": engine}
     (args.out / "summary.json").write_text(json.dumps(result, indent=1))
     print(
-        f"weightsync demo ({args.mode}): {result['steps']} steps in {result['seconds']:.0f} s; "
+        f"weightsync demo ({args.mode}, {engine if args.mode == 'disaggregated' else 'hf'} engine): {result['steps']} steps in {result['seconds']:.0f} s; "
         f"reward {result['reward_first_10pct']:.2f} (first 10% of steps) -> {result['reward_last_10pct']:.2f} "
         f"(last 10%); {result['syncs']} syncs, mean {result['mean_sync_seconds'] * 1e3:.1f} ms "
         f"({result['mean_sync_gbps']:.2f} GB/s); max version lag {result['max_version_lag']}, "
