@@ -4,6 +4,7 @@ the loop goes on, and its restarted replacement serves the current version."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,21 @@ def trainer_greedy(model: torch.nn.Module) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
+def assert_servers_serve_the_trainer(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> list[int]:
+    """Each live server's greedy completion is the trainer's, at the version just pushed;
+    returns the indices of the servers checked."""
+    expected = trainer_greedy(model)
+    checked = []
+    for server in fleet:
+        body = server.client.post(
+            "/v1/completions", json={"prompt": PROMPT, "max_tokens": task.ANSWER_LENGTH, "temperature": 0}
+        ).json()
+        assert body["weight_version"] == record["weight_version"]
+        assert body["choices"][0]["token_ids"] == expected, (record["step"], server.index)
+        checked.append(server.index)
+    return checked
+
+
 @pytest.mark.slow
 def test_disaggregated_loop_with_a_killed_server(tmp_path: Path) -> None:
     config = DemoConfig(
@@ -32,14 +48,7 @@ def test_disaggregated_loop_with_a_killed_server(tmp_path: Path) -> None:
     checked: list[tuple[int, int]] = []
 
     def check(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> None:
-        expected = trainer_greedy(model)
-        for server in fleet:
-            body = server.client.post(
-                "/v1/completions", json={"prompt": PROMPT, "max_tokens": task.ANSWER_LENGTH, "temperature": 0}
-            ).json()
-            assert body["weight_version"] == record["weight_version"]
-            assert body["choices"][0]["token_ids"] == expected, (record["step"], server.index)
-            checked.append((record["step"], server.index))
+        checked.extend((record["step"], index) for index in assert_servers_serve_the_trainer(record, model, fleet))
 
     records = run(config, on_step=check)
     assert [r["step"] for r in records] == list(range(6))
@@ -83,3 +92,20 @@ def test_colocated_loop_learns_and_serves_the_trainer_weights(tmp_path: Path) ->
     assert result["reward_last_10pct"] > result["reward_first_10pct"] + 0.2, result
     plot(records, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")
+def test_disaggregated_loop_on_vllm_servers(tmp_path: Path) -> None:
+    """The default where vLLM is installed: the servers' greedy output after every push is the
+    trainer's own."""
+    config = DemoConfig(engine="vllm", steps=3, prompts_per_step=4, group=4, out=tmp_path, progress=False)
+    checked: list[int] = []
+
+    def check(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> None:
+        checked.extend(record["step"] for _ in assert_servers_serve_the_trainer(record, model, fleet))
+
+    records = run(config, on_step=check)
+    assert checked == [0, 0, 1, 1, 2, 2]
+    assert all(r["receivers_committed"] == 2 for r in records)
