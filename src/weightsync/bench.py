@@ -78,6 +78,8 @@ class BenchConfig:
     """Buffer size for the single-thread memcpy reference."""
     num_slots: int = 2
     """Shared-memory ring slots on the sender."""
+    verify: str = "off"
+    """With "bucket", every bucket is checksummed (the sender hashes, each receiver checks)."""
     seed: int = 0
     timeout: float = 120.0
     """Seconds any one step (a sync, a receiver's reply) may take."""
@@ -508,7 +510,11 @@ def _run_weightsync(run: _Run, transport: str, num_receivers: int) -> MethodResu
     result = MethodResult("weightsync", transport, num_receivers, run.total_bytes)
     addresses = _broadcast(workers, "listen", transport, config.bucket_bytes)
     sender = WeightSender(
-        addresses, bucket_bytes=config.bucket_bytes or "auto", timeout=config.timeout, num_slots=config.num_slots
+        addresses,
+        bucket_bytes=config.bucket_bytes or "auto",
+        timeout=config.timeout,
+        num_slots=config.num_slots,
+        verify=config.verify,
     )
     peak = PeakRss()
     try:

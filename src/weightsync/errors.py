@@ -96,6 +96,10 @@ class ProtocolError(TransportError):
     """A frame was malformed, unexpected, or from another wire version."""
 
 
+class ChecksumError(TransportError):
+    """A bucket's bytes, as landed, do not match the checksum the sender computed (verify="bucket")."""
+
+
 class SinkError(WeightSyncError):
     """The sink refused or failed to load the weights."""
 

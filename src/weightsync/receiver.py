@@ -17,6 +17,7 @@ import secrets
 import threading
 from typing import Any
 
+from weightsync.checksum import VERIFY_MODES, check_verify, stricter
 from weightsync.errors import ConfigError, NegotiationError, PlanError
 from weightsync.plan import check_plan, plan_digest
 from weightsync.sink import Landing, WeightSink, as_sink, sink_errors
@@ -41,6 +42,8 @@ class WeightReceiver:
         max_bucket_bytes: the largest bucket this side accepts, or "auto" for half the budget.
         memory_budget_bytes: what this side may spend on transfer buffers.
         timeout: seconds any wait inside a sync may last before the sync is aborted.
+        verify: the weakest verification this receiver accepts: "off" or "bucket" (each bucket
+            checksummed by the sender, checked here before its tensors reach the sink).
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class WeightReceiver:
         max_bucket_bytes: int | str = "auto",
         memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
         timeout: float = 60.0,
+        verify: str = "off",
     ) -> None:
         if transport not in RECEIVERS:
             raise ConfigError(f"unknown transport {transport!r}; expected one of {sorted(RECEIVERS)}")
@@ -60,6 +64,7 @@ class WeightReceiver:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 128:
             raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {memory_budget_bytes!r}")
+        self._verify = check_verify(verify)
         self._sink: WeightSink = as_sink(sink)
         self._max_bucket_bytes = parse_bucket_bytes(max_bucket_bytes, "max_bucket_bytes") or align_down(
             memory_budget_bytes // 2
@@ -102,7 +107,7 @@ class WeightReceiver:
     # --- driven by the transport ----------------------------------------------------------------
 
     def welcome(self) -> Welcome:
-        return Welcome(PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self._version)
+        return Welcome(PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self._version, self._verify)
 
     def begin(self, offer: Offer) -> Landing:
         if not self._busy.acquire(blocking=False):
@@ -111,10 +116,12 @@ class WeightReceiver:
             check_plan(offer.plan, self._max_bucket_bytes)
             if plan_digest(offer.plan) != offer.digest:
                 raise PlanError("plan digest does not match the plan")
+            if offer.verify not in VERIFY_MODES or stricter(offer.verify, self._verify) != offer.verify:
+                raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
             with sink_errors("begin"):
                 self._sink.begin(offer.plan, offer.version)
             try:
-                landing = Landing(offer.plan, self._sink, offer.version, offer.digest)
+                landing = Landing(offer.plan, self._sink, offer.version, offer.digest, offer.verify)
             except BaseException as exc:  # the sink began: it must hear that the sync is off
                 with contextlib.suppress(Exception):
                     self._sink.abort(offer.version, exc)

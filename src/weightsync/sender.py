@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from weightsync.checksum import check_verify, stricter
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, NegotiationError, PlanError, RemoteError, SyncFailed
 from weightsync.plan import build_plan, plan_digest, tensor_nbytes, wire_specs
@@ -52,6 +53,8 @@ class WeightSender:
         timeout: seconds any wait may last; a receiver that exceeds it is failed, not waited on.
         num_slots: shared-memory ring slots (2 lets packing overlap unpacking).
         raise_on_failure: raise `SyncFailed` from `push` if any receiver did not commit.
+        verify: "off" or "bucket": checksum every bucket (xxh3-64) for the receivers to check.
+            A receiver may require "bucket"; the strictest side wins.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class WeightSender:
         timeout: float = 60.0,
         num_slots: int = 2,
         raise_on_failure: bool = False,
+        verify: str = "off",
     ) -> None:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses or len(set(addresses)) != len(addresses):
@@ -83,6 +87,7 @@ class WeightSender:
         self._num_slots = num_slots
         self._cast = cast
         self._raise_on_failure = raise_on_failure
+        self._verify = check_verify(verify)
         self._peers = [Peer(address) for address in addresses]
         self._transports: list[SenderTransport] = []
         for scheme in dict.fromkeys(scheme_of(address) for address in addresses):
@@ -124,8 +129,10 @@ class WeightSender:
 
         plan = build_plan(specs, self._agree_bucket_bytes(max((tensor_nbytes(s) for s in specs), default=0)))
         digest = plan_digest(plan)
+        # the strictest verification any receiver asks for, or ours if stricter
+        verify = stricter(self._verify, *(p.welcome.verify for p in self._peers if p.alive and p.welcome))
         for transport in self._transports:
-            transport.offer(Offer(version, plan, digest))
+            transport.offer(Offer(version, plan, digest, verify))
         try:
             self._send_buckets(plan, metas, source.tensors())
         except BaseException as exc:

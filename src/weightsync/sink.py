@@ -15,8 +15,9 @@ import numpy as np
 import psutil
 import torch
 
+from weightsync.checksum import bucket_checksum
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
+from weightsync.errors import ChecksumError, ConfigError, PlanError, SinkError, WeightSyncError
 from weightsync.pack import byte_view
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Piece, Plan
@@ -127,11 +128,12 @@ class Landing:
     or handed to `sink.load` at the end of the bucket that completes it.
     """
 
-    def __init__(self, plan: Plan, sink: WeightSink, version: int, digest: str) -> None:
+    def __init__(self, plan: Plan, sink: WeightSink, version: int, digest: str, verify: str = "off") -> None:
         self.plan = plan
         self.sink = sink
         self.version = version
         self.digest = digest
+        self.verify = verify
         self.touched_live = False
         """True once any byte was written into a live destination (an abort then leaves a mix)."""
         self._dest: list[torch.Tensor | None] = []
@@ -185,8 +187,18 @@ class Landing:
         self._staged[tensor] = value
         return True
 
-    def finish_bucket(self, index: int) -> None:
-        """Deliver the tensors bucket `index` completed to their destinations or the sink."""
+    def finish_bucket(self, index: int, checksum: int | None = None) -> None:
+        """Check bucket `index` (when the sync verifies buckets and the transport sent a
+        checksum), then deliver the tensors it completed to their destinations or the sink."""
+        if self.verify == "bucket" and checksum is not None:
+            landed = bucket_checksum(self.target(piece) for piece in self.plan.buckets[index])
+            if landed != checksum:
+                raise ChecksumError(
+                    f"bucket {index} of version {self.version}: the bytes that landed hash to {landed:#018x}, "
+                    f"the sender's to {checksum:#018x}",
+                    version=self.version,
+                    bucket=index,
+                )
         loads = []
         for tensor in self._completes[index]:
             if self.in_place(tensor):

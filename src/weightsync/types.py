@@ -31,7 +31,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -79,6 +79,8 @@ class Welcome(msgspec.Struct, frozen=True, tag=True):
     receiver_id: str
     max_bucket_bytes: int
     version: int | None
+    verify: str = "off"
+    """The weakest verification this receiver accepts."""
 
 
 class Ring(msgspec.Struct, frozen=True, tag=True):
@@ -94,6 +96,8 @@ class Offer(msgspec.Struct, frozen=True, tag=True):
     version: int
     plan: Plan
     digest: str
+    verify: str = "off"
+    """With "bucket", every bucket carries a checksum that the receiver checks."""
 
 
 class Accept(msgspec.Struct, frozen=True, tag=True):
@@ -107,6 +111,8 @@ class BucketReady(msgspec.Struct, frozen=True, tag=True):
 
     index: int
     slot: int
+    checksum: int = 0
+    """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
 
 
 class BucketData(msgspec.Struct, frozen=True, tag=True):
@@ -114,6 +120,8 @@ class BucketData(msgspec.Struct, frozen=True, tag=True):
 
     index: int
     nbytes: int
+    checksum: int = 0
+    """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
 
 
 class BucketDone(msgspec.Struct, frozen=True, tag=True):

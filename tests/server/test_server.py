@@ -124,3 +124,10 @@ def test_bad_requests_get_clear_errors(tiny_models) -> None:
                 server.client._call("POST", "/v1/completions", json=fields)
             assert raised.value.status == status and message in str(raised.value), raised.value
         assert greedy(server, "a", max_tokens=1)["weight_version"] == 0
+
+
+def test_a_server_that_requires_verified_pushes(tiny_models) -> None:
+    with live_server(tiny_models["qwen2"], verify="bucket", transport="tcp") as server:
+        report = push(server, SafetensorsSource(tiny_models["qwen2"]), 1)  # the sender's default: off
+        assert report.ok, report.failed
+        assert greedy(server, "abc")["weight_version"] == 1

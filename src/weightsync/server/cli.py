@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from weightsync.checksum import VERIFY_MODES
 from weightsync.errors import ConfigError, WeightSyncError
 
 __all__ = ["add_push_parser", "add_serve_parser", "main", "run_push", "run_serve"]
@@ -56,6 +57,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     serve.add_argument("--ready-timeout", type=_seconds, default=30.0, help="seconds a request waits for weights")
     serve.add_argument("--drain-timeout", type=_seconds, default=60.0, help="seconds a sync waits for the loop")
     serve.add_argument("--sync-timeout", type=_seconds, default=60.0, help="receiver timeout inside a sync")
+    serve.add_argument(
+        "--verify", choices=VERIFY_MODES, default="off", help="require bucket checksums on every push (default off)"
+    )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     serve.set_defaults(handler=run_serve)
 
@@ -78,6 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
         drain_timeout=args.drain_timeout,
         sync_timeout=args.sync_timeout,
         served_model_name=args.served_model_name,
+        verify=args.verify,
     )
     sock = _bind(args.host, args.port)
     server = RolloutServer(config)
@@ -116,6 +121,7 @@ def add_push_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     push.add_argument("--to", nargs="+", required=True, metavar="URL", help="server URLs (http://HOST:PORT)")
     push.add_argument("--version", type=int, default=None, help="weight version (default: highest served + 1)")
     push.add_argument("--timeout", type=_seconds, default=60.0, help="seconds any wait may last (default 60)")
+    push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="checksum every bucket (default off)")
     push.add_argument("--json", action="store_true", help="print the report as JSON")
     push.set_defaults(handler=run_push)
 
@@ -136,7 +142,7 @@ def run_push(args: argparse.Namespace) -> int:
     if version is None:
         version = max((info["version"] for info in infos if info["version"] is not None), default=0) + 1
     source = SafetensorsSource(args.model)
-    with WeightSender(addresses, timeout=args.timeout) as sender:
+    with WeightSender(addresses, timeout=args.timeout, verify=args.verify) as sender:
         report = sender.push(source, version)
     if args.json:
         print(json.dumps(_report_json(report, args.to, addresses)))

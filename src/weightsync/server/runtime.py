@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from weightsync.checksum import VERIFY_MODES
 from weightsync.engines.base import Engine
 from weightsync.errors import ConfigError
 from weightsync.receiver import WeightReceiver
@@ -46,6 +47,7 @@ class ServeConfig:
         drain_timeout: seconds a sync waits for the loop to park before it is refused.
         sync_timeout: the receiver's bound on every wait inside a sync.
         served_model_name: the name /v1/models reports (default: the model dir's name).
+        verify: the weakest verification the receiver accepts ("off" or "bucket").
     """
 
     model: str
@@ -59,6 +61,7 @@ class ServeConfig:
     drain_timeout: float = 60.0
     sync_timeout: float = 60.0
     served_model_name: str | None = None
+    verify: str = "off"
 
     def __post_init__(self) -> None:
         if not (Path(self.model) / "config.json").is_file():
@@ -68,6 +71,7 @@ class ServeConfig:
             "load_format": ("dummy", "auto"),
             "transport": ("shm", "tcp"),
             "sync_mode": PAUSE_MODES,
+            "verify": VERIFY_MODES,
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
@@ -120,6 +124,7 @@ class RolloutServer:
             host=config.receiver_host,
             port=config.receiver_port,
             timeout=config.sync_timeout,
+            verify=config.verify,
         )
         self.sink.receiver_state = lambda: self.receiver.state
         self.loop.start()

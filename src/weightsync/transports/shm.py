@@ -171,7 +171,8 @@ class ShmSender(StreamSender):
                 piece.nbytes,
                 out[piece.bucket_offset : piece.bucket_offset + piece.nbytes],
             )
-        message = BucketReady(index, slot)
+        checksum = self.checksum(out[it.piece.bucket_offset : it.piece.bucket_offset + it.piece.nbytes] for it in items)
+        message = BucketReady(index, slot, checksum)
 
         def notify(peer: Peer, conn: Connection) -> None:
             conn.bucket = index
@@ -243,7 +244,7 @@ class ShmReceiver(StreamReceiver):
         slot = ring[1][message.slot]
         for piece in landing.plan.buckets[index]:
             copy_bytes(landing.target(piece), slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
-        landing.finish_bucket(index)
+        landing.finish_bucket(index, message.checksum)
         conn.send(BucketDone(index), self.timeout)
 
     def on_disconnect(self, conn: Connection) -> None:

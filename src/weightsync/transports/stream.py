@@ -13,9 +13,12 @@ import socket
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
+from weightsync.checksum import bucket_checksum
 from weightsync.errors import (
     PeerClosedError,
     ProtocolError,
@@ -102,7 +105,13 @@ class StreamSender(SenderTransport):
         self._inboxes: dict[Peer, _Inbox] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
+        self.verify = "off"
+        """This sync's verification ("off" or "bucket"), from the offer."""
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
+
+    def checksum(self, views: Iterable[np.ndarray]) -> int:
+        """The bucket checksum of `views` when this sync verifies buckets, else 0."""
+        return bucket_checksum(views) if self.verify == "bucket" else 0
 
     @abstractmethod
     def open_socket(self, address: str) -> socket.socket:
@@ -181,6 +190,8 @@ class StreamSender(SenderTransport):
         self._drop(peer)
 
     def offer(self, offer: Offer) -> None:
+        self.verify = offer.verify
+
         def send(peer: Peer, conn: Connection) -> None:
             conn.version, conn.bucket = offer.version, None
             conn.send(offer, self.timeout)

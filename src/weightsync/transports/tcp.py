@@ -56,7 +56,7 @@ class TcpSender(StreamSender):
 
     def send_bucket(self, index: int, items: list[BucketItem]) -> None:
         views = [self._bytes_of(item, index) for item in items]
-        message = BucketData(index, sum(item.piece.nbytes for item in items))
+        message = BucketData(index, sum(item.piece.nbytes for item in items), self.checksum(views))
 
         def stream(peer: Peer, conn: Connection) -> None:
             conn.bucket = index
@@ -119,4 +119,4 @@ class TcpReceiver(StreamReceiver):
             )
         for piece in pieces:
             conn.recv_into(landing.target(piece), self.timeout)
-        landing.finish_bucket(index)
+        landing.finish_bucket(index, message.checksum)

@@ -1,0 +1,108 @@
+"""verify="bucket": every bucket checksummed by the sender and checked where it landed; a
+flipped byte fails the sync with a ChecksumError naming version and bucket, and the next push
+goes through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
+from weightsync import ConfigError, NegotiationError, WeightReceiver
+from weightsync.plan import build_plan, plan_digest
+from weightsync.sink import Landing
+from weightsync.types import Offer, TensorSpec
+
+BUCKET = 4096
+
+
+def model() -> dict[str, torch.Tensor]:
+    return {
+        "big": random_tensor(torch.bfloat16, (5 * BUCKET // 2 + 3,), seed=1),  # chunked over 3+ buckets
+        "small": random_tensor(torch.float32, (33,), seed=2),
+        "flag": random_tensor(torch.bool, (7,), seed=3),
+    }
+
+
+def zeros(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros_like(t) for name, t in named.items()}
+
+
+@pytest.fixture
+def flip_bucket_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Corrupt one landed byte of bucket 1 of version 1, before the checksum is checked."""
+    original = Landing.finish_bucket
+
+    def corrupted(self: Landing, index: int, checksum: int | None = None) -> None:
+        if self.version == 1 and index == 1:
+            self.target(self.plan.buckets[1][0])[0] ^= 0x40
+        original(self, index, checksum)
+
+    monkeypatch.setattr(Landing, "finish_bucket", corrupted)
+
+
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+def test_verified_round_trip(transport: str) -> None:
+    source = model()
+    dest = zeros(source)
+    with receiving(dest, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET, verify="bucket") as s:
+        assert s.push(source, 1).ok
+    assert_all_bit_exact(dest, source)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("where", ["in-place", "staged"])
+def test_a_flipped_byte_fails_the_sync_and_the_next_push_succeeds(transport, where, flip_bucket_1) -> None:
+    source = model()
+    dest = zeros(source)
+    received: dict[str, torch.Tensor] = {}
+    sink = dest if where == "in-place" else (lambda items: received.update((n, t.clone()) for n, t in items))
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET, verify="bucket") as s:
+        assert s.push(source, 0).ok  # version 0 lands intact (only version 1 is corrupted)
+        report = s.push(source, 1)
+        assert not report.ok
+        failure = report.failed[0]
+        assert failure.kind == "ChecksumError" and "bucket 1 of version 1" in failure.error, failure
+        assert "bucket 1 of version 1" in receiver.last_error
+        if where == "in-place":  # live weights were partly overwritten: explicitly not ready
+            assert receiver.state == "dirty"
+        else:  # nothing reached the sink's live weights: still serving version 0
+            assert (receiver.state, receiver.version) == ("ready", 0)
+        assert s.push(source, 2).ok
+        assert (receiver.state, receiver.version) == ("ready", 2)
+    assert_all_bit_exact(dest if where == "in-place" else received, source)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_receiver_that_requires_verification_gets_it(transport, flip_bucket_1) -> None:
+    source = model()
+    with (
+        receiving(zeros(source), transport, verify="bucket") as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET) as sender,  # the sender's own default: off
+    ):
+        report = sender.push(source, 1)
+        assert report.failed and report.failed[0].kind == "ChecksumError"
+
+
+def test_without_verification_the_flip_goes_unnoticed(flip_bucket_1) -> None:
+    """What verification is for: the same corruption, unverified, commits."""
+    source = model()
+    dest = zeros(source)
+    with receiving(dest, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        assert sender.push(source, 1).ok
+    assert any(not torch.equal(dest[name], source[name]) for name in source)
+
+
+def test_bad_modes_are_refused() -> None:
+    with pytest.raises(ConfigError, match="verify must be one of"):
+        WeightReceiver({}, "inproc", verify="full")
+    with pytest.raises(ConfigError, match="verify must be one of"):
+        sending("inproc://x", verify=True).__enter__()
+
+
+def test_an_offer_weaker_than_the_receiver_requires_is_refused() -> None:
+    plan = build_plan([TensorSpec("w", "float32", (4,), "float32")], 64)
+    with receiving({"w": torch.zeros(4)}, "inproc", verify="bucket") as receiver:
+        with pytest.raises(NegotiationError, match="requires verify='bucket'"):
+            receiver.begin(Offer(1, plan, plan_digest(plan), "off"))
+        assert receiver.state == "empty"
