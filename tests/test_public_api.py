@@ -14,6 +14,7 @@ import weightsync
 from weightsync import ConfigError, WeightReceiver, WeightSender
 
 EXPECTED = [
+    "AuthError",
     "ChecksumError",
     "ConfigError",
     "ConnectError",

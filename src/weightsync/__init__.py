@@ -6,6 +6,7 @@ source (named tensors) -> plan (buckets, chunks) -> transport (bytes) -> sink (e
 from __future__ import annotations
 
 from weightsync.errors import (
+    AuthError,
     ChecksumError,
     ConfigError,
     ConnectError,
@@ -32,6 +33,7 @@ from weightsync.types import Plan, ReceiverOutcome, SyncReport
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuthError",
     "ChecksumError",
     "ConfigError",
     "ConnectError",

@@ -100,6 +100,10 @@ class ChecksumError(TransportError):
     """A bucket's bytes, as landed, do not match the checksum the sender computed (verify="bucket")."""
 
 
+class AuthError(WeightSyncError):
+    """A peer could not prove it holds the shared auth token (or we hold none and it asked)."""
+
+
 class SinkError(WeightSyncError):
     """The sink refused or failed to load the weights."""
 

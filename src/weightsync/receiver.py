@@ -17,13 +17,14 @@ import secrets
 import threading
 from typing import Any
 
+from weightsync.auth import check_bind, new_nonce, proof, proof_matches, resolve_token
 from weightsync.checksum import VERIFY_MODES, check_verify, stricter
-from weightsync.errors import ConfigError, NegotiationError, PlanError
+from weightsync.errors import AuthError, ConfigError, NegotiationError, PlanError
 from weightsync.plan import check_plan, plan_digest
 from weightsync.sink import Landing, WeightSink, as_sink, sink_errors
 from weightsync.sizing import DEFAULT_MEMORY_BUDGET_BYTES, align_down, parse_bucket_bytes
 from weightsync.transports import RECEIVERS
-from weightsync.types import PROTOCOL_VERSION, Commit, Offer, Welcome
+from weightsync.types import PROTOCOL_VERSION, Auth, Commit, Message, Offer, Welcome
 
 __all__ = ["WeightReceiver"]
 
@@ -44,6 +45,9 @@ class WeightReceiver:
         timeout: seconds any wait inside a sync may last before the sync is aborted.
         verify: the weakest verification this receiver accepts: "off" or "bucket" (each bucket
             checksummed by the sender, checked here before its tensors reach the sink).
+        auth_token: a shared secret senders must prove they hold (HMAC challenge; the token is
+            never sent). Default: $WEIGHTSYNC_AUTH_TOKEN, else none. Required to listen on a
+            non-loopback tcp interface.
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class WeightReceiver:
         memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
         timeout: float = 60.0,
         verify: str = "off",
+        auth_token: str | None = None,
     ) -> None:
         if transport not in RECEIVERS:
             raise ConfigError(f"unknown transport {transport!r}; expected one of {sorted(RECEIVERS)}")
@@ -65,6 +70,9 @@ class WeightReceiver:
         if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 128:
             raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {memory_budget_bytes!r}")
         self._verify = check_verify(verify)
+        self._token = resolve_token(auth_token)
+        if transport == "tcp":
+            check_bind(host, self._token, "a tcp weight receiver")
         self._sink: WeightSink = as_sink(sink)
         self._max_bucket_bytes = parse_bucket_bytes(max_bucket_bytes, "max_bucket_bytes") or align_down(
             memory_budget_bytes // 2
@@ -106,8 +114,22 @@ class WeightReceiver:
 
     # --- driven by the transport ----------------------------------------------------------------
 
-    def welcome(self) -> Welcome:
-        return Welcome(PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self._version, self._verify)
+    def welcome(self, sender_nonce: str = "") -> Welcome:
+        """Our Welcome, with a fresh challenge and, if we hold a token, our answer to the sender's."""
+        answer = proof(self._token, "receiver", sender_nonce) if self._token and sender_nonce else ""
+        return Welcome(
+            PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self._version, self._verify, new_nonce(), answer
+        )
+
+    def authenticate(self, welcome: Welcome, message: Message) -> bool:
+        """Check the sender's first message after `welcome`. True if it was the sender's `Auth`
+        (consumed), False if it is an ordinary message; AuthError if we hold a token and the
+        sender did not prove it holds it too."""
+        if self._token is None:
+            return isinstance(message, Auth)
+        if not isinstance(message, Auth) or not proof_matches(self._token, "sender", welcome.nonce, message.proof):
+            raise AuthError("the sender did not prove it holds this receiver's auth token")
+        return True
 
     def begin(self, offer: Offer) -> Landing:
         if not self._busy.acquire(blocking=False):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from weightsync.auth import resolve_token
 from weightsync.checksum import check_verify, stricter
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, NegotiationError, PlanError, RemoteError, SyncFailed
@@ -55,6 +56,9 @@ class WeightSender:
         raise_on_failure: raise `SyncFailed` from `push` if any receiver did not commit.
         verify: "off" or "bucket": checksum every bucket (xxh3-64) for the receivers to check.
             A receiver may require "bucket"; the strictest side wins.
+        auth_token: the shared secret of receivers that require one (default:
+            $WEIGHTSYNC_AUTH_TOKEN). Proven by HMAC, never sent; with a token, the sender also
+            requires each receiver to prove it holds the same one.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class WeightSender:
         num_slots: int = 2,
         raise_on_failure: bool = False,
         verify: str = "off",
+        auth_token: str | None = None,
     ) -> None:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses or len(set(addresses)) != len(addresses):
@@ -88,11 +93,14 @@ class WeightSender:
         self._cast = cast
         self._raise_on_failure = raise_on_failure
         self._verify = check_verify(verify)
+        token = resolve_token(auth_token)
         self._peers = [Peer(address) for address in addresses]
         self._transports: list[SenderTransport] = []
         for scheme in dict.fromkeys(scheme_of(address) for address in addresses):
             peers = [peer for peer in self._peers if scheme_of(peer.address) == scheme]
             options: dict[str, Any] = {"num_slots": num_slots} if scheme == "shm" else {}
+            if scheme in ("shm", "tcp"):
+                options["auth_token"] = token
             self._transports.append(SENDERS[scheme](peers, float(timeout), **options))
 
     @property

@@ -70,6 +70,8 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
 
     protocol: int
     sender_id: str
+    nonce: str = ""
+    """The sender's challenge: a receiver with a token answers it in `Welcome.proof`."""
 
 
 class Welcome(msgspec.Struct, frozen=True, tag=True):
@@ -81,6 +83,16 @@ class Welcome(msgspec.Struct, frozen=True, tag=True):
     version: int | None
     verify: str = "off"
     """The weakest verification this receiver accepts."""
+    nonce: str = ""
+    """The receiver's challenge, answered by the sender's `Auth` when the receiver has a token."""
+    proof: str = ""
+    """HMAC of the sender's nonce under the shared token, or "" when the receiver has none."""
+
+
+class Auth(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver, right after `Welcome`: HMAC of the receiver's nonce (see auth.py)."""
+
+    proof: str
 
 
 class Ring(msgspec.Struct, frozen=True, tag=True):
@@ -161,6 +173,7 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
 Message = (
     Hello
     | Welcome
+    | Auth
     | Ring
     | Offer
     | Accept

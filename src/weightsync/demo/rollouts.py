@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from weightsync.auth import resolve_token
 from weightsync.engines.base import SamplingParams
 from weightsync.receiver import WeightReceiver
 
@@ -117,7 +118,9 @@ class _Server:
         threading.Thread(target=self.process.stdout.read, daemon=True).start()  # type: ignore[union-attr]
         fields = line.split()
         self.url, self.address = fields[2], fields[4]
-        self.client = httpx.Client(base_url=self.url, timeout=timeout)
+        token = resolve_token(None)  # the servers inherit $WEIGHTSYNC_AUTH_TOKEN, if set
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.client = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def complete(self, request: Request, prompts: list[tuple[int, list[int]]]) -> list[Sample]:
         body = {

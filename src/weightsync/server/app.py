@@ -12,12 +12,14 @@ GET  /metrics          Prometheus
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
@@ -35,10 +37,31 @@ def error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+def bearer(token: str | None) -> Callable[[Request], None]:
+    """A dependency that admits a request carrying `Authorization: Bearer <token>` (any request
+    when the server has no token). /health stays open for liveness probes."""
+
+    def check(request: Request) -> None:
+        if token is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(401, "missing or wrong auth token (Authorization: Bearer ...)")
+
+    return check
+
+
 def create_app(server: RolloutServer) -> FastAPI:
     """The FastAPI app serving `server`."""
+    token = server.config.auth_token
+    control = [Depends(bearer(token))]
+    generation = [] if server.config.allow_unauthenticated_generation else control
     app = FastAPI(title="weightsync rollout server")
     counter = itertools.count()
+
+    @app.exception_handler(HTTPException)
+    async def refused(request: Request, exc: HTTPException) -> JSONResponse:
+        return error(exc.status_code, str(exc.detail), "authentication_error")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -52,32 +75,32 @@ def create_app(server: RolloutServer) -> FastAPI:
             body["reason"] = reason
         return JSONResponse(body, status_code=200 if ok else 503)
 
-    @app.get("/weight_info")
+    @app.get("/weight_info", dependencies=control)
     async def weight_info() -> dict[str, Any]:
         return server.weight_info()
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=generation)
     async def models() -> dict[str, Any]:
         card = {"id": server.config.model_name, "object": "model", "owned_by": "weightsync"}
         return {"object": "list", "data": [card | {"weight_version": server.version}]}
 
-    @app.post("/pause")
+    @app.post("/pause", dependencies=control)
     async def pause(mode: str = Query("wait"), timeout: float = Query(60.0, gt=0)) -> JSONResponse:
         if mode not in ("wait", "abort", "keep"):
             return error(400, f"mode must be wait, abort or keep; got {mode!r}", "invalid_request_error")
         parked = await asyncio.to_thread(server.pause, mode, timeout)  # type: ignore[arg-type]
         return JSONResponse({"paused": True, "parked": parked, "mode": mode})
 
-    @app.post("/resume")
+    @app.post("/resume", dependencies=control)
     async def resume() -> dict[str, Any]:
         server.resume()
         return {"paused": bool(server.loop.paused_by)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=control)
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=generation)
     async def completions(body: CompletionRequest) -> JSONResponse:
         response = await complete(server, body, f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}")
         server.metrics.requests.labels(str(response.status_code)).inc()

@@ -60,6 +60,17 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     serve.add_argument(
         "--verify", choices=VERIFY_MODES, default="off", help="require bucket checksums on every push (default off)"
     )
+    serve.add_argument(
+        "--auth-token",
+        default=None,
+        help="shared secret for pushes (HMAC) and control endpoints (Bearer); default $WEIGHTSYNC_AUTH_TOKEN; "
+        "required to listen beyond loopback",
+    )
+    serve.add_argument(
+        "--allow-unauthenticated-generation",
+        action="store_true",
+        help="serve /v1/completions and /v1/models without the token",
+    )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     serve.set_defaults(handler=run_serve)
 
@@ -83,6 +94,9 @@ def run_serve(args: argparse.Namespace) -> int:
         sync_timeout=args.sync_timeout,
         served_model_name=args.served_model_name,
         verify=args.verify,
+        auth_token=args.auth_token,
+        allow_unauthenticated_generation=args.allow_unauthenticated_generation,
+        host=args.host,
     )
     sock = _bind(args.host, args.port)
     server = RolloutServer(config)
@@ -122,6 +136,7 @@ def add_push_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     push.add_argument("--version", type=int, default=None, help="weight version (default: highest served + 1)")
     push.add_argument("--timeout", type=_seconds, default=60.0, help="seconds any wait may last (default 60)")
     push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="checksum every bucket (default off)")
+    push.add_argument("--auth-token", default=None, help="the servers' shared secret (default $WEIGHTSYNC_AUTH_TOKEN)")
     push.add_argument("--json", action="store_true", help="print the report as JSON")
     push.set_defaults(handler=run_push)
 
@@ -135,14 +150,14 @@ def run_push(args: argparse.Namespace) -> int:
         raise ConfigError(f"--version must be a non-negative integer, got {args.version}")
     infos = []
     for url in args.to:
-        with RolloutClient(url, timeout=args.timeout) as client:
+        with RolloutClient(url, timeout=args.timeout, auth_token=args.auth_token) as client:
             infos.append(client.weight_info())
     addresses = [address for info in infos for address in info["addresses"]]
     version = args.version
     if version is None:
         version = max((info["version"] for info in infos if info["version"] is not None), default=0) + 1
     source = SafetensorsSource(args.model)
-    with WeightSender(addresses, timeout=args.timeout, verify=args.verify) as sender:
+    with WeightSender(addresses, timeout=args.timeout, verify=args.verify, auth_token=args.auth_token) as sender:
         report = sender.push(source, version)
     if args.json:
         print(json.dumps(_report_json(report, args.to, addresses)))

@@ -6,6 +6,7 @@ from typing import Any
 
 import httpx
 
+from weightsync.auth import resolve_token
 from weightsync.errors import ConfigError, WeightSyncError
 
 __all__ = ["RolloutClient", "ServerError"]
@@ -27,13 +28,16 @@ class RolloutClient:
     Args:
         base_url: the server's URL.
         timeout: seconds for each HTTP call.
+        auth_token: the server's token (default $WEIGHTSYNC_AUTH_TOKEN), sent as a Bearer header.
     """
 
-    def __init__(self, base_url: str, timeout: float = 60.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 60.0, auth_token: str | None = None) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"server URL must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        token = resolve_token(auth_token)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def health(self) -> dict[str, Any]:
         """The /health body; 503 is not an error here (it carries the reason)."""

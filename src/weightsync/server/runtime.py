@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES
 from weightsync.engines.base import Engine
 from weightsync.errors import ConfigError
@@ -48,6 +49,11 @@ class ServeConfig:
         sync_timeout: the receiver's bound on every wait inside a sync.
         served_model_name: the name /v1/models reports (default: the model dir's name).
         verify: the weakest verification the receiver accepts ("off" or "bucket").
+        auth_token: the shared secret (default $WEIGHTSYNC_AUTH_TOKEN): pushes must prove it
+            (HMAC), HTTP control endpoints need `Authorization: Bearer <token>`. Required when
+            `host` or `receiver_host` is not loopback.
+        allow_unauthenticated_generation: let /v1/completions and /v1/models through without it.
+        host: the HTTP interface (checked here; `weightsync serve` binds it).
     """
 
     model: str
@@ -62,8 +68,15 @@ class ServeConfig:
     sync_timeout: float = 60.0
     served_model_name: str | None = None
     verify: str = "off"
+    auth_token: str | None = None
+    allow_unauthenticated_generation: bool = False
+    host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
+        check_bind(self.host, self.auth_token, "the rollout server's HTTP API")
+        if self.transport == "tcp":
+            check_bind(self.receiver_host, self.auth_token, "the rollout server's weight receiver")
         if not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"model {self.model!r} is not a directory with a config.json")
         choices = {
@@ -125,6 +138,7 @@ class RolloutServer:
             port=config.receiver_port,
             timeout=config.sync_timeout,
             verify=config.verify,
+            auth_token=config.auth_token,
         )
         self.sink.receiver_state = lambda: self.receiver.state
         self.loop.start()

@@ -129,8 +129,8 @@ class ShmRing:
 class ShmSender(StreamSender):
     name = "shm"
 
-    def __init__(self, peers: list[Peer], timeout: float, num_slots: int = 2) -> None:
-        super().__init__(peers, timeout)
+    def __init__(self, peers: list[Peer], timeout: float, num_slots: int = 2, auth_token: str | None = None) -> None:
+        super().__init__(peers, timeout, auth_token)
         if not 1 <= num_slots <= MAX_SLOTS:
             raise ConfigError(f"num_slots must be in [1, {MAX_SLOTS}], got {num_slots}")
         self.num_slots = num_slots

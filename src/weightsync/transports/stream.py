@@ -18,8 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from weightsync.auth import new_nonce, proof, proof_matches
 from weightsync.checksum import bucket_checksum
 from weightsync.errors import (
+    AuthError,
     PeerClosedError,
     ProtocolError,
     RemoteError,
@@ -32,6 +34,7 @@ from weightsync.types import (
     PROTOCOL_VERSION,
     Abort,
     Accept,
+    Auth,
     Commit,
     Committed,
     Failed,
@@ -99,8 +102,9 @@ class _Inbox:
 class StreamSender(SenderTransport):
     """Sender side over one stream socket per peer."""
 
-    def __init__(self, peers: list[Peer], timeout: float) -> None:
+    def __init__(self, peers: list[Peer], timeout: float, auth_token: str | None = None) -> None:
         super().__init__(peers, timeout)
+        self._token = auth_token
         self._conns: dict[Peer, Connection] = {}
         self._inboxes: dict[Peer, _Inbox] = {}
         self._pool: ThreadPoolExecutor | None = None
@@ -126,13 +130,18 @@ class StreamSender(SenderTransport):
             try:
                 conn = Connection(self.open_socket(peer.address), self.name)
                 self._conns[peer] = conn
-                conn.send(Hello(PROTOCOL_VERSION, self.sender_id), self.timeout)
+                nonce = new_nonce()
+                conn.send(Hello(PROTOCOL_VERSION, self.sender_id, nonce), self.timeout)
                 self._inboxes[peer] = _Inbox(conn, self.timeout)
                 welcome = self.expect(peer, Welcome, time.monotonic() + self.timeout)
                 if welcome.protocol != PROTOCOL_VERSION:
                     raise ProtocolError(
                         f"receiver speaks protocol {welcome.protocol}, sender {PROTOCOL_VERSION}", transport=self.name
                     )
+                if self._token is not None:
+                    if not proof_matches(self._token, "receiver", nonce, welcome.proof):
+                        raise AuthError(f"receiver {peer.address} did not prove it holds our auth token")
+                    conn.send(Auth(proof(self._token, "sender", welcome.nonce)), self.timeout)
                 peer.welcome = welcome
             except (WeightSyncError, OSError) as exc:
                 self.fail(peer, exc)
@@ -322,13 +331,23 @@ class StreamReceiver(ReceiverTransport):
                     self.timeout,
                 )
                 return
-            conn.send(self.target.welcome(), self.timeout)
+            welcome = self.target.welcome(hello.nonce)
+            conn.send(welcome, self.timeout)
+            message: Message | None = conn.recv(self.timeout)  # the sender goes on at once
+            try:
+                if self.target.authenticate(welcome, message):
+                    message = None  # that was the sender's Auth frame
+            except AuthError as exc:
+                conn.send(Failed(-1, "AuthError", str(exc)), self.timeout)
+                raise
             while not self._closed.is_set():
-                message = conn.recv(timeout=None)
+                if message is None:
+                    message = conn.recv(timeout=None)
                 if isinstance(message, Offer):
                     self._sync(conn, message)
                 elif not self.on_setup(conn, message):
                     raise ProtocolError(f"unexpected {type(message).__name__} between syncs", transport=self.name)
+                message = None
         except WeightSyncError as exc:
             if not self._closed.is_set() and not isinstance(exc, PeerClosedError):
                 log.warning("closing connection from sender: %s", exc)

@@ -41,8 +41,8 @@ def _tune(sock: socket.socket) -> None:
 class TcpSender(StreamSender):
     name = "tcp"
 
-    def __init__(self, peers: list[Peer], timeout: float) -> None:
-        super().__init__(peers, timeout)
+    def __init__(self, peers: list[Peer], timeout: float, auth_token: str | None = None) -> None:
+        super().__init__(peers, timeout, auth_token)
         self._scratch = np.empty(0, dtype=np.uint8)
 
     def open_socket(self, address: str) -> socket.socket:
