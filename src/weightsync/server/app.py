@@ -85,7 +85,7 @@ def create_app(server: RolloutServer) -> FastAPI:
         return {"object": "list", "data": [card | {"weight_version": server.version}]}
 
     @app.post("/pause", dependencies=control)
-    async def pause(mode: str = Query("wait"), timeout: float = Query(60.0, gt=0)) -> JSONResponse:
+    async def pause(mode: str = Query("wait"), timeout: float = Query(60.0, gt=0, le=86400)) -> JSONResponse:
         if mode not in ("wait", "abort", "keep"):
             return error(400, f"mode must be wait, abort or keep; got {mode!r}", "invalid_request_error")
         parked = await asyncio.to_thread(server.pause, mode, timeout)  # type: ignore[arg-type]
