@@ -16,7 +16,7 @@ import xxhash
 
 from weightsync.errors import ConfigError
 
-__all__ = ["VERIFY_MODES", "bucket_checksum", "check_verify", "stricter"]
+__all__ = ["VERIFY_MODES", "bucket_checksum", "check_verify", "content_digest", "stricter"]
 
 VERIFY_MODES = ("off", "bucket")
 """Weakest first."""
@@ -39,3 +39,13 @@ def bucket_checksum(views: Iterable[np.ndarray]) -> int:
     for view in views:
         digest.update(view)
     return digest.intdigest()
+
+
+def content_digest(plan_digest: str, checksums: list[int]) -> str:
+    """One digest of a whole verified sync: the plan (names, dtypes, shapes, layout) and every
+    bucket's checksum, in order. Both sides compute it, so a trainer can check what a server
+    holds against what it sent without moving the weights again."""
+    digest = xxhash.xxh3_128(plan_digest.encode())
+    for checksum in checksums:
+        digest.update(checksum.to_bytes(8, "little"))
+    return digest.hexdigest()

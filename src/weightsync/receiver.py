@@ -18,8 +18,8 @@ import threading
 from typing import Any
 
 from weightsync.auth import check_bind, new_nonce, proof, proof_matches, resolve_token
-from weightsync.checksum import VERIFY_MODES, check_verify, stricter
-from weightsync.errors import AuthError, ConfigError, NegotiationError, PlanError
+from weightsync.checksum import VERIFY_MODES, check_verify, content_digest, stricter
+from weightsync.errors import AuthError, ChecksumError, ConfigError, NegotiationError, PlanError
 from weightsync.plan import check_plan, plan_digest
 from weightsync.sink import Landing, WeightSink, as_sink, sink_errors
 from weightsync.sizing import DEFAULT_MEMORY_BUDGET_BYTES, align_down, parse_bucket_bytes
@@ -84,6 +84,7 @@ class WeightReceiver:
         self._state = "empty"
         self._state_before_sync = "empty"
         self._last_error = ""
+        self._content_digest = ""
         self._transport = RECEIVERS[transport](self, host=host, port=port, timeout=float(timeout))
         self._transport.start()
 
@@ -101,6 +102,11 @@ class WeightReceiver:
     def state(self) -> str:
         """ "empty", "syncing", "ready" or "dirty" (a failed sync partly overwrote live weights)."""
         return self._state
+
+    @property
+    def content_digest(self) -> str:
+        """The content digest of the committed version when its sync was verified, else ""."""
+        return self._content_digest
 
     @property
     def last_error(self) -> str:
@@ -163,12 +169,22 @@ class WeightReceiver:
                 raise PlanError(
                     f"commit of version {commit.version} does not match the sync of version {landing.version}"
                 )
+            content = ""
+            if commit.content:
+                if len(landing.checksums) != len(landing.plan.buckets):
+                    raise ChecksumError(
+                        f"commit of version {commit.version} has a content digest, the buckets had none"
+                    )
+                content = content_digest(landing.digest, landing.checksums)
+                if content != commit.content:
+                    raise ChecksumError(f"version {commit.version}: content digest differs from the sender's")
             with sink_errors("commit"):  # like every other hook: the sink's error fails this sync cleanly
                 self._sink.commit(commit.version)
         except BaseException as exc:
             self._finish_abort(landing, exc)
             raise
         self._last_error = ""
+        self._content_digest = content
         self._set_state("ready", commit.version)
         self._busy.release()
 
@@ -184,6 +200,7 @@ class WeightReceiver:
         self._last_error = f"sync of version {landing.version} failed: {error}"
         log.warning("%s", self._last_error)
         if landing.touched_live:
+            self._content_digest = ""
             self._set_state("dirty", None)
         else:
             self._set_state(self._state_before_sync)

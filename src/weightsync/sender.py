@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from weightsync.auth import resolve_token
-from weightsync.checksum import check_verify, stricter
+from weightsync.checksum import check_verify, content_digest, stricter
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, NegotiationError, PlanError, RemoteError, SyncFailed
 from weightsync.plan import build_plan, plan_digest, tensor_nbytes, wire_specs
@@ -147,8 +147,12 @@ class WeightSender:
             for transport in self._transports:
                 transport.abort(Abort(version, f"sender failed: {exc}"))
             raise
-        for transport in self._transports:
-            transport.commit(Commit(version, digest))
+        contents = [
+            content_digest(digest, t.checksums) if len(t.checksums) == len(plan.buckets) else ""
+            for t in self._transports
+        ]
+        for transport, content in zip(self._transports, contents, strict=True):
+            transport.commit(Commit(version, digest, content))
 
         report = SyncReport(
             version=version,
@@ -158,6 +162,7 @@ class WeightSender:
             bucket_bytes=plan.bucket_bytes,
             seconds=time.perf_counter() - started,
             outcomes=tuple(_outcome(peer) for peer in self._peers),
+            content_digest=next((content for content in contents if content), ""),
         )
         log.info(
             "pushed version %d: %d bytes in %.3f s (%.2f GB/s), %d/%d receivers committed",

@@ -134,6 +134,8 @@ class Landing:
         self.version = version
         self.digest = digest
         self.verify = verify
+        self.checksums: list[int] = []
+        """The checksums of the buckets verified so far, in order."""
         self.touched_live = False
         """True once any byte was written into a live destination (an abort then leaves a mix)."""
         self._dest: list[torch.Tensor | None] = []
@@ -199,6 +201,7 @@ class Landing:
                     version=self.version,
                     bucket=index,
                 )
+            self.checksums.append(landed)
         loads = []
         for tensor in self._completes[index]:
             if self.in_place(tensor):

@@ -147,6 +147,8 @@ class Commit(msgspec.Struct, frozen=True, tag=True):
 
     version: int
     digest: str
+    content: str = ""
+    """With verify="bucket": the digest of every bucket's checksum (see checksum.content_digest)."""
 
 
 class Committed(msgspec.Struct, frozen=True, tag=True):
@@ -215,6 +217,9 @@ class SyncReport:
     bucket_bytes: int
     seconds: float
     outcomes: tuple[ReceiverOutcome, ...]
+    content_digest: str = ""
+    """With verify="bucket": what every receiver that committed verified it holds (compare with
+    a server's /weight_info `content_digest`); "" otherwise."""
 
     @property
     def gbps(self) -> float:

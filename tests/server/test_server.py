@@ -131,3 +131,5 @@ def test_a_server_that_requires_verified_pushes(tiny_models) -> None:
         report = push(server, SafetensorsSource(tiny_models["qwen2"]), 1)  # the sender's default: off
         assert report.ok, report.failed
         assert greedy(server, "abc")["weight_version"] == 1
+        # what the server verified it holds is what the trainer sent
+        assert report.content_digest and server.client.weight_info()["content_digest"] == report.content_digest

@@ -106,3 +106,36 @@ def test_an_offer_weaker_than_the_receiver_requires_is_refused() -> None:
         with pytest.raises(NegotiationError, match="requires verify='bucket'"):
             receiver.begin(Offer(1, plan, plan_digest(plan), "off"))
         assert receiver.state == "empty"
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_the_content_digest_is_what_both_sides_agree_they_moved(transport: str) -> None:
+    source = model()
+    with receiving(zeros(source), transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        unverified = sender.push(source, 1)
+        assert unverified.ok and unverified.content_digest == "" and receiver.content_digest == ""
+    with (
+        receiving(zeros(source), transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, verify="bucket") as sender,
+    ):
+        first = sender.push(source, 1)
+        assert first.ok and len(first.content_digest) == 32
+        assert receiver.content_digest == first.content_digest
+        changed = dict(source, small=source["small"] + 1)
+        second = sender.push(changed, 2)
+        assert receiver.content_digest == second.content_digest != first.content_digest
+        assert sender.push(source, 3).content_digest == first.content_digest  # same bytes, same digest
+
+
+def test_a_content_digest_that_differs_fails_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    import weightsync.sender
+
+    monkeypatch.setattr(weightsync.sender, "content_digest", lambda digest, checksums: "0" * 32)
+    source = model()
+    with (
+        receiving(zeros(source), "shm") as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, verify="bucket") as sender,
+    ):
+        report = sender.push(source, 1)
+        assert report.failed[0].kind == "ChecksumError" and "content digest" in report.failed[0].error
+        assert receiver.state == "dirty" and receiver.content_digest == ""

@@ -181,6 +181,7 @@ def _report_json(report, urls, addresses):  # type: ignore[no-untyped-def]
         "seconds": report.seconds,
         "gbps": report.gbps,
         "ok": report.ok,
+        "content_digest": report.content_digest,
         "outcomes": [
             {
                 "url": by_address.get(o.address),

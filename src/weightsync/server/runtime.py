@@ -172,6 +172,7 @@ class RolloutServer:
             "state": self.state(),
             "last_error": self.receiver.last_error,
             "last_sync": self.sink.stats.to_json(),
+            "content_digest": self.receiver.content_digest,
             "transport": self.config.transport,
             "addresses": [self.receiver.address],
             "sync_mode": self.config.sync_mode,

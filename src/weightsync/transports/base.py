@@ -64,6 +64,9 @@ class SenderTransport(ABC):
     def __init__(self, peers: list[Peer], timeout: float) -> None:
         self.peers = peers
         self.timeout = timeout
+        self.checksums: list[int] = []
+        """The checksums of this sync's buckets, when it verifies buckets and the transport
+        has a wire (inproc has none)."""
 
     def live(self) -> list[Peer]:
         return [peer for peer in self.peers if peer.alive]

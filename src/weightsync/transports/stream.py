@@ -115,7 +115,11 @@ class StreamSender(SenderTransport):
 
     def checksum(self, views: Iterable[np.ndarray]) -> int:
         """The bucket checksum of `views` when this sync verifies buckets, else 0."""
-        return bucket_checksum(views) if self.verify == "bucket" else 0
+        if self.verify != "bucket":
+            return 0
+        checksum = bucket_checksum(views)
+        self.checksums.append(checksum)
+        return checksum
 
     @abstractmethod
     def open_socket(self, address: str) -> socket.socket:
@@ -200,6 +204,7 @@ class StreamSender(SenderTransport):
 
     def offer(self, offer: Offer) -> None:
         self.verify = offer.verify
+        self.checksums = []
 
         def send(peer: Peer, conn: Connection) -> None:
             conn.version, conn.bucket = offer.version, None
