@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+import psutil
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -63,3 +64,76 @@ def no_thread_leak():  # type: ignore[no-untyped-def]
     yield
     wait_until(lambda: not lingering())
     assert not lingering(), f"threads still running after the test: {lingering()}"
+
+
+# --- the fault table: tests marked `fault` fill docs/fault-table.md ------------------------------
+#
+# WEIGHTSYNC_FAULT_TABLE=docs/fault-table.md pytest -m fault   writes one row per fault case: what
+# was injected, what we expect, what the test observed (from its own measurements), and whether it
+# passed. Without the variable nothing is written.
+
+_FAULT_ROWS: dict[str, dict[str, str]] = {}
+
+
+@pytest.fixture
+def observe(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """Call with what the test saw; it goes into the fault table's "observed" column.
+
+    Also checks that the fault case leaves no child process and no listening port of its own
+    behind (shared memory and threads are checked for every test, above).
+    """
+    me = psutil.Process()
+
+    def children() -> set[int]:
+        return {child.pid for child in me.children(recursive=True) if child.status() != psutil.STATUS_ZOMBIE}
+
+    def listening() -> set[tuple[str, int]]:
+        return {tuple(c.laddr) for c in me.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+    before_children, before_ports = children(), listening()
+
+    def record(text: str) -> None:
+        _FAULT_ROWS.setdefault(request.node.nodeid, {})["observed"] = text
+
+    yield record
+    wait_until(lambda: not (children() - before_children) and not (listening() - before_ports))
+    assert not children() - before_children, f"child processes left running: {children() - before_children}"
+    assert not listening() - before_ports, f"ports left listening: {listening() - before_ports}"
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    row = _FAULT_ROWS.get(report.nodeid)
+    if row is not None and (report.when == "call" or report.outcome != "passed"):
+        row["result"] = "pass" if report.outcome == "passed" and row.get("result") != "FAIL" else "FAIL"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marker = item.get_closest_marker("fault")
+        if marker is not None:
+            case = getattr(item, "callspec", None)
+            name = marker.args[0] + (f" [{case.id}]" if case else "")
+            _FAULT_ROWS[item.nodeid] = {"fault": name, "expected": marker.kwargs["expected"], "result": "not run"}
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    path = os.environ.get("WEIGHTSYNC_FAULT_TABLE")
+    rows = [row for row in _FAULT_ROWS.values() if row["result"] != "not run"]
+    if not path or not rows:
+        return
+    lines = [
+        "# Fault table",
+        "",
+        "Written by the test suite: `WEIGHTSYNC_FAULT_TABLE=docs/fault-table.md pytest -m fault`. Every",
+        "row is a test that injects the fault into real senders, receivers or servers. The observed",
+        "column is the test's own record of what happened. Every test also checks that no /dev/shm",
+        "segment and no weightsync thread is left behind, and that the next push commits.",
+        "",
+        "| fault | expected | observed | result |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        observed = row.get("observed", "(the test failed before recording)").replace("|", "/")
+        lines.append(f"| {row['fault']} | {row['expected']} | {observed} | {row['result']} |")
+    with open(path, "w", encoding="utf-8") as out:
+        out.write("\n".join(lines) + "\n")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -120,6 +121,11 @@ class Child:
         self.kill()
 
 
+def receiver_error(sink: Recorder) -> str:
+    """The error the sink was aborted with, shortened for the fault table."""
+    return f"{type(sink.aborts[0][1]).__name__}: {sink.aborts[0][1]}"[:110] if sink.aborts else "none"
+
+
 def segments_of(pid: int) -> set[str]:
     return shm_segments(pid)
 
@@ -139,9 +145,13 @@ def healthy_push(receiver: WeightReceiver, dest: dict[str, torch.Tensor] | None,
 # --- the sender dies --------------------------------------------------------------------------
 
 
+@pytest.mark.fault(
+    "kill -9 of the sender mid-sync",
+    expected="receiver notices, names version and bucket, sink aborted; `dirty` if live bytes were written, else the previous version stays; next push commits",
+)
 @pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
 @pytest.mark.parametrize("stall_at", [1, 0], ids=["after-first-bucket", "before-any-bucket"])
-def test_sender_killed_mid_sync(transport, stall_at):
+def test_sender_killed_mid_sync(transport, stall_at, observe):
     dest = {f"t{i}": torch.zeros(N) for i in range(3)}
     sink = Recorder(dest)
     with (
@@ -156,8 +166,10 @@ def test_sender_killed_mid_sync(transport, stall_at):
             # bucket 0 went straight into the live tensor before the sender stalled
             assert wait_until(lambda: bool((dest["t0"] == 1.0).all()))
         child.kill()
+        killed = time.monotonic()
 
         assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
+        noticed = time.monotonic() - killed
         assert f"version={5}" in receiver.last_error and f"bucket={stall_at}" in receiver.last_error
         assert "version 5" in receiver.last_error
         assert [version for version, _ in sink.aborts] == [5]
@@ -171,10 +183,18 @@ def test_sender_killed_mid_sync(transport, stall_at):
         assert not segments_of(child.pid)
 
         healthy_push(receiver, dest, version=6)
+        observe(
+            f"noticed in {noticed:.2f} s (timeout 60 s): `{receiver_error(sink)}`; state after: "
+            f"{'dirty' if stall_at == 1 else 'ready, version 4'}; no segment of the dead sender left; version 6 committed"
+        )
 
 
+@pytest.mark.fault(
+    "the sender stalls mid-sync (alive, silent)",
+    expected="receiver gives up after its timeout naming version and bucket, sink aborted, previous state kept; next push commits",
+)
 @pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)  # inproc has no wait of its own: it runs in push
-def test_sender_stalling_times_the_receiver_out(transport):
+def test_sender_stalling_times_the_receiver_out(transport, observe):
     """A sender that stops sending mid-sync (alive, silent): the receiver gives up after its
     timeout, names version and bucket, and tells the sink."""
     gate = threading.Event()
@@ -194,9 +214,11 @@ def test_sender_stalling_times_the_receiver_out(transport):
     with receiving(sink, transport, timeout=0.5) as receiver, sending(receiver.address, bucket_bytes=N * 4) as sender:
         reports = []
         thread = threading.Thread(target=lambda: reports.append(sender.push(Stuck(), version=3)))
+        started = time.monotonic()
         thread.start()
         try:
             assert sink.aborted.wait(WAIT_S), "the receiver never gave up"
+            gave_up = time.monotonic() - started
             assert isinstance(sink.aborts[0][1], TransferTimeout)
             assert wait_until(lambda: receiver.state != "syncing")
             assert "version=3" in receiver.last_error and "bucket=1" in receiver.last_error
@@ -207,13 +229,21 @@ def test_sender_stalling_times_the_receiver_out(transport):
         assert not thread.is_alive()
         assert not reports[0].ok
         healthy_push(receiver, None, version=4)
+        observe(
+            f"receiver gave up after {gave_up:.2f} s (timeout 0.5 s): `{receiver_error(sink)}`; "
+            f"state stayed empty; sender reported {reports[0].failed[0].kind}; version 4 committed"
+        )
 
 
 # --- a receiver dies or stalls ------------------------------------------------------------------
 
 
+@pytest.mark.fault(
+    "kill -9 of a receiver mid-sync",
+    expected="the sender reports that receiver failed (naming version) and completes the others; next push commits on the rest",
+)
 @pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
-def test_receiver_killed_mid_sync(transport):
+def test_receiver_killed_mid_sync(transport, observe):
     dest = {f"t{i}": torch.zeros(N) for i in range(4)}
     source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
     with Child(RECEIVER_CHILD, transport) as victim, receiving(dest, transport) as healthy:
@@ -233,14 +263,23 @@ def test_receiver_killed_mid_sync(transport):
             assert not segments_of(victim.pid)
 
             # the same sender goes on: the dead receiver is unreachable, the other commits
+            first = report
             report = sender.push(source, version=2)
             assert [(o.address, o.kind) for o in report.failed] == [(address, "ConnectError")]
             assert healthy.version == 2
         healthy_push(healthy, dest, version=3)
+        observe(
+            f"push took {first.seconds:.2f} s: dead receiver {first.failed[0].kind} "
+            f"(`{first.failed[0].error[:80]}`), the other committed bit-exact; next push: dead one ConnectError, other committed"
+        )
 
 
+@pytest.mark.fault(
+    "a receiver stalls mid-sync",
+    expected="the sender times it out (TransferTimeout, naming version) and completes the others; the stalled one claims nothing it lacks; next push commits on both",
+)
 @pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
-def test_receiver_stalling_is_timed_out_and_the_others_complete(transport):
+def test_receiver_stalling_is_timed_out_and_the_others_complete(transport, observe):
     gate = threading.Event()
     slow = Recorder(gate=gate)
     dest = {f"t{i}": torch.zeros(N) for i in range(4)}
@@ -279,9 +318,15 @@ def test_receiver_stalling_is_timed_out_and_the_others_complete(transport):
             assert_all_bit_exact(slow.received, source)
 
         slow.gate = None
+        first = report
         report = sender.push(source, version=2)
         assert report.ok, report.failed
         assert stalled.version == 2 and healthy.version == 2
+        observe(
+            f"push returned in {first.seconds:.2f} s (sender timeout 1 s): stalled receiver "
+            f"{first.failed[0].kind}, the other committed; once unstuck the stalled one "
+            f"{'aborted' if slow.aborts else 'committed the intact version (tcp)'}; version 2 committed on both"
+        )
 
 
 # --- shared memory: nothing left behind ----------------------------------------------------------

@@ -71,7 +71,11 @@ def test_every_response_and_choice_carries_its_version(tiny_models) -> None:
         assert models["data"][0]["id"] == "qwen2" and models["data"][0]["weight_version"] == 1
 
 
-def test_bad_pushes_are_refused_and_the_previous_version_serves(tiny_models) -> None:
+@pytest.mark.fault(
+    "a push that does not match the engine's parameters (extra, wrong shape, wrong dtype, missing)",
+    expected="PlanError listing the mismatch before any byte lands; the server keeps serving the previous version",
+)
+def test_bad_pushes_are_refused_and_the_previous_version_serves(tiny_models, observe) -> None:
     model_dir = tiny_models["llama"]
     good = load_file(model_dir / "model.safetensors")
     with live_server(model_dir) as server:
@@ -83,8 +87,10 @@ def test_bad_pushes_are_refused_and_the_previous_version_serves(tiny_models) -> 
             "'model.norm.weight': sent float32": good | {"model.norm.weight": good["model.norm.weight"].float()},
             "plan lacks 'lm_head.weight'": {k: v for k, v in good.items() if k != "lm_head.weight"},
         }
+        seen = []
         for version, (message, tensors) in enumerate(bad_pushes.items(), start=2):
             report = push(server, tensors, version)
+            seen.append(f"{report.failed[0].kind} `{message}`")
             assert not report.ok and report.failed[0].kind == "PlanError" and message in report.failed[0].error
             after = greedy(server, PROMPTS[0])
             assert after["weight_version"] == 1 and after["choices"][0]["token_ids"] == before
@@ -92,6 +98,7 @@ def test_bad_pushes_are_refused_and_the_previous_version_serves(tiny_models) -> 
         info = server.client.weight_info()
         assert info["version"] == 1 and info["last_sync"]["num_committed"] == 1
         assert "plan lacks" in info["last_error"]
+        observe("; ".join(seen) + "; after each: health ok, version 1 served, same greedy tokens")
 
 
 def test_metrics(tiny_models) -> None:

@@ -82,7 +82,11 @@ def test_sync_during_generation(tiny_models, mode, engine) -> None:
             assert "weight_versions" not in choice or mode == "keep"
 
 
-def test_a_user_pause_outlasts_a_sync(tiny_models) -> None:
+@pytest.mark.fault(
+    "a push during a user's pause, then resume",
+    expected="the push lands while paused; the pause holds until /resume; the parked request resumes on the new version",
+)
+def test_a_user_pause_outlasts_a_sync(tiny_models, observe) -> None:
     model_dir = tiny_models["qwen2"]
     v1 = load_file(model_dir / "model.safetensors")
     with live_server(model_dir) as server, WeightSender([server.address], timeout=WAIT_S) as sender:
@@ -95,3 +99,6 @@ def test_a_user_pause_outlasts_a_sync(tiny_models) -> None:
         server.client.resume()
         threads[0].join(WAIT_S)
         assert results[0]["weight_version"] == 2
+        observe(
+            "push of version 2 committed while paused (keep); still paused_by user after it; the parked request finished on version 2 after /resume"
+        )

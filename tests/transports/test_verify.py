@@ -50,9 +50,13 @@ def test_verified_round_trip(transport: str) -> None:
     assert_all_bit_exact(dest, source)
 
 
+@pytest.mark.fault(
+    "a bucket with a flipped byte (verify=bucket)",
+    expected="ChecksumError naming version and bucket before the bucket reaches the sink; `dirty` if it landed in live tensors, else the previous version serves; next push commits",
+)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("where", ["in-place", "staged"])
-def test_a_flipped_byte_fails_the_sync_and_the_next_push_succeeds(transport, where, flip_bucket_1) -> None:
+def test_a_flipped_byte_fails_the_sync_and_the_next_push_succeeds(transport, where, flip_bucket_1, observe) -> None:
     source = model()
     dest = zeros(source)
     received: dict[str, torch.Tensor] = {}
@@ -68,8 +72,12 @@ def test_a_flipped_byte_fails_the_sync_and_the_next_push_succeeds(transport, whe
             assert receiver.state == "dirty"
         else:  # nothing reached the sink's live weights: still serving version 0
             assert (receiver.state, receiver.version) == ("ready", 0)
+        after = (receiver.state, receiver.version)
         assert s.push(source, 2).ok
         assert (receiver.state, receiver.version) == ("ready", 2)
+        observe(
+            f"`{failure.kind}: {failure.error[:90]}`; receiver after: {after[0]}, version {after[1]}; version 2 committed"
+        )
     assert_all_bit_exact(dest if where == "in-place" else received, source)
 
 

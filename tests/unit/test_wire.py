@@ -317,7 +317,11 @@ def small_offer(version: int = 5, **plan_changes: object) -> Offer:
     ],
     ids=["huge-header", "oversized-with-bytes", "garbage", "pickle", "half-header", "half-body"],
 )
-def test_broken_first_frame_closes_that_connection_only(live, data):
+@pytest.mark.fault(
+    "a peer sends a broken first frame or closes mid-header",
+    expected="that connection is closed with nothing allocated for it; receiver state unchanged; a real push still commits",
+)
+def test_broken_first_frame_closes_that_connection_only(live, data, observe):
     receiver, dest = live
     peer = RawPeer(receiver.address)
     try:
@@ -332,6 +336,9 @@ def test_broken_first_frame_closes_that_connection_only(live, data):
         peer.close()
     assert receiver.state == "empty" and receiver.last_error == ""
     assert_still_serves(receiver, dest)
+    observe(
+        f"connection closed by the receiver; state {receiver.state}, no error recorded; the next real push committed"
+    )
 
 
 def test_silent_connection_does_not_block_real_senders(live):
@@ -454,7 +461,11 @@ def test_empty_tensor_with_overflowing_shape_is_refused(transport, shape):
     assert sink.calls == []
 
 
-def test_receiver_busy_with_one_sender_refuses_another(tcp_live):
+@pytest.mark.fault(
+    "a second push races the first",
+    expected="the second sender is refused at once (NegotiationError: busy); the first sync is unaffected",
+)
+def test_receiver_busy_with_one_sender_refuses_another(tcp_live, observe):
     receiver, dest, sink = tcp_live
     peer = RawPeer(receiver.address)
     try:
@@ -473,6 +484,10 @@ def test_receiver_busy_with_one_sender_refuses_another(tcp_live):
     assert "version 5" in receiver.last_error
     assert [version for version, _ in sink.aborts] == [5]
     assert_still_serves(receiver, dest)
+    observe(
+        f"second push: {report.failed[0].kind} (`{report.failed[0].error[:70]}`) in {report.seconds:.2f} s; "
+        "when the first sender vanished the receiver aborted version 5 and the next push committed"
+    )
 
 
 def _payload(offer: Offer, w: torch.Tensor, v: torch.Tensor) -> list[tuple[BucketData, bytes]]:
