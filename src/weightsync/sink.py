@@ -39,6 +39,10 @@ class WeightSink:
     """True when `load` writes into the weights being served (an engine's loader), so a sync that
     fails after any `load` leaves them mixed; the receiver then reports itself dirty."""
 
+    destinations_live: bool = True
+    """False when `destination` hands out a standby copy (staged mode) that only `commit` makes
+    live: then a failed sync leaves the served weights untouched."""
+
     def begin(self, plan: Plan, version: int) -> None:
         """Check the plan against the engine; raise PlanError to refuse it."""
 
@@ -175,7 +179,7 @@ class Landing:
     def target(self, piece: Piece) -> np.ndarray:
         """The writable bytes `piece` lands in."""
         if self.in_place(piece.tensor):
-            self.touched_live = True
+            self.touched_live = self.touched_live or self.sink.destinations_live
             whole = byte_view(self._dest[piece.tensor])  # type: ignore[arg-type]
         else:
             whole = byte_view(self._stage(piece.tensor))
@@ -209,7 +213,7 @@ class Landing:
             value = self._staged.pop(tensor) if tensor in self._staged else self._stage(tensor)
             dest = self._dest[tensor]
             if dest is not None:
-                self.touched_live = True
+                self.touched_live = self.touched_live or self.sink.destinations_live
                 dest.copy_(value)
             else:
                 loads.append((self.plan.tensors[tensor].name, value))

@@ -62,16 +62,18 @@ class HFEngine(Engine):
     Args:
         model_dir: directory with config.json (and the safetensors checkpoint for "auto").
         load_format: "dummy" (serve nothing until a sync commits) or "auto".
+        staged: land syncs in a standby copy of the weights and swap it in at commit, so a
+            failed sync never touches the served weights (costs one more copy in memory).
     """
 
     name = "hf"
 
-    def __init__(self, model_dir: str | Path, load_format: LoadFormat = "dummy") -> None:
+    def __init__(self, model_dir: str | Path, load_format: LoadFormat = "dummy", staged: bool = False) -> None:
         self.model = build_model(model_dir, load_format)
         self._eos_ids = _eos_ids(self.model)
         self._vocab_size = self.model.get_input_embeddings().num_embeddings
         self._requests: dict[str, _Request] = {}
-        self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True))
+        self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True), staged=staged)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

@@ -32,14 +32,27 @@ def alias_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
 class InPlaceModelSink(WeightSink):
     """Writes each sent tensor straight into the model's live tensor of the same name.
 
+    Staged mode keeps a standby copy of every weight: a sync lands there, and `commit` swaps it
+    with the live one (the parameters' storage, no copy), so a failed sync never touches what is
+    served. It costs one more copy of the weights in memory.
+
     Args:
         tensors: the model's state dict (`model.state_dict(keep_vars=True)`), tied names included.
+        staged: land syncs in a standby copy and swap it in at commit.
     """
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], staged: bool = False) -> None:
+        self._live = dict(tensors)  # the Parameters themselves: a swap replaces their storage
         self._tensors = {name: tensor.detach() for name, tensor in tensors.items()}
         self._groups = alias_groups(self._tensors)
         self.version: int | None = None
+        self.staged = staged
+        self.destinations_live = not staged
+        self._standby: dict[str, torch.Tensor] = {}
+        if staged:  # one standby tensor per alias group, shared by its names
+            for group in self._groups:
+                standby = torch.empty_like(self._tensors[group[0]])
+                self._standby.update(dict.fromkeys(group, standby))
 
     @property
     def names(self) -> list[str]:
@@ -64,7 +77,15 @@ class InPlaceModelSink(WeightSink):
             raise PlanError("plan does not match the model: " + "; ".join(problems[:8]) + more)
 
     def destination(self, name: str) -> torch.Tensor | None:
-        return self._tensors[name]
+        return self._standby[name] if self.staged else self._tensors[name]
 
     def commit(self, version: int) -> None:
+        if self.staged:
+            for group in self._groups:
+                standby, previous = self._standby[group[0]], self._live[group[0]].data
+                for param in {id(self._live[name]): self._live[name] for name in group}.values():
+                    param.data = standby  # tied names are usually one Parameter; views are not
+                for name in group:
+                    self._tensors[name] = self._live[name].detach()
+                    self._standby[name] = previous
         self.version = version

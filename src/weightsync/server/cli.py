@@ -71,6 +71,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
         action="store_true",
         help="serve /v1/completions and /v1/models without the token",
     )
+    serve.add_argument(
+        "--staged",
+        action="store_true",
+        help="land syncs in a standby copy and swap at commit: a failed sync never touches the served "
+        "weights (hf engine; one more copy of the weights in memory)",
+    )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     serve.set_defaults(handler=run_serve)
 
@@ -97,6 +103,7 @@ def run_serve(args: argparse.Namespace) -> int:
         auth_token=args.auth_token,
         allow_unauthenticated_generation=args.allow_unauthenticated_generation,
         host=args.host,
+        staged=args.staged,
     )
     sock = _bind(args.host, args.port)
     server = RolloutServer(config)

@@ -54,6 +54,7 @@ class ServeConfig:
             `host` or `receiver_host` is not loopback.
         allow_unauthenticated_generation: let /v1/completions and /v1/models through without it.
         host: the HTTP interface (checked here; `weightsync serve` binds it).
+        staged: land syncs in a standby copy of the weights and swap at commit (hf engine).
     """
 
     model: str
@@ -71,8 +72,11 @@ class ServeConfig:
     auth_token: str | None = None
     allow_unauthenticated_generation: bool = False
     host: str = "127.0.0.1"
+    staged: bool = False
 
     def __post_init__(self) -> None:
+        if self.staged and self.engine != "hf":
+            raise ConfigError(f"staged syncs are supported by the hf engine only, not {self.engine!r}")
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
         check_bind(self.host, self.auth_token, "the rollout server's HTTP API")
         if self.transport == "tcp":
@@ -99,7 +103,7 @@ class ServeConfig:
         return self.served_model_name or Path(self.model).resolve().name
 
 
-def build_engine(name: str, model: str, load_format: str) -> Engine:
+def build_engine(name: str, model: str, load_format: str, staged: bool = False) -> Engine:
     """Import the engine class lazily (vLLM is heavy and optional) and build it."""
     module_name, _, class_name = ENGINES[name].partition(":")
     try:
@@ -107,7 +111,8 @@ def build_engine(name: str, model: str, load_format: str) -> Engine:
     except ImportError as exc:
         hint = "pip install vllm" if name == "vllm" else "pip install 'weightsync[hf]'"
         raise ConfigError(f"engine {name!r} is not available ({exc}); {hint}") from exc
-    return getattr(module, class_name)(model, load_format=load_format)  # type: ignore[no-any-return]
+    options = {"staged": True} if staged else {}
+    return getattr(module, class_name)(model, load_format=load_format, **options)  # type: ignore[no-any-return]
 
 
 class RolloutServer:
@@ -118,7 +123,7 @@ class RolloutServer:
 
         self.config = config
         self.tokenizer: Any = AutoTokenizer.from_pretrained(config.model)
-        self.engine = engine or build_engine(config.engine, config.model, config.load_format)
+        self.engine = engine or build_engine(config.engine, config.model, config.load_format, config.staged)
         self.metrics = ServerMetrics()
         initial = AUTO_VERSION if config.load_format == "auto" else None
         self.loop = EngineLoop(self.engine, version=initial)

@@ -88,6 +88,14 @@ class ServerSink(WeightSink):
         self.receiver_state: Callable[[], str] = lambda: "empty"
         self._started = 0.0
 
+    @property
+    def loads_live(self) -> bool:  # type: ignore[override]
+        return self.inner.loads_live
+
+    @property
+    def destinations_live(self) -> bool:  # type: ignore[override]
+        return self.inner.destinations_live
+
     def begin(self, plan: Plan, version: int) -> None:
         self.inner.begin(plan, version)
         if not self.loop.pause("sync", self.mode, self.drain_timeout):
