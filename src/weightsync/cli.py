@@ -71,7 +71,7 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     bench.add_argument("--repeat", type=int, default=3, help="syncs per configuration (default 3)")
     bench.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True, help="run the baselines")
     bench.add_argument("--num-slots", type=int, default=2, help="shared-memory ring slots (default 2)")
-    bench.add_argument("--verify", choices=("off", "bucket"), default="off", help="checksum every bucket (default off)")
+    bench.add_argument("--verify", choices=("off", "bucket", "full"), default="off", help="checksums (default off)")
     bench.add_argument("--memcpy-mb", type=float, default=1024.0, help="memcpy reference buffer in MiB (1024)")
     bench.add_argument("--seed", type=int, default=0, help="content seed")
     bench.add_argument("--timeout", type=float, default=120.0, help="seconds any step may take (default 120)")

@@ -178,6 +178,8 @@ class WeightReceiver:
                 content = content_digest(landing.digest, landing.checksums)
                 if content != commit.content:
                     raise ChecksumError(f"version {commit.version}: content digest differs from the sender's")
+                if landing.verify == "full":
+                    landing.check_tensors(commit.tensors)
             with sink_errors("commit"):  # like every other hook: the sink's error fails this sync cleanly
                 self._sink.commit(commit.version)
         except BaseException as exc:

@@ -152,7 +152,7 @@ class WeightSender:
             for t in self._transports
         ]
         for transport, content in zip(self._transports, contents, strict=True):
-            transport.commit(Commit(version, digest, content))
+            transport.commit(Commit(version, digest, content, transport.tensor_digests if content else ()))
 
         report = SyncReport(
             version=version,

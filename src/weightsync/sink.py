@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import psutil
 import torch
+import xxhash
 
 from weightsync.checksum import bucket_checksum
 from weightsync.dtypes import dtype_from_name
@@ -140,6 +141,8 @@ class Landing:
         self.verify = verify
         self.checksums: list[int] = []
         """The checksums of the buckets verified so far, in order."""
+        self._delivered: dict[int, int] = {}
+        """verify="full": the hash of each tensor handed to the sink or copied out of staging."""
         self.touched_live = False
         """True once any byte was written into a live destination (an abort then leaves a mix)."""
         self._dest: list[torch.Tensor | None] = []
@@ -196,7 +199,7 @@ class Landing:
     def finish_bucket(self, index: int, checksum: int | None = None) -> None:
         """Check bucket `index` (when the sync verifies buckets and the transport sent a
         checksum), then deliver the tensors it completed to their destinations or the sink."""
-        if self.verify == "bucket" and checksum is not None:
+        if self.verify != "off" and checksum is not None:
             landed = bucket_checksum(self.target(piece) for piece in self.plan.buckets[index])
             if landed != checksum:
                 raise ChecksumError(
@@ -211,6 +214,8 @@ class Landing:
             if self.in_place(tensor):
                 continue
             value = self._staged.pop(tensor) if tensor in self._staged else self._stage(tensor)
+            if self.verify == "full":
+                self._delivered[tensor] = xxhash.xxh3_64_intdigest(byte_view(value.contiguous()))
             dest = self._dest[tensor]
             if dest is not None:
                 self.touched_live = self.touched_live or self.sink.destinations_live
@@ -221,6 +226,23 @@ class Landing:
             self.touched_live = self.touched_live or self.sink.loads_live
             with sink_errors("load"):
                 self.sink.load(loads)
+
+    def check_tensors(self, expected: tuple[int, ...]) -> None:
+        """verify="full": every tensor, where it finally sits, hashes as the sender's did."""
+        if len(expected) != len(self.plan.tensors):
+            raise ChecksumError(
+                f"version {self.version}: {len(expected)} tensor digests for {len(self.plan.tensors)} tensors"
+            )
+        for index, spec in enumerate(self.plan.tensors):
+            if self.in_place(index):
+                landed = xxhash.xxh3_64_intdigest(byte_view(self._dest[index]))  # type: ignore[arg-type]
+            else:
+                landed = self._delivered.get(index, -1)
+            if landed != expected[index]:
+                raise ChecksumError(
+                    f"version {self.version}: tensor {spec.name!r} does not hold the bytes the sender sent",
+                    version=self.version,
+                )
 
     def _stage(self, tensor: int) -> torch.Tensor:
         staged = self._staged.get(tensor)

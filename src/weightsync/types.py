@@ -149,6 +149,8 @@ class Commit(msgspec.Struct, frozen=True, tag=True):
     digest: str
     content: str = ""
     """With verify="bucket": the digest of every bucket's checksum (see checksum.content_digest)."""
+    tensors: tuple[int, ...] = ()
+    """With verify="full": xxh3-64 of every tensor's bytes, in plan order."""
 
 
 class Committed(msgspec.Struct, frozen=True, tag=True):

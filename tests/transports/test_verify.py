@@ -103,7 +103,7 @@ def test_without_verification_the_flip_goes_unnoticed(flip_bucket_1) -> None:
 
 def test_bad_modes_are_refused() -> None:
     with pytest.raises(ConfigError, match="verify must be one of"):
-        WeightReceiver({}, "inproc", verify="full")
+        WeightReceiver({}, "inproc", verify="everything")
     with pytest.raises(ConfigError, match="verify must be one of"):
         sending("inproc://x", verify=True).__enter__()
 
@@ -147,3 +147,46 @@ def test_a_content_digest_that_differs_fails_the_commit(monkeypatch: pytest.Monk
         report = sender.push(source, 1)
         assert report.failed[0].kind == "ChecksumError" and "content digest" in report.failed[0].error
         assert receiver.state == "dirty" and receiver.content_digest == ""
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("where", ["in-place", "non-contiguous", "staged"])
+def test_full_verification_round_trips(transport: str, where: str) -> None:
+    source = model()
+    received: dict[str, torch.Tensor] = {}
+    if where == "staged":
+        sink = lambda items: received.update((n, t.clone()) for n, t in items)  # noqa: E731
+    else:
+        sink = zeros(source)
+        if where == "non-contiguous":  # staged in a fresh tensor, then copied into the destination
+            sink["big"] = torch.zeros(2 * source["big"].numel(), dtype=torch.bfloat16)[::2]
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET, verify="full") as s:
+        report = s.push(source, 1)
+        assert report.ok, report.failed
+        assert receiver.content_digest == report.content_digest
+    assert_all_bit_exact(received if where == "staged" else sink, source)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_full_verification_catches_bytes_in_the_wrong_place(transport: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug after the bucket check (a destination written wrongly) passes verify="bucket" but
+    not "full", which hashes every tensor where it finally sits."""
+    original = Landing.finish_bucket
+
+    def misplaced(self: Landing, index: int, checksum: int | None = None) -> None:
+        original(self, index, checksum)
+        if index == 0:
+            self.target(self.plan.buckets[0][0])[:2] = 0x7F  # after the check passed
+
+    monkeypatch.setattr(Landing, "finish_bucket", misplaced)
+    source = model()
+    for verify, caught in (("bucket", False), ("full", True)):
+        with (
+            receiving(zeros(source), transport) as receiver,
+            sending(receiver.address, bucket_bytes=BUCKET, verify=verify) as sender,
+        ):
+            report = sender.push(source, 1)
+            assert report.ok is not caught, (verify, report.failed)
+            if caught:
+                assert report.failed[0].kind == "ChecksumError" and "'big'" in report.failed[0].error
+                assert receiver.state == "dirty"

@@ -58,7 +58,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     serve.add_argument("--drain-timeout", type=_seconds, default=60.0, help="seconds a sync waits for the loop")
     serve.add_argument("--sync-timeout", type=_seconds, default=60.0, help="receiver timeout inside a sync")
     serve.add_argument(
-        "--verify", choices=VERIFY_MODES, default="off", help="require bucket checksums on every push (default off)"
+        "--verify",
+        choices=VERIFY_MODES,
+        default="off",
+        help="the verification every push must use: bucket checksums, or full (also every tensor where it lands); default off",
     )
     serve.add_argument(
         "--auth-token",
@@ -142,7 +145,7 @@ def add_push_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
     push.add_argument("--to", nargs="+", required=True, metavar="URL", help="server URLs (http://HOST:PORT)")
     push.add_argument("--version", type=int, default=None, help="weight version (default: highest served + 1)")
     push.add_argument("--timeout", type=_seconds, default=60.0, help="seconds any wait may last (default 60)")
-    push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="checksum every bucket (default off)")
+    push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="bucket or full checksums (default off)")
     push.add_argument("--auth-token", default=None, help="the servers' shared secret (default $WEIGHTSYNC_AUTH_TOKEN)")
     push.add_argument("--json", action="store_true", help="print the report as JSON")
     push.set_defaults(handler=run_push)

@@ -67,6 +67,8 @@ class SenderTransport(ABC):
         self.checksums: list[int] = []
         """The checksums of this sync's buckets, when it verifies buckets and the transport
         has a wire (inproc has none)."""
+        self.tensor_digests: tuple[int, ...] = ()
+        """With verify="full", once every bucket was sent: each tensor's hash, in plan order."""
 
     def live(self) -> list[Peer]:
         return [peer for peer in self.peers if peer.alive]

@@ -171,7 +171,9 @@ class ShmSender(StreamSender):
                 piece.nbytes,
                 out[piece.bucket_offset : piece.bucket_offset + piece.nbytes],
             )
-        checksum = self.checksum(out[it.piece.bucket_offset : it.piece.bucket_offset + it.piece.nbytes] for it in items)
+        checksum = self.checksum(
+            items, [out[it.piece.bucket_offset : it.piece.bucket_offset + it.piece.nbytes] for it in items]
+        )
         message = BucketReady(index, slot, checksum)
 
         def notify(peer: Peer, conn: Connection) -> None:

@@ -13,13 +13,13 @@ import socket
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from weightsync.auth import new_nonce, proof, proof_matches
-from weightsync.checksum import bucket_checksum
+from weightsync.checksum import TensorHashes, bucket_checksum
 from weightsync.errors import (
     AuthError,
     PeerClosedError,
@@ -29,7 +29,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.sink import Landing
-from weightsync.transports.base import Peer, ReceiverTransport, SenderTransport
+from weightsync.transports.base import BucketItem, Peer, ReceiverTransport, SenderTransport
 from weightsync.types import (
     PROTOCOL_VERSION,
     Abort,
@@ -113,12 +113,18 @@ class StreamSender(SenderTransport):
         """This sync's verification ("off" or "bucket"), from the offer."""
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
 
-    def checksum(self, views: Iterable[np.ndarray]) -> int:
-        """The bucket checksum of `views` when this sync verifies buckets, else 0."""
-        if self.verify != "bucket":
+    def checksum(self, items: list[BucketItem], views: list[np.ndarray]) -> int:
+        """The bucket checksum of `views` (the bytes of `items`, in order) when this sync
+        verifies, else 0; with verify="full", also feeds each piece to its tensor's hash."""
+        if self.verify == "off":
             return 0
+        if self.verify == "full":
+            for item, view in zip(items, views, strict=True):
+                self.tensor_hashes.update(item.piece.tensor, view)
         checksum = bucket_checksum(views)
         self.checksums.append(checksum)
+        if self.verify == "full" and len(self.checksums) == self.num_buckets:
+            self.tensor_digests = self.tensor_hashes.digests()
         return checksum
 
     @abstractmethod
@@ -205,6 +211,9 @@ class StreamSender(SenderTransport):
     def offer(self, offer: Offer) -> None:
         self.verify = offer.verify
         self.checksums = []
+        self.num_buckets = len(offer.plan.buckets)
+        self.tensor_hashes = TensorHashes(len(offer.plan.tensors))
+        self.tensor_digests = ()
 
         def send(peer: Peer, conn: Connection) -> None:
             conn.version, conn.bucket = offer.version, None

@@ -56,7 +56,7 @@ class TcpSender(StreamSender):
 
     def send_bucket(self, index: int, items: list[BucketItem]) -> None:
         views = [self._bytes_of(item, index) for item in items]
-        message = BucketData(index, sum(item.piece.nbytes for item in items), self.checksum(views))
+        message = BucketData(index, sum(item.piece.nbytes for item in items), self.checksum(items, views))
 
         def stream(peer: Peer, conn: Connection) -> None:
             conn.bucket = index
