@@ -18,15 +18,10 @@ MODEL_KINDS = ("qwen2", "llama")
 
 
 def save_tokenizer(path: Path) -> None:
-    """A character-level WordLevel tokenizer saved as tokenizer.json (+ its config)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """The tests' character tokenizer (letters, digits, punctuation) saved at `path`."""
+    from weightsync.demo.task import save_char_tokenizer
 
-    tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
-    fast.save_pretrained(path)
+    save_char_tokenizer(path, VOCAB)
 
 
 def model_config(kind: str):  # type: ignore[no-untyped-def]

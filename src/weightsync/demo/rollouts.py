@@ -12,10 +12,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -100,6 +102,37 @@ class LocalRollouts:
         self.engine.close()
 
 
+def _first_line_with(process: subprocess.Popen[str], prefix: str, timeout: float) -> str | None:
+    """The first stdout line of `process` starting with `prefix`, or None if none comes within
+    `timeout` s or the process exits. The reader thread keeps draining stdout afterwards (engines
+    may log there), so the pipe never fills."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        found = False
+        try:
+            for line in process.stdout:  # type: ignore[union-attr]
+                if not found:  # after our line, only drain
+                    lines.put(line)
+                    found = line.startswith(prefix)
+        except (OSError, ValueError):  # stdout closed by `close()` while we read: we are done
+            pass
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True, name="demo-server-stdout").start()
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            return None
+        if line is None:
+            return None
+        if line.startswith(prefix):
+            return line
+    return None
+
+
 class _Server:
     """One `weightsync serve` process."""
 
@@ -109,13 +142,11 @@ class _Server:
         command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout)]
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-        for line in self.process.stdout:  # type: ignore[union-attr]
-            if line.startswith("weightsync serve: http://"):
-                break
-        else:
-            raise RuntimeError(f"rollout server {index} exited with {self.process.wait(timeout)} before listening")
-        # engines may log to stdout: keep draining it so the pipe never fills
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+        line = _first_line_with(self.process, "weightsync serve: http://", timeout)
+        if line is None:
+            self.process.kill()
+            self.process.wait(10)
+            raise RuntimeError(f"rollout server {index} did not start listening within {timeout} s")
         fields = line.split()
         self.url, self.address = fields[2], fields[4]
         token = resolve_token(None)  # the servers inherit $WEIGHTSYNC_AUTH_TOKEN, if set

@@ -45,10 +45,16 @@ def sample_digits(rng: random.Random, count: int) -> list[int]:
 
 def save_tokenizer(path: Path) -> None:
     """The task's character tokenizer, saved where a rollout server loads it from."""
+    save_char_tokenizer(path, VOCAB)
+
+
+def save_char_tokenizer(path: Path, vocab: dict[str, int]) -> None:
+    """A one-character-per-token WordLevel tokenizer over `vocab` (which holds <pad>, <unk> and
+    <eos>), saved as tokenizer.json and its config: no download, loadable by AutoTokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")

@@ -110,7 +110,9 @@ class StreamSender(SenderTransport):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self.verify = "off"
-        """This sync's verification ("off" or "bucket"), from the offer."""
+        """This sync's verification ("off", "bucket" or "full"), from the offer."""
+        self.num_buckets = 0
+        self.tensor_hashes = TensorHashes(0)
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
 
     def checksum(self, items: list[BucketItem], views: list[np.ndarray]) -> int:
