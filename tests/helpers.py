@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from weightsync import WeightReceiver, WeightSender, WeightSink
 
-TRANSPORTS = ["inproc", "shm", "tcp"]
+TRANSPORTS = ["inproc", "shm", "tcp", "collective"]
 """Every transport; inproc first, as the reference."""
 
-PROCESS_TRANSPORTS = ["shm", "tcp"]
+PROCESS_TRANSPORTS = ["shm", "tcp", "collective"]
 """The transports whose peers can live in other processes."""
 
 DTYPES = [

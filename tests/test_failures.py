@@ -28,9 +28,21 @@ from tests.helpers import (
     shm_segments,
     wait_until,
 )
-from weightsync import PeerClosedError, TransferTimeout, WeightReceiver, WeightSink
+from weightsync import (
+    CollectiveError,
+    PeerClosedError,
+    SyncReport,
+    TransferTimeout,
+    WeightReceiver,
+    WeightSender,
+    WeightSink,
+)
 
 pytestmark = pytest.mark.slow
+
+ONE_TO_ONE = ["shm", "tcp"]
+"""Transports where each receiver has its own stream, so one receiver's fault is its alone.
+The collective transport fails its whole group instead: its cases are at the end."""
 
 N = 1 << 14
 """Elements per tensor in the child programs (64 KiB of float32: one bucket each)."""
@@ -142,6 +154,22 @@ def healthy_push(receiver: WeightReceiver, dest: dict[str, torch.Tensor] | None,
         assert_all_bit_exact(dest, source)
 
 
+def push_past_a_stall(sender: WeightSender, source: dict[str, torch.Tensor], gate: threading.Event) -> SyncReport:
+    """Push version 1 while a receiver's sink is held on `gate`; the push must return on its own
+    (the sender's timeout), before the gate is released."""
+    reports = []
+    pusher = threading.Thread(target=lambda: reports.append(sender.push(source, version=1)))
+    pusher.start()
+    try:
+        pusher.join(WAIT_S)
+        assert not pusher.is_alive(), "push waited on a stalled receiver past its timeout"
+    finally:
+        gate.set()
+        pusher.join(WAIT_S)
+    (report,) = reports
+    return report
+
+
 # --- the sender dies --------------------------------------------------------------------------
 
 
@@ -149,7 +177,7 @@ def healthy_push(receiver: WeightReceiver, dest: dict[str, torch.Tensor] | None,
     "kill -9 of the sender mid-sync",
     expected="receiver notices, names version and bucket, sink aborted; `dirty` if live bytes were written, else the previous version stays; next push commits",
 )
-@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
+@pytest.mark.parametrize("transport", ONE_TO_ONE)
 @pytest.mark.parametrize("stall_at", [1, 0], ids=["after-first-bucket", "before-any-bucket"])
 def test_sender_killed_mid_sync(transport, stall_at, observe):
     dest = {f"t{i}": torch.zeros(N) for i in range(3)}
@@ -242,7 +270,7 @@ def test_sender_stalling_times_the_receiver_out(transport, observe):
     "kill -9 of a receiver mid-sync",
     expected="the sender reports that receiver failed (naming version) and completes the others; next push commits on the rest",
 )
-@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
+@pytest.mark.parametrize("transport", ONE_TO_ONE)
 def test_receiver_killed_mid_sync(transport, observe):
     dest = {f"t{i}": torch.zeros(N) for i in range(4)}
     source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
@@ -278,7 +306,7 @@ def test_receiver_killed_mid_sync(transport, observe):
     "a receiver stalls mid-sync",
     expected="the sender times it out (TransferTimeout, naming version) and completes the others; the stalled one claims nothing it lacks; next push commits on both",
 )
-@pytest.mark.parametrize("transport", PROCESS_TRANSPORTS)
+@pytest.mark.parametrize("transport", ONE_TO_ONE)
 def test_receiver_stalling_is_timed_out_and_the_others_complete(transport, observe):
     gate = threading.Event()
     slow = Recorder(gate=gate)
@@ -289,16 +317,7 @@ def test_receiver_stalling_is_timed_out_and_the_others_complete(transport, obser
         receiving(dest, transport) as healthy,
         sending([stalled.address, healthy.address], bucket_bytes=N * 4, timeout=1.0) as sender,
     ):
-        reports = []
-        pusher = threading.Thread(target=lambda: reports.append(sender.push(source, version=1)))
-        pusher.start()
-        try:
-            pusher.join(WAIT_S)
-            assert not pusher.is_alive(), "push waited on a stalled receiver past its timeout"
-        finally:
-            gate.set()
-            pusher.join(WAIT_S)
-        (report,) = reports
+        report = push_past_a_stall(sender, source, gate)
         assert [(o.address, o.kind) for o in report.failed] == [(stalled.address, "TransferTimeout")]
         assert "version=1" in report.failed[0].error
         assert healthy.version == 1
@@ -401,3 +420,101 @@ def test_no_segment_outlives_the_offer():
         for version in range(3):
             assert sender.push({"w": torch.ones(1000 * (version + 1))}, version=version).ok
             assert shm_segments(os.getpid()) == before
+
+
+# --- collective: a fault in one member fails its group, within the timeout -----------------------
+
+
+@pytest.mark.fault(
+    "kill -9 of the sender mid-sync (collective)",
+    expected="receiver notices at once (closed control connection or group), names version and bucket, sink aborted, the bucket in flight never lands: previous version stays; next push commits",
+)
+def test_collective_sender_killed_mid_sync(observe):
+    dest = {f"t{i}": torch.zeros(N) for i in range(3)}
+    sink = Recorder(dest)
+    with receiving(sink, "collective", timeout=60) as receiver, Child(SENDER_CHILD, receiver.address, 5, 1) as child:
+        child.expect("PUSHED")
+        child.expect("STALLED")
+        assert wait_until(lambda: receiver.state == "syncing")
+        child.kill()
+        killed = time.monotonic()
+        assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
+        noticed = time.monotonic() - killed
+        assert "version=5" in receiver.last_error and "bucket=1" in receiver.last_error
+        assert [version for version, _ in sink.aborts] == [5]
+        assert isinstance(sink.aborts[0][1], (PeerClosedError, CollectiveError))
+        # bucket 0 was received but is landed only once bucket 1 is under way: nothing was written
+        assert (receiver.state, receiver.version) == ("ready", 4)
+        assert all(bool((t == -1.0).all()) for t in dest.values())
+        healthy_push(receiver, dest, version=6)
+        observe(
+            f"noticed in {noticed:.2f} s (timeout 60 s): `{receiver_error(sink)}`; state after: ready, version 4; version 6 committed"
+        )
+
+
+@pytest.mark.fault(
+    "kill -9 of a receiver mid-sync (collective)",
+    expected="the broadcast fails at once: the dead receiver is reported gone, the rest of its group CollectiveError, no one claims the version; next push forms a new group and commits on the rest",
+)
+def test_collective_receiver_killed_mid_sync(observe):
+    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
+    with Child(RECEIVER_CHILD, "collective") as victim, receiving(dest, "collective") as healthy:
+        address = victim.expect("ADDRESS").split()[1]
+        killer = threading.Thread(target=lambda: (victim.expect("LOADING"), victim.kill()))
+        killer.start()
+        with sending([address, healthy.address], bucket_bytes=N * 4, timeout=WAIT_S) as sender:
+            try:
+                report = sender.push(source, version=1)
+            finally:
+                killer.join(WAIT_S)
+            assert report.seconds < WAIT_S, "the group noticed the dead member before its timeout"
+            failed = {o.address: o for o in report.failed}
+            assert set(failed) == {address, healthy.address}
+            assert "died" in failed[address].error or failed[address].kind == "PeerClosedError"
+            assert failed[healthy.address].kind == "CollectiveError"
+            assert wait_until(lambda: healthy.state != "syncing")
+            assert healthy.version is None and healthy.state in ("empty", "dirty")
+
+            first = report
+            report = sender.push(source, version=2)
+            assert [(o.address, o.kind) for o in report.failed] == [(address, "ConnectError")]
+            assert healthy.version == 2
+            assert_all_bit_exact(dest, source)
+        observe(
+            f"push returned in {first.seconds:.2f} s (timeout {WAIT_S:.0f} s): dead receiver "
+            f"`{failed[address].error[:60]}`, the other {failed[healthy.address].kind}; "
+            "next push: dead one ConnectError, the other committed bit-exact"
+        )
+
+
+@pytest.mark.fault(
+    "a receiver stalls mid-sync (collective)",
+    expected="the group's broadcast times out: every member fails with CollectiveError within the sender's timeout, none claims the version; next push (stall over) commits on all",
+)
+def test_collective_receiver_stalling_fails_the_group_within_the_timeout(observe):
+    gate = threading.Event()
+    slow = Recorder(gate=gate)
+    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
+    with (
+        receiving(slow, "collective", timeout=WAIT_S) as stalled,
+        receiving(dest, "collective") as healthy,
+        sending([stalled.address, healthy.address], bucket_bytes=N * 4, timeout=1.0) as sender,
+    ):
+        report = push_past_a_stall(sender, source, gate)
+        assert {o.kind for o in report.failed} == {"CollectiveError"} and len(report.failed) == 2
+        assert "timed out" in report.failed[0].error.lower()
+        assert wait_until(lambda: stalled.state != "syncing" and healthy.state != "syncing")
+        assert stalled.version is None and healthy.version is None
+
+        slow.gate = None
+        first = report
+        report = sender.push(source, version=2)
+        assert report.ok, report.failed
+        assert stalled.version == 2 and healthy.version == 2
+        assert_all_bit_exact(dest, source)
+        observe(
+            f"push returned in {first.seconds:.2f} s (sender timeout 1 s): both members CollectiveError "
+            f"(`{first.failed[0].error[:70]}`); version 2 committed on both"
+        )

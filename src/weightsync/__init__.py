@@ -8,6 +8,7 @@ from __future__ import annotations
 from weightsync.errors import (
     AuthError,
     ChecksumError,
+    CollectiveError,
     ConfigError,
     ConnectError,
     NegotiationError,
@@ -35,6 +36,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AuthError",
     "ChecksumError",
+    "CollectiveError",
     "ConfigError",
     "ConnectError",
     "ModuleSource",

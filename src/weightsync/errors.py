@@ -11,6 +11,7 @@
         TransferTimeout                         a wait ran past its timeout
         PeerClosedError                         the peer closed the connection or died
         ProtocolError                           malformed frame, unexpected message or wire-version skew
+        CollectiveError                         a process group broke (a member died or stalled)
       SinkError                                 the sink (engine) refused or failed to load weights
       RemoteError                               failure reported by the peer, with its message
       SyncFailed                                a push did not commit on every receiver
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CollectiveError",
     "ConfigError",
     "ConnectError",
     "NegotiationError",
@@ -94,6 +96,11 @@ class PeerClosedError(TransportError):
 
 class ProtocolError(TransportError):
     """A frame was malformed, unexpected, or from another wire version."""
+
+
+class CollectiveError(TransportError):
+    """A collective (broadcast, group set-up) failed: a member of the process group died,
+    stalled past the timeout, or could not join. The group is rebuilt on the next sync."""
 
 
 class ChecksumError(TransportError):

@@ -37,9 +37,9 @@ class WeightReceiver:
     Args:
         sink: a `WeightSink`, a mapping of destination tensors (written in place), or a callable
             taking a list of (name, tensor) pairs.
-        transport: "shm", "tcp" or "inproc".
-        host: interface to listen on (tcp); loopback by default.
-        port: port to listen on (tcp); 0 picks a free one.
+        transport: "shm", "tcp", "collective" or "inproc".
+        host: interface to listen on (tcp, collective); loopback by default.
+        port: port to listen on (tcp, collective); 0 picks a free one.
         max_bucket_bytes: the largest bucket this side accepts, or "auto" for half the budget.
         memory_budget_bytes: what this side may spend on transfer buffers.
         timeout: seconds any wait inside a sync may last before the sync is aborted.
@@ -47,7 +47,7 @@ class WeightReceiver:
             checksummed by the sender, checked here before its tensors reach the sink).
         auth_token: a shared secret senders must prove they hold (HMAC challenge; the token is
             never sent). Default: $WEIGHTSYNC_AUTH_TOKEN, else none. Required to listen on a
-            non-loopback tcp interface.
+            non-loopback interface.
     """
 
     def __init__(
@@ -71,8 +71,8 @@ class WeightReceiver:
             raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {memory_budget_bytes!r}")
         self._verify = check_verify(verify)
         self._token = resolve_token(auth_token)
-        if transport == "tcp":
-            check_bind(host, self._token, "a tcp weight receiver")
+        if transport in ("tcp", "collective"):
+            check_bind(host, self._token, f"a {transport} weight receiver")
         self._sink: WeightSink = as_sink(sink)
         self._max_bucket_bytes = parse_bucket_bytes(max_bucket_bytes, "max_bucket_bytes") or align_down(
             memory_budget_bytes // 2

@@ -42,8 +42,8 @@ class WeightSender:
     """Pushes named tensors to one or more `WeightReceiver` addresses.
 
     Args:
-        addresses: receiver addresses ("shm://@...", "tcp://HOST:PORT", "inproc://..."); several
-            transports may be mixed.
+        addresses: receiver addresses ("shm://@...", "tcp://HOST:PORT", "collective://HOST:PORT",
+            "inproc://..."); several transports may be mixed.
         bucket_bytes: bucket size to propose, or "auto" (from the tensors and the budget). The
             size used is the smallest of this and every receiver's limit.
         min_bucket_bytes: refuse receivers that cannot afford buckets this large (e.g.
@@ -99,7 +99,7 @@ class WeightSender:
         for scheme in dict.fromkeys(scheme_of(address) for address in addresses):
             peers = [peer for peer in self._peers if scheme_of(peer.address) == scheme]
             options: dict[str, Any] = {"num_slots": num_slots} if scheme == "shm" else {}
-            if scheme in ("shm", "tcp"):
+            if scheme != "inproc":
                 options["auth_token"] = token
             self._transports.append(SENDERS[scheme](peers, float(timeout), **options))
 

@@ -102,6 +102,19 @@ class Ring(msgspec.Struct, frozen=True, tag=True):
     slot_bytes: int
 
 
+class Group(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver (collective), after `Accept`: join a new process group before the
+    buckets, because the members that accepted this plan differ from the current group's."""
+
+    store_host: str
+    store_port: int
+    prefix: str
+    """A fresh random key namespace in the sender's store, known only to this group's members."""
+    rank: int
+    world_size: int
+    backend: str
+
+
 class Offer(msgspec.Struct, frozen=True, tag=True):
     """Sender -> receiver: the plan of version `version`; receivers accept or fail."""
 
@@ -119,7 +132,8 @@ class Accept(msgspec.Struct, frozen=True, tag=True):
 
 
 class BucketReady(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (shm): bucket `index` sits in ring slot `slot`."""
+    """Sender -> receiver (shm, collective): bucket `index` sits in ring slot `slot` (shm), or is
+    the next broadcast (collective)."""
 
     index: int
     slot: int
@@ -179,6 +193,7 @@ Message = (
     | Welcome
     | Auth
     | Ring
+    | Group
     | Offer
     | Accept
     | BucketReady

@@ -245,8 +245,8 @@ class RawPeer:
     """A hand-driven sender on a plain socket: sends whatever bytes or messages a test likes."""
 
     def __init__(self, address: str) -> None:
-        if address.startswith("tcp://"):
-            host, _, port = address.removeprefix("tcp://").rpartition(":")
+        if not address.startswith("shm://"):  # tcp and collective listen on tcp
+            host, _, port = address.partition("://")[2].rpartition(":")
             self.sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
         else:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

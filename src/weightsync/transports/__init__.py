@@ -1,16 +1,18 @@
 """Transports, one file each, behind the contract in `base.py`.
 
-| name   | reach                      | how bytes move                                      |
-|--------|----------------------------|-----------------------------------------------------|
-| inproc | same process               | source -> destination, one copy (or none)           |
-| shm    | same host                  | source -> shared ring slot -> each receiver         |
-| tcp    | any host                   | source memory -> socket -> destination memory       |
+| name       | reach                    | how bytes move                                          |
+|------------|--------------------------|---------------------------------------------------------|
+| inproc     | same process             | source -> destination, one copy (or none)               |
+| shm        | same host                | source -> shared ring slot -> each receiver             |
+| tcp        | any host                 | source memory -> socket -> destination memory           |
+| collective | any hosts, a group       | source -> bucket -> one gloo broadcast -> each receiver  |
 """
 
 from __future__ import annotations
 
 from weightsync.errors import ConfigError
 from weightsync.transports.base import BucketItem, Peer, ReceiverTransport, SenderTransport, SyncTarget
+from weightsync.transports.collective import CollectiveReceiver, CollectiveSender
 from weightsync.transports.inproc import InprocReceiver, InprocSender
 from weightsync.transports.shm import ShmReceiver, ShmSender
 from weightsync.transports.tcp import TcpReceiver, TcpSender, parse_tcp_address
@@ -27,8 +29,18 @@ __all__ = [
     "scheme_of",
 ]
 
-SENDERS: dict[str, type[SenderTransport]] = {"inproc": InprocSender, "shm": ShmSender, "tcp": TcpSender}
-RECEIVERS: dict[str, type[ReceiverTransport]] = {"inproc": InprocReceiver, "shm": ShmReceiver, "tcp": TcpReceiver}
+SENDERS: dict[str, type[SenderTransport]] = {
+    "inproc": InprocSender,
+    "shm": ShmSender,
+    "tcp": TcpSender,
+    "collective": CollectiveSender,
+}
+RECEIVERS: dict[str, type[ReceiverTransport]] = {
+    "inproc": InprocReceiver,
+    "shm": ShmReceiver,
+    "tcp": TcpReceiver,
+    "collective": CollectiveReceiver,
+}
 
 
 def scheme_of(address: str) -> str:
@@ -43,8 +55,8 @@ def check_address(address: str) -> None:
     """Raise ConfigError unless `address` is well formed for its transport (no I/O)."""
     scheme = scheme_of(address)
     rest = address.partition("://")[2]
-    if scheme == "tcp":
-        parse_tcp_address(address)
+    if scheme in ("tcp", "collective"):
+        parse_tcp_address(address, scheme)
     elif scheme == "shm" and (not rest.startswith("@") or len(rest) < 2):
         raise ConfigError(f"shm address must look like shm://@NAME, got {address!r}")
     elif scheme == "inproc" and not rest:

@@ -382,10 +382,7 @@ class StreamReceiver(ReceiverTransport):
             return
         try:
             conn.send(Accept(offer.version), self.timeout)
-            for index in range(len(offer.plan.buckets)):
-                conn.bucket = index
-                message = self._next(conn, offer.version)
-                self.receive_bucket(conn, message, index, landing)
+            self.receive_buckets(conn, landing)
             conn.bucket = None
             commit = self._next(conn, offer.version)
             if not isinstance(commit, Commit):
@@ -404,6 +401,12 @@ class StreamReceiver(ReceiverTransport):
                     pass
             raise
         conn.send(Committed(offer.version), self.timeout)
+
+    def receive_buckets(self, conn: Connection, landing: Landing) -> None:
+        """Land every bucket of the plan, in order, each announced by its own message."""
+        for index in range(len(landing.plan.buckets)):
+            conn.bucket = index
+            self.receive_bucket(conn, self._next(conn, landing.version), index, landing)
 
     def _next(self, conn: Connection, version: int) -> Message:
         message = conn.recv(self.timeout)

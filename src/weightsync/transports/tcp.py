@@ -23,12 +23,12 @@ from weightsync.wire import Connection
 __all__ = ["TcpReceiver", "TcpSender", "parse_tcp_address"]
 
 
-def parse_tcp_address(address: str) -> tuple[str, int]:
+def parse_tcp_address(address: str, scheme: str = "tcp") -> tuple[str, int]:
     """("host", port) from "tcp://host:port" (IPv6 hosts in brackets)."""
-    rest = address.removeprefix("tcp://")
+    rest = address.removeprefix(f"{scheme}://")
     host, sep, port = rest.rpartition(":")
-    if not address.startswith("tcp://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"tcp address must look like tcp://HOST:PORT, got {address!r}")
+    if not address.startswith(f"{scheme}://") or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{scheme} address must look like {scheme}://HOST:PORT, got {address!r}")
     return host.strip("[]"), int(port)
 
 
@@ -46,7 +46,7 @@ class TcpSender(StreamSender):
         self._scratch = np.empty(0, dtype=np.uint8)
 
     def open_socket(self, address: str) -> socket.socket:
-        host, port = parse_tcp_address(address)
+        host, port = parse_tcp_address(address, self.name)
         try:
             sock = socket.create_connection((host, port), timeout=self.timeout)
         except OSError as exc:
@@ -91,7 +91,7 @@ class TcpReceiver(StreamReceiver):
         if self._bound is None:
             raise ConfigError("receiver is not listening yet")
         host = f"[{self._bound[0]}]" if ":" in self._bound[0] else self._bound[0]
-        return f"tcp://{host}:{self._bound[1]}"
+        return f"{self.name}://{host}:{self._bound[1]}"
 
     def listen(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

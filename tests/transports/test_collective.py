@@ -1,0 +1,161 @@
+"""The collective transport beyond the shared contract: a process group formed once per
+membership and rebuilt when it changes, one receiver's failure drained instead of stalling the
+others, sockets bound only where the control connection runs, and hostile group messages
+refused. (The contract suite and the fault cases in tests/test_failures.py run on it too.)"""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from tests.helpers import WAIT_S, Recorder, assert_all_bit_exact, random_tensor, receiving, sending
+from tests.unit.test_wire import RawPeer
+from weightsync import TensorDictSink, WeightSink
+from weightsync.plan import build_plan, plan_digest, wire_specs
+from weightsync.source import as_source
+from weightsync.transports import collective
+from weightsync.types import Accept, Failed, Group, Offer
+
+
+@pytest.fixture
+def groups_formed(monkeypatch):  # type: ignore[no-untyped-def]
+    """How many process groups the sender (rank 0) formed."""
+    formed: list[int] = []
+    real = collective._new_group
+
+    def counting(store, prefix, rank, world_size, host, timeout):  # type: ignore[no-untyped-def]
+        if rank == 0:
+            formed.append(world_size)
+        return real(store, prefix, rank, world_size, host, timeout)
+
+    monkeypatch.setattr(collective, "_new_group", counting)
+    return formed
+
+
+def test_one_group_per_membership_reused_across_versions(groups_formed):
+    source = {"big": random_tensor(torch.float32, (40_000,), seed=1), "small": torch.arange(7)}
+    dests = [{name: torch.zeros_like(t) for name, t in source.items()} for _ in range(3)]
+    with (
+        receiving(dests[0], "collective") as a,
+        receiving(dests[1], "collective") as b,
+        receiving(dests[2], "collective") as c,
+        sending([a.address, b.address, c.address], bucket_bytes=4096, verify="full") as sender,
+    ):
+        for version in range(1, 5):
+            source["big"].add_(1.0)
+            report = sender.push(source, version=version)
+            assert report.ok, report.failed
+            assert report.num_buckets > 30, "the big tensor is chunked across many buckets"
+            for dest in dests:
+                assert_all_bit_exact(dest, source)
+        assert groups_formed == [4], "one group of the sender and 3 receivers, formed once"
+        assert {a.version, b.version, c.version} == {4}
+
+
+def test_group_is_rebuilt_when_a_receiver_refuses_a_plan_and_again_when_it_returns(groups_formed):
+    picky = {"w": torch.zeros(1000)}
+    easy = {"w": torch.zeros(1000), "extra": torch.zeros(3)}
+    with (
+        receiving(picky, "collective") as refusing,
+        receiving(TensorDictSink(easy, strict=False), "collective") as accepting,
+        sending([refusing.address, accepting.address], bucket_bytes=1024) as sender,
+    ):
+        assert sender.push({"w": torch.ones(1000)}, version=1).ok
+        report = sender.push({"w": torch.ones(1000), "extra": torch.ones(3)}, version=2)
+        assert [(o.address, o.kind) for o in report.failed] == [(refusing.address, "PlanError")]
+        assert accepting.version == 2 and refusing.version == 1
+        assert sender.push({"w": torch.full((1000,), 3.0)}, version=3).ok
+        assert torch.equal(picky["w"], torch.full((1000,), 3.0))
+    assert groups_formed == [3, 2, 3]
+
+
+class FailsFirstLoad(WeightSink):
+    def __init__(self) -> None:
+        self.failed = False
+
+    def load(self, named):  # type: ignore[no-untyped-def]
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("engine refused the first bucket")
+
+
+def test_a_receiver_failing_mid_sync_drains_the_broadcasts_and_does_not_hold_the_others_up():
+    source = {f"t{i}": torch.full((1024,), float(i)) for i in range(16)}
+    dest = {name: torch.zeros(1024) for name in source}
+    with (
+        receiving(FailsFirstLoad(), "collective") as failing,
+        receiving(dest, "collective") as healthy,
+        sending([failing.address, healthy.address], bucket_bytes=4096, timeout=WAIT_S) as sender,
+    ):
+        report = sender.push(source, version=1)
+        assert [(o.address, o.kind) for o in report.failed] == [(failing.address, "SinkError")]
+        assert "first bucket" in report.failed[0].error
+        # A receiver that stopped taking part would have stalled every broadcast until the timeout.
+        assert report.seconds < WAIT_S / 2
+        assert healthy.version == 1
+        assert_all_bit_exact(dest, source)
+        assert sender.push(source, version=2).ok
+
+
+def test_rendezvous_and_group_listen_only_on_the_control_connections_address():
+    seen: list[set[tuple[str, int]]] = []
+
+    class Snoop(Recorder):
+        def commit(self, version):  # type: ignore[no-untyped-def]
+            me = psutil.Process()
+            seen.append({tuple(c.laddr) for c in me.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN})
+            super().commit(version)
+
+    with receiving(Snoop(), "collective") as receiver, sending(receiver.address) as sender:
+        assert sender.push({"w": torch.ones(64)}, version=1).ok
+    (listening,) = seen
+    assert len(listening) >= 3, "receiver control port, sender's store, the group's sockets"
+    assert {host for host, _ in listening} == {"127.0.0.1"}
+
+
+def _offer(version: int = 1) -> Offer:
+    plan = build_plan(wire_specs(as_source({"w": torch.ones(64)}).metas(), None), 1024)
+    return Offer(version, plan, plan_digest(plan))
+
+
+@pytest.mark.parametrize(
+    "group",
+    [
+        Group("127.0.0.1", 1, "p", 0, 2, "gloo"),  # rank 0 is the sender's
+        Group("127.0.0.1", 1, "p", 2, 2, "gloo"),  # rank outside the world
+        Group("127.0.0.1", 1, "p", 1, 10**9, "gloo"),  # absurd world size
+        Group("127.0.0.1", 1, "p", 1, 2, "mpi"),  # a backend we do not run
+    ],
+    ids=["rank-zero", "rank-past-world", "huge-world", "unknown-backend"],
+)
+def test_hostile_group_message_is_refused_before_any_rendezvous(group):
+    sink = Recorder()
+    with receiving(sink, "collective", timeout=WAIT_S) as receiver:
+        peer = RawPeer(receiver.address)
+        try:
+            peer.hello()
+            peer.send(_offer())
+            assert isinstance(peer.recv(), Accept)
+            peer.send(group)
+            reply = peer.recv()
+        finally:
+            peer.close()
+        assert isinstance(reply, Failed) and reply.kind == "ProtocolError", reply
+        assert receiver.state == "empty" and receiver.version is None
+
+
+def test_unreachable_rendezvous_fails_within_the_timeout():
+    sink = Recorder()
+    with receiving(sink, "collective", timeout=1.0) as receiver:
+        peer = RawPeer(receiver.address)
+        try:
+            peer.hello()
+            peer.send(_offer())
+            assert isinstance(peer.recv(), Accept)
+            peer.send(Group("127.0.0.1", 1, "nobody-home", 1, 2, "gloo"))  # port 1: nothing listens
+            reply = peer.recv()
+        finally:
+            peer.close()
+        assert isinstance(reply, Failed) and reply.kind == "CollectiveError", reply
+        assert "rendezvous" in reply.message
