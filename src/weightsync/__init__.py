@@ -22,6 +22,7 @@ from weightsync.errors import (
     TransportError,
     WeightSyncError,
 )
+from weightsync.fleet import RolloutFleet
 from weightsync.module_source import ModuleSource
 from weightsync.plan import build_plan
 from weightsync.receiver import WeightReceiver
@@ -46,6 +47,7 @@ __all__ = [
     "PlanError",
     "ProtocolError",
     "ReceiverOutcome",
+    "RolloutFleet",
     "RemoteError",
     "SinkError",
     "StateDictSource",

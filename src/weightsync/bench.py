@@ -47,7 +47,7 @@ __all__ = ["BASELINES", "TRANSPORTS", "BenchConfig", "BenchReport", "MethodResul
 
 MIB = 1 << 20
 GIB = 1 << 30
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "collective")
 """Transports the benchmark can run: the cross-process ones (inproc never leaves the process)."""
 BASELINES = ("torch_save", "safetensors", "mp_queue_pickle", "mp_queue_shared")
 """Run in this order: `mp_queue_shared` moves the source tensors into shared memory, so it goes last."""
@@ -63,7 +63,7 @@ class BenchConfig:
     """What one benchmark run measures."""
 
     transports: tuple[str, ...] = TRANSPORTS
-    """Transports to push through ("shm", "tcp")."""
+    """Transports to push through ("shm", "tcp", "collective")."""
     size_bytes: int = 4 * GIB
     """Target size of the synthetic state dict (the actual size is within a layer of it)."""
     bucket_bytes: int | None = None

@@ -64,7 +64,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         description="Push a synthetic bf16 model through each transport to receivers in other processes, "
         "verify every byte, and compare with memcpy and torch.save / safetensors / multiprocessing baselines.",
     )
-    bench.add_argument("--transport", type=_names, default="all", help="shm, tcp, a comma list, or all (default)")
+    bench.add_argument(
+        "--transport", type=_names, default="all", help="shm, tcp, collective, a comma list, or all (default)"
+    )
     bench.add_argument("--size-gb", type=float, default=4.0, help="model size in GiB (default 4)")
     bench.add_argument("--bucket-mb", type=_bucket_mb, default=None, help="bucket size in MiB, or auto (default)")
     bench.add_argument("--receivers", type=_counts, default=(1,), help="receiver counts, e.g. 1 or 1,4 (default 1)")

@@ -4,15 +4,14 @@ thread on 127.0.0.1, port 0) around a RolloutServer."""
 from __future__ import annotations
 
 import contextlib
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import WAIT_S, wait_until
+from tests.helpers import WAIT_S
 from tests.models import MODEL_KINDS, save_model
+from weightsync.server.background import BackgroundServer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -37,40 +36,19 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return paths
 
 
-class LiveServer:
-    """A RolloutServer behind uvicorn in a background thread."""
+class LiveServer(BackgroundServer):
+    """A BackgroundServer on 127.0.0.1 with a client for it."""
 
     def __init__(self, model: Path, **options: object) -> None:
-        import uvicorn
-
-        from weightsync.server.app import create_app
         from weightsync.server.client import RolloutClient
-        from weightsync.server.runtime import RolloutServer, ServeConfig
+        from weightsync.server.runtime import ServeConfig
 
-        self.server = RolloutServer(ServeConfig(model=str(model), **options))  # type: ignore[arg-type]
-        self._sock = socket.socket()
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(create_app(self.server), log_level="error", lifespan="off")
-        self._http = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._http.run, kwargs={"sockets": [self._sock]}, name="test-uvicorn", daemon=True
-        )
-        self._thread.start()
-        if not wait_until(lambda: self._http.started, WAIT_S):
-            raise RuntimeError("uvicorn did not start")
+        super().__init__(ServeConfig(model=str(model), **options), start_timeout=WAIT_S)  # type: ignore[arg-type]
         self.client = RolloutClient(self.url, timeout=WAIT_S * 3)
 
-    @property
-    def address(self) -> str:
-        return self.server.receiver.address
-
-    def close(self) -> None:
+    def close(self) -> None:  # type: ignore[override]
         self.client.close()
-        self._http.should_exit = True
-        self._thread.join(WAIT_S)
-        self._sock.close()
-        self.server.close()
+        super().close(WAIT_S)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from collections.abc import Sequence
 
@@ -50,7 +49,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the dir's name)")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP interface (default 127.0.0.1)")
     serve.add_argument("--port", type=_port, default=8000, help="HTTP port, 0 for any free one (default 8000)")
-    serve.add_argument("--transport", choices=("shm", "tcp"), default="shm", help="weight transport (default shm)")
+    serve.add_argument(
+        "--transport", choices=("shm", "tcp", "collective"), default="shm", help="weight transport (default shm)"
+    )
     serve.add_argument("--receiver-host", default="127.0.0.1", help="tcp receiver interface (default 127.0.0.1)")
     serve.add_argument("--receiver-port", type=_port, default=0, help="tcp receiver port (default any)")
     serve.add_argument("--sync-mode", choices=("wait", "abort", "keep"), default="wait", help="pause mode for syncs")
@@ -88,6 +89,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from weightsync.server.app import create_app
+    from weightsync.server.background import bind
     from weightsync.server.runtime import RolloutServer, ServeConfig
 
     config = ServeConfig(
@@ -108,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host,
         staged=args.staged,
     )
-    sock = _bind(args.host, args.port)
+    sock = bind(args.host, args.port)
     server = RolloutServer(config)
     try:
         host, port = sock.getsockname()[:2]
@@ -119,20 +121,6 @@ def run_serve(args: argparse.Namespace) -> int:
         server.close()
         sock.close()
     return 0
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
-    # Listen now, before the URL is printed: a client that connects while uvicorn is still
-    # starting waits in the backlog instead of being refused.
-    sock.listen(128)
-    return sock
 
 
 def add_push_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -40,9 +40,9 @@ class ServeConfig:
         model: model directory (config.json, tokenizer; the checkpoint for load_format "auto").
         engine: "hf" or "vllm".
         load_format: "dummy" (serve nothing until the first sync) or "auto".
-        transport: the receiver's transport, "shm" or "tcp".
-        receiver_host: interface the tcp receiver listens on.
-        receiver_port: port of the tcp receiver (0: any free one).
+        transport: the receiver's transport, "shm", "tcp" or "collective".
+        receiver_host: interface the tcp or collective receiver listens on.
+        receiver_port: its port (0: any free one).
         sync_mode: how the engine loop pauses for a sync: "wait", "abort" or "keep".
         ready_timeout: seconds a request waits for the first committed version before a 503.
         drain_timeout: seconds a sync waits for the loop to park before it is refused.
@@ -79,14 +79,14 @@ class ServeConfig:
             raise ConfigError(f"staged syncs are supported by the hf engine only, not {self.engine!r}")
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
         check_bind(self.host, self.auth_token, "the rollout server's HTTP API")
-        if self.transport == "tcp":
+        if self.transport in ("tcp", "collective"):
             check_bind(self.receiver_host, self.auth_token, "the rollout server's weight receiver")
         if not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"model {self.model!r} is not a directory with a config.json")
         choices = {
             "engine": tuple(ENGINES),
             "load_format": ("dummy", "auto"),
-            "transport": ("shm", "tcp"),
+            "transport": ("shm", "tcp", "collective"),
             "sync_mode": PAUSE_MODES,
             "verify": VERIFY_MODES,
         }

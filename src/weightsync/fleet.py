@@ -1,0 +1,359 @@
+"""A fleet of rollout servers as Ray actors, and one `push` to all of them.
+
+    trainer --push(source, v)--> RolloutFleet --WeightSender--> server actors (one per GPU/node)
+                                      |                               ^
+                                      +-- describe/ping each push ----+
+
+Each actor is a whole rollout server (engine, weight receiver, HTTP API) in its own process,
+placed by Ray. Before every push the fleet asks each actor who it is: one that died is dropped
+and reported; one that Ray restarted (a new process) counts as a new member. New members start
+on dummy weights and are ready only once they hold the fleet's version: the next `push`
+brings them there, or `catch_up` does at once when the trainer still holds that version.
+
+Needs `pip install 'weightsync[ray]'`; Ray is imported only when a fleet is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.sender import WeightSender
+from weightsync.types import SyncReport
+
+__all__ = ["FleetReport", "RolloutFleet", "ServerActor", "ServerInfo"]
+
+log = logging.getLogger(__name__)
+
+NODE_IP = "node"
+"""`host` value for a fleet spread over several machines: each server listens on its node's IP."""
+
+
+class ServerActor:
+    """One rollout server in a Ray actor's process (the class Ray instantiates remotely).
+
+    Args:
+        serve: `ServeConfig` fields (model, engine, transport, ...). Its `host` and
+            `receiver_host` are this actor's listening address; "node" means the node's IP.
+    """
+
+    def __init__(self, serve: dict[str, Any]) -> None:
+        from weightsync.server.background import BackgroundServer
+        from weightsync.server.runtime import ServeConfig
+
+        serve = dict(serve)
+        if serve.get("host") == NODE_IP:
+            import ray
+
+            serve["host"] = ray.util.get_node_ip_address()
+        serve.setdefault("receiver_host", serve.get("host", "127.0.0.1"))
+        self._server = BackgroundServer(ServeConfig(**serve))
+
+    def describe(self) -> dict[str, Any]:
+        """Who this server is right now: its URLs, process and weight version."""
+        info = self._server.server.weight_info()
+        return {
+            "url": self._server.url,
+            "address": self._server.address,
+            "pid": os.getpid(),
+            "version": info["version"],
+            "state": info["state"],
+            "content_digest": info["content_digest"],
+        }
+
+    def stop(self) -> None:
+        self._server.close()
+
+
+@dataclasses.dataclass(slots=True)
+class ServerInfo:
+    """A fleet member as the trainer sees it."""
+
+    name: str
+    url: str
+    address: str
+    pid: int
+    version: int | None
+    """The version it holds intact, as of the last push or describe."""
+    ready: bool = False
+    """True when it holds the fleet's current version (and so should get rollouts)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FleetReport:
+    """What one fleet push did."""
+
+    sync: SyncReport
+    dropped: dict[str, str]
+    """Servers found dead before the push, name -> why; they are gone from the fleet."""
+    joined: tuple[str, ...]
+    """Servers this push reached for the first time (new, or restarted by Ray)."""
+
+    @property
+    def ok(self) -> bool:
+        """Every live member committed (dropped servers are reported, not failures)."""
+        return self.sync.ok
+
+
+class RolloutFleet:
+    """Start `num_servers` rollout servers as Ray actors and push weights to all of them.
+
+    Args:
+        model: the model directory every server loads its config and tokenizer from (on every
+            node at this path).
+        num_servers: servers to start now; `add` starts more later.
+        engine, transport, load_format, sync_mode, verify, staged: the servers' `ServeConfig`.
+            transport "tcp" or "collective" for a fleet across nodes; "shm" on one node only.
+        host: where each server listens: "127.0.0.1" (one node) or "node" (its node's IP, which
+            needs an auth token: SECURITY.md).
+        num_cpus, num_gpus, resources: what each server reserves from Ray (e.g. num_gpus=1 for
+            one server per GPU, or a custom per-node resource for one per node).
+        scheduling_strategy: Ray's placement for the actors ("SPREAD" by default: across nodes).
+        max_restarts: how often Ray restarts a server that dies; a restarted one rejoins.
+        auth_token: the shared secret of servers and pushes (default $WEIGHTSYNC_AUTH_TOKEN).
+        timeout: seconds for any wait: a server's start, a describe, a sync.
+        sender: further `WeightSender` options (bucket_bytes, cast, num_slots, ...).
+        serve: further `ServeConfig` fields.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        num_servers: int,
+        *,
+        engine: str = "hf",
+        transport: str = "tcp",
+        load_format: str = "dummy",
+        sync_mode: str = "wait",
+        verify: str = "bucket",
+        staged: bool = False,
+        host: str = "127.0.0.1",
+        num_cpus: float = 1,
+        num_gpus: float = 0,
+        resources: Mapping[str, float] | None = None,
+        scheduling_strategy: Any = "SPREAD",
+        max_restarts: int = 0,
+        auth_token: str | None = None,
+        timeout: float = 120.0,
+        sender: Mapping[str, Any] | None = None,
+        serve: Mapping[str, Any] | None = None,
+    ) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise ConfigError("Ray is not initialised: call ray.init() (or ray.init(address=...)) first")
+        if not isinstance(num_servers, int) or num_servers < 0:
+            raise ConfigError(f"num_servers must be a non-negative integer, got {num_servers!r}")
+        if transport == "inproc":
+            raise ConfigError("a fleet's servers live in other processes: use transport tcp, collective or shm")
+        self._serve = {
+            "model": str(model),
+            "engine": engine,
+            "transport": transport,
+            "load_format": load_format,
+            "sync_mode": sync_mode,
+            "verify": verify,
+            "staged": staged,
+            "host": host,
+            "auth_token": auth_token,
+            "sync_timeout": timeout,
+            **(serve or {}),
+        }
+        self._actor_class = ray.remote(ServerActor).options(
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            resources=dict(resources or {}),
+            scheduling_strategy=scheduling_strategy,
+            max_restarts=max_restarts,
+        )
+        self._sender_options = {"timeout": timeout, "verify": verify, "auth_token": auth_token, **(sender or {})}
+        self._timeout = timeout
+        self._actors: dict[str, Any] = {}
+        self._members: dict[str, ServerInfo] = {}
+        self._digests: dict[int, str] = {}
+        self._count = 0
+        self._synced: set[tuple[str, int]] = set()
+        """(name, pid) of every server incarnation a push or catch-up has reached."""
+        self._sender: WeightSender | None = None
+        self._lock = threading.Lock()
+        self.version: int | None = None
+        """The version the last push committed somewhere; ready servers hold it."""
+        self.add(num_servers)
+
+    # --- membership -----------------------------------------------------------------------
+
+    def add(self, num_servers: int = 1) -> list[str]:
+        """Start more servers; they are ready once they hold the fleet's version (`catch_up`,
+        or the next `push`). Returns their names."""
+        import ray
+
+        names = [f"server-{self._count + i}" for i in range(num_servers)]
+        self._count += num_servers
+        actors = {name: self._actor_class.remote(self._serve) for name in names}
+        described = self._describe(actors)
+        for name in names:
+            if name in described:
+                self._actors[name] = actors[name]
+                self._members[name] = described[name]
+            else:
+                ray.kill(actors[name])
+        failed = [name for name in names if name not in described]
+        if failed:
+            raise WeightSyncError(f"servers {failed} did not start within {self._timeout} s (see the Ray logs)")
+        return names
+
+    def remove(self, name: str) -> None:
+        """Stop one server and drop it from the fleet."""
+        import ray
+
+        actor = self._actors.pop(name)
+        self._members.pop(name, None)
+        try:
+            ray.get(actor.stop.remote(), timeout=self._timeout)
+        except Exception as exc:  # already dead, or stuck: kill it either way
+            log.info("stopping %s: %s", name, exc)
+        ray.kill(actor)
+
+    def servers(self) -> list[ServerInfo]:
+        """Every member, in start order."""
+        return list(self._members.values())
+
+    def ready_urls(self) -> list[str]:
+        """URLs of the servers that hold the fleet's current version: where rollouts go."""
+        return [info.url for info in self._members.values() if info.ready]
+
+    def actor(self, name: str) -> Any:
+        """The Ray actor handle of server `name` (e.g. to kill it in a drill)."""
+        return self._actors[name]
+
+    # --- syncs ----------------------------------------------------------------------------
+
+    def push(self, source: Any, version: int) -> FleetReport:
+        """Push `source` as `version` to every live server; dead ones are dropped first.
+
+        Returns a FleetReport: `report.sync` per server, `report.dropped`, `report.joined`.
+        """
+        with self._lock:
+            dropped, joined = self._refresh()
+            members = list(self._members.values())
+            report = self._sender_for(members).push(source, version)
+            self._record(members, report)
+            if any(outcome.committed for outcome in report.outcomes):
+                self.version = version
+                if report.content_digest:
+                    self._digests[version] = report.content_digest
+            self._mark_ready()
+            return FleetReport(report, dropped, joined)
+
+    def catch_up(self, source: Any) -> FleetReport | None:
+        """Bring every live server that lacks the fleet's version to it, from `source`, which
+        must hold that version's weights (the trainer's, unchanged since that push).
+
+        With verify on (the default), the content digest of what was sent is checked against the
+        one recorded at the push: a source that moved on is refused, and the servers it reached
+        are not marked ready. Returns None when nobody was behind.
+        """
+        with self._lock:
+            if self.version is None:
+                raise ConfigError("the fleet has no version yet: push first")
+            dropped, joined = self._refresh()
+            behind = [info for info in self._members.values() if info.version != self.version]
+            if not behind:
+                return None
+            with WeightSender([info.address for info in behind], **self._sender_options) as sender:
+                report = sender.push(source, self.version)
+            self._record(behind, report)
+            expected = self._digests.get(self.version, "")
+            if expected and report.content_digest and report.content_digest != expected:
+                for info in behind:
+                    info.version = None  # holds bytes labelled with our version that are not it
+                self._mark_ready()
+                raise WeightSyncError(
+                    f"catch_up: the source's content ({report.content_digest}) is not version {self.version} "
+                    f"as pushed ({expected}); the servers it reached are not ready"
+                )
+            self._mark_ready()
+            return FleetReport(report, dropped, joined)
+
+    def _refresh(self) -> tuple[dict[str, str], tuple[str, ...]]:
+        """Describe every member: drop the dead, re-learn the restarted (new process)."""
+        import ray
+
+        described = self._describe(self._actors)
+        dropped: dict[str, str] = {}
+        joined = []
+        for name in list(self._actors):
+            info = described.get(name)
+            if info is None:
+                dropped[name] = f"did not answer within {self._timeout} s (the actor or its node died)"
+                ray.kill(self._actors.pop(name))  # a hung one must not linger half in the fleet
+                self._members.pop(name, None)
+                continue
+            if (name, info.pid) not in self._synced:
+                joined.append(name)  # new, or restarted by Ray (a new process that holds nothing)
+            self._members[name] = info
+        for name, why in dropped.items():
+            log.warning("fleet: dropped %s: %s", name, why)
+        return dropped, tuple(joined)
+
+    def _describe(self, actors: Mapping[str, Any]) -> dict[str, ServerInfo]:
+        """ServerInfo of every actor that answers within the timeout."""
+        import ray
+
+        refs = {name: actor.describe.remote() for name, actor in actors.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self._timeout)
+        done = set(ready)
+        described = {}
+        for name, ref in refs.items():
+            if ref not in done:
+                continue
+            try:
+                info = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+                log.info("fleet: %s is gone: %s", name, exc)
+                continue
+            described[name] = ServerInfo(name, info["url"], info["address"], info["pid"], info["version"])
+        return described
+
+    def _sender_for(self, members: list[ServerInfo]) -> WeightSender:
+        """The sender for these members' addresses: kept while they stay the same (so a shm
+        ring or a collective group is reused), rebuilt when the fleet changes."""
+        addresses = [info.address for info in members]
+        if not addresses:
+            raise WeightSyncError("the fleet has no live server to push to")
+        if self._sender is None or self._sender.addresses != addresses:
+            if self._sender is not None:
+                self._sender.close()
+            self._sender = WeightSender(addresses, **self._sender_options)
+        return self._sender
+
+    def _record(self, members: list[ServerInfo], report: SyncReport) -> None:
+        by_address = {outcome.address: outcome for outcome in report.outcomes}
+        self._synced.update((info.name, info.pid) for info in members)
+        for info in members:
+            outcome = by_address.get(info.address)
+            if outcome is not None and outcome.committed:
+                info.version = report.version
+
+    def _mark_ready(self) -> None:
+        for info in self._members.values():
+            info.ready = self.version is not None and info.version == self.version
+
+    def close(self) -> None:
+        """Stop every server and release the sender."""
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
+        for name in list(self._actors):
+            self.remove(name)
+
+    def __enter__(self) -> RolloutFleet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
