@@ -16,6 +16,7 @@ from weightsync import ConfigError, WeightReceiver, WeightSender
 EXPECTED = [
     "AuthError",
     "ChecksumError",
+    "CollectiveError",
     "ConfigError",
     "ConnectError",
     "ModuleSource",
@@ -26,6 +27,7 @@ EXPECTED = [
     "ProtocolError",
     "ReceiverOutcome",
     "RemoteError",
+    "RolloutFleet",
     "SinkError",
     "StateDictSource",
     "SyncFailed",
@@ -59,7 +61,7 @@ def test_every_error_derives_from_the_root():
         if isinstance(value, type) and issubclass(value, Exception):
             assert issubclass(value, weightsync.WeightSyncError), name
     assert issubclass(ConfigError, ValueError)
-    for leaf in ("ConnectError", "TransferTimeout", "PeerClosedError", "ProtocolError"):
+    for leaf in ("ConnectError", "TransferTimeout", "PeerClosedError", "ProtocolError", "CollectiveError"):
         assert issubclass(getattr(weightsync, leaf), weightsync.TransportError)
 
 
@@ -127,7 +129,7 @@ def test_malformed_address_of_a_known_transport_is_a_config_error(bad):
     "kwargs",
     [
         {"transport": "udp"},
-        {"transport": "collective"},
+        {"transport": "pigeon"},
         {"timeout": 0},
         {"max_bucket_bytes": 10},
         {"max_bucket_bytes": "big"},

@@ -2,8 +2,9 @@
 
 weightsync demo [--mode disaggregated|colocated] [--servers 2] [--steps 80] [--out runs/demo]
 weightsync bench [--transport shm,tcp] [--size-gb 4] [--bucket-mb auto] [--receivers 1,4] [--json]
-weightsync serve --engine vllm|hf --model DIR [--load-format dummy|auto] [--port P] [--transport shm|tcp]
+weightsync serve --engine vllm|hf --model DIR [--load-format dummy|auto] [--port P] [--transport shm|tcp|collective]
 weightsync push --model DIR --to URL [URL ...]
+weightsync digest [--to URL ...] [--model DIR] [--expect HEX]
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from weightsync.demo.cli import add_demo_parser
 from weightsync.errors import ConfigError
-from weightsync.server.cli import add_push_parser, add_serve_parser
+from weightsync.server.cli import add_digest_parser, add_push_parser, add_serve_parser
 
 __all__ = ["main"]
 
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(subparsers)
     add_serve_parser(subparsers)
     add_push_parser(subparsers)
+    add_digest_parser(subparsers)
     return parser
 
 

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync.auth import resolve_token
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.sender import WeightSender
 from weightsync.types import SyncReport
@@ -115,7 +116,8 @@ class RolloutFleet:
             one server per GPU, or a custom per-node resource for one per node).
         scheduling_strategy: Ray's placement for the actors ("SPREAD" by default: across nodes).
         max_restarts: how often Ray restarts a server that dies; a restarted one rejoins.
-        auth_token: the shared secret of servers and pushes (default $WEIGHTSYNC_AUTH_TOKEN).
+        auth_token: the shared secret of servers and pushes (default: the trainer's
+            $WEIGHTSYNC_AUTH_TOKEN), handed to each actor through Ray.
         timeout: seconds for any wait: a server's start, a describe, a sync.
         sender: further `WeightSender` options (bucket_bytes, cast, num_slots, ...).
         serve: further `ServeConfig` fields.
@@ -151,6 +153,8 @@ class RolloutFleet:
             raise ConfigError(f"num_servers must be a non-negative integer, got {num_servers!r}")
         if transport == "inproc":
             raise ConfigError("a fleet's servers live in other processes: use transport tcp, collective or shm")
+        # Resolved here: actors inherit the environment of their node's raylet, not the trainer's.
+        auth_token = resolve_token(auth_token)
         self._serve = {
             "model": str(model),
             "engine": engine,

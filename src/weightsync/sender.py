@@ -33,7 +33,7 @@ from weightsync.source import TensorMeta, as_source
 from weightsync.transports import SENDERS, BucketItem, Peer, SenderTransport, check_address, scheme_of
 from weightsync.types import Abort, Commit, Offer, Plan, ReceiverOutcome, SyncReport
 
-__all__ = ["WeightSender"]
+__all__ = ["WeightSender", "bucket_items"]
 
 log = logging.getLogger(__name__)
 
@@ -194,20 +194,9 @@ class WeightSender:
         return negotiate_bucket_bytes(proposed, limits, self._min_bucket_bytes) if limits else proposed
 
     def _send_buckets(self, plan: Plan, metas: list[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Cut each bucket's pieces from the source, consuming it lazily and in order."""
-        current: tuple[int, torch.Tensor] | None = None
-        num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
-        for index, bucket in enumerate(plan.buckets):
+        for index, items in bucket_items(plan, metas, tensors):
             if not any(transport.live() for transport in self._transports):
                 return  # every receiver failed: nothing left to send to
-            items = []
-            for piece in bucket:
-                if current is None or current[0] != piece.tensor:
-                    tensor = _next_tensor(tensors, metas[piece.tensor])
-                    if num_pieces[piece.tensor] > 1 and not tensor.is_contiguous():
-                        tensor = tensor.contiguous()  # once per tensor, not once per chunk
-                    current = (piece.tensor, tensor)
-                items.append(BucketItem(piece, current[1], dtype_from_name(plan.tensors[piece.tensor].dtype)))
             for transport in self._transports:
                 if transport.live():
                     transport.send_bucket(index, items)
@@ -222,6 +211,25 @@ class WeightSender:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def bucket_items(
+    plan: Plan, metas: list[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[int, list[BucketItem]]]:
+    """Each bucket's pieces with the source tensors they are cut from, consuming the source
+    lazily and in plan order (a tensor is taken from it when its first piece is due)."""
+    current: tuple[int, torch.Tensor] | None = None
+    num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
+    for index, bucket in enumerate(plan.buckets):
+        items = []
+        for piece in bucket:
+            if current is None or current[0] != piece.tensor:
+                tensor = _next_tensor(tensors, metas[piece.tensor])
+                if num_pieces[piece.tensor] > 1 and not tensor.is_contiguous():
+                    tensor = tensor.contiguous()  # once per tensor, not once per chunk
+                current = (piece.tensor, tensor)
+            items.append(BucketItem(piece, current[1], dtype_from_name(plan.tensors[piece.tensor].dtype)))
+        yield index, items
 
 
 def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta) -> torch.Tensor:

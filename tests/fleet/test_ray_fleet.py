@@ -12,6 +12,7 @@ import torch
 
 from tests.helpers import WAIT_S
 from tests.models import save_model
+from weightsync import WeightSyncError
 from weightsync.server.client import RolloutClient, ServerError
 
 ray = pytest.importorskip("ray")
@@ -60,11 +61,11 @@ def expected_tokens(model: torch.nn.Module, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()  # type: ignore[no-any-return]
 
 
-def assert_serves(urls: list[str], model: torch.nn.Module, version: int) -> None:
+def assert_serves(urls: list[str], model: torch.nn.Module, version: int, token: str | None = None) -> None:
     """Every server at `urls` answers like the trainer's model, labelled `version`."""
     assert urls
     for url in urls:
-        with RolloutClient(url, timeout=WAIT_S * 3) as client:
+        with RolloutClient(url, timeout=WAIT_S * 3, auth_token=token) as client:
             for prompt in PROMPTS:
                 body = client.completions(prompt, max_tokens=8, temperature=0)
                 assert body["weight_version"] == version, url
@@ -114,19 +115,25 @@ def test_fleet_pushes_survives_a_dead_server_and_takes_a_new_one(cluster, policy
 
 
 def test_catch_up_from_a_source_that_moved_on_is_refused(cluster, policy):
+    """Also: a fleet with a token hands it to every actor (they do not see the trainer's
+    environment); pushes prove it, and HTTP calls without it are refused."""
     model, path = policy
-    with RolloutFleet(path, 1, timeout=60) as fleet:
+    token = "fleet-token-" + "x" * 16
+    with RolloutFleet(path, 1, timeout=60, auth_token=token) as fleet:
         step(model, seed=10)
         assert fleet.push(model.state_dict(), 10).ok
+        with RolloutClient(fleet.ready_urls()[0], timeout=WAIT_S) as anonymous, pytest.raises(ServerError) as refused:
+            anonymous.completions([5, 6], max_tokens=2, temperature=0)
+        assert refused.value.status == 401
         (name,) = fleet.add(1)
         step(model, seed=11)  # the trainer stepped: its weights are no longer version 10
-        with pytest.raises(Exception, match="is not version 10"):
+        with pytest.raises(WeightSyncError, match="is not version 10"):
             fleet.catch_up(model.state_dict())
         assert len(fleet.ready_urls()) == 1 and name not in {info.name for info in fleet.servers() if info.ready}
         # the next real push brings everyone to the new version
         report = fleet.push(model.state_dict(), 11)
         assert report.ok and len(fleet.ready_urls()) == 2
-        assert_serves(fleet.ready_urls(), model, 11)
+        assert_serves(fleet.ready_urls(), model, 11, token)
 
 
 def test_fleet_refuses_in_process_transport_and_a_missing_ray(cluster, policy, monkeypatch):

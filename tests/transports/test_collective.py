@@ -98,20 +98,26 @@ def test_a_receiver_failing_mid_sync_drains_the_broadcasts_and_does_not_hold_the
         assert sender.push(source, version=2).ok
 
 
+def listening() -> set[tuple[str, int]]:
+    me = psutil.Process()
+    return {tuple(c.laddr) for c in me.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+
+
 def test_rendezvous_and_group_listen_only_on_the_control_connections_address():
     seen: list[set[tuple[str, int]]] = []
 
     class Snoop(Recorder):
         def commit(self, version):  # type: ignore[no-untyped-def]
-            me = psutil.Process()
-            seen.append({tuple(c.laddr) for c in me.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN})
+            seen.append(listening())
             super().commit(version)
 
+    before = listening()  # whatever else this process listens on (other tests' leftovers)
     with receiving(Snoop(), "collective") as receiver, sending(receiver.address) as sender:
         assert sender.push({"w": torch.ones(64)}, version=1).ok
-    (listening,) = seen
-    assert len(listening) >= 3, "receiver control port, sender's store, the group's sockets"
-    assert {host for host, _ in listening} == {"127.0.0.1"}
+    (during,) = seen
+    opened = during - before
+    assert len(opened) >= 3, "receiver control port, sender's store, the group's sockets"
+    assert {host for host, _ in opened} == {"127.0.0.1"}
 
 
 def _offer(version: int = 1) -> Offer:

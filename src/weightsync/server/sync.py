@@ -35,6 +35,8 @@ class SyncStats:
 
     version: int | None = None
     total_bytes: int = 0
+    bucket_bytes: int = 0
+    """The bucket size the push agreed on: what `weightsync digest` needs to recompute its digest."""
     seconds: float = 0.0
     ok: bool | None = None
     error: str = ""
@@ -49,6 +51,7 @@ class SyncStats:
         return {
             "version": self.version,
             "bytes": self.total_bytes,
+            "bucket_bytes": self.bucket_bytes,
             "seconds": round(self.seconds, 6),
             "gbps": round(self.gbps, 3),
             "ok": self.ok,
@@ -106,7 +109,11 @@ class ServerSink(WeightSink):
             )
         self._started = time.perf_counter()
         self.stats = SyncStats(
-            version, plan.total_bytes, num_committed=self.stats.num_committed, num_failed=self.stats.num_failed
+            version,
+            plan.total_bytes,
+            plan.bucket_bytes,
+            num_committed=self.stats.num_committed,
+            num_failed=self.stats.num_failed,
         )
         self.metrics.sync_in_progress.set(1)
 
