@@ -118,8 +118,16 @@ class _Member:
         return _InFlight(work, self, bucket)
 
     def error(self, exc: BaseException, bucket: int) -> CollectiveError:
+        detail = _first_line(exc)
+        lowered = detail.lower()
+        if "timeout" in lowered or "timed out" in lowered:
+            why = f"a member stalled past the {self.timeout:g} s timeout"
+        elif "closed" in lowered or "reset" in lowered or "broken pipe" in lowered:
+            why = "a member's connection closed (it died or left the group)"
+        else:
+            why = "the group failed"
         return CollectiveError(
-            f"broadcast of bucket {bucket} failed: {_first_line(exc)}", transport="collective", bucket=bucket
+            f"broadcast of bucket {bucket} failed, {why}: {detail}", transport="collective", bucket=bucket
         )
 
     def close(self) -> None:
