@@ -40,7 +40,7 @@ def decode(data: bytes | memoryview) -> Message:
     """Decode one message; anything but a well-formed known message raises ProtocolError."""
     try:
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.MsgspecError, UnicodeDecodeError) as exc:  # a str field may hold invalid UTF-8 (found by atheris)
         raise ProtocolError(f"malformed control message: {exc}") from exc
 
 

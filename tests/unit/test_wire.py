@@ -88,6 +88,13 @@ def test_every_message_round_trips(message):
     assert type(decode(encode(message))) is type(message)
 
 
+def test_invalid_utf8_in_a_string_field_is_a_protocol_error():
+    """Found by the atheris fuzzer: msgspec raises UnicodeDecodeError there, not a DecodeError."""
+    frame = encode(Abort(1, "x" * 8)).replace(b"x" * 8, b"\xff" * 8)
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode(frame)
+
+
 @given(data=st.binary(max_size=200))
 def test_garbage_is_a_protocol_error_or_a_message(data):
     try:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput
+from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
 from weightsync.engines.hf_sink import InPlaceModelSink
 from weightsync.errors import ConfigError
 
@@ -72,16 +72,19 @@ class HFEngine(Engine):
         self.model = build_model(model_dir, load_format)
         self._eos_ids = _eos_ids(self.model)
         self._vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_model_len: int = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        """Longest prompt + completion: the model's context (its max_position_embeddings)."""
         self._requests: dict[str, _Request] = {}
         self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True), staged=staged)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._requests:
-            raise ConfigError(f"request {request_id!r} already exists")
-        if not prompt_token_ids:
-            raise ConfigError("a prompt needs at least one token")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self._vocab_size:
-            raise ConfigError(f"prompt token ids must lie in [0, {self._vocab_size})")
+        check_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self._vocab_size,
+            max_model_len=self.max_model_len,
+            known=request_id in self._requests,
+        )
         generator = None
         if params.temperature > 0:
             generator = torch.Generator()

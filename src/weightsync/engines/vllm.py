@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput
+from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
 from weightsync.engines.malloc import return_large_frees_to_os
 from weightsync.engines.vllm_sink import CheckpointLayout, ReloadSink, checkpoint_layout
 from weightsync.errors import ConfigError, SinkError
@@ -104,17 +104,13 @@ class VLLMEngine(Engine):
 
         if self._dirty:
             raise SinkError("the weights are incomplete after a failed sync; push a new version")
-        if request_id in self._requests:
-            raise ConfigError(f"request {request_id!r} already exists")
-        if not prompt_token_ids:
-            raise ConfigError("a prompt needs at least one token")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self._vocab_size:
-            raise ConfigError(f"prompt token ids must lie in [0, {self._vocab_size})")
-        if len(prompt_token_ids) + params.max_tokens > self._max_model_len:
-            raise ConfigError(
-                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "
-                f"the engine's max_model_len {self._max_model_len}"
-            )
+        check_request(
+            prompt_token_ids,
+            params,
+            vocab_size=self._vocab_size,
+            max_model_len=self._max_model_len,
+            known=request_id in self._requests,
+        )
         try:
             sampling = VLLMSamplingParams(
                 max_tokens=params.max_tokens,
