@@ -120,6 +120,11 @@ class WeightReceiver:
 
     # --- driven by the transport ----------------------------------------------------------------
 
+    @property
+    def auth_required(self) -> bool:
+        """True when senders must prove they hold this receiver's token."""
+        return self._token is not None
+
     def welcome(self, sender_nonce: str = "") -> Welcome:
         """Our Welcome, with a fresh challenge and, if we hold a token, our answer to the sender's."""
         answer = proof(self._token, "receiver", sender_nonce) if self._token and sender_nonce else ""

@@ -18,9 +18,12 @@ import msgspec
 from weightsync.errors import PeerClosedError, ProtocolError, TransferTimeout, TransportError
 from weightsync.types import Message
 
-__all__ = ["MAX_FRAME_BYTES", "Connection", "decode", "encode"]
+__all__ = ["HANDSHAKE_FRAME_BYTES", "MAX_FRAME_BYTES", "Connection", "decode", "encode"]
 
 MAX_FRAME_BYTES = 64 << 20
+HANDSHAKE_FRAME_BYTES = 64 << 10
+"""The bound on frames from a peer not yet authenticated (Hello, and Auth where a token is
+required): a stranger cannot make a receiver allocate more than this per connection."""
 """The largest control frame accepted: a plan for ~500k tensors. Payload bytes are not framed."""
 
 STREAM_CHUNK_BYTES = 1 << 20
@@ -61,12 +64,13 @@ class Connection:
         body = encode(message)
         self._call(timeout, self.sock.sendall, _HEADER.pack(len(body)) + body)
 
-    def recv(self, timeout: float | None) -> Message:
+    def recv(self, timeout: float | None, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+        """The next message; a frame longer than `max_bytes` is refused before it is read."""
         header = bytearray(_HEADER.size)
         self.recv_into(memoryview(header), timeout)
         (length,) = _HEADER.unpack(header)
-        if length > MAX_FRAME_BYTES:
-            raise self._error(ProtocolError, f"control frame of {length} bytes exceeds {MAX_FRAME_BYTES}")
+        if length > max_bytes:
+            raise self._error(ProtocolError, f"control frame of {length} bytes exceeds {max_bytes}")
         body = bytearray(length)
         self.recv_into(memoryview(body), timeout)
         return decode(body)

@@ -18,7 +18,7 @@ def weights() -> dict[str, torch.Tensor]:
     return {"w": torch.arange(64, dtype=torch.float32)}
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 def test_the_same_token_on_both_sides_syncs(transport: str) -> None:
     dest = {"w": torch.zeros(64)}
     with receiving(dest, transport, auth_token=TOKEN) as receiver, sending(receiver.address, auth_token=TOKEN) as s:
@@ -27,7 +27,7 @@ def test_the_same_token_on_both_sides_syncs(transport: str) -> None:
     assert torch.equal(dest["w"], weights()["w"])
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 @pytest.mark.parametrize(
     ("receiver_token", "sender_token", "says"),
     [
@@ -77,3 +77,30 @@ def test_the_environment_supplies_the_token_to_both_sides(monkeypatch: pytest.Mo
     monkeypatch.setenv(TOKEN_ENV, "short")
     with pytest.raises(ConfigError, match="at least 16 characters"):
         WeightReceiver({}, "shm")
+
+
+@pytest.mark.parametrize("transport", ["tcp", "collective"])
+@pytest.mark.parametrize("stage", ["hello", "auth"])
+def test_a_stranger_cannot_make_a_protected_receiver_allocate_a_large_frame(transport, stage) -> None:
+    """Before a sender has proven the token, frames are bounded at 64 KiB, not 64 MiB: the
+    header of a larger one closes the connection before its body is read or allocated."""
+    import struct
+
+    from tests.unit.test_wire import RawPeer
+
+    with receiving({"w": torch.zeros(64)}, transport, auth_token=TOKEN) as receiver:
+        peer = RawPeer(receiver.address)
+        try:
+            if stage == "auth":
+                peer.hello()
+            peer.sock.sendall(struct.pack("!I", wire.HANDSHAKE_FRAME_BYTES + 1))
+            assert peer.closed_by_receiver()
+        finally:
+            peer.close()
+        # after proving the token, a large frame (a plan of 4000 tensors) is fine
+        many = {f"layer.{i}.weight": torch.full((4,), float(i)) for i in range(4000)}
+        dest = {name: torch.zeros(4) for name in many}
+    with receiving(dest, transport, auth_token=TOKEN) as receiver, sending(receiver.address, auth_token=TOKEN) as s:
+        report = s.push(many, 1)
+        assert report.ok, report.failed
+    assert torch.equal(dest["layer.3999.weight"], many["layer.3999.weight"])

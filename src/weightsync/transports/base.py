@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from weightsync.errors import WeightSyncError
-from weightsync.types import Abort, Commit, Offer, Piece, Welcome
+from weightsync.types import Abort, Commit, Message, Offer, Piece, Welcome
 
 if TYPE_CHECKING:
     from weightsync.sink import Landing
@@ -101,7 +101,12 @@ class SenderTransport(ABC):
 class SyncTarget(Protocol):
     """What a receiving transport drives: the `WeightReceiver`'s state machine."""
 
-    def welcome(self) -> Welcome: ...
+    auth_required: bool
+    """True when senders must prove a shared token (`authenticate`) before anything else."""
+
+    def welcome(self, sender_nonce: str = "") -> Welcome: ...
+
+    def authenticate(self, welcome: Welcome, message: Message) -> bool: ...
 
     def begin(self, offer: Offer) -> Landing: ...
 

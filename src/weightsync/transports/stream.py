@@ -43,7 +43,7 @@ from weightsync.types import (
     Offer,
     Welcome,
 )
-from weightsync.wire import Connection
+from weightsync.wire import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES, Connection
 
 __all__ = ["StreamReceiver", "StreamSender"]
 
@@ -338,7 +338,7 @@ class StreamReceiver(ReceiverTransport):
 
     def _serve(self, conn: Connection) -> None:
         try:
-            hello = conn.recv(self.timeout)
+            hello = conn.recv(self.timeout, HANDSHAKE_FRAME_BYTES)
             if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
                 conn.send(
                     Failed(
@@ -349,7 +349,10 @@ class StreamReceiver(ReceiverTransport):
                 return
             welcome = self.target.welcome(hello.nonce)
             conn.send(welcome, self.timeout)
-            message: Message | None = conn.recv(self.timeout)  # the sender goes on at once
+            # The sender goes on at once. Where a token is required, that next frame must be
+            # its small Auth: bound it until it is checked.
+            limit = HANDSHAKE_FRAME_BYTES if self.target.auth_required else MAX_FRAME_BYTES
+            message: Message | None = conn.recv(self.timeout, limit)
             try:
                 if self.target.authenticate(welcome, message):
                     message = None  # that was the sender's Auth frame
