@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))  # the character tokenizer the tests use
 from tests.models import VOCAB_SIZE, save_tokenizer  # noqa: E402
 
 from weightsync import WeightSender  # noqa: E402
+from weightsync.server.process import first_line_with  # noqa: E402
 
 GIB = 1 << 30
 PROMPT = [5, 6, 7, 8]
@@ -113,14 +114,11 @@ class Served:
         command += ["--load-format", load_format, "--port", "0", "--ready-timeout", str(timeout)]
         env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-        # vLLM logs to stdout too: skip to our line, then keep draining so the pipe never fills.
-        for line in self.process.stdout:  # type: ignore[union-attr]
-            if line.startswith("weightsync serve: http://"):
-                break
-        else:
+        # vLLM logs to stdout too: our line, within the timeout; the pipe keeps being drained.
+        line = first_line_with(self.process, "weightsync serve: http://", timeout)
+        if line is None:
             self.close()
-            raise RuntimeError(f"server exited with {self.process.returncode} before listening")
-        threading.Thread(target=self.process.stdout.read, daemon=True).start()  # type: ignore[union-attr]
+            raise RuntimeError(f"server did not print its URL within {timeout} s (exit code {self.process.returncode})")
         self.listening_s = time.perf_counter() - started
         self.started = started
         self.url = line.split()[2]
@@ -137,7 +135,11 @@ class Served:
 
     def close(self) -> None:
         self.process.terminate()
-        self.process.wait(60)
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(60)
         self.process.stdout.close()  # type: ignore[union-attr]
 
 

@@ -12,12 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +25,7 @@ import httpx
 from weightsync.auth import resolve_token
 from weightsync.engines.base import SamplingParams
 from weightsync.receiver import WeightReceiver
+from weightsync.server.process import first_line_with
 
 __all__ = ["LocalRollouts", "Sample", "ServerFleet"]
 
@@ -102,37 +101,6 @@ class LocalRollouts:
         self.engine.close()
 
 
-def _first_line_with(process: subprocess.Popen[str], prefix: str, timeout: float) -> str | None:
-    """The first stdout line of `process` starting with `prefix`, or None if none comes within
-    `timeout` s or the process exits. The reader thread keeps draining stdout afterwards (engines
-    may log there), so the pipe never fills."""
-    lines: queue.Queue[str | None] = queue.Queue()
-
-    def read() -> None:
-        found = False
-        try:
-            for line in process.stdout:  # type: ignore[union-attr]
-                if not found:  # after our line, only drain
-                    lines.put(line)
-                    found = line.startswith(prefix)
-        except (OSError, ValueError):  # stdout closed by `close()` while we read: we are done
-            pass
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True, name="demo-server-stdout").start()
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            return None
-        if line is None:
-            return None
-        if line.startswith(prefix):
-            return line
-    return None
-
-
 class _Server:
     """One `weightsync serve` process."""
 
@@ -142,7 +110,7 @@ class _Server:
         command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout)]
         env = os.environ | {"OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-        line = _first_line_with(self.process, "weightsync serve: http://", timeout)
+        line = first_line_with(self.process, "weightsync serve: http://", timeout)
         if line is None:
             self.process.kill()
             self.process.wait(10)
