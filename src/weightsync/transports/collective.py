@@ -1,4 +1,7 @@
-"""Collective transport: the sender broadcasts each bucket once to a torch.distributed group.
+"""Collective transport: each bucket is one torch.distributed broadcast to the whole group.
+
+gloo runs a broadcast as a binomial tree, so the sender sends each bucket ceil(log2(N+1))
+times for N receivers, and receivers forward it to each other.
 
 Control messages travel over one TCP connection per receiver, exactly as in the tcp transport
 (handshake, plan, checksums, commit). The bucket bytes travel by `broadcast` in a gloo process
