@@ -174,6 +174,9 @@ class RolloutFleet:
             resources=dict(resources or {}),
             scheduling_strategy=scheduling_strategy,
             max_restarts=max_restarts,
+            # While Ray restarts a server, calls to it wait for the new process instead of
+            # failing, so a restarting server is re-learned, not dropped.
+            max_task_retries=-1 if max_restarts else 0,
         )
         self._sender_options = {"timeout": timeout, "verify": verify, "auth_token": auth_token, **(sender or {})}
         self._timeout = timeout

@@ -1,7 +1,8 @@
 """A real local Ray cluster (CPU only): a fleet of rollout servers as actors, pushes of several
 versions checked against the trainer's own greedy output on every server, a server killed
 mid-fleet (reported, dropped, the next sync succeeds on the rest), a server that joins late and
-serves the current version once caught up, and a catch-up from a source that moved on, refused."""
+serves the current version once caught up, a server Ray restarts that rejoins on the next push,
+and a catch-up from a source that moved on, refused."""
 
 from __future__ import annotations
 
@@ -134,6 +135,21 @@ def test_catch_up_from_a_source_that_moved_on_is_refused(cluster, policy):
         report = fleet.push(model.state_dict(), 11)
         assert report.ok and len(fleet.ready_urls()) == 2
         assert_serves(fleet.ready_urls(), model, 11, token)
+
+
+def test_a_server_ray_restarts_rejoins_on_the_next_push(cluster, policy):
+    model, path = policy
+    with RolloutFleet(path, 1, timeout=60, max_restarts=1) as fleet:
+        step(model, seed=20)
+        assert fleet.push(model.state_dict(), 20).ok
+        (before,) = fleet.servers()
+        ray.kill(fleet.actor("server-0"), no_restart=False)  # the process dies; Ray starts a new one
+        step(model, seed=21)
+        report = fleet.push(model.state_dict(), 21)
+        assert report.ok and report.dropped == {} and report.joined == ("server-0",)
+        (after,) = fleet.servers()
+        assert after.pid != before.pid and after.url != before.url
+        assert_serves(fleet.ready_urls(), model, 21)
 
 
 def test_fleet_refuses_in_process_transport_and_a_missing_ray(cluster, policy, monkeypatch):
