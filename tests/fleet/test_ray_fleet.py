@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import WAIT_S
+from tests.helpers import WAIT_S, wait_until
 from tests.models import save_model
 from weightsync import WeightSyncError
 from weightsync.server.client import RolloutClient, ServerError
@@ -144,6 +144,15 @@ def test_a_server_ray_restarts_rejoins_on_the_next_push(cluster, policy):
         assert fleet.push(model.state_dict(), 20).ok
         (before,) = fleet.servers()
         ray.kill(fleet.actor("server-0"), no_restart=False)  # the process dies; Ray starts a new one
+        # (a push racing the kill may still reach the dying process: that push reports it failed)
+
+        def restarted() -> bool:
+            try:
+                return ray.get(fleet.actor("server-0").describe.remote(), timeout=60)["pid"] != before.pid
+            except ray.exceptions.RayError:  # caught between the two processes
+                return False
+
+        assert wait_until(restarted, 60), "Ray did not restart the server"
         step(model, seed=21)
         report = fleet.push(model.state_dict(), 21)
         assert report.ok and report.dropped == {} and report.joined == ("server-0",)
