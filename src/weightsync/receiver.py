@@ -206,7 +206,7 @@ class WeightReceiver:
             log.exception("sink.abort raised")
         self._last_error = f"sync of version {landing.version} failed: {error}"
         log.warning("%s", self._last_error)
-        if landing.touched_live:
+        if landing.touched_live or self._sink.wrote_live:
             self._content_digest = ""
             self._set_state("dirty", None)
         else:

@@ -23,7 +23,7 @@ from weightsync.pack import byte_view
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Piece, Plan
 
-__all__ = ["CallableSink", "Landing", "TensorDictSink", "WeightSink", "as_sink"]
+__all__ = ["CallableSink", "Landing", "StagedSink", "TensorDictSink", "WeightSink", "as_sink"]
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -43,6 +43,10 @@ class WeightSink:
     destinations_live: bool = True
     """False when `destination` hands out a standby copy (staged mode) that only `commit` makes
     live: then a failed sync leaves the served weights untouched."""
+
+    wrote_live: bool = False
+    """Set by a staged sink whose `commit` feeds the served weights (StagedSink), once it has
+    started to: a commit that fails after that leaves them mixed, and the receiver says dirty."""
 
     def begin(self, plan: Plan, version: int) -> None:
         """Check the plan against the engine; raise PlanError to refuse it."""
@@ -93,6 +97,65 @@ class TensorDictSink(WeightSink):
 
     def commit(self, version: int) -> None:
         self.version = version
+
+
+class StagedSink(WeightSink):
+    """Land every sync in a standby copy, and hand it to `inner` only at commit.
+
+    For an engine whose loader cannot swap weights atomically (vLLM's layerwise reload): a sync
+    that fails in transfer (a dead sender, a timeout, a bad checksum) never reaches the engine,
+    and a rollout server keeps serving during the transfer, pausing only for the local load.
+    The standby copy (one more copy of the weights, in host memory) is kept across syncs.
+
+    Args:
+        inner: the engine's sink; `begin` must only check the plan (it runs while serving).
+        batch_bytes: how much `commit` hands to `inner.load` at a time.
+    """
+
+    destinations_live = False
+    loads_live = False
+
+    def __init__(self, inner: WeightSink, batch_bytes: int = 64 << 20) -> None:
+        self.inner = inner
+        self.batch_bytes = batch_bytes
+        self._standby: dict[str, torch.Tensor] = {}
+        self._plan: Plan | None = None
+
+    def begin(self, plan: Plan, version: int) -> None:
+        self.wrote_live = False
+        self.inner.begin(plan, version)
+        for spec in plan.tensors:
+            shape, dtype = spec.shape, dtype_from_name(spec.dtype)
+            standby = self._standby.get(spec.name)
+            if standby is None or tuple(standby.shape) != shape or standby.dtype != dtype:
+                self._standby[spec.name] = torch.empty(shape, dtype=dtype)
+        self._plan = plan
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self._standby[name]
+
+    def commit(self, version: int) -> None:
+        assert self._plan is not None
+        self.wrote_live = True
+        batch: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for spec in self._plan.tensors:
+            tensor = self._standby[spec.name]
+            dest = self.inner.destination(spec.name)
+            if dest is not None:
+                dest.copy_(tensor)
+                continue
+            batch.append((spec.name, tensor))
+            size += tensor_nbytes(spec)
+            if size >= self.batch_bytes:
+                self.inner.load(batch)
+                batch, size = [], 0
+        if batch:
+            self.inner.load(batch)
+        self.inner.commit(version)
+
+    def abort(self, version: int, error: BaseException) -> None:
+        self.inner.abort(version, error)
 
 
 def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bool) -> None:

@@ -165,7 +165,7 @@ def test_bad_push_is_refused_before_vllm_sees_it(
     change(checkpoint)
     ok, state, error = push(synced, checkpoint, 99)
     assert not ok and message in error and "checkpoint layout" in error
-    assert not synced.weight_sink().loading
+    assert not synced._loader.loading
     assert generate(synced, PROMPTS[0]) == before
 
 
@@ -213,7 +213,7 @@ def test_failed_sync_after_loading_marks_the_engine_dirty_until_a_good_one(
     expected = generate(synced, PROMPTS[0])
     with pytest.raises(PlanError, match="source yielded"):
         push(synced, FailingSource(load_file(models["qwen2-other"] / "model.safetensors")), 6)
-    assert not synced.weight_sink().loading
+    assert not synced._loader.loading
     with pytest.raises(SinkError, match="incomplete"):
         synced.add_request("x", PROMPTS[0], GREEDY)
     ok, _, error = push(synced, load_file(models["qwen2"] / "model.safetensors"), 7)

@@ -1,12 +1,17 @@
-"""Completion options checked the same way on every engine: stop strings and top logprobs."""
+"""Behaviour checked the same way on every engine: stop strings, top logprobs, staged syncs."""
 
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
 
+import pytest
 import torch
 
+from tests.helpers import WAIT_S, wait_until
 from tests.server.conftest import LiveServer
+from weightsync import PlanError, TensorMeta, WeightSender
 
 PROMPT = [5, 6, 7, 8]
 
@@ -50,3 +55,56 @@ def check_top_logprobs(server: LiveServer, reference: torch.nn.Module, k: int = 
             assert math.isclose(top[piece], value, abs_tol=2e-3), (position, piece, top[piece], value)
         chosen = tokenizer.decode([token])
         assert math.isclose(top[chosen], logprobs["token_logprobs"][position], abs_tol=1e-6)
+
+
+class _Gated:
+    """A source that yields its first tensor, then waits for `gate` (a sync held open midway),
+    or, with `broken`, yields a tensor that contradicts its metadata instead of the rest."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], gate: threading.Event | None = None, broken: bool = False):
+        self.items, self.gate, self.broken = list(tensors.items()), gate, broken
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in self.items]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield self.items[0]
+        if self.gate is not None:
+            assert self.gate.wait(WAIT_S * 3)
+        if self.broken:
+            name, tensor = self.items[1]
+            yield name, tensor.flatten()[:1]
+        yield from self.items[1:]
+
+
+def check_staged(server: LiveServer, weights: dict[str, torch.Tensor]) -> None:
+    """A staged server serves its version during the transfer of the next one, switches at the
+    commit, and keeps serving it, ready and bit-for-bit the same, after a sync that fails."""
+    prompt = PROMPT
+    with WeightSender([server.address], timeout=WAIT_S * 3, bucket_bytes=1 << 16) as sender:
+        assert sender.push(weights, 1).ok
+        first = server.client.completions(prompt, max_tokens=8, temperature=0)["choices"][0]["token_ids"]
+
+        moved = {name: tensor * 2 for name, tensor in weights.items()}
+        gate, reports = threading.Event(), []
+        pushing = threading.Thread(target=lambda: reports.append(sender.push(_Gated(moved, gate), 2)))
+        pushing.start()
+        try:
+            assert wait_until(lambda: server.client.weight_info()["state"] == "syncing")
+            during = server.client.completions(prompt, max_tokens=8, temperature=0)  # not held by the sync
+            assert during["weight_version"] == 1 and during["choices"][0]["token_ids"] == first
+        finally:
+            gate.set()
+            pushing.join(WAIT_S * 3)
+        assert reports and reports[0].ok, reports
+        second = server.client.completions(prompt, max_tokens=8, temperature=0)
+        assert second["weight_version"] == 2
+
+        with pytest.raises(PlanError):
+            sender.push(_Gated(weights, broken=True), 3)
+        assert wait_until(lambda: server.client.weight_info()["state"] != "syncing")
+        info = server.client.weight_info()
+        assert (info["version"], info["state"]) == (2, "ready"), info
+        after = server.client.completions(prompt, max_tokens=8, temperature=0)
+        assert after["weight_version"] == 2
+        assert after["choices"][0]["token_ids"] == second["choices"][0]["token_ids"]

@@ -1,5 +1,6 @@
-"""Staged syncs (hf engine): a sync lands in a standby copy and commit swaps it in, so a sync
-that fails midway leaves the served weights and version exactly as they were."""
+"""Staged syncs (hf engine; vLLM's are in test_vllm_server.py): a sync lands in a standby copy and
+commit swaps it in, so a sync that fails midway leaves the served weights and version exactly as
+they were, and the engine serves the current version while the next one arrives."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.models import save_model
+from tests.server.checks import check_staged
 from tests.server.conftest import live_server
 from tests.server.test_server import PROMPTS, greedy, push
 from weightsync.errors import ConfigError
@@ -69,8 +71,7 @@ def test_a_failed_staged_sync_leaves_the_served_weights_untouched(tiny_models, m
         )
 
 
-def test_staged_is_for_the_hf_engine(tiny_models) -> None:
-    from weightsync.server.runtime import ServeConfig
-
-    with pytest.raises(ConfigError, match="hf engine only"):
-        ServeConfig(model=str(tiny_models["qwen2"]), engine="vllm", staged=True)
+def test_a_staged_server_serves_during_the_transfer(tiny_models) -> None:
+    model_dir = tiny_models["qwen2"]
+    with live_server(model_dir, staged=True) as server:
+        check_staged(server, load_file(model_dir / "model.safetensors"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.server.checks import check_stop_strings, check_top_logprobs
+from tests.server.checks import check_staged, check_stop_strings, check_top_logprobs
 from tests.server.conftest import live_server
 from tests.server.test_server import PROMPTS, greedy, push
 from weightsync.checkpoint import SafetensorsSource
@@ -60,3 +60,9 @@ def test_vllm_stop_strings_and_top_logprobs(tiny_models) -> None:
     ):
         check_stop_strings(served)
         check_top_logprobs(served, reference.server.engine.model)
+
+
+def test_vllm_staged_server_serves_during_the_transfer_and_survives_a_failed_sync(tiny_models) -> None:
+    model_dir = tiny_models["qwen2"]
+    with live_server(model_dir, engine="vllm", staged=True) as server:
+        check_staged(server, load_file(str(model_dir / "model.safetensors")))

@@ -26,6 +26,7 @@ from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutp
 from weightsync.engines.malloc import return_large_frees_to_os
 from weightsync.engines.vllm_sink import CheckpointLayout, ReloadSink, checkpoint_layout
 from weightsync.errors import ConfigError, SinkError
+from weightsync.sink import StagedSink, WeightSink
 
 __all__ = ["DEFAULT_KV_CACHE_BYTES", "VLLMEngine"]
 
@@ -49,6 +50,9 @@ class VLLMEngine(Engine):
             overrides it on CPU).
         seed: vLLM's global seed.
         load_timeout: seconds a sync may wait on vLLM's loader (queue room, final join).
+        staged: land syncs in a standby copy in host memory and reload vLLM from it at commit:
+            a sync that fails in transfer never touches vLLM, and the engine keeps serving
+            during the transfer (costs one more copy of the weights in host memory).
         **vllm_kwargs: more `vllm.EngineArgs` fields (e.g. `enable_prefix_caching`).
     """
 
@@ -64,6 +68,7 @@ class VLLMEngine(Engine):
         kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
         seed: int = 0,
         load_timeout: float = 300.0,
+        staged: bool = False,
         **vllm_kwargs: Any,
     ) -> None:
         model_dir = Path(model_dir)
@@ -94,7 +99,8 @@ class VLLMEngine(Engine):
         # replaces torch.set_num_threads with a no-op after binding, hence the C entry point.)
         self._num_threads = torch.get_num_threads()
         self._threads_set_for: int | None = None
-        self._sink = ReloadSink(self.layout, self._reload, self._after_reload, self._set_dirty, load_timeout)
+        self._loader = ReloadSink(self.layout, self._reload, self._after_reload, self._set_dirty, load_timeout)
+        self._sink: WeightSink = StagedSink(self._loader) if staged else self._loader
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -130,7 +136,7 @@ class VLLMEngine(Engine):
         if self._threads_set_for != threading.get_ident():
             torch._C.set_num_threads(self._num_threads)
             self._threads_set_for = threading.get_ident()
-        if self._sink.loading:
+        if self._loader.loading:
             raise SinkError("step() called while a weight sync is loading into vLLM")
         if self._dirty:
             return self._abort_all()
@@ -161,7 +167,7 @@ class VLLMEngine(Engine):
 
     # --- weights --------------------------------------------------------------------------------
 
-    def weight_sink(self) -> ReloadSink:
+    def weight_sink(self) -> WeightSink:
         return self._sink
 
     def weight_bytes(self) -> int:

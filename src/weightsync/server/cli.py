@@ -78,8 +78,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:  # type: i
     serve.add_argument(
         "--staged",
         action="store_true",
-        help="land syncs in a standby copy and swap at commit: a failed sync never touches the served "
-        "weights (hf engine; one more copy of the weights in memory)",
+        help="land syncs in a standby copy, made live only at commit: a failed sync never touches the "
+        "served weights, and the engine serves during the transfer (one more copy of the weights in memory)",
     )
     serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
     serve.set_defaults(handler=run_serve)

@@ -54,7 +54,8 @@ class ServeConfig:
             `host` or `receiver_host` is not loopback.
         allow_unauthenticated_generation: let /v1/completions and /v1/models through without it.
         host: the HTTP interface (checked here; `weightsync serve` binds it).
-        staged: land syncs in a standby copy of the weights and swap at commit (hf engine).
+        staged: land syncs in a standby copy of the weights, and make it live only at commit (hf:
+            a storage swap; vLLM: a reload from host memory); the engine serves during the transfer.
     """
 
     model: str
@@ -75,8 +76,6 @@ class ServeConfig:
     staged: bool = False
 
     def __post_init__(self) -> None:
-        if self.staged and self.engine != "hf":
-            raise ConfigError(f"staged syncs are supported by the hf engine only, not {self.engine!r}")
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
         check_bind(self.host, self.auth_token, "the rollout server's HTTP API")
         if self.transport in ("tcp", "collective"):

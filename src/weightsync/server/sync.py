@@ -62,7 +62,8 @@ class SyncStats:
 
 
 class ServerSink(WeightSink):
-    """Wraps an engine's sink so every sync lands while the engine loop is parked.
+    """Wraps an engine's sink so every sync lands while the engine loop is parked: from `begin`
+    to the commit, or, when the engine's sink stages syncs, for the commit alone.
 
     Args:
         inner: the engine's sink (`engine.weight_sink()`).
@@ -99,14 +100,28 @@ class ServerSink(WeightSink):
     def destinations_live(self) -> bool:  # type: ignore[override]
         return self.inner.destinations_live
 
-    def begin(self, plan: Plan, version: int) -> None:
-        self.inner.begin(plan, version)
+    @property
+    def wrote_live(self) -> bool:  # type: ignore[override]
+        return self.inner.wrote_live
+
+    @property
+    def staged(self) -> bool:
+        """True when nothing served changes before the commit (the engine's sink stages the
+        sync): then the engine keeps serving during the transfer and parks only for the commit."""
+        return not (self.inner.destinations_live or self.inner.loads_live)
+
+    def _park(self, version: int) -> None:
         if not self.loop.pause("sync", self.mode, self.drain_timeout):
             self.loop.resume("sync")
             raise SinkError(
                 f"the engine did not finish its requests within {self.drain_timeout} s (sync mode {self.mode!r}); "
                 f"version {version} refused"
             )
+
+    def begin(self, plan: Plan, version: int) -> None:
+        self.inner.begin(plan, version)
+        if not self.staged:
+            self._park(version)
         self._started = time.perf_counter()
         self.stats = SyncStats(
             version,
@@ -124,6 +139,8 @@ class ServerSink(WeightSink):
         self.inner.load(named_tensors)
 
     def commit(self, version: int) -> None:
+        if self.staged:
+            self._park(version)
         self.inner.commit(version)
         self.stats.seconds = time.perf_counter() - self._started
         self.stats.ok = True
