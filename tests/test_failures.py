@@ -518,3 +518,42 @@ def test_collective_receiver_stalling_fails_the_group_within_the_timeout(observe
             f"push returned in {first.seconds:.2f} s (sender timeout 1 s): both members CollectiveError "
             f"(`{first.failed[0].error[:70]}`); version 2 committed on both"
         )
+
+
+@pytest.mark.fault(
+    "a receiver in the middle of the chain stays stalled (collective)",
+    expected="the sender fails the sync within its timeout and closes the stalled receiver's connection; that receiver lets go of the group though its own thread is still stuck, so the one after it fails at once, long before its own timeout; next push commits on all",
+)
+def test_collective_stall_mid_chain_fails_the_rest_of_the_chain_at_once(observe):
+    gate = threading.Event()
+    slow = Recorder(gate=gate)
+    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
+    with (
+        receiving(slow, "collective", timeout=WAIT_S) as stalled,  # rank 1: forwards to rank 2
+        receiving(dest, "collective", timeout=6 * WAIT_S) as last,
+        sending([stalled.address, last.address], bucket_bytes=N * 4, timeout=1.0) as sender,
+    ):
+        reports = []
+        pusher = threading.Thread(target=lambda: reports.append(sender.push(source, version=1)))
+        started = time.monotonic()
+        pusher.start()
+        try:
+            pusher.join(WAIT_S)
+            assert reports and not reports[0].ok
+            assert wait_until(lambda: last.state != "syncing"), "the last receiver waited past the sender's failure"
+            after = time.monotonic() - started
+            assert stalled.state == "syncing", "the stalled receiver's sink is still held"
+            assert "left the group" in last.last_error and last.version is None
+        finally:
+            gate.set()
+            pusher.join(WAIT_S)
+        assert wait_until(lambda: stalled.state != "syncing")
+        slow.gate = None
+        assert sender.push(source, version=2).ok
+        assert stalled.version == 2 and last.version == 2
+        assert_all_bit_exact(dest, source)
+        observe(
+            f"the last receiver failed {after:.2f} s after the push began (its own timeout {6 * WAIT_S:.0f} s, the "
+            f"sender's 1 s) while the stalled one was still held: `{last.last_error[:70]}`; version 2 committed on both"
+        )

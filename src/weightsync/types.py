@@ -31,7 +31,9 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+"""Bumped whenever a peer of another version would misread us (3: collective buckets go down a
+chain of send/recv instead of one gloo broadcast)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

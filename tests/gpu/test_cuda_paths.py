@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import assert_all_bit_exact, random_tensor, random_values, receiving, sending
+from tests.helpers import TRANSPORTS, assert_all_bit_exact, random_tensor, random_values, receiving, sending
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -38,7 +38,7 @@ def zeros_like_all(named: dict[str, torch.Tensor], device: str) -> dict[str, tor
     return {name: torch.zeros(t.shape, dtype=t.dtype, device=device) for name, t in named.items()}
 
 
-@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize(("source_device", "dest_device"), [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
 def test_round_trip_bit_exact(transport: str, source_device: str, dest_device: str) -> None:
     source = model_like(source_device)
@@ -51,7 +51,7 @@ def test_round_trip_bit_exact(transport: str, source_device: str, dest_device: s
     assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, {k: v.cpu() for k, v in source.items()})
 
 
-@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_fp32_master_weights_cast_to_bf16_on_the_gpu(transport: str) -> None:
     master = {f"w{i}": random_values(torch.float32, (3 * BUCKET // 8 + i,), seed=i).cuda() for i in range(4)}
     dest = {name: torch.zeros(t.shape, dtype=torch.bfloat16, device="cuda") for name, t in master.items()}

@@ -37,7 +37,7 @@ def short_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_no_generated_request_gets_a_server_error(short_context_model):
+def test_no_generated_request_gets_a_server_error(short_context_model, tmp_path):
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or shutil.which("st")
     assert st, "schemathesis is installed but its `st` command is not on the path"
     with live_server(short_context_model, load_format="auto") as server:
@@ -58,6 +58,7 @@ def test_no_generated_request_gets_a_server_error(short_context_model):
             capture_output=True,
             text=True,
             timeout=600,
+            cwd=tmp_path,  # st keeps a cache of what it found in its working directory
         )
         report = done.stdout[-4000:] + done.stderr[-2000:]
         assert done.returncode == 0, report

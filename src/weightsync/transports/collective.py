@@ -1,20 +1,26 @@
-"""Collective transport: each bucket is one torch.distributed broadcast to the whole group.
+"""Collective transport: each bucket goes down a chain of the group, sender to last receiver.
 
-gloo runs a broadcast as a binomial tree, so the sender sends each bucket ceil(log2(N+1))
-times for N receivers, and receivers forward it to each other.
+Each bucket travels 0 -> 1 -> ... -> N through the process group, cut in chunks: rank r receives
+chunk j from rank r-1 and forwards it to rank r+1 as soon as it arrived, while chunk j+1 is still
+coming. The sender sends every byte once whatever N, every receiver receives it once and forwards
+it at most once, and a bucket reaches the last receiver a few chunks after the first (a pipelined
+chain, as NCCL broadcasts; gloo's own broadcast is a binomial tree that sends a whole bucket
+ceil(log2(N+1)) times in turn). Ranks follow the receivers' hosts, so a chain enters each host once.
 
 Control messages travel over one TCP connection per receiver, exactly as in the tcp transport
-(handshake, plan, checksums, commit). The bucket bytes travel by `broadcast` in a gloo process
+(handshake, plan, checksums, commit). The bucket bytes travel by gloo send/recv in a process
 group of the sender (rank 0) and the receivers that accepted the plan, formed through a
 `TCPStore` the sender hosts. A group lives as long as its membership: when the receivers that
 accept a plan differ from the current group's (one joined, died or refused), the sender sends
 each a `Group` before the first bucket and everyone builds the new one.
 
 Both sides keep two buckets in flight: the sender packs bucket k+1 while bucket k is on the
-wire, a receiver posts bucket k+1 before unpacking bucket k. A receiver whose sink fails keeps
-taking part in the broadcasts (discarding them) until the plan ends, so one bad receiver never
-stalls the others; a member that dies breaks the group, every collective on it fails within
-the timeout (gloo notices a closed peer at once), and the next sync forms a new group.
+wire, a receiver posts bucket k+1 before unpacking bucket k (a thread of its own forwards
+chunks meanwhile). A receiver whose sink fails keeps taking part (receiving and forwarding,
+discarding what it receives) until the plan ends, so one bad receiver never stalls the others;
+a member that dies breaks the chain, the members next to it fail at once (gloo notices a closed
+peer), they leave the group, which fails the rest within the timeout, and the next sync forms
+a new group.
 
 The store and gloo carry only raw bytes, and the store's keys live under a random prefix sent
 over the (authenticated) control connection; neither is authenticated itself, so the hosts must
@@ -24,9 +30,12 @@ sit on a trusted network (SECURITY.md).
 from __future__ import annotations
 
 import datetime
+import queue
 import secrets
 import socket
+import threading
 import time
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -43,6 +52,11 @@ __all__ = ["CollectiveReceiver", "CollectiveSender"]
 
 BACKEND = "gloo"
 MAX_WORLD_SIZE = 4096
+WATCH_S = 0.2
+"""How often an idle forwarder checks that the sender is still there."""
+CHUNK_BYTES = 4 << 20
+"""Bytes per message along the chain: small enough that a bucket crosses all hops nearly at
+once, large enough that the per-message cost disappears."""
 
 
 def _new_group(store: dist.Store, prefix: str, rank: int, world_size: int, host: str, timeout: float) -> dist.Backend:
@@ -68,42 +82,60 @@ def _bucket_used(plan: Plan, index: int) -> int:
 
 
 class _InFlight:
-    """A posted broadcast; `wait` returns once it completed, or raises CollectiveError.
+    """A bucket posted along the chain; `wait` returns once this member is done with it (sent,
+    or received and forwarded), or raises CollectiveError.
 
-    It lets go of its gloo work as soon as it is settled: a work holds the group's connections
+    It lets go of its gloo works as soon as it is settled: a work holds the group's connections
     open, and the error a failed sync leaves behind (with its traceback) must not."""
 
-    def __init__(self, work: dist.Work, member: _Member, bucket: int) -> None:
-        self._work: dist.Work | None = work
+    def __init__(self, works: list[dist.Work] | Future, member: _Member, bucket: int) -> None:
+        self._works: list[dist.Work] | Future | None = works
         self._member = member
         self.bucket = bucket
 
     def forget(self) -> None:
-        self._work = None
+        self._works = None
 
     def wait(self) -> None:
-        work, self._work = self._work, None
-        if work is None:
+        works, self._works = self._works, None
+        if works is None:
             return
+        timeout = datetime.timedelta(seconds=self._member.timeout)
+        work = None
         try:
-            work.wait()
+            if isinstance(works, Future):  # the forwarder's: done once received and passed on
+                works = works.result(timeout=self._member.timeout + 1)
+            for work in works:
+                work.wait(timeout)
             return
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
             error = self._member.error(exc, self.bucket)
-        del work  # not even this frame, kept by the error's traceback, may hold it
+        del works, work  # not even this frame, kept by the error's traceback, may hold them
         raise error
 
 
 class _Member:
-    """One side's share of a formed group: the gloo group and two bucket buffers.
+    """One side's share of a formed group: the gloo group, two bucket buffers and, for a rank
+    with a successor, the thread that forwards what arrives.
 
-    `close` drops the group, which closes its connections: a peer blocked in a collective on
-    it fails at once instead of at its timeout."""
+    `close` drops the group, which closes its connections: a peer blocked on it fails at once
+    instead of at its timeout."""
 
-    def __init__(self, group: dist.Backend, timeout: float) -> None:
+    def __init__(
+        self, group: dist.Backend, rank: int, world_size: int, timeout: float, control: socket.socket | None = None
+    ) -> None:
         self._group: dist.Backend | None = group
+        self._control = control
+        self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.slots: list[torch.Tensor] = []
+        self._forwards: queue.SimpleQueue[tuple[list[dist.Work], list[torch.Tensor], Future] | None] | None = None
+        if 0 < rank < world_size - 1:
+            self._forwards = queue.SimpleQueue()
+            # (the thread reads the group off `self`: a Thread keeps its args until it ends)
+            threading.Thread(
+                target=self._forward_loop, args=(self._forwards,), daemon=True, name="weightsync-collective-forward"
+            ).start()
 
     def buffers(self, bucket_bytes: int) -> list[torch.Tensor]:
         if not self.slots or self.slots[0].numel() != bucket_bytes:
@@ -111,30 +143,97 @@ class _Member:
         return self.slots
 
     def broadcast(self, tensor: torch.Tensor, bucket: int) -> _InFlight:
-        """Start broadcasting `tensor` from rank 0 (this side sends if it is rank 0)."""
-        if self._group is None:
+        """Start passing `tensor` down the chain: rank 0 sends it to rank 1; any other rank
+        receives it from the rank before and, if one follows, forwards each chunk on arrival."""
+        group = self._group
+        if group is None:
             raise CollectiveError("the process group was disbanded", transport="collective", bucket=bucket)
+        chunks = list(tensor.split(CHUNK_BYTES)) if tensor.numel() else []
+        works: list[dist.Work] = []
+        error = None
         try:
-            work = self._group.broadcast(tensor, 0, datetime.timedelta(seconds=self.timeout))
+            for tag, chunk in enumerate(chunks):
+                if self.rank == 0:
+                    works.append(group.send([chunk], 1, tag))
+                else:
+                    works.append(group.recv([chunk], self.rank - 1, tag))
         except RuntimeError as exc:
-            raise self.error(exc, bucket) from None
-        return _InFlight(work, self, bucket)
+            error = self.error(exc, bucket)
+        if error is not None:
+            del group, works  # the error's traceback keeps this frame: it must not keep the group
+            raise error
+        if self._forwards is None:
+            return _InFlight(works, self, bucket)
+        receives = works
+        forwarded: Future = Future()
+        self._forwards.put((receives, chunks, forwarded))
+        return _InFlight(forwarded, self, bucket)
+
+    def _forward_loop(self, forwards: queue.SimpleQueue) -> None:
+        """Forward each chunk once it arrived, bucket after bucket, until `close`.
+
+        After a failure it lets go of the group at once (and fails what is queued unread), which
+        closes this rank's connections: the ranks after it then fail at once too, instead of at
+        their timeout."""
+        failure = ""
+        while True:
+            try:
+                job = forwards.get(timeout=WATCH_S)
+            except queue.Empty:
+                # The sender closes our control connection when a sync fails; our own thread
+                # may be stuck (a stalled sink), so let go of the group from here.
+                if self._group is not None and self._control is not None and _closed_by_peer(self._control):
+                    self._group, failure = None, "the sender left"
+                continue
+            if job is None:
+                return
+            receives, chunks, forwarded = job
+            group = self._group
+            if group is None:
+                forwarded.set_exception(RuntimeError(failure or "the process group was disbanded"))
+            elif failure := self._forward(group, receives, chunks, forwarded):
+                self._group = None
+            del job, receives, chunks, forwarded, group  # hold nothing of the group between buckets
+
+    def _forward(
+        self, group: dist.Backend, receives: list[dist.Work], chunks: list[torch.Tensor], forwarded: Future
+    ) -> str:
+        """Forward one bucket; the error, or "" once every chunk was passed on (and the bucket's
+        buffer may be reused). Only this thread holds the works, so that letting go of the group
+        here lets go of it for good."""
+        deadline = time.monotonic() + self.timeout
+        sends: list[dist.Work] = []
+        try:
+            for tag, (work, chunk) in enumerate(zip(receives, chunks, strict=True)):
+                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+                sends.append(group.send([chunk], self.rank + 1, tag))
+            for work in sends:
+                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError as exc:
+            # a fresh exception: the original's traceback would keep this frame's works
+            forwarded.set_exception(RuntimeError(str(exc)))
+            return str(exc) or type(exc).__name__
+        forwarded.set_result([])
+        return ""
 
     def error(self, exc: BaseException, bucket: int) -> CollectiveError:
         detail = _first_line(exc)
         lowered = detail.lower()
-        if "timeout" in lowered or "timed out" in lowered:
+        if isinstance(exc, TimeoutError) or "timeout" in lowered or "timed out" in lowered:
             why = f"a member stalled past the {self.timeout:g} s timeout"
         elif "closed" in lowered or "reset" in lowered or "broken pipe" in lowered:
             why = "a member's connection closed (it died or left the group)"
         else:
             why = "the group failed"
         return CollectiveError(
-            f"broadcast of bucket {bucket} failed, {why}: {detail}", transport="collective", bucket=bucket
+            f"transfer of bucket {bucket} failed, {why}: {detail}", transport="collective", bucket=bucket
         )
 
     def close(self) -> None:
         self._group, self.slots = None, []
+        if self._forwards is not None:
+            self._forwards.put(None)
+            self._forwards = None
 
 
 class CollectiveSender(TcpSender):
@@ -156,8 +255,9 @@ class CollectiveSender(TcpSender):
             self._form_group()
 
     def _form_group(self) -> None:
-        """Make the live peers (and only them) the group, unless they already are."""
-        peers = self.live()
+        """Make the live peers (and only them) the group, unless they already are; ranks go
+        host by host, so that the chain crosses from one host to the next only once."""
+        peers = sorted(self.live(), key=lambda peer: self.connection(peer).sock.getpeername()[0])
         members = [self.connection(peer) for peer in peers]
         if self._member is not None and members == self._members:
             return
@@ -180,7 +280,7 @@ class CollectiveSender(TcpSender):
         except CollectiveError as exc:
             self._fail_all(exc)
             return
-        self._member, self._members = _Member(group, self.timeout), members
+        self._member, self._members = _Member(group, 0, len(peers) + 1, self.timeout), members
 
     def send_bucket(self, index: int, items: list[BucketItem]) -> None:
         assert self._member is not None and self._plan is not None
@@ -337,7 +437,7 @@ class CollectiveReceiver(TcpReceiver):
         store = _client_store(message.store_host, message.store_port, self.timeout)
         host = conn.sock.getsockname()[0]  # our address as the sender reaches us
         group = _new_group(store, message.prefix, message.rank, message.world_size, host, self.timeout)
-        self._members[conn] = _Member(group, self.timeout)
+        self._members[conn] = _Member(group, message.rank, message.world_size, self.timeout, conn.sock)
 
     def on_disconnect(self, conn: Connection) -> None:
         self._leave(conn)
@@ -346,6 +446,21 @@ class CollectiveReceiver(TcpReceiver):
         member = self._members.pop(conn, None)
         if member is not None:
             member.close()
+
+
+_TCP_ESTABLISHED = 1
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end closed the TCP connection `sock`, even with data still unread."""
+    try:
+        if hasattr(socket, "TCP_INFO"):  # Linux: the connection's state, first byte of tcp_info
+            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # sees EOF only once read up to it
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
 
 
 def _host_store(host: str, timeout: float) -> dist.TCPStore:
