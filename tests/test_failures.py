@@ -454,7 +454,7 @@ def test_collective_sender_killed_mid_sync(observe):
 
 @pytest.mark.fault(
     "kill -9 of a receiver mid-sync (collective)",
-    expected="the broadcast fails at once: the dead receiver is reported gone, the rest of its group CollectiveError, no one claims the version; next push forms a new group and commits on the rest",
+    expected="the chain breaks at once: the dead receiver is reported gone, the rest of its group CollectiveError, no one claims the version; next push forms a new group and commits on the rest",
 )
 def test_collective_receiver_killed_mid_sync(observe):
     dest = {f"t{i}": torch.zeros(N) for i in range(4)}
@@ -490,7 +490,7 @@ def test_collective_receiver_killed_mid_sync(observe):
 
 @pytest.mark.fault(
     "a receiver stalls mid-sync (collective)",
-    expected="the group's broadcast times out: every member fails with CollectiveError within the sender's timeout, none claims the version; next push (stall over) commits on all",
+    expected="the chain times out: every member fails with CollectiveError within the sender's timeout, none claims the version; next push (stall over) commits on all",
 )
 def test_collective_receiver_stalling_fails_the_group_within_the_timeout(observe):
     gate = threading.Event()
@@ -545,6 +545,7 @@ def test_collective_stall_mid_chain_fails_the_rest_of_the_chain_at_once(observe)
             after = time.monotonic() - started
             assert stalled.state == "syncing", "the stalled receiver's sink is still held"
             assert "left the group" in last.last_error and last.version is None
+            error = last.last_error
         finally:
             gate.set()
             pusher.join(WAIT_S)
@@ -555,5 +556,5 @@ def test_collective_stall_mid_chain_fails_the_rest_of_the_chain_at_once(observe)
         assert_all_bit_exact(dest, source)
         observe(
             f"the last receiver failed {after:.2f} s after the push began (its own timeout {6 * WAIT_S:.0f} s, the "
-            f"sender's 1 s) while the stalled one was still held: `{last.last_error[:70]}`; version 2 committed on both"
+            f"sender's 1 s) while the stalled one was still held: `{error[:90]}`; version 2 committed on both"
         )

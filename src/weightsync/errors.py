@@ -99,7 +99,7 @@ class ProtocolError(TransportError):
 
 
 class CollectiveError(TransportError):
-    """A collective (broadcast, group set-up) failed: a member of the process group died,
+    """A collective (a bucket down the chain, group set-up) failed: a member of the process group died,
     stalled past the timeout, or could not join. The group is rebuilt on the next sync."""
 
 

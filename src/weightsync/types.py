@@ -135,7 +135,7 @@ class Accept(msgspec.Struct, frozen=True, tag=True):
 
 class BucketReady(msgspec.Struct, frozen=True, tag=True):
     """Sender -> receiver (shm, collective): bucket `index` sits in ring slot `slot` (shm), or is
-    the next broadcast (collective)."""
+    the next to come down the chain (collective)."""
 
     index: int
     slot: int

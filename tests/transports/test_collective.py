@@ -5,6 +5,8 @@ refused. (The contract suite and the fault cases in tests/test_failures.py run o
 
 from __future__ import annotations
 
+import contextlib
+
 import psutil
 import pytest
 import torch
@@ -80,7 +82,24 @@ class FailsFirstLoad(WeightSink):
             raise RuntimeError("engine refused the first bucket")
 
 
-def test_a_receiver_failing_mid_sync_drains_the_broadcasts_and_does_not_hold_the_others_up():
+def test_buckets_cut_in_many_chunks_arrive_bit_exact_at_every_rank_of_a_long_chain(monkeypatch):
+    monkeypatch.setattr(collective, "CHUNK_BYTES", 1000)  # 8192-byte buckets: 9 chunks, the last short
+    source = {
+        "big": random_tensor(torch.bfloat16, (50_001,), seed=3),
+        "odd": random_tensor(torch.uint8, (777,), seed=4),
+    }
+    dests = [{name: torch.zeros_like(t) for name, t in source.items()} for _ in range(4)]
+    with contextlib.ExitStack() as stack:
+        receivers = [stack.enter_context(receiving(dest, "collective")) for dest in dests]
+        sender = stack.enter_context(sending([r.address for r in receivers], bucket_bytes=8192, verify="full"))
+        for version in (1, 2):
+            source["big"].add_(1.0)
+            assert sender.push(source, version=version).ok
+            for dest in dests:  # rank 4 got every chunk through ranks 1, 2 and 3
+                assert_all_bit_exact(dest, source)
+
+
+def test_a_receiver_failing_mid_sync_keeps_forwarding_and_does_not_hold_the_others_up():
     source = {f"t{i}": torch.full((1024,), float(i)) for i in range(16)}
     dest = {name: torch.zeros(1024) for name in source}
     with (
@@ -91,7 +110,7 @@ def test_a_receiver_failing_mid_sync_drains_the_broadcasts_and_does_not_hold_the
         report = sender.push(source, version=1)
         assert [(o.address, o.kind) for o in report.failed] == [(failing.address, "SinkError")]
         assert "first bucket" in report.failed[0].error
-        # A receiver that stopped taking part would have stalled every broadcast until the timeout.
+        # The failing one is rank 1: had it stopped forwarding, rank 2 would have waited until the timeout.
         assert report.seconds < WAIT_S / 2
         assert healthy.version == 1
         assert_all_bit_exact(dest, source)

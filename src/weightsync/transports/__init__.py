@@ -5,7 +5,7 @@
 | inproc     | same process             | source -> destination, one copy (or none)               |
 | shm        | same host                | source -> shared ring slot -> each receiver             |
 | tcp        | any host                 | source memory -> socket -> destination memory           |
-| collective | any hosts, a group       | source -> bucket -> one gloo broadcast -> each receiver  |
+| collective | any hosts, a group       | source -> bucket -> rank 1 -> rank 2 ... (gloo chain)    |
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _bucket_used(plan: Plan, index: int) -> int:
-    """Bytes of bucket `index` that carry pieces: what is broadcast (the last bucket is short)."""
+    """Bytes of bucket `index` that carry pieces: what is sent (the last bucket is short)."""
     return max((piece.bucket_offset + piece.nbytes for piece in plan.buckets[index]), default=0)
 
 
@@ -310,7 +310,7 @@ class CollectiveSender(TcpSender):
             self._broken(exc)
 
     def _settle(self, slot: int) -> bool:
-        """Wait for the broadcast in flight from `slot`, if any; False if the group broke."""
+        """Wait for the bucket in flight from `slot`, if any; False if the group broke."""
         posted, self._in_flight[slot] = self._in_flight[slot], None
         if posted is None:
             return True
@@ -342,7 +342,7 @@ class CollectiveSender(TcpSender):
         super().commit(commit)
 
     def abort(self, abort) -> None:  # type: ignore[no-untyped-def]
-        self._disband()  # receivers waiting in a broadcast see the group close at once
+        self._disband()  # receivers waiting on the chain see the group close at once
         super().abort(abort)
 
     def close(self) -> None:
@@ -427,7 +427,7 @@ class CollectiveReceiver(TcpReceiver):
                 copy_bytes(landing.target(piece), slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
             landing.finish_bucket(index, checksum)
         except WeightSyncError as exc:
-            return exc  # keep taking part in the broadcasts: the others are not held up
+            return exc  # keep receiving and forwarding: the others are not held up
         return None
 
     def _join(self, conn: Connection, message: Group) -> None:
