@@ -85,6 +85,8 @@ class BenchConfig:
     """Seconds any one step (a sync, a receiver's reply) may take."""
     progress: bool = False
     """Show a progress bar on stderr."""
+    device: str = "cpu"
+    """Where the trainer's tensors and every receiver's destinations live: "cpu" or "cuda"."""
 
     def __post_init__(self) -> None:
         unknown = set(self.transports) - set(TRANSPORTS)
@@ -96,6 +98,12 @@ class BenchConfig:
             raise ConfigError(f"receivers must be positive counts, got {self.receivers}")
         if self.repeat < 1 or self.memcpy_bytes < MIB or self.timeout <= 0:
             raise ConfigError("repeat must be >= 1, memcpy_bytes >= 1 MiB and timeout > 0")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda: torch sees no CUDA device here")
+        if self.device == "cuda" and self.baselines:
+            raise ConfigError("the baselines run on cpu only: with device cuda, turn them off (--no-baselines)")
         if self.bucket_bytes is not None and self.bucket_bytes < 64:
             raise ConfigError(f"bucket_bytes must be >= 64, got {self.bucket_bytes}")
 
@@ -159,10 +167,15 @@ class BenchReport:
     num_tensors: int
     largest_tensor_bytes: int
     results: list[MethodResult]
+    device: str = "cpu"
+    h2d_gbps: float | None = None
+    """device cuda: one pinned host-to-device copy of the memcpy buffer's size, best of 3, GB/s."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "memcpy_gbps": round(self.memcpy_gbps, 3),
+            "device": self.device,
+            "h2d_gbps": None if self.h2d_gbps is None else round(self.h2d_gbps, 3),
             "results": [result.to_json(self.memcpy_gbps) for result in self.results],
             "total_bytes": self.total_bytes,
             "num_tensors": self.num_tensors,
@@ -299,6 +312,20 @@ def memcpy_gbps(num_bytes: int = GIB, rounds: int = 3) -> float:
     return num_bytes / best / 1e9
 
 
+def h2d_gbps(num_bytes: int = GIB, rounds: int = 3) -> float:
+    """One pinned host-to-device copy of `num_bytes` (the best a bucket can cross PCIe), best of `rounds`, GB/s."""
+    source = torch.ones(num_bytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    best = math.inf
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return num_bytes / best / 1e9
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -352,8 +379,8 @@ class PeakRss:
 class _ReceiverSide:
     """What a receiver process does on command; runs in the spawned process."""
 
-    def __init__(self, shapes: Shapes, queue: Any, seed: int, timeout: float) -> None:
-        self.dest = allocate(shapes)
+    def __init__(self, shapes: Shapes, queue: Any, seed: int, timeout: float, device: str) -> None:
+        self.dest = {name: tensor.to(device) for name, tensor in allocate(shapes).items()}
         self.queue = queue
         self.seed = seed
         self.timeout = timeout
@@ -378,7 +405,8 @@ class _ReceiverSide:
     def check(self, version: int) -> tuple[bool, int]:
         growth = self.peak.stop()
         committed = self.receiver is None or self.receiver.version == version
-        return committed and verify(self.dest, self.seed, version), growth
+        landed = {name: tensor.cpu() for name, tensor in self.dest.items()}  # no copy on the CPU
+        return committed and verify(landed, self.seed, version), growth
 
     def load(self, method: str, path: str) -> float:
         """Run a baseline's receiving half; returns the time its last copy finished."""
@@ -415,8 +443,8 @@ _RECEIVE: dict[str, Callable[[_ReceiverSide, str], None]] = {
 }
 
 
-def _receiver_main(conn: Connection, shapes: Shapes, queue: Any, seed: int, timeout: float) -> None:
-    side = _ReceiverSide(shapes, queue, seed, timeout)
+def _receiver_main(conn: Connection, shapes: Shapes, queue: Any, seed: int, timeout: float, device: str) -> None:
+    side = _ReceiverSide(shapes, queue, seed, timeout, device)
     conn.send(("ok", os.getpid()))
     while True:
         command, *args = conn.recv()
@@ -432,12 +460,12 @@ def _receiver_main(conn: Connection, shapes: Shapes, queue: Any, seed: int, time
 class _Worker:
     """The parent's handle on one receiver process."""
 
-    def __init__(self, context: Any, shapes: Shapes, seed: int, timeout: float) -> None:
+    def __init__(self, context: Any, shapes: Shapes, seed: int, timeout: float, device: str = "cpu") -> None:
         self.queue = context.Queue(maxsize=2)
         self.conn, child = context.Pipe()
         self.timeout = timeout
         self.process = context.Process(
-            target=_receiver_main, args=(child, shapes, self.queue, seed, timeout), daemon=True
+            target=_receiver_main, args=(child, shapes, self.queue, seed, timeout, device), daemon=True
         )
         self.process.start()
         child.close()
@@ -496,12 +524,18 @@ class _Run:
     workers: list[_Worker]
     total_bytes: int
     step: Callable[[str], None]
+    host: dict[str, torch.Tensor] | None = None
+    """device cuda: the host tensors the content is written in, then copied to `source`."""
     version: int = 0
 
     def next_version(self) -> int:
         """Fill the source with the next version's content (outside any timed region)."""
         self.version += 1
-        fill(self.source, self.config.seed, self.version)
+        fill(self.host if self.host is not None else self.source, self.config.seed, self.version)
+        if self.host is not None:
+            for name, tensor in self.host.items():
+                self.source[name].copy_(tensor)
+            torch.cuda.synchronize()
         return self.version
 
 
@@ -621,11 +655,15 @@ def run(config: BenchConfig) -> BenchReport:
         step("memcpy")
         reference = memcpy_gbps(config.memcpy_bytes)
         step("starting receivers")
-        workers = [_Worker(context, shapes, config.seed, config.timeout) for _ in range(max(config.receivers))]
-        source = allocate(shapes)
+        workers = [
+            _Worker(context, shapes, config.seed, config.timeout, config.device) for _ in range(max(config.receivers))
+        ]
+        host = allocate(shapes)
+        source = host if config.device == "cpu" else {name: t.to(config.device) for name, t in host.items()}
+        h2d = h2d_gbps(config.memcpy_bytes) if config.device == "cuda" else None
         for worker in workers:
             worker.reply(timeout=max(300.0, config.timeout))
-        state = _Run(config, source, workers, total_bytes, step)
+        state = _Run(config, source, workers, total_bytes, step, host if config.device != "cpu" else None)
         results = [
             _run_weightsync(state, transport, count) for transport in config.transports for count in config.receivers
         ]
@@ -636,7 +674,7 @@ def run(config: BenchConfig) -> BenchReport:
             worker.stop()
         bar.close()
     largest = max(math.prod(shape) for _, shape in shapes) * DTYPE.itemsize
-    return BenchReport(reference, total_bytes, len(shapes), largest, results)
+    return BenchReport(reference, total_bytes, len(shapes), largest, results, config.device, h2d)
 
 
 # --- output --------------------------------------------------------------------------------------
@@ -688,4 +726,9 @@ def format_table(report: BenchReport) -> str:
         f"weightsync copies with {'native streaming stores' if STREAMING_COPY else 'numpy.copyto'}; "
         f"GB/s = median over syncs, 1e9 bytes of payload per second end to end"
     )
+    if report.device != "cpu":
+        header += (
+            f"\nsource and destinations on {report.device}; "
+            f"pinned host-to-device copy (torch, one buffer of the memcpy's size): {report.h2d_gbps:.2f} GB/s"
+        )
     return "\n".join([header, "", *(line.rstrip() for line in lines)])

@@ -78,6 +78,9 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     bench.add_argument("--memcpy-mb", type=float, default=1024.0, help="memcpy reference buffer in MiB (1024)")
     bench.add_argument("--seed", type=int, default=0, help="content seed")
     bench.add_argument("--timeout", type=float, default=120.0, help="seconds any step may take (default 120)")
+    bench.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where source and destinations live (default cpu)"
+    )
     bench.add_argument("--quick", action="store_true", help="smoke test: 0.25 GiB, 2 syncs, 256 MiB memcpy")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
     bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
@@ -102,6 +105,7 @@ def _bench(args: argparse.Namespace) -> int:
         seed=args.seed,
         timeout=args.timeout,
         progress=args.progress,
+        device=args.device,
     )
     report = run(config)
     table = format_table(report)

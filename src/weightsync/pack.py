@@ -54,7 +54,9 @@ def piece_bytes(tensor: torch.Tensor, wire_dtype: torch.dtype, offset: int, nbyt
     return byte_view(tensor)[offset : offset + nbytes]
 
 
-def write_piece(tensor: torch.Tensor, wire_dtype: torch.dtype, offset: int, nbytes: int, out: np.ndarray) -> None:
+def write_piece(
+    tensor: torch.Tensor, wire_dtype: torch.dtype, offset: int, nbytes: int, out: np.ndarray | torch.Tensor
+) -> None:
     """Write bytes [offset, offset + nbytes) of `tensor` as sent in `wire_dtype` into `out`.
 
     Args:
@@ -62,10 +64,11 @@ def write_piece(tensor: torch.Tensor, wire_dtype: torch.dtype, offset: int, nbyt
         wire_dtype: the dtype the plan sends it as.
         offset: byte offset into the tensor as sent (in `wire_dtype` units).
         nbytes: bytes to write; `out` must hold exactly that many.
-        out: a writable uint8 array (a bucket slice or a destination's bytes).
+        out: a writable uint8 array (a bucket slice or a destination's bytes), or a uint8
+            tensor on any device.
     """
     view = piece_bytes(tensor, wire_dtype, offset, nbytes)
-    if view is not None:
+    if view is not None and isinstance(out, np.ndarray):
         copy_bytes(out, view)
         return
     if nbytes == 0:
@@ -73,4 +76,4 @@ def write_piece(tensor: torch.Tensor, wire_dtype: torch.dtype, offset: int, nbyt
     size = wire_dtype.itemsize
     flat = tensor.detach().reshape(-1)  # a copy only when the source is non-contiguous
     source = flat[offset // size : (offset + nbytes) // size]
-    torch.from_numpy(out).view(wire_dtype).copy_(source)
+    (torch.from_numpy(out) if isinstance(out, np.ndarray) else out).view(wire_dtype).copy_(source)

@@ -19,7 +19,7 @@ import xxhash
 from weightsync.checksum import bucket_checksum
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, ConfigError, PlanError, SinkError, WeightSyncError
-from weightsync.pack import byte_view
+from weightsync.pack import byte_view, copy_bytes
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Piece, Plan
 
@@ -191,9 +191,10 @@ def as_sink(sink: WeightSink | LoadFn | Mapping[str, torch.Tensor]) -> WeightSin
 class Landing:
     """One sync's landing site on the receiver: where each piece's bytes go.
 
-    A tensor with a contiguous destination of the right shape and dtype is written in place.
-    Any other tensor is staged in a fresh tensor and, once complete, copied into its destination
-    or handed to `sink.load` at the end of the bucket that completes it.
+    A tensor with a contiguous destination of the right shape and dtype is written in place, piece
+    by piece, also on a GPU (host to device, straight from the transport's buffer). Any other
+    tensor is staged in a fresh host tensor and, once complete, copied into its destination or
+    handed to `sink.load` at the end of the bucket that completes it.
     """
 
     def __init__(self, plan: Plan, sink: WeightSink, version: int, digest: str, verify: str = "off") -> None:
@@ -210,6 +211,7 @@ class Landing:
         """True once any byte was written into a live destination (an abort then leaves a mix)."""
         self._dest: list[torch.Tensor | None] = []
         self._staged: dict[int, torch.Tensor] = {}
+        self._bounce: torch.Tensor | None = None
         self._completes: list[list[int]] = [[] for _ in plan.buckets]
         for spec in plan.tensors:
             with sink_errors("destination"):
@@ -231,7 +233,7 @@ class Landing:
         Staged tensors live one bucket at a time, plus a chunked tensor across its buckets, so
         the largest one is what must fit; a hostile plan claiming a 1 TB tensor stops here.
         """
-        staged = [tensor_nbytes(spec) for index, spec in enumerate(self.plan.tensors) if not self.in_place(index)]
+        staged = [tensor_nbytes(spec) for index, spec in enumerate(self.plan.tensors) if not self.direct(index)]
         available = psutil.virtual_memory().available
         if staged and max(staged) > available:
             raise PlanError(
@@ -239,11 +241,24 @@ class Landing:
             )
 
     def in_place(self, tensor: int) -> bool:
+        """Whether tensor `tensor` is written straight into its destination in host memory."""
         dest = self._dest[tensor]
         return dest is not None and dest.device.type == "cpu" and dest.is_contiguous()
 
+    def on_device(self, tensor: int) -> bool:
+        """Whether tensor `tensor` is copied piece by piece into its destination on a device."""
+        dest = self._dest[tensor]
+        return dest is not None and dest.device.type != "cpu" and dest.is_contiguous()
+
+    def direct(self, tensor: int) -> bool:
+        """Whether tensor `tensor` lands in its destination with no staging copy."""
+        return self.in_place(tensor) or self.on_device(tensor)
+
     def target(self, piece: Piece) -> np.ndarray:
-        """The writable bytes `piece` lands in."""
+        """The writable host bytes `piece` lands in: its destination's, or its staging tensor's.
+        Not for a piece with a device destination: `land` or `fill` those."""
+        if self.on_device(piece.tensor):
+            raise AssertionError("a piece bound for a device has no host target")
         if self.in_place(piece.tensor):
             self.touched_live = self.touched_live or self.sink.destinations_live
             whole = byte_view(self._dest[piece.tensor])  # type: ignore[arg-type]
@@ -251,10 +266,43 @@ class Landing:
             whole = byte_view(self._stage(piece.tensor))
         return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
 
+    def land(self, piece: Piece, data: np.ndarray) -> None:
+        """Copy `data`, the piece's bytes in host memory (a transport's buffer), to where it goes."""
+        if self.on_device(piece.tensor):
+            self.fill(piece, lambda out: copy_bytes(out, data))
+        else:
+            copy_bytes(self.target(piece), data)
+
+    def fill(self, piece: Piece, read: Callable[[np.ndarray], object]) -> None:
+        """Have `read` write the piece's bytes into host memory (a socket's `recv_into`): its
+        destination or staging tensor, or, for a device destination, a bounce buffer of one
+        bucket (pinned for CUDA, so the copy to the device is a DMA) then copied over."""
+        if not self.on_device(piece.tensor):
+            read(self.target(piece))
+            return
+        if self._bounce is None:
+            pinned = self._dest[piece.tensor].device.type == "cuda"  # type: ignore[union-attr]
+            self._bounce = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, pin_memory=pinned)
+        bounce = self._bounce[: piece.nbytes]
+        read(bounce.numpy())
+        self.device_target(piece).copy_(bounce)  # synchronous: the bounce buffer is free again
+
+    def landed(self, piece: Piece) -> np.ndarray:
+        """The piece's bytes where they landed, in host memory (a copy for a device destination)."""
+        if self.on_device(piece.tensor):
+            return self.device_target(piece).cpu().numpy()
+        return self.target(piece)
+
+    def device_target(self, piece: Piece) -> torch.Tensor:
+        """The device bytes (a uint8 tensor) of a piece whose destination is on a device."""
+        self.touched_live = self.touched_live or self.sink.destinations_live
+        whole = self._dest[piece.tensor].detach().reshape(-1).view(torch.uint8)  # type: ignore[union-attr]
+        return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
+
     def adopt(self, tensor: int, value: torch.Tensor) -> bool:
         """Take `value` (already in the wire dtype and shape) as tensor `tensor`'s content without
         copying, when it is not written in place. Returns False when the caller must copy."""
-        if self.in_place(tensor):
+        if self.direct(tensor):
             return False
         self._staged[tensor] = value
         return True
@@ -263,7 +311,7 @@ class Landing:
         """Check bucket `index` (when the sync verifies buckets and the transport sent a
         checksum), then deliver the tensors it completed to their destinations or the sink."""
         if self.verify != "off" and checksum is not None:
-            landed = bucket_checksum(self.target(piece) for piece in self.plan.buckets[index])
+            landed = bucket_checksum(self.landed(piece) for piece in self.plan.buckets[index])
             if landed != checksum:
                 raise ChecksumError(
                     f"bucket {index} of version {self.version}: the bytes that landed hash to {landed:#018x}, "
@@ -274,7 +322,7 @@ class Landing:
             self.checksums.append(landed)
         loads = []
         for tensor in self._completes[index]:
-            if self.in_place(tensor):
+            if self.direct(tensor):
                 continue
             value = self._staged.pop(tensor) if tensor in self._staged else self._stage(tensor)
             if self.verify == "full":
@@ -297,8 +345,8 @@ class Landing:
                 f"version {self.version}: {len(expected)} tensor digests for {len(self.plan.tensors)} tensors"
             )
         for index, spec in enumerate(self.plan.tensors):
-            if self.in_place(index):
-                landed = xxhash.xxh3_64_intdigest(byte_view(self._dest[index]))  # type: ignore[arg-type]
+            if self.direct(index):
+                landed = xxhash.xxh3_64_intdigest(byte_view(self._dest[index].cpu()))  # type: ignore[union-attr]
             else:
                 landed = self._delivered.get(index, -1)
             if landed != expected[index]:

@@ -1,8 +1,9 @@
 """Weights on a GPU: CUDA sources and CUDA destinations over every transport, bit for bit.
 
 Skipped without CUDA (our CI has none); run on a GPU machine with `pytest tests/gpu`.
-A CUDA source is read through torch (device-to-host into the bucket); a CUDA destination is
-staged on the host and copied in once the tensor is complete (`Landing.finish_bucket`).
+A CUDA source is read through torch (device-to-host into the bucket); a contiguous CUDA
+destination is written piece by piece, host to device, straight from the transport's buffer
+(`Landing.land`/`fill`), never staged whole on the host.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from tests.helpers import TRANSPORTS, assert_all_bit_exact, random_tensor, random_values, receiving, sending
+from weightsync.errors import ConfigError
+from weightsync.sink import Landing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -73,3 +76,64 @@ def test_several_versions_into_the_same_cuda_destinations() -> None:
             assert sender.push(source, version=version).ok
             assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, {k: v.cpu() for k, v in source.items()})
     assert receiver.version == 3
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("verify", ["off", "bucket", "full"])
+def test_cuda_destinations_are_written_piece_by_piece_with_no_host_staging(transport, verify, monkeypatch):
+    """A tensor larger than the bucket lands chunk by chunk in its CUDA destination: no
+    full-size host tensor is ever made for it (the promise of one copy and no temporaries)."""
+    staged: list[int] = []
+    real_stage = Landing._stage
+
+    def recording_stage(self, tensor):  # type: ignore[no-untyped-def]
+        staged.append(tensor)
+        return real_stage(self, tensor)
+
+    monkeypatch.setattr(Landing, "_stage", recording_stage)
+    source = {"big": random_tensor(torch.bfloat16, (5 * BUCKET // 2 + 3,), seed=11), "norm": torch.randn(100)}
+    source = {name: t.to("cuda") for name, t in source.items()}
+    dest = zeros_like_all(source, "cuda")
+    with (
+        receiving(dest, transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, verify=verify) as sender,
+    ):
+        for version in (1, 2):
+            source["big"].add_(1)
+            report = sender.push(source, version=version)
+            assert report.ok, report
+            assert report.num_buckets >= 3, "the big tensor was chunked"
+            assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, {k: v.cpu() for k, v in source.items()})
+    assert staged == [], "a CUDA destination was staged in host memory"
+
+
+def test_a_flipped_byte_on_the_way_to_a_cuda_destination_is_caught(monkeypatch):
+    """verify="bucket" hashes what landed on the device (copied back), so corruption between the
+    bucket and the GPU is caught, not just corruption on the wire."""
+    real_land = Landing.land
+
+    def corrupting_land(self, piece, data):  # type: ignore[no-untyped-def]
+        data = data.copy()
+        data[0] ^= 0xFF
+        return real_land(self, piece, data)
+
+    monkeypatch.setattr(Landing, "land", corrupting_land)
+    source = {"w": torch.randn(4 * BUCKET // 4, device="cuda")}
+    dest = zeros_like_all(source, "cuda")
+    with (
+        receiving(dest, "shm") as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, verify="bucket") as sender,
+    ):
+        report = sender.push(source, version=1)
+    assert not report.ok and report.failed[0].kind == "ChecksumError", report
+    assert receiver.version is None
+
+
+def test_bench_on_the_gpu_verifies_every_byte():
+    from weightsync.bench import MIB, BenchConfig, run
+
+    with pytest.raises(ConfigError, match="baselines run on cpu only"):
+        BenchConfig(device="cuda")
+    report = run(BenchConfig(size_bytes=8 * MIB, repeat=2, memcpy_bytes=MIB, baselines=False, device="cuda"))
+    assert report.results and all(result.verified for result in report.results)
+    assert report.h2d_gbps is not None and report.h2d_gbps > 0

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import CollectiveError, ConfigError, ProtocolError, WeightSyncError
-from weightsync.pack import copy_bytes, write_piece
+from weightsync.pack import write_piece
 from weightsync.sink import Landing
 from weightsync.transports.base import BucketItem, Peer
 from weightsync.transports.tcp import TcpReceiver, TcpSender
@@ -424,7 +424,7 @@ class CollectiveReceiver(TcpReceiver):
         slot = buffers[index % 2].numpy()
         try:
             for piece in landing.plan.buckets[index]:
-                copy_bytes(landing.target(piece), slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+                landing.land(piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
             landing.finish_bucket(index, checksum)
         except WeightSyncError as exc:
             return exc  # keep receiving and forwarding: the others are not held up

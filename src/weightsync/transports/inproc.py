@@ -82,6 +82,8 @@ class InprocSender(SenderTransport):
         piece = item.piece
         if landing.in_place(piece.tensor):
             write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, landing.target(piece))
+        elif landing.on_device(piece.tensor):
+            write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, landing.device_target(piece))
         elif piece.tensor_offset == 0:
             landing.adopt(piece.tensor, item.tensor.detach().to(item.wire_dtype))
 

@@ -23,7 +23,7 @@ import weakref
 import numpy as np
 
 from weightsync.errors import ConfigError, ConnectError, ProtocolError
-from weightsync.pack import copy_bytes, write_piece
+from weightsync.pack import write_piece
 from weightsync.sink import Landing
 from weightsync.transports.base import BucketItem, Peer
 from weightsync.transports.stream import StreamReceiver, StreamSender
@@ -245,7 +245,7 @@ class ShmReceiver(StreamReceiver):
             )
         slot = ring[1][message.slot]
         for piece in landing.plan.buckets[index]:
-            copy_bytes(landing.target(piece), slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+            landing.land(piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
         landing.finish_bucket(index, message.checksum)
         conn.send(BucketDone(index), self.timeout)
 

@@ -118,5 +118,5 @@ class TcpReceiver(StreamReceiver):
                 bucket=index,
             )
         for piece in pieces:
-            conn.recv_into(landing.target(piece), self.timeout)
+            landing.fill(piece, lambda out: conn.recv_into(out, self.timeout))
         landing.finish_bucket(index, message.checksum)
