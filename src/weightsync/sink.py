@@ -19,6 +19,7 @@ import xxhash
 from weightsync.checksum import bucket_checksum
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, ConfigError, PlanError, SinkError, WeightSyncError
+from weightsync.hostpin import readable_tensor
 from weightsync.pack import byte_view, copy_bytes
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Piece, Plan
@@ -266,10 +267,14 @@ class Landing:
             whole = byte_view(self._stage(piece.tensor))
         return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
 
-    def land(self, piece: Piece, data: np.ndarray) -> None:
-        """Copy `data`, the piece's bytes in host memory (a transport's buffer), to where it goes."""
+    def land(self, piece: Piece, data: np.ndarray, *, pinned: bool = False) -> None:
+        """Copy `data`, the piece's bytes in host memory (a transport's buffer), to where it goes.
+        `pinned`: `data` is page-locked for CUDA (hostpin), so a device copies it by DMA directly."""
         if self.on_device(piece.tensor):
-            self.fill(piece, lambda out: copy_bytes(out, data))
+            if pinned:
+                self.device_target(piece).copy_(readable_tensor(data))
+            else:
+                self.fill(piece, lambda out: copy_bytes(out, data))
         else:
             copy_bytes(self.target(piece), data)
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import TRANSPORTS, assert_all_bit_exact, random_tensor, random_values, receiving, sending
+from weightsync import hostpin
 from weightsync.errors import ConfigError
 from weightsync.sink import Landing
 
@@ -112,7 +113,7 @@ def test_a_flipped_byte_on_the_way_to_a_cuda_destination_is_caught(monkeypatch):
     bucket and the GPU is caught, not just corruption on the wire."""
     real_land = Landing.land
 
-    def corrupting_land(self, piece, data):  # type: ignore[no-untyped-def]
+    def corrupting_land(self, piece, data, *, pinned=False):  # type: ignore[no-untyped-def]
         data = data.copy()
         data[0] ^= 0xFF
         return real_land(self, piece, data)
@@ -137,3 +138,27 @@ def test_bench_on_the_gpu_verifies_every_byte():
     report = run(BenchConfig(size_bytes=8 * MIB, repeat=2, memcpy_bytes=MIB, baselines=False, device="cuda"))
     assert report.results and all(result.verified for result in report.results)
     assert report.h2d_gbps is not None and report.h2d_gbps > 0
+
+
+@pytest.mark.parametrize("registration_works", [True, False], ids=["pinned", "cannot-pin"])
+def test_shm_page_locks_its_ring_on_both_sides_for_cuda_tensors(registration_works, monkeypatch):
+    """With CUDA on both ends the sender pins its ring and the receiver its read-only view of it,
+    so buckets cross by DMA; where pinning fails, the bytes still arrive through staging."""
+    calls: list[bool] = []
+    real_pin = hostpin.pin
+
+    def recording_pin(region, *, read_only=False):  # type: ignore[no-untyped-def]
+        calls.append(read_only)
+        return real_pin(region, read_only=read_only) if registration_works else False
+
+    monkeypatch.setattr(hostpin, "pin", recording_pin)
+    source = {name: t.to("cuda") for name, t in model_like("cpu").items()}
+    dest = zeros_like_all(source, "cuda")
+    with receiving(dest, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET, num_slots=3) as sender:
+        for version in (1, 2):
+            assert sender.push(source, version=version).ok
+            assert_all_bit_exact({k: v.cpu() for k, v in dest.items()}, {k: v.cpu() for k, v in source.items()})
+    if registration_works:
+        assert calls.count(False) == 3 and calls.count(True) == 3, "each side pinned its 3 slots, once"
+    else:
+        assert calls.count(False) == 1 and calls.count(True) == 1, "each side tried once, then stopped trying"

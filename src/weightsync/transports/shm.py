@@ -22,6 +22,7 @@ import weakref
 
 import numpy as np
 
+from weightsync import hostpin
 from weightsync.errors import ConfigError, ConnectError, ProtocolError
 from weightsync.pack import write_piece
 from weightsync.sink import Landing
@@ -89,6 +90,12 @@ class ShmRing:
             self.close()
             raise
         self.slots = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        self.pinned: bool | None = None
+        """Page-locked for CUDA: None until CUDA tensors are packed, then whether it worked."""
+
+    def pin(self) -> None:
+        """Page-lock the slots, so that CUDA tensors are packed into them by DMA."""
+        self.pinned = hostpin.pin_all(self.slots)
 
     @staticmethod
     def _create(name: str, size: int) -> mmap.mmap:
@@ -115,6 +122,9 @@ class ShmRing:
 
     def close(self) -> None:
         self.unlink()
+        if self.pinned:
+            hostpin.unpin_all(self.slots)
+            self.pinned = None
         self.slots = []
         for region in self._maps:
             try:
@@ -161,6 +171,8 @@ class ShmSender(StreamSender):
         slot = index % self.num_slots
         deadline = time.monotonic() + self.timeout
         self.each(lambda peer, conn: self._wait_ack(peer, index - self.num_slots, deadline))
+        if self.ring.pinned is None and any(item.tensor.is_cuda for item in items):
+            self.ring.pin()
         out = self.ring.slots[slot]
         for item in items:
             piece = item.piece
@@ -199,7 +211,7 @@ class ShmReceiver(StreamReceiver):
     def __init__(self, target, *, host: str, port: int, timeout: float) -> None:  # type: ignore[no-untyped-def]
         super().__init__(target, host=host, port=port, timeout=timeout)
         self._socket_name = f"weightsync-{os.getpid()}-{secrets.token_hex(8)}"
-        self._rings: dict[Connection, tuple[list[mmap.mmap], list[np.ndarray], int]] = {}
+        self._rings: dict[Connection, _MappedRing] = {}
 
     @property
     def address(self) -> str:
@@ -223,8 +235,7 @@ class ShmReceiver(StreamReceiver):
         if not all(_SEGMENT.fullmatch(name) for name in message.segments):
             raise ProtocolError("ring names a segment that is not a weightsync segment", transport=self.name)
         self.on_disconnect(conn)
-        maps = [_map_readonly(name, message.slot_bytes) for name in message.segments]
-        self._rings[conn] = (maps, [np.frombuffer(m, dtype=np.uint8) for m in maps], message.slot_bytes)
+        self._rings[conn] = _MappedRing([_map_readonly(name, message.slot_bytes) for name in message.segments])
         return True
 
     def receive_bucket(self, conn: Connection, message: Message, index: int, landing: Landing) -> None:
@@ -236,32 +247,55 @@ class ShmReceiver(StreamReceiver):
                 version=conn.version,
                 bucket=index,
             )
-        if ring is None or not 0 <= message.slot < len(ring[1]) or landing.plan.bucket_bytes > ring[2]:
+        if ring is None or not 0 <= message.slot < len(ring.slots) or landing.plan.bucket_bytes > ring.slot_bytes:
             raise ProtocolError(
                 "bucket refers to a ring slot this receiver has not mapped",
                 transport=self.name,
                 version=conn.version,
                 bucket=index,
             )
-        slot = ring[1][message.slot]
-        for piece in landing.plan.buckets[index]:
-            landing.land(piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+        slot = ring.slots[message.slot]
+        pieces = landing.plan.buckets[index]
+        if ring.pinned is None and any(landing.on_device(piece.tensor) for piece in pieces):
+            ring.pin()
+        for piece in pieces:
+            landing.land(
+                piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes], pinned=bool(ring.pinned)
+            )
         landing.finish_bucket(index, message.checksum)
         conn.send(BucketDone(index), self.timeout)
 
     def on_disconnect(self, conn: Connection) -> None:
         ring = self._rings.pop(conn, None)
         if ring is not None:
-            maps, arrays, _ = ring
-            arrays.clear()
-            for region in maps:
-                try:
-                    region.close()
-                except BufferError:
-                    # A view of the slot is still alive (held by the traceback of the error that
-                    # ended the sync); the mapping goes when that view is collected.
-                    pass
+            ring.close()
         reap_stale_segments()
+
+
+class _MappedRing:
+    """A receiver's read-only mapping of a sender's ring."""
+
+    def __init__(self, maps: list[mmap.mmap]) -> None:
+        self._maps = maps
+        self.slots = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+        self.slot_bytes = len(maps[0]) if maps else 0
+        self.pinned: bool | None = None
+        """Page-locked for CUDA: None until a bucket bound for a device arrives, then whether it worked."""
+
+    def pin(self) -> None:
+        self.pinned = hostpin.pin_all(self.slots, read_only=True)
+
+    def close(self) -> None:
+        if self.pinned:
+            hostpin.unpin_all(self.slots)
+        self.slots = []
+        for region in self._maps:
+            try:
+                region.close()
+            except BufferError:
+                # A view of the slot is still alive (held by the traceback of the error that
+                # ended the sync); the mapping goes when that view is collected.
+                pass
 
 
 def _map_readonly(name: str, size: int) -> mmap.mmap:
