@@ -126,13 +126,7 @@ class ShmRing:
             hostpin.unpin_all(self.slots)
             self.pinned = None
         self.slots = []
-        for region in self._maps:
-            try:
-                region.close()
-            except BufferError:
-                # A slot view is still alive (a failed peer's error keeps the frame that wrote
-                # the slot); the mapping goes when that view is collected. Names are unlinked.
-                pass
+        _unmap(self._maps)
         self._maps = []
 
 
@@ -289,13 +283,17 @@ class _MappedRing:
         if self.pinned:
             hostpin.unpin_all(self.slots)
         self.slots = []
-        for region in self._maps:
-            try:
-                region.close()
-            except BufferError:
-                # A view of the slot is still alive (held by the traceback of the error that
-                # ended the sync); the mapping goes when that view is collected.
-                pass
+        _unmap(self._maps)
+
+
+def _unmap(maps: list[mmap.mmap]) -> None:
+    for region in maps:
+        try:
+            region.close()
+        except BufferError:
+            # A view of the slot is still alive (held by the traceback of the error that ended
+            # a sync); the mapping goes when that view is collected. The names are unlinked.
+            pass
 
 
 def _map_readonly(name: str, size: int) -> mmap.mmap:
