@@ -35,6 +35,9 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+_TCP_ESTABLISHED = 1  # the first byte of Linux's struct tcp_info: the connection's state
+
+
 def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
@@ -104,6 +107,19 @@ class Connection:
         poller.register(fd, select.POLLIN | select.POLLPRI)
         while not poller.poll(250) and self.sock.fileno() >= 0:
             pass
+
+    def closed_by_peer(self) -> bool:
+        """Whether the other end has closed the connection (or it broke), without reading: a TCP
+        connection's state says so even with data still unread; a Unix socket's EOF shows in a
+        peek once everything before it was read."""
+        try:
+            if self.sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_INFO"):
+                return self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
 
     def close(self) -> None:
         try:

@@ -830,7 +830,8 @@ def test_receiver_closed_mid_sync_aborts_before_close_returns(transport):
         assert not reports[0].ok
 
 
-def test_tcp_receiver_restarted_on_the_same_port_rejoins():
+@pytest.mark.parametrize("noticed", [True, False], ids=["close-noticed", "close-not-yet-noticed"])
+def test_tcp_receiver_restarted_on_the_same_port_rejoins(noticed):
     first = WeightReceiver({"w": torch.zeros(4)}, transport="tcp")
     port = int(first.address.rpartition(":")[2])
     with sending(first.address) as sender:
@@ -838,6 +839,11 @@ def test_tcp_receiver_restarted_on_the_same_port_rejoins():
             assert sender.push({"w": torch.ones(4)}, version=1).ok
         finally:
             first.close()
+        (inbox,) = sender._transports[0]._inboxes.values()  # type: ignore[attr-defined]
+        assert wait_until(inbox.closed.is_set), "the sender's reader saw the connection close"
+        if not noticed:
+            # The race a push right after the restart can hit: the reader has not run yet.
+            inbox.closed.clear()
         dest = {"w": torch.zeros(4)}
         with receiving(dest, "tcp", port=port) as second:
             assert second.address == first.address

@@ -122,7 +122,7 @@ class _Member:
     instead of at its timeout."""
 
     def __init__(
-        self, group: dist.Backend, rank: int, world_size: int, timeout: float, control: socket.socket | None = None
+        self, group: dist.Backend, rank: int, world_size: int, timeout: float, control: Connection | None = None
     ) -> None:
         self._group: dist.Backend | None = group
         self._control = control
@@ -182,7 +182,7 @@ class _Member:
             except queue.Empty:
                 # The sender closes our control connection when a sync fails; our own thread
                 # may be stuck (a stalled sink), so let go of the group from here.
-                if self._group is not None and self._control is not None and _closed_by_peer(self._control):
+                if self._group is not None and self._control is not None and self._control.closed_by_peer():
                     self._group, failure = None, "the sender left"
                 continue
             if job is None:
@@ -437,7 +437,7 @@ class CollectiveReceiver(TcpReceiver):
         store = _client_store(message.store_host, message.store_port, self.timeout)
         host = conn.sock.getsockname()[0]  # our address as the sender reaches us
         group = _new_group(store, message.prefix, message.rank, message.world_size, host, self.timeout)
-        self._members[conn] = _Member(group, message.rank, message.world_size, self.timeout, conn.sock)
+        self._members[conn] = _Member(group, message.rank, message.world_size, self.timeout, conn)
 
     def on_disconnect(self, conn: Connection) -> None:
         self._leave(conn)
@@ -446,21 +446,6 @@ class CollectiveReceiver(TcpReceiver):
         member = self._members.pop(conn, None)
         if member is not None:
             member.close()
-
-
-_TCP_ESTABLISHED = 1
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """Whether the other end closed the TCP connection `sock`, even with data still unread."""
-    try:
-        if hasattr(socket, "TCP_INFO"):  # Linux: the connection's state, first byte of tcp_info
-            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""  # sees EOF only once read up to it
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
 
 
 def _host_store(host: str, timeout: float) -> dist.TCPStore:

@@ -135,8 +135,11 @@ class StreamSender(SenderTransport):
 
     def connect(self) -> None:
         for peer in self.peers:
-            if peer in self._conns and peer.error is None and not self._inboxes[peer].closed.is_set():
-                continue  # still connected from the last push; a receiver that restarted is reconnected
+            conn = self._conns.get(peer)
+            if conn is not None and peer.error is None and not self._inboxes[peer].closed.is_set():
+                if not conn.closed_by_peer():
+                    continue  # still connected from the last push
+                # the receiver closed it (it restarted, say) and our reader has not noticed yet
             self._drop(peer)
             peer.error, peer.welcome = None, None
             try:
