@@ -115,10 +115,11 @@ class Connection:
         try:
             if self.sock.family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_INFO"):
                 return self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != _TCP_ESTABLISHED
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            readable, _, _ = select.select([self.sock], [], [], 0)  # (a timed socket's recv would wait)
+            return bool(readable) and self.sock.recv(1, socket.MSG_PEEK) == b""
         except (BlockingIOError, InterruptedError):
             return False
-        except OSError:
+        except (OSError, ValueError):  # ValueError: our own side closed it already
             return True
 
     def close(self) -> None:
