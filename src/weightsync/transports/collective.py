@@ -137,9 +137,11 @@ class _Member:
                 target=self._forward_loop, args=(self._forwards,), daemon=True, name="weightsync-collective-forward"
             ).start()
 
-    def buffers(self, bucket_bytes: int) -> list[torch.Tensor]:
-        if not self.slots or self.slots[0].numel() != bucket_bytes:
-            self.slots = [torch.empty(bucket_bytes, dtype=torch.uint8) for _ in range(2)]
+    def buffers(self, bucket_bytes: int, *, pinned: bool = False) -> list[torch.Tensor]:
+        """The two bucket buffers; `pinned` (page-locked, once CUDA tensors take part, so that
+        copies between them and a GPU are DMA) is kept once asked for."""
+        if not self.slots or self.slots[0].numel() != bucket_bytes or (pinned and not self.slots[0].is_pinned()):
+            self.slots = [torch.empty(bucket_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
         return self.slots
 
     def broadcast(self, tensor: torch.Tensor, bucket: int) -> _InFlight:
@@ -287,7 +289,8 @@ class CollectiveSender(TcpSender):
         slot = index % 2
         if not self._settle(slot):
             return
-        buffer = self._member.buffers(self._plan.bucket_bytes)[slot]
+        cuda = any(item.tensor.is_cuda for item in items)
+        buffer = self._member.buffers(self._plan.bucket_bytes, pinned=cuda)[slot]
         out = buffer.numpy()
         views = []
         for item in items:
@@ -376,7 +379,8 @@ class CollectiveReceiver(TcpReceiver):
         member = self._members.get(conn)
         if member is None:
             raise ProtocolError("no process group was formed for this sync", transport=self.name, version=version)
-        buffers = member.buffers(plan.bucket_bytes)
+        cuda = any(landing.on_device(tensor) for tensor in range(len(plan.tensors)))
+        buffers = member.buffers(plan.bucket_bytes, pinned=cuda and torch.cuda.is_available())
         pending: tuple[_InFlight, int] | None = None
         posted: _InFlight | None = None
         failure: WeightSyncError | None = None
@@ -424,7 +428,9 @@ class CollectiveReceiver(TcpReceiver):
         slot = buffers[index % 2].numpy()
         try:
             for piece in landing.plan.buckets[index]:
-                landing.land(piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+                landing.land(
+                    piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes], pinned=buffers[0].is_pinned()
+                )
             landing.finish_bucket(index, checksum)
         except WeightSyncError as exc:
             return exc  # keep receiving and forwarding: the others are not held up

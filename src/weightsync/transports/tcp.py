@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 
 import numpy as np
+import torch
 
 from weightsync.errors import ConfigError, ConnectError, ProtocolError
 from weightsync.pack import piece_bytes, write_piece
@@ -44,6 +45,8 @@ class TcpSender(StreamSender):
     def __init__(self, peers: list[Peer], timeout: float, auth_token: str | None = None) -> None:
         super().__init__(peers, timeout, auth_token)
         self._scratch = np.empty(0, dtype=np.uint8)
+        """Where pieces that are not plain host bytes (casts, GPU tensors) are packed to be sent."""
+        self._scratch_pinned = False
 
     def open_socket(self, address: str) -> socket.socket:
         host, port = parse_tcp_address(address, self.name)
@@ -72,8 +75,11 @@ class TcpSender(StreamSender):
         if view is not None:
             return view
         end = piece.bucket_offset + piece.nbytes
-        if self._scratch.size < end:
-            self._scratch = np.empty(max(end, 2 * self._scratch.size), dtype=np.uint8)
+        pinned = self._scratch_pinned or item.tensor.is_cuda  # page-locked: a GPU copies into it by DMA
+        if self._scratch.size < end or pinned != self._scratch_pinned:
+            size = max(end, 2 * self._scratch.size)
+            self._scratch = torch.empty(size, dtype=torch.uint8, pin_memory=pinned).numpy()
+            self._scratch_pinned = pinned
         out = self._scratch[piece.bucket_offset : end]
         write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, out)
         return out
