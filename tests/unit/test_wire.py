@@ -749,3 +749,34 @@ def test_misbehaving_receiver_fails_alone(script, kind):
                 assert report.failed[0].error == "no such tensor here"
     finally:
         fake.close()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname()[:2])
+        accepted, _ = server.accept()
+    return client, accepted
+
+
+@pytest.mark.parametrize("kind", ["tcp", "unix"])
+def test_closed_by_peer_sees_the_other_end_go_without_reading_or_waiting(kind):
+    ours, theirs = _tcp_pair() if kind == "tcp" else socket.socketpair()
+    ours.settimeout(30.0)  # a timed socket must not make the check wait
+    conn = Connection(ours, kind)
+    try:
+        assert not conn.closed_by_peer()
+        theirs.sendall(b"late ack")
+        assert not conn.closed_by_peer(), "unread data is not a close"
+        theirs.close()
+        if kind == "tcp":
+            assert wait_until(conn.closed_by_peer), "TCP: the state says closed even with data unread"
+            assert ours.recv(64) == b"late ack", "the check consumed nothing"
+        else:
+            assert not conn.closed_by_peer(), "Unix: the EOF shows only once the data before it is read"
+            assert ours.recv(64) == b"late ack"
+            assert conn.closed_by_peer()
+        assert ours.recv(64) == b"", "the check consumed nothing: the EOF is still there to read"
+    finally:
+        conn.close()
+        theirs.close()
+    assert conn.closed_by_peer(), "a connection we closed ourselves counts as closed"
