@@ -43,12 +43,24 @@ from weightsync.pack import STREAMING_COPY, byte_view
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 
-__all__ = ["BASELINES", "TRANSPORTS", "BenchConfig", "BenchReport", "MethodResult", "format_table", "run"]
+__all__ = [
+    "BASELINES",
+    "DEFAULT_TRANSPORTS",
+    "TRANSPORTS",
+    "BenchConfig",
+    "BenchReport",
+    "MethodResult",
+    "format_table",
+    "run",
+]
 
 MIB = 1 << 20
 GIB = 1 << 30
-TRANSPORTS = ("shm", "tcp", "collective")
-"""Transports the benchmark can run: the cross-process ones (inproc never leaves the process)."""
+TRANSPORTS = ("shm", "tcp", "collective", "cudaipc")
+"""Transports the benchmark can run: the cross-process ones (inproc never leaves the process);
+cudaipc only with device cuda."""
+DEFAULT_TRANSPORTS = ("shm", "tcp")
+"""What `--transport all` runs on the CPU; with device cuda, cudaipc too."""
 BASELINES = ("torch_save", "safetensors", "mp_queue_pickle", "mp_queue_shared")
 """Run in this order: `mp_queue_shared` moves the source tensors into shared memory, so it goes last."""
 DTYPE = torch.bfloat16
@@ -62,8 +74,8 @@ class BenchError(RuntimeError):
 class BenchConfig:
     """What one benchmark run measures."""
 
-    transports: tuple[str, ...] = TRANSPORTS
-    """Transports to push through ("shm", "tcp", "collective")."""
+    transports: tuple[str, ...] = DEFAULT_TRANSPORTS
+    """Transports to push through ("shm", "tcp", "collective", "cudaipc")."""
     size_bytes: int = 4 * GIB
     """Target size of the synthetic state dict (the actual size is within a layer of it)."""
     bucket_bytes: int | None = None
@@ -102,6 +114,8 @@ class BenchConfig:
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda: torch sees no CUDA device here")
+        if "cudaipc" in self.transports and self.device != "cuda":
+            raise ConfigError("the cudaipc transport moves GPU tensors: run it with device cuda")
         if self.device == "cuda" and self.baselines:
             raise ConfigError("the baselines run on cpu only: with device cuda, turn them off (--no-baselines)")
         if self.bucket_bytes is not None and self.bucket_bytes < 64:

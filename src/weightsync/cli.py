@@ -25,10 +25,10 @@ GIB = 1 << 30
 
 
 def _names(text: str) -> tuple[str, ...]:
-    from weightsync.bench import TRANSPORTS
+    from weightsync.bench import DEFAULT_TRANSPORTS, TRANSPORTS
 
     if text == "all":
-        return TRANSPORTS
+        return DEFAULT_TRANSPORTS
     names = tuple(name.strip() for name in text.split(",") if name.strip())
     unknown = [name for name in names if name not in TRANSPORTS]
     if not names or unknown:
@@ -66,7 +66,10 @@ def _add_bench(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "verify every byte, and compare with memcpy and torch.save / safetensors / multiprocessing baselines.",
     )
     bench.add_argument(
-        "--transport", type=_names, default="all", help="shm, tcp, collective, a comma list, or all (default)"
+        "--transport",
+        type=_names,
+        default="all",
+        help="shm, tcp, collective, cudaipc (with --device cuda), a comma list, or all (= shm,tcp; default)",
     )
     bench.add_argument("--size-gb", type=float, default=4.0, help="model size in GiB (default 4)")
     bench.add_argument("--bucket-mb", type=_bucket_mb, default=None, help="bucket size in MiB, or auto (default)")

@@ -37,7 +37,7 @@ class WeightReceiver:
     Args:
         sink: a `WeightSink`, a mapping of destination tensors (written in place), or a callable
             taking a list of (name, tensor) pairs.
-        transport: "shm", "tcp", "collective" or "inproc".
+        transport: "shm", "tcp", "collective", "cudaipc" (both processes on CUDA) or "inproc".
         host: interface to listen on (tcp, collective); loopback by default.
         port: port to listen on (tcp, collective); 0 picks a free one.
         max_bucket_bytes: the largest bucket this side accepts, or "auto" for half the budget.

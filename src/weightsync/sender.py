@@ -98,7 +98,7 @@ class WeightSender:
         self._transports: list[SenderTransport] = []
         for scheme in dict.fromkeys(scheme_of(address) for address in addresses):
             peers = [peer for peer in self._peers if scheme_of(peer.address) == scheme]
-            options: dict[str, Any] = {"num_slots": num_slots} if scheme == "shm" else {}
+            options: dict[str, Any] = {"num_slots": num_slots} if scheme in ("shm", "cudaipc") else {}
             if scheme != "inproc":
                 options["auth_token"] = token
             self._transports.append(SENDERS[scheme](peers, float(timeout), **options))

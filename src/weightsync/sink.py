@@ -278,6 +278,14 @@ class Landing:
         else:
             copy_bytes(self.target(piece), data)
 
+    def land_tensor(self, piece: Piece, data: torch.Tensor) -> None:
+        """Copy `data`, the piece's bytes as a uint8 tensor on a device (a GPU ring slot), to
+        where it goes: device to device, or device to host. The caller synchronizes the device."""
+        if self.on_device(piece.tensor):
+            self.device_target(piece).copy_(data)
+        else:
+            torch.from_numpy(self.target(piece)).copy_(data)
+
     def fill(self, piece: Piece, read: Callable[[np.ndarray], object]) -> None:
         """Have `read` write the piece's bytes into host memory (a socket's `recv_into`): its
         destination or staging tensor, or, for a device destination, a bounce buffer of one

@@ -26,6 +26,8 @@ __all__ = [
     "Plan",
     "ReceiverOutcome",
     "Ring",
+    "DeviceRing",
+    "DeviceSlot",
     "SyncReport",
     "TensorSpec",
     "Welcome",
@@ -101,6 +103,27 @@ class Ring(msgspec.Struct, frozen=True, tag=True):
     """Sender -> receiver (shm only): the shared-memory slots buckets are written to."""
 
     segments: tuple[str, ...]
+    slot_bytes: int
+
+
+class DeviceSlot(msgspec.Struct, frozen=True):
+    """One GPU ring slot as CUDA IPC shares it (the fields of torch's `_share_cuda_`): plain
+    bytes and numbers, opened by the receiver with `_new_shared_cuda`."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class DeviceRing(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver (cudaipc only): the GPU memory slots buckets are written to."""
+
+    slots: tuple[DeviceSlot, ...]
     slot_bytes: int
 
 
@@ -195,6 +218,7 @@ Message = (
     | Welcome
     | Auth
     | Ring
+    | DeviceRing
     | Group
     | Offer
     | Accept

@@ -28,6 +28,7 @@ def test_a_tiny_run_verifies_every_byte_on_each_transport():
         ({"device": "tpu"}, "device must be cpu or cuda"),
         ({"transports": ("carrier-pigeon",)}, "unknown transport"),
         ({"receivers": (0,)}, "positive counts"),
+        ({"transports": ("cudaipc",), "baselines": False}, "run it with device cuda"),
     ],
 )
 def test_bad_settings_are_refused_with_a_clear_error(changes, message):

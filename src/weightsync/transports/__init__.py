@@ -6,6 +6,7 @@
 | shm        | same host                | source -> shared ring slot -> each receiver             |
 | tcp        | any host                 | source memory -> socket -> destination memory           |
 | collective | any hosts, a group       | source -> bucket -> rank 1 -> rank 2 ... (gloo chain)    |
+| cudaipc    | same GPU, other process  | source -> GPU ring slot -> each receiver (device copies) |
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from weightsync.errors import ConfigError
 from weightsync.transports.base import BucketItem, Peer, ReceiverTransport, SenderTransport, SyncTarget
 from weightsync.transports.collective import CollectiveReceiver, CollectiveSender
+from weightsync.transports.cudaipc import CudaIpcReceiver, CudaIpcSender
 from weightsync.transports.inproc import InprocReceiver, InprocSender
 from weightsync.transports.shm import ShmReceiver, ShmSender
 from weightsync.transports.tcp import TcpReceiver, TcpSender, parse_tcp_address
@@ -34,12 +36,14 @@ SENDERS: dict[str, type[SenderTransport]] = {
     "shm": ShmSender,
     "tcp": TcpSender,
     "collective": CollectiveSender,
+    "cudaipc": CudaIpcSender,
 }
 RECEIVERS: dict[str, type[ReceiverTransport]] = {
     "inproc": InprocReceiver,
     "shm": ShmReceiver,
     "tcp": TcpReceiver,
     "collective": CollectiveReceiver,
+    "cudaipc": CudaIpcReceiver,
 }
 
 
@@ -57,7 +61,7 @@ def check_address(address: str) -> None:
     rest = address.partition("://")[2]
     if scheme in ("tcp", "collective"):
         parse_tcp_address(address, scheme)
-    elif scheme == "shm" and (not rest.startswith("@") or len(rest) < 2):
-        raise ConfigError(f"shm address must look like shm://@NAME, got {address!r}")
+    elif scheme in ("shm", "cudaipc") and (not rest.startswith("@") or len(rest) < 2):
+        raise ConfigError(f"{scheme} address must look like {scheme}://@NAME, got {address!r}")
     elif scheme == "inproc" and not rest:
         raise ConfigError(f"inproc address must look like inproc://NAME, got {address!r}")

@@ -19,6 +19,7 @@ import secrets
 import socket
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from weightsync.pack import write_piece
 from weightsync.sink import Landing
 from weightsync.transports.base import BucketItem, Peer
 from weightsync.transports.stream import StreamReceiver, StreamSender
-from weightsync.types import BucketDone, BucketReady, Message, Offer, Ring
+from weightsync.types import BucketDone, BucketReady, Message, Offer, Piece, Ring
 from weightsync.wire import Connection
 
 __all__ = ["ShmReceiver", "ShmRing", "ShmSender", "reap_stale_segments"]
@@ -97,6 +98,20 @@ class ShmRing:
         """Page-lock the slots, so that CUDA tensors are packed into them by DMA."""
         self.pinned = hostpin.pin_all(self.slots)
 
+    def announcement(self) -> Message:
+        """What tells a receiver how to map this ring."""
+        return Ring(tuple(self.names), self.slot_bytes)
+
+    def write(self, slot: int, items: list[BucketItem], *, readback: bool) -> list[np.ndarray]:
+        """Pack `items` into slot `slot`; returns their bytes there (for checksums)."""
+        if self.pinned is None and any(item.tensor.is_cuda for item in items):
+            self.pin()
+        out = self.slots[slot]
+        views = [out[item.piece.bucket_offset : item.piece.bucket_offset + item.piece.nbytes] for item in items]
+        for item, view in zip(items, views, strict=True):
+            write_piece(item.tensor, item.wire_dtype, item.piece.tensor_offset, item.piece.nbytes, view)
+        return views
+
     @staticmethod
     def _create(name: str, size: int) -> mmap.mmap:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -138,11 +153,12 @@ class ShmSender(StreamSender):
         if not 1 <= num_slots <= MAX_SLOTS:
             raise ConfigError(f"num_slots must be in [1, {MAX_SLOTS}], got {num_slots}")
         self.num_slots = num_slots
-        self.ring: ShmRing | None = None
+        self.ring: Any = None
+        """The ring buckets go through (a ShmRing here; a transport built on this one may bring its own)."""
         self._acked: dict[Peer, int] = {}
 
     def open_socket(self, address: str) -> socket.socket:
-        return _connect_unix(address, self.timeout)
+        return _connect_unix(address, self.name, self.timeout)
 
     def offer(self, offer: Offer) -> None:
         live = {self.connection(peer) for peer in self.live()}
@@ -150,9 +166,9 @@ class ShmSender(StreamSender):
         if ring is None or ring.slot_bytes != offer.plan.bucket_bytes or not live <= ring.members:
             if ring is not None:
                 ring.close()
-            self.ring = ring = ShmRing(self.num_slots, offer.plan.bucket_bytes)
+            self.ring = ring = self.new_ring(offer.plan.bucket_bytes)
             ring.members = live
-            message = Ring(tuple(ring.names), ring.slot_bytes)
+            message = ring.announcement()
             self.each(lambda peer, conn: conn.send(message, self.timeout))
         self._acked = {peer: -1 for peer in self.live()}
         try:
@@ -160,27 +176,16 @@ class ShmSender(StreamSender):
         finally:
             ring.unlink()
 
+    def new_ring(self, slot_bytes: int) -> ShmRing:
+        return ShmRing(self.num_slots, slot_bytes)
+
     def send_bucket(self, index: int, items: list[BucketItem]) -> None:
         assert self.ring is not None
         slot = index % self.num_slots
         deadline = time.monotonic() + self.timeout
         self.each(lambda peer, conn: self._wait_ack(peer, index - self.num_slots, deadline))
-        if self.ring.pinned is None and any(item.tensor.is_cuda for item in items):
-            self.ring.pin()
-        out = self.ring.slots[slot]
-        for item in items:
-            piece = item.piece
-            write_piece(
-                item.tensor,
-                item.wire_dtype,
-                piece.tensor_offset,
-                piece.nbytes,
-                out[piece.bucket_offset : piece.bucket_offset + piece.nbytes],
-            )
-        checksum = self.checksum(
-            items, [out[it.piece.bucket_offset : it.piece.bucket_offset + it.piece.nbytes] for it in items]
-        )
-        message = BucketReady(index, slot, checksum)
+        views = self.ring.write(slot, items, readback=self.verify != "off")
+        message = BucketReady(index, slot, self.checksum(items, views))
 
         def notify(peer: Peer, conn: Connection) -> None:
             conn.bucket = index
@@ -205,11 +210,12 @@ class ShmReceiver(StreamReceiver):
     def __init__(self, target, *, host: str, port: int, timeout: float) -> None:  # type: ignore[no-untyped-def]
         super().__init__(target, host=host, port=port, timeout=timeout)
         self._socket_name = f"weightsync-{os.getpid()}-{secrets.token_hex(8)}"
-        self._rings: dict[Connection, _MappedRing] = {}
+        self._rings: dict[Connection, Any] = {}
+        """Each sender's ring as this receiver maps it (a _MappedRing here)."""
 
     @property
     def address(self) -> str:
-        return f"shm://@{self._socket_name}"
+        return f"{self.name}://@{self._socket_name}"
 
     def listen(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -217,15 +223,18 @@ class ShmReceiver(StreamReceiver):
         sock.listen(64)
         return sock
 
+    def check_ring(self, num_slots: int, slot_bytes: int) -> None:
+        """Refuse a ring this receiver would not allocate buckets for, before mapping any of it."""
+        limit = self.target.welcome().max_bucket_bytes
+        if not 0 < num_slots <= MAX_SLOTS or not 0 < slot_bytes <= limit:
+            raise ProtocolError(
+                f"ring of {num_slots} x {slot_bytes} bytes exceeds this receiver's limits", transport=self.name
+            )
+
     def on_setup(self, conn: Connection, message: Message) -> bool:
         if not isinstance(message, Ring):
             return False
-        limit = self.target.welcome().max_bucket_bytes
-        if not 0 < len(message.segments) <= MAX_SLOTS or not 0 < message.slot_bytes <= limit:
-            raise ProtocolError(
-                f"ring of {len(message.segments)} x {message.slot_bytes} bytes exceeds this receiver's limits",
-                transport=self.name,
-            )
+        self.check_ring(len(message.segments), message.slot_bytes)
         if not all(_SEGMENT.fullmatch(name) for name in message.segments):
             raise ProtocolError("ring names a segment that is not a weightsync segment", transport=self.name)
         self.on_disconnect(conn)
@@ -248,14 +257,7 @@ class ShmReceiver(StreamReceiver):
                 version=conn.version,
                 bucket=index,
             )
-        slot = ring.slots[message.slot]
-        pieces = landing.plan.buckets[index]
-        if ring.pinned is None and any(landing.on_device(piece.tensor) for piece in pieces):
-            ring.pin()
-        for piece in pieces:
-            landing.land(
-                piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes], pinned=bool(ring.pinned)
-            )
+        ring.read(message.slot, landing.plan.buckets[index], landing)
         landing.finish_bucket(index, message.checksum)
         conn.send(BucketDone(index), self.timeout)
 
@@ -278,6 +280,14 @@ class _MappedRing:
 
     def pin(self) -> None:
         self.pinned = hostpin.pin_all(self.slots, read_only=True)
+
+    def read(self, slot: int, pieces: list[Piece], landing: Landing) -> None:
+        """Land `pieces` out of slot `slot`."""
+        if self.pinned is None and any(landing.on_device(piece.tensor) for piece in pieces):
+            self.pin()
+        out = self.slots[slot]
+        for piece in pieces:
+            landing.land(piece, out[piece.bucket_offset : piece.bucket_offset + piece.nbytes], pinned=bool(self.pinned))
 
     def close(self) -> None:
         if self.pinned:
@@ -309,14 +319,15 @@ def _map_readonly(name: str, size: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _connect_unix(address: str, timeout: float) -> socket.socket:
-    if not address.startswith("shm://@"):
-        raise ConfigError(f"shm address must look like shm://@NAME, got {address!r}")
+def _connect_unix(address: str, scheme: str, timeout: float) -> socket.socket:
+    prefix = f"{scheme}://@"
+    if not address.startswith(prefix):
+        raise ConfigError(f"{scheme} address must look like {prefix}NAME, got {address!r}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect("\0" + address.removeprefix("shm://@"))
+        sock.connect("\0" + address.removeprefix(prefix))
     except OSError as exc:
         sock.close()
-        raise ConnectError(f"cannot reach receiver {address}: {exc.strerror or exc}", transport="shm") from exc
+        raise ConnectError(f"cannot reach receiver {address}: {exc.strerror or exc}", transport=scheme) from exc
     return sock
