@@ -1,5 +1,5 @@
-"""What the socket-based transports (shm, tcp) share: connections, the sender's inbox per peer,
-and the receiver's accept loop and sync conversation.
+"""What the socket-based transports (shm, tcp, and collective and cudaipc built on them) share:
+connections, the sender's inbox per peer, and the receiver's accept loop and sync conversation.
 
 Each transport subclasses `StreamSender` and `StreamReceiver` and supplies only how a socket is
 opened and how one bucket's bytes move (`send_bucket` / `receive_bucket`).
