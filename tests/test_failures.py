@@ -5,6 +5,7 @@ intact, nothing is left in /dev/shm, and the next push succeeds."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import secrets
@@ -488,20 +489,28 @@ def test_collective_receiver_killed_mid_sync(observe):
         )
 
 
-@pytest.mark.fault(
-    "a receiver stalls mid-sync (collective)",
-    expected="the chain times out: every member fails with CollectiveError within the sender's timeout, none claims the version; next push (stall over) commits on all",
-)
-def test_collective_receiver_stalling_fails_the_group_within_the_timeout(observe):
+@contextlib.contextmanager
+def stalled_chain(healthy_timeout: float):  # type: ignore[no-untyped-def]
+    """A collective sender (timeout 1 s) and two receivers: rank 1's sink is held on `gate`, rank
+    2 writes into `dest` and waits `healthy_timeout` before it gives up on its own."""
     gate = threading.Event()
     slow = Recorder(gate=gate)
     dest = {f"t{i}": torch.zeros(N) for i in range(4)}
     source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
     with (
         receiving(slow, "collective", timeout=WAIT_S) as stalled,
-        receiving(dest, "collective") as healthy,
+        receiving(dest, "collective", timeout=healthy_timeout) as healthy,
         sending([stalled.address, healthy.address], bucket_bytes=N * 4, timeout=1.0) as sender,
     ):
+        yield gate, slow, stalled, healthy, sender, dest, source
+
+
+@pytest.mark.fault(
+    "a receiver stalls mid-sync (collective)",
+    expected="the chain times out: every member fails with CollectiveError within the sender's timeout, none claims the version; next push (stall over) commits on all",
+)
+def test_collective_receiver_stalling_fails_the_group_within_the_timeout(observe):
+    with stalled_chain(healthy_timeout=WAIT_S) as (gate, slow, stalled, healthy, sender, dest, source):
         report = push_past_a_stall(sender, source, gate)
         assert {o.kind for o in report.failed} == {"CollectiveError"} and len(report.failed) == 2
         assert all("stalled past the 1 s timeout" in outcome.error for outcome in report.failed), report.failed
@@ -525,15 +534,7 @@ def test_collective_receiver_stalling_fails_the_group_within_the_timeout(observe
     expected="the sender fails the sync within its timeout and closes the stalled receiver's connection; that receiver lets go of the group though its own thread is still stuck, so the one after it fails at once, long before its own timeout; next push commits on all",
 )
 def test_collective_stall_mid_chain_fails_the_rest_of_the_chain_at_once(observe):
-    gate = threading.Event()
-    slow = Recorder(gate=gate)
-    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
-    source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
-    with (
-        receiving(slow, "collective", timeout=WAIT_S) as stalled,  # rank 1: forwards to rank 2
-        receiving(dest, "collective", timeout=6 * WAIT_S) as last,
-        sending([stalled.address, last.address], bucket_bytes=N * 4, timeout=1.0) as sender,
-    ):
+    with stalled_chain(healthy_timeout=6 * WAIT_S) as (gate, slow, stalled, last, sender, dest, source):
         reports = []
         pusher = threading.Thread(target=lambda: reports.append(sender.push(source, version=1)))
         started = time.monotonic()

@@ -15,6 +15,7 @@ it copies device to host), but the ring is always on a GPU, so both processes ne
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from weightsync.errors import ConfigError, ProtocolError
@@ -49,7 +50,7 @@ class DeviceRingSlots:
             shared.append(DeviceSlot(device, handle, size, offset, counter, counter_offset, event, sync))
         return DeviceRing(tuple(shared), self.slot_bytes)
 
-    def write(self, slot: int, items: list[BucketItem], *, readback: bool) -> list:  # type: ignore[type-arg]
+    def write(self, slot: int, items: list[BucketItem], *, readback: bool) -> list[np.ndarray]:
         out = self.slots[slot]
         views = [out[item.piece.bucket_offset : item.piece.bucket_offset + item.piece.nbytes] for item in items]
         with torch.cuda.device(self.device):
