@@ -164,7 +164,7 @@ class Recorder(WeightSink):
     def commit(self, version):  # type: ignore[no-untyped-def]
         self.calls.append(("commit", version))
 
-    def abort(self, version, error):  # type: ignore[no-untyped-def]
+    def abort(self, version, error, *, intact):  # type: ignore[no-untyped-def]
         self.calls.append(("abort", version))
         self.aborts.append((version, error))
         self.aborted.set()

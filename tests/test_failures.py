@@ -366,7 +366,7 @@ class HoldsBegin(WeightSink):
     def load(self, named):  # type: ignore[no-untyped-def]
         pass
 
-    def abort(self, version, error):  # type: ignore[no-untyped-def]
+    def abort(self, version, error, *, intact):  # type: ignore[no-untyped-def]
         self.aborts.append(version)
 
 

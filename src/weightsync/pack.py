@@ -1,4 +1,10 @@
-"""Copy routines: bytes of a piece out of a source tensor, and into a destination.
+"""Packing: a bucket's pieces cut out of the source tensors, and the copy routines under it.
+
+The one home of "pack a bucket": `bucket_items` walks the source in plan order and says which
+source tensor each piece of each bucket is cut from; `pack_bucket` writes those pieces into a
+bucket buffer (host memory, or a GPU ring slot); `piece_bytes` gives a piece's bytes with no
+copy where they need no conversion (tcp streams them as they are). Every data plane and
+`source_digest` use these.
 
 Same-dtype copies between CPU memory go through `copy_bytes`: our C routine with non-temporal
 stores when it was built (about 1.4x `numpy.copyto` for bucket-sized copies, which glibc's memcpy
@@ -9,8 +15,17 @@ torch, which converts while copying.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
 import numpy as np
 import torch
+
+from weightsync.dtypes import dtype_from_name
+from weightsync.errors import PlanError
+from weightsync.source import TensorMeta
+from weightsync.types import Piece, Plan
 
 try:
     from weightsync._native import streamcopy
@@ -18,7 +33,16 @@ except ImportError:  # built without a C compiler: numpy's memcpy is the fallbac
     streamcopy = None
 _stream_copy = streamcopy.copy if streamcopy is not None else None
 
-__all__ = ["STREAMING_COPY", "byte_view", "copy_bytes", "piece_bytes", "write_piece"]
+__all__ = [
+    "STREAMING_COPY",
+    "BucketItem",
+    "bucket_items",
+    "byte_view",
+    "copy_bytes",
+    "pack_bucket",
+    "piece_bytes",
+    "write_piece",
+]
 
 STREAMING_COPY = bool(streamcopy is not None and streamcopy.STREAMING)
 """Whether `copy_bytes` streams large copies (the native routine was built and this CPU has AVX2)."""
@@ -77,3 +101,53 @@ def write_piece(
     flat = tensor.detach().reshape(-1)  # a copy only when the source is non-contiguous
     source = flat[offset // size : (offset + nbytes) // size]
     (torch.from_numpy(out) if isinstance(out, np.ndarray) else out).view(wire_dtype).copy_(source)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BucketItem:
+    """One piece of a bucket with the source tensor it is cut from."""
+
+    piece: Piece
+    tensor: torch.Tensor
+    wire_dtype: torch.dtype
+
+
+def bucket_items(
+    plan: Plan, metas: Sequence[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[int, list[BucketItem]]]:
+    """Each bucket's pieces with the source tensors they are cut from, consuming the source
+    lazily and in plan order (a tensor is taken from it when its first piece is due)."""
+    current: tuple[int, torch.Tensor] | None = None
+    num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
+    for index, bucket in enumerate(plan.buckets):
+        items = []
+        for piece in bucket:
+            if current is None or current[0] != piece.tensor:
+                tensor = _next_tensor(tensors, metas[piece.tensor])
+                if num_pieces[piece.tensor] > 1 and not tensor.is_contiguous():
+                    tensor = tensor.contiguous()  # once per tensor, not once per chunk
+                current = (piece.tensor, tensor)
+            items.append(BucketItem(piece, current[1], dtype_from_name(plan.tensors[piece.tensor].dtype)))
+        yield index, items
+
+
+def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta) -> torch.Tensor:
+    try:
+        name, tensor = next(tensors)
+    except StopIteration:
+        raise PlanError(f"source ended before yielding {meta.name!r}") from None
+    if name != meta.name or tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
+        raise PlanError(
+            f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised "
+            f"{meta.name!r} {meta.dtype}{list(meta.shape)}"
+        )
+    return tensor
+
+
+def pack_bucket(items: Sequence[BucketItem], out: np.ndarray | torch.Tensor) -> list[np.ndarray | torch.Tensor]:
+    """Write every piece of `items` at its bucket offset in `out` (a uint8 bucket buffer in host
+    memory, or a uint8 tensor on a device); returns each piece's bytes there, in order."""
+    views = [out[item.piece.bucket_offset : item.piece.bucket_offset + item.piece.nbytes] for item in items]
+    for item, view in zip(items, views, strict=True):
+        write_piece(item.tensor, item.wire_dtype, item.piece.tensor_offset, item.piece.nbytes, view)
+    return views

@@ -1,7 +1,16 @@
 """The receiving end: listens from construction on, lands each sync into a sink, and commits a
 version only when every byte of it has arrived.
 
-State machine (one sync at a time)::
+The receive loop is the mirror of `WeightSender.push`, one per connected sender::
+
+    handshake   Hello -> Welcome (+ the sender's Auth)
+    setup       the data plane takes what the sender sets up between syncs (a ring to map)
+    sync        Offer -> begin (check the plan, sink.begin) -> Accept
+                for each bucket k: data_plane.receive(k, landing)
+                data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
+                any failure -> abort (sink.abort, told whether the served weights are intact)
+
+State machine (one sync at a time; `WeightReceiver` is its only owner)::
 
     empty --begin--> syncing --commit--> ready --begin--> syncing ...
                         |
@@ -12,23 +21,54 @@ State machine (one sync at a time)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import threading
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from weightsync.auth import check_bind, new_nonce, proof, proof_matches, resolve_token
-from weightsync.checksum import VERIFY_MODES, check_verify, content_digest, stricter
-from weightsync.errors import AuthError, ChecksumError, ConfigError, NegotiationError, PlanError
+from weightsync.checksum import VERIFY_MODES, Verify, check_verify, stricter
+from weightsync.errors import (
+    AuthError,
+    ChecksumError,
+    ConfigError,
+    NegotiationError,
+    PeerClosedError,
+    PlanError,
+    ProtocolError,
+    RemoteError,
+    WeightSyncError,
+)
+from weightsync.landing import Landing
 from weightsync.plan import check_plan, plan_digest
-from weightsync.sink import Landing, WeightSink, as_sink, sink_errors
+from weightsync.sink import WeightSink, as_sink, sink_errors
 from weightsync.sizing import DEFAULT_MEMORY_BUDGET_BYTES, align_down, parse_bucket_bytes
-from weightsync.transports import RECEIVERS
-from weightsync.types import PROTOCOL_VERSION, Auth, Commit, Message, Offer, Welcome
+from weightsync.transports import get_transport
+from weightsync.transports.base import Link, PlaneOptions, ReceivePlane
+from weightsync.transports.control import expect_on
+from weightsync.transports.links import listener_for
+from weightsync.types import PROTOCOL_VERSION, Accept, Auth, Commit, Committed, Failed, Hello, Message, Offer, Welcome
+from weightsync.wire import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES
 
-__all__ = ["WeightReceiver"]
+__all__ = ["ReceiverState", "ReceiverStatus", "WeightReceiver"]
 
 log = logging.getLogger(__name__)
+
+ReceiverState: TypeAlias = Literal["empty", "syncing", "ready", "dirty"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceiverStatus:
+    """What a receiver holds, as one value: replaced whole on every change, never edited."""
+
+    state: ReceiverState = "empty"
+    version: int | None = None
+    """The last committed version the sink holds intact, or None."""
+    content_digest: str = ""
+    """The content digest of `version` when its sync was verified, else ""."""
+    last_error: str = ""
+    """Why the last sync failed, or "" if it committed."""
 
 
 class WeightReceiver:
@@ -42,9 +82,9 @@ class WeightReceiver:
         port: port to listen on (tcp, collective); 0 picks a free one.
         max_bucket_bytes: the largest bucket this side accepts, or "auto" for half the budget.
         memory_budget_bytes: what this side may spend on transfer buffers.
-        timeout: seconds any wait inside a sync may last before the sync is aborted.
-        verify: the weakest verification this receiver accepts: "off" or "bucket" (each bucket
-            checksummed by the sender, checked here before its tensors reach the sink).
+        timeout: seconds any single wait inside a sync may last before the sync is aborted.
+        verify: the weakest verification this receiver accepts: "off", "bucket" (each bucket
+            checksummed by the sender, checked here before its tensors reach the sink) or "full".
         auth_token: a shared secret senders must prove they hold (HMAC challenge; the token is
             never sent). Default: $WEIGHTSYNC_AUTH_TOKEN, else none. Required to listen on a
             non-loopback interface.
@@ -63,62 +103,143 @@ class WeightReceiver:
         verify: str = "off",
         auth_token: str | None = None,
     ) -> None:
-        if transport not in RECEIVERS:
-            raise ConfigError(f"unknown transport {transport!r}; expected one of {sorted(RECEIVERS)}")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
+        spec = get_transport(transport)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 128:
             raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {memory_budget_bytes!r}")
-        self._verify = check_verify(verify)
+        self._verify: Verify = check_verify(verify)
         self._token = resolve_token(auth_token)
-        if transport in ("tcp", "collective"):
+        spec.check("receiver")
+        if spec.link == "tcp":
             check_bind(host, self._token, f"a {transport} weight receiver")
         self._sink: WeightSink = as_sink(sink)
         self._max_bucket_bytes = parse_bucket_bytes(max_bucket_bytes, "max_bucket_bytes") or align_down(
             memory_budget_bytes // 2
         )
+        self._timeout = float(timeout)
+        self._new_plane = spec.receive_plane
+        self._plane_options = PlaneOptions(timeout=self._timeout, max_bucket_bytes=self._max_bucket_bytes)
         self._id = secrets.token_hex(4)
         self._busy = threading.Lock()
         self._changed = threading.Condition()
-        self._version: int | None = None
-        self._state = "empty"
-        self._state_before_sync = "empty"
-        self._last_error = ""
-        self._content_digest = ""
-        self._transport = RECEIVERS[transport](self, host=host, port=port, timeout=float(timeout))
-        self._transport.start()
+        self._status = ReceiverStatus()
+        self._before_sync: ReceiverState = "empty"
+        self._closed = threading.Event()
+        self._listener = listener_for(spec.link, spec.name, host=host, port=port, timeout=self._timeout)
+        self._listener.start(self._serve)
+
+    # --- what it holds --------------------------------------------------------------------------
 
     @property
     def address(self) -> str:
         """Where a sender connects: "shm://@...", "tcp://127.0.0.1:PORT" or "inproc://..."."""
-        return self._transport.address
+        return self._listener.address
+
+    @property
+    def status(self) -> ReceiverStatus:
+        """Everything below, as one consistent value."""
+        return self._status
 
     @property
     def version(self) -> int | None:
         """The last committed weight version the sink holds intact, or None."""
-        return self._version
+        return self._status.version
 
     @property
-    def state(self) -> str:
+    def state(self) -> ReceiverState:
         """ "empty", "syncing", "ready" or "dirty" (a failed sync partly overwrote live weights)."""
-        return self._state
+        return self._status.state
 
     @property
     def content_digest(self) -> str:
         """The content digest of the committed version when its sync was verified, else ""."""
-        return self._content_digest
+        return self._status.content_digest
 
     @property
     def last_error(self) -> str:
         """Why the last sync failed, or "" if it committed."""
-        return self._last_error
+        return self._status.last_error
 
     def wait_for_version(self, version: int, timeout: float) -> bool:
         """Block until `version` (or a later one) is committed; False on timeout."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._version is not None and self._version >= version, timeout)
+            return self._changed.wait_for(
+                lambda: self._status.version is not None and self._status.version >= version, timeout
+            )
 
-    # --- driven by the transport ----------------------------------------------------------------
+    def _set(self, **changes: Any) -> None:
+        with self._changed:
+            self._status = dataclasses.replace(self._status, **changes)
+            self._changed.notify_all()
+
+    # --- the receive loop: one per connected sender ---------------------------------------------
+
+    def _serve(self, link: Link) -> None:
+        plane: ReceivePlane | None = None
+        try:
+            message = self._handshake(link)
+            if message is None:
+                return
+            plane = self._new_plane(link, self._plane_options)
+            while not self._closed.is_set():
+                if isinstance(message, Offer):
+                    self._sync(link, plane, message)
+                elif not plane.on_setup(message):
+                    raise ProtocolError(f"unexpected {type(message).__name__} between syncs", transport=link.transport)
+                message = link.recv(None)
+        except WeightSyncError as exc:
+            if not self._closed.is_set() and not isinstance(exc, PeerClosedError):
+                log.warning("closing connection from sender: %s", exc)
+        finally:
+            if plane is not None:
+                plane.close()
+
+    def _handshake(self, link: Link) -> Message | None:
+        """Hello -> Welcome, then the sender's Auth where a token is required; returns the first
+        message after it (None when the sender is refused)."""
+        hello = link.recv(self._timeout, HANDSHAKE_FRAME_BYTES)
+        if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
+            detail = f"expected Hello with protocol {PROTOCOL_VERSION}, got {hello!r}"[:500]
+            link.send(Failed(-1, "ProtocolError", detail), self._timeout)
+            return None
+        welcome = self.welcome(hello.nonce)
+        link.send(welcome, self._timeout)
+        # The sender goes on at once. Where a token is required, its next frame must be its
+        # small Auth: bound it until it is checked.
+        message = link.recv(self._timeout, HANDSHAKE_FRAME_BYTES if self.auth_required else MAX_FRAME_BYTES)
+        try:
+            if self.authenticate(welcome, message):
+                message = link.recv(None)  # that was the sender's Auth frame
+        except AuthError as exc:
+            link.send(Failed(-1, "AuthError", str(exc)), self._timeout)
+            raise
+        return message
+
+    def _sync(self, link: Link, plane: ReceivePlane, offer: Offer) -> None:
+        link.version, link.bucket = offer.version, None
+        try:
+            landing = self.begin(offer)
+        except WeightSyncError as exc:
+            link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
+            return
+        try:
+            link.send(Accept(offer.version), self._timeout)
+            for index in range(len(offer.plan.buckets)):
+                link.bucket = index
+                plane.receive(index, landing)
+            plane.finish(landing)
+            link.bucket = None
+            self.commit(landing, expect_on(link, Commit, self._timeout))
+        except BaseException as exc:
+            self.abort(landing, exc)
+            if isinstance(exc, WeightSyncError) and not isinstance(exc, (PeerClosedError, RemoteError)):
+                with contextlib.suppress(WeightSyncError):
+                    link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
+            raise
+        link.send(Committed(offer.version), self._timeout)
+
+    # --- the steps of a sync --------------------------------------------------------------------
 
     @property
     def auth_required(self) -> bool:
@@ -129,7 +250,7 @@ class WeightReceiver:
         """Our Welcome, with a fresh challenge and, if we hold a token, our answer to the sender's."""
         answer = proof(self._token, "receiver", sender_nonce) if self._token and sender_nonce else ""
         return Welcome(
-            PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self._version, self._verify, new_nonce(), answer
+            PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self.version, self._verify, new_nonce(), answer
         )
 
     def authenticate(self, welcome: Welcome, message: Message) -> bool:
@@ -143,88 +264,86 @@ class WeightReceiver:
         return True
 
     def begin(self, offer: Offer) -> Landing:
+        """Check an offered plan and start its sync; the landing site it will go to."""
         if not self._busy.acquire(blocking=False):
             raise NegotiationError(f"receiver is busy with another sync; version {offer.version} refused")
         try:
-            check_plan(offer.plan, self._max_bucket_bytes)
-            if plan_digest(offer.plan) != offer.digest:
-                raise PlanError("plan digest does not match the plan")
-            if offer.verify not in VERIFY_MODES or stricter(offer.verify, self._verify) != offer.verify:
-                raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
-            with sink_errors("begin"):
-                self._sink.begin(offer.plan, offer.version)
-            try:
-                landing = Landing(offer.plan, self._sink, offer.version, offer.digest, offer.verify)
-            except BaseException as exc:  # the sink began: it must hear that the sync is off
-                with contextlib.suppress(Exception):
-                    self._sink.abort(offer.version, exc)
-                raise
+            landing = self._begin(offer)
         except BaseException as exc:
             # A refused plan is a failed sync too: say why (state and version stay as they were).
-            self._last_error = f"sync of version {offer.version} failed: {exc}"
+            self._set(last_error=f"sync of version {offer.version} failed: {exc}")
             self._busy.release()
             raise
-        self._state_before_sync = self._state
-        self._set_state("syncing")
+        self._before_sync = self._status.state
+        self._set(state="syncing")
         return landing
 
-    def commit(self, landing: Landing, commit: Commit) -> None:
+    def _begin(self, offer: Offer) -> Landing:
+        check_plan(offer.plan, self._max_bucket_bytes)
+        if plan_digest(offer.plan) != offer.digest:
+            raise PlanError("plan digest does not match the plan")
+        if offer.verify not in VERIFY_MODES or stricter(offer.verify, self._verify) != offer.verify:  # type: ignore[arg-type]
+            raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
+        with sink_errors("begin"):
+            self._sink.begin(offer.plan, offer.version)
         try:
-            if (commit.version, commit.digest) != (landing.version, landing.digest):
-                raise PlanError(
-                    f"commit of version {commit.version} does not match the sync of version {landing.version}"
-                )
-            content = ""
-            if commit.content:
-                if len(landing.checksums) != len(landing.plan.buckets):
-                    raise ChecksumError(
-                        f"commit of version {commit.version} has a content digest, the buckets had none"
-                    )
-                content = content_digest(landing.digest, landing.checksums)
-                if content != commit.content:
-                    raise ChecksumError(f"version {commit.version}: content digest differs from the sender's")
-                if landing.verify == "full":
-                    landing.check_tensors(commit.tensors)
+            return Landing(offer.plan, self._sink, offer.version, offer.digest, check_verify(offer.verify))
+        except BaseException as exc:  # the sink began: it must hear that the sync is off
+            with contextlib.suppress(Exception):
+                self._sink.abort(offer.version, exc, intact=True)
+            raise
+
+    def commit(self, landing: Landing, commit: Commit) -> None:
+        """Check what landed against the sender's commit, then commit it to the sink."""
+        try:
+            content = self._verified_content(landing, commit)
             with sink_errors("commit"):  # like every other hook: the sink's error fails this sync cleanly
                 self._sink.commit(commit.version)
         except BaseException as exc:
             self._finish_abort(landing, exc)
             raise
-        self._last_error = ""
-        self._content_digest = content
-        self._set_state("ready", commit.version)
+        self._set(state="ready", version=commit.version, content_digest=content, last_error="")
         self._busy.release()
 
+    def _verified_content(self, landing: Landing, commit: Commit) -> str:
+        if (commit.version, commit.digest) != (landing.version, landing.digest):
+            raise PlanError(f"commit of version {commit.version} does not match the sync of version {landing.version}")
+        if not commit.content:
+            return ""
+        if not landing.hashes.complete:
+            raise ChecksumError(f"commit of version {commit.version} has a content digest, the buckets had none")
+        content = landing.hashes.content_digest()
+        if content != commit.content:
+            raise ChecksumError(f"version {commit.version}: content digest differs from the sender's")
+        if landing.verify == "full":
+            landing.check_tensors(commit.tensors)
+        return content
+
     def abort(self, landing: Landing, error: BaseException) -> None:
+        """The sync of `landing` failed with `error`."""
         if self._busy.locked():
             self._finish_abort(landing, error)
 
     def _finish_abort(self, landing: Landing, error: BaseException) -> None:
+        intact = not (landing.touched_live or self._sink.wrote_live)
         try:
-            self._sink.abort(landing.version, error)
+            self._sink.abort(landing.version, error, intact=intact)
         except Exception:  # the sink failing to abort must not hide the original error
             log.exception("sink.abort raised")
-        self._last_error = f"sync of version {landing.version} failed: {error}"
-        log.warning("%s", self._last_error)
-        if landing.touched_live or self._sink.wrote_live:
-            self._content_digest = ""
-            self._set_state("dirty", None)
+        last_error = f"sync of version {landing.version} failed: {error}"
+        log.warning("%s", last_error)
+        if intact:
+            self._set(state=self._before_sync, last_error=last_error)
         else:
-            self._set_state(self._state_before_sync)
+            self._set(state="dirty", version=None, content_digest="", last_error=last_error)
         self._busy.release()
-
-    def _set_state(self, state: str, version: int | None | type[Ellipsis] = ...) -> None:
-        with self._changed:
-            self._state = state
-            if version is not ...:
-                self._version = version  # type: ignore[assignment]
-            self._changed.notify_all()
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop listening and release buffers. A sync in flight is aborted."""
-        self._transport.close()
+        self._closed.set()
+        self._listener.close()
 
     def __enter__(self) -> WeightReceiver:
         return self
@@ -233,4 +352,4 @@ class WeightReceiver:
         self.close()
 
     def __repr__(self) -> str:
-        return f"WeightReceiver({self.address!r}, state={self._state!r}, version={self._version})"
+        return f"WeightReceiver({self.address!r}, state={self.state!r}, version={self.version})"

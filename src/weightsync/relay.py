@@ -155,12 +155,12 @@ class RelaySink(WeightSink):
                 "relay: %s did not commit version %d: %s: %s", outcome.address, version, outcome.kind, outcome.error
             )
 
-    def abort(self, version: int, error: BaseException) -> None:
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         if self._stream is not None:
             self._stream.put(RemoteError(f"the relay's own sync of version {version} failed: {error}"))
         self._finish()
         if self._inner is not None:
-            self._inner.abort(version, error)
+            self._inner.abort(version, error, intact=intact)
 
     def _finish(self) -> SyncReport | BaseException:
         """Wait for the downstream push (it ends once the last tensor was sent and committed)."""

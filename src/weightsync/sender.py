@@ -1,25 +1,27 @@
 """The sending end: plans a sync, moves it bucket by bucket to every receiver, and reports.
 
-    source (named tensors) -> plan (buckets, chunks) -> transport (bytes) -> sink (engine loader)
+    source (named tensors) -> plan (buckets, chunks) -> control channel + data plane -> receivers
 
-`push` is the one orchestration loop; it reads top to bottom: connect, agree on a bucket size,
-plan, offer, send buckets, commit, report.
+`push` is the one orchestration loop, the mirror of `WeightReceiver`'s; it reads top to bottom:
+connect, agree on a bucket size, plan, offer, send buckets, commit, report. It holds the state of
+the push: each step returns which receivers failed and why, and a failed receiver takes no part
+in the steps after.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from weightsync.auth import resolve_token
-from weightsync.checksum import check_verify, content_digest, stricter
-from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ConfigError, NegotiationError, PlanError, RemoteError, SyncFailed
+from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
+from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
+from weightsync.pack import bucket_items
 from weightsync.plan import build_plan, plan_digest, tensor_nbytes, wire_specs
 from weightsync.sizing import (
     ALIGN_BYTES,
@@ -29,13 +31,33 @@ from weightsync.sizing import (
     negotiate_bucket_bytes,
     parse_bucket_bytes,
 )
-from weightsync.source import TensorMeta, as_source
-from weightsync.transports import SENDERS, BucketItem, Peer, SenderTransport, check_address, scheme_of
-from weightsync.types import Abort, Commit, Offer, Plan, ReceiverOutcome, SyncReport
+from weightsync.source import as_source
+from weightsync.transports import check_address
+from weightsync.transports.base import Failures, PlaneOptions, SendPlane
+from weightsync.transports.control import SenderChannel
+from weightsync.transports.links import opener
+from weightsync.types import Abort, Commit, Offer, ReceiverOutcome, SyncReport, Welcome
 
-__all__ = ["WeightSender", "bucket_items"]
+__all__ = ["WeightSender"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """The receivers of one transport, with the control channel and data plane that reach them."""
+
+    name: str
+    addresses: tuple[str, ...]
+    channel: SenderChannel
+    plane: SendPlane
+
+    def live(self, failures: Failures, welcomes: Mapping[str, Welcome]) -> list[str]:
+        return [address for address in self.addresses if address in welcomes and address not in failures]
+
+    def close(self) -> None:
+        self.plane.close()
+        self.channel.close()
 
 
 class WeightSender:
@@ -51,10 +73,12 @@ class WeightSender:
         memory_budget_bytes: what this side may spend on transfer buffers (all ring slots).
         cast: send floating-point tensors as this dtype (e.g. torch.bfloat16), or a mapping of
             name to dtype; declared in the plan.
-        timeout: seconds any wait may last; a receiver that exceeds it is failed, not waited on.
+        timeout: seconds any single wait may last; a receiver that exceeds it is failed, not
+            waited on (`push(deadline=...)` bounds a whole push).
         num_slots: shared-memory ring slots (2 lets packing overlap unpacking).
         raise_on_failure: raise `SyncFailed` from `push` if any receiver did not commit.
-        verify: "off" or "bucket": checksum every bucket (xxh3-64) for the receivers to check.
+        verify: "off", "bucket" (checksum every bucket, xxh3-64, for the receivers to check) or
+            "full" (also every tensor where it finally sits).
             A receiver may require "bucket"; the strictest side wins.
         auth_token: the shared secret of receivers that require one (default:
             $WEIGHTSYNC_AUTH_TOKEN). Proven by HMAC, never sent; with a token, the sender also
@@ -78,9 +102,8 @@ class WeightSender:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses or len(set(addresses)) != len(addresses):
             raise ConfigError(f"need one or more distinct receiver addresses, got {addresses!r}")
-        for address in addresses:
-            check_address(address)
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
+        specs = {address: check_address(address) for address in addresses}
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if not isinstance(min_bucket_bytes, int) or min_bucket_bytes < 1:
             raise ConfigError(f"min_bucket_bytes must be a positive integer, got {min_bucket_bytes!r}")
@@ -91,29 +114,42 @@ class WeightSender:
         self._memory_budget_bytes = memory_budget_bytes
         self._num_slots = num_slots
         self._cast = cast
+        self._timeout = float(timeout)
         self._raise_on_failure = raise_on_failure
-        self._verify = check_verify(verify)
+        self._verify: Verify = check_verify(verify)
         token = resolve_token(auth_token)
-        self._peers = [Peer(address) for address in addresses]
-        self._transports: list[SenderTransport] = []
-        for scheme in dict.fromkeys(scheme_of(address) for address in addresses):
-            peers = [peer for peer in self._peers if scheme_of(peer.address) == scheme]
-            options: dict[str, Any] = {"num_slots": num_slots} if scheme in ("shm", "cudaipc") else {}
-            if scheme != "inproc":
-                options["auth_token"] = token
-            self._transports.append(SENDERS[scheme](peers, float(timeout), **options))
+        self._addresses = addresses
+        self._routes: list[Route] = []
+        options = PlaneOptions(timeout=self._timeout, num_slots=num_slots)
+        try:
+            for spec in dict.fromkeys(specs.values()):
+                spec.check("sender")
+                channel = SenderChannel(
+                    spec.name,
+                    opener(spec.link, spec.name),
+                    timeout=self._timeout,
+                    auth_token=token if spec.link != "inproc" else None,
+                )
+                plane = spec.send_plane(channel, options)
+                mine = tuple(address for address in addresses if specs[address] is spec)
+                self._routes.append(Route(spec.name, mine, channel, plane))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def addresses(self) -> list[str]:
-        return [peer.address for peer in self._peers]
+        return list(self._addresses)
 
-    def push(self, tensors: Any, version: int) -> SyncReport:
+    def push(self, tensors: Any, version: int, *, deadline: float | None = None) -> SyncReport:
         """Send `tensors` to every receiver as weight version `version`.
 
         Args:
             tensors: a mapping name -> tensor, an iterable of (name, tensor) pairs, or a
                 `WeightSource` (for tensors produced one at a time).
             version: the weight version receivers will report once committed.
+            deadline: seconds the whole push may take, or None for no bound beyond `timeout` on
+                every single wait. A push past its deadline aborts on every receiver.
 
         Returns:
             A SyncReport; `report.ok` is True when every receiver committed.
@@ -122,37 +158,54 @@ class WeightSender:
             ConfigError: bad arguments (nothing was sent).
             PlanError: the source yielded a tensor that does not match its metadata (the sync
                 is aborted on every receiver).
+            TransferTimeout: the push ran past `deadline` (aborted on every receiver).
             SyncFailed: some receiver did not commit and `raise_on_failure` is set.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigError(f"version must be a non-negative integer, got {version!r}")
+        if deadline is not None and (
+            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0
+        ):
+            raise ConfigError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
         source = as_source(tensors)
         metas = source.metas()
         specs = wire_specs(metas, self._cast)
         started = time.perf_counter()
-        for peer in self._peers:
-            peer.committed = False
-        for transport in self._transports:
-            transport.connect()
+        ends = started + deadline if deadline is not None else None
 
-        plan = build_plan(specs, self._agree_bucket_bytes(max((tensor_nbytes(s) for s in specs), default=0)))
+        welcomes, failures = self._connect()
+        largest = max((tensor_nbytes(spec) for spec in specs), default=0)
+        bucket_bytes = self._agree_bucket_bytes(largest, welcomes, failures)
+        plan = build_plan(specs, bucket_bytes)
         digest = plan_digest(plan)
         # the strictest verification any receiver asks for, or ours if stricter
-        verify = stricter(self._verify, *(p.welcome.verify for p in self._peers if p.alive and p.welcome))
-        for transport in self._transports:
-            transport.offer(Offer(version, plan, digest, verify))
+        verify = stricter(self._verify, *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures))
+        offer = Offer(version, plan, digest, verify)
+        hashes = {
+            route.name: SyncHashes(plan) if verify != "off" and route.name != "inproc" else None
+            for route in self._routes
+        }
+        for route in self._routes:
+            live = route.live(failures, welcomes)
+            failures |= route.plane.setup(plan, live, lambda: route.channel.offer(offer, live))  # noqa: B023
         try:
-            self._send_buckets(plan, metas, source.tensors())
+            for index, items in bucket_items(plan, metas, source.tensors()):
+                if not any(route.live(failures, welcomes) for route in self._routes):
+                    break  # every receiver failed: nothing left to send to
+                _check_deadline(ends, version, index)
+                for route in self._routes:
+                    failures |= route.plane.send(index, items, route.live(failures, welcomes), hashes[route.name])
+            for route in self._routes:
+                failures |= route.plane.finish(route.live(failures, welcomes))
         except BaseException as exc:
-            for transport in self._transports:
-                transport.abort(Abort(version, f"sender failed: {exc}"))
+            for route in self._routes:
+                route.plane.abort()
+                route.channel.abort(Abort(version, f"sender failed: {exc}"), route.live(failures, welcomes))
             raise
-        contents = [
-            content_digest(digest, t.checksums) if len(t.checksums) == len(plan.buckets) else ""
-            for t in self._transports
-        ]
-        for transport, content in zip(self._transports, contents, strict=True):
-            transport.commit(Commit(version, digest, content, transport.tensor_digests if content else ()))
+        contents = {}
+        for route in self._routes:
+            commit, contents[route.name] = _commit_message(version, digest, verify, hashes[route.name])
+            failures |= route.channel.commit(commit, route.live(failures, welcomes))
 
         report = SyncReport(
             version=version,
@@ -161,8 +214,8 @@ class WeightSender:
             num_buckets=len(plan.buckets),
             bucket_bytes=plan.bucket_bytes,
             seconds=time.perf_counter() - started,
-            outcomes=tuple(_outcome(peer) for peer in self._peers),
-            content_digest=next((content for content in contents if content), ""),
+            outcomes=tuple(_outcome(address, failures) for address in self._addresses),
+            content_digest=next((content for content in contents.values() if content), ""),
         )
         log.info(
             "pushed version %d: %d bytes in %.3f s (%.2f GB/s), %d/%d receivers committed",
@@ -177,7 +230,18 @@ class WeightSender:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
 
-    def _agree_bucket_bytes(self, largest_tensor_bytes: int) -> int:
+    def _connect(self) -> tuple[dict[str, Welcome], Failures]:
+        welcomes: dict[str, Welcome] = {}
+        failures: Failures = {}
+        for route in self._routes:
+            reached, failed = route.channel.connect(route.addresses)
+            welcomes |= reached
+            failures |= failed
+        return welcomes, failures
+
+    def _agree_bucket_bytes(
+        self, largest_tensor_bytes: int, welcomes: Mapping[str, Welcome], failures: Failures
+    ) -> int:
         """Negotiate one bucket size; receivers that cannot afford the minimum are failed."""
         proposed = self._bucket_bytes or auto_bucket_bytes(
             largest_tensor_bytes, memory_budget_bytes=self._memory_budget_bytes, num_slots=self._num_slots
@@ -185,26 +249,19 @@ class WeightSender:
         # The sender's own minimum bounds its proposal too: "auto" sized from small tensors
         # must not propose less than it then requires.
         proposed = max(proposed, ALIGN_BYTES, align_up(self._min_bucket_bytes))
-        for peer in self._peers:
-            if peer.alive and peer.welcome is not None and peer.welcome.max_bucket_bytes < self._min_bucket_bytes:
-                peer.error = NegotiationError(
-                    f"receiver {peer.address} accepts buckets of at most {peer.welcome.max_bucket_bytes} bytes, the sender requires at least {self._min_bucket_bytes}"
+        for address, welcome in welcomes.items():
+            if address not in failures and welcome.max_bucket_bytes < self._min_bucket_bytes:
+                failures[address] = NegotiationError(
+                    f"receiver {address} accepts buckets of at most {welcome.max_bucket_bytes} bytes, "
+                    f"the sender requires at least {self._min_bucket_bytes}"
                 )
-        limits = {p.address: p.welcome.max_bucket_bytes for p in self._peers if p.alive and p.welcome is not None}
+        limits = {a: w.max_bucket_bytes for a, w in welcomes.items() if a not in failures}
         return negotiate_bucket_bytes(proposed, limits, self._min_bucket_bytes) if limits else proposed
 
-    def _send_buckets(self, plan: Plan, metas: list[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        for index, items in bucket_items(plan, metas, tensors):
-            if not any(transport.live() for transport in self._transports):
-                return  # every receiver failed: nothing left to send to
-            for transport in self._transports:
-                if transport.live():
-                    transport.send_bucket(index, items)
-
     def close(self) -> None:
-        """Close connections and release shared-memory buckets."""
-        for transport in self._transports:
-            transport.close()
+        """Close connections and release transfer buffers (shared-memory rings)."""
+        for route in self._routes:
+            route.close()
 
     def __enter__(self) -> WeightSender:
         return self
@@ -213,42 +270,22 @@ class WeightSender:
         self.close()
 
 
-def bucket_items(
-    plan: Plan, metas: list[TensorMeta], tensors: Iterator[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[int, list[BucketItem]]]:
-    """Each bucket's pieces with the source tensors they are cut from, consuming the source
-    lazily and in plan order (a tensor is taken from it when its first piece is due)."""
-    current: tuple[int, torch.Tensor] | None = None
-    num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
-    for index, bucket in enumerate(plan.buckets):
-        items = []
-        for piece in bucket:
-            if current is None or current[0] != piece.tensor:
-                tensor = _next_tensor(tensors, metas[piece.tensor])
-                if num_pieces[piece.tensor] > 1 and not tensor.is_contiguous():
-                    tensor = tensor.contiguous()  # once per tensor, not once per chunk
-                current = (piece.tensor, tensor)
-            items.append(BucketItem(piece, current[1], dtype_from_name(plan.tensors[piece.tensor].dtype)))
-        yield index, items
+def _check_deadline(ends: float | None, version: int, index: int) -> None:
+    if ends is not None and time.perf_counter() > ends:
+        raise TransferTimeout(f"the push ran past its deadline before bucket {index}", version=version, bucket=index)
 
 
-def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta) -> torch.Tensor:
-    try:
-        name, tensor = next(tensors)
-    except StopIteration:
-        raise PlanError(f"source ended before yielding {meta.name!r}") from None
-    if name != meta.name or tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
-        raise PlanError(
-            f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised {meta.name!r} {meta.dtype}{list(meta.shape)}"
-        )
-    return tensor
+def _commit_message(version: int, digest: str, verify: Verify, hashes: SyncHashes | None) -> tuple[Commit, str]:
+    """The Commit for one transport's receivers, and the content digest it carries ("" unverified)."""
+    if hashes is None or not hashes.complete:
+        return Commit(version, digest), ""
+    content = hashes.content_digest()
+    return Commit(version, digest, content, hashes.tensor_digests() if verify == "full" else ()), content
 
 
-def _outcome(peer: Peer) -> ReceiverOutcome:
-    if peer.committed:
-        return ReceiverOutcome(peer.address, True)
-    error = peer.error
+def _outcome(address: str, failures: Failures) -> ReceiverOutcome:
+    error: WeightSyncError | None = failures.get(address)
     if error is None:
-        return ReceiverOutcome(peer.address, False, "WeightSyncError", "the sync ended before this receiver committed")
+        return ReceiverOutcome(address, True)
     kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
-    return ReceiverOutcome(peer.address, False, kind, str(error))
+    return ReceiverOutcome(address, False, kind, str(error))

@@ -1,9 +1,8 @@
-"""Where received weights go, and how each planned byte lands there.
+"""Where received weights go: the engine's side of a sync.
 
-A `WeightSink` is the receiving engine's side of a sync. It may expose destination tensors by
-name (`destination`), in which case every chunk is copied straight into place; otherwise whole
-tensors are handed to `load` as they complete. `Landing` tracks one sync's progress against the
-plan on the receiving side.
+A `WeightSink` may expose destination tensors by name (`destination`), in which case every chunk
+is copied straight into place; otherwise whole tensors are handed to `load` as they complete
+(`landing.py` decides which, piece by piece).
 """
 
 from __future__ import annotations
@@ -11,20 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
-import numpy as np
-import psutil
 import torch
-import xxhash
 
-from weightsync.checksum import bucket_checksum
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ChecksumError, ConfigError, PlanError, SinkError, WeightSyncError
-from weightsync.hostpin import readable_tensor
-from weightsync.pack import byte_view, copy_bytes
+from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
 from weightsync.plan import tensor_nbytes
-from weightsync.types import Piece, Plan
+from weightsync.types import Plan
 
-__all__ = ["CallableSink", "Landing", "StagedSink", "TensorDictSink", "WeightSink", "as_sink"]
+__all__ = ["CallableSink", "StagedSink", "TensorDictSink", "WeightSink", "as_sink", "sink_errors"]
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -63,8 +56,10 @@ class WeightSink:
     def commit(self, version: int) -> None:
         """Every byte of `version` has arrived; start serving it."""
 
-    def abort(self, version: int, error: BaseException) -> None:
-        """The sync of `version` failed; `error` says why."""
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
+        """The sync of `version` failed; `error` says why. `intact`: the weights being served
+        are still the previous version, untouched; False when the sync partly overwrote them
+        (the receiver now reports itself dirty until the next good sync)."""
 
 
 class CallableSink(WeightSink):
@@ -136,7 +131,8 @@ class StagedSink(WeightSink):
         return self._standby[name]
 
     def commit(self, version: int) -> None:
-        assert self._plan is not None
+        if self._plan is None:
+            raise SinkError(f"commit of version {version} without a sync begun")
         self.wrote_live = True
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
@@ -155,8 +151,8 @@ class StagedSink(WeightSink):
             self.inner.load(batch)
         self.inner.commit(version)
 
-    def abort(self, version: int, error: BaseException) -> None:
-        self.inner.abort(version, error)
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
+        self.inner.abort(version, error, intact=intact)
 
 
 def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bool) -> None:
@@ -187,194 +183,6 @@ def as_sink(sink: WeightSink | LoadFn | Mapping[str, torch.Tensor]) -> WeightSin
     if callable(sink):
         return CallableSink(sink)
     raise ConfigError(f"a sink must be a WeightSink, a mapping of tensors or a callable, got {type(sink).__name__}")
-
-
-class Landing:
-    """One sync's landing site on the receiver: where each piece's bytes go.
-
-    A tensor with a contiguous destination of the right shape and dtype is written in place, piece
-    by piece, also on a GPU (host to device, straight from the transport's buffer). Any other
-    tensor is staged in a fresh host tensor and, once complete, copied into its destination or
-    handed to `sink.load` at the end of the bucket that completes it.
-    """
-
-    def __init__(self, plan: Plan, sink: WeightSink, version: int, digest: str, verify: str = "off") -> None:
-        self.plan = plan
-        self.sink = sink
-        self.version = version
-        self.digest = digest
-        self.verify = verify
-        self.checksums: list[int] = []
-        """The checksums of the buckets verified so far, in order."""
-        self._delivered: dict[int, int] = {}
-        """verify="full": the hash of each tensor handed to the sink or copied out of staging."""
-        self.touched_live = False
-        """True once any byte was written into a live destination (an abort then leaves a mix)."""
-        self._dest: list[torch.Tensor | None] = []
-        self._staged: dict[int, torch.Tensor] = {}
-        self._bounce: torch.Tensor | None = None
-        self._completes: list[list[int]] = [[] for _ in plan.buckets]
-        for spec in plan.tensors:
-            with sink_errors("destination"):
-                dest = sink.destination(spec.name)
-            if dest is not None and (tuple(dest.shape) != spec.shape or dest.dtype != dtype_from_name(spec.dtype)):
-                raise PlanError(
-                    f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, destination is {dest.dtype}{list(dest.shape)}"
-                )
-            self._dest.append(dest)
-        for bucket_index, bucket in enumerate(plan.buckets):
-            for piece in bucket:
-                if piece.tensor_offset + piece.nbytes == tensor_nbytes(plan.tensors[piece.tensor]):
-                    self._completes[bucket_index].append(piece.tensor)
-        self._check_staging_fits()
-
-    def _check_staging_fits(self) -> None:
-        """Refuse, before allocating anything, a plan whose staged tensors cannot fit in memory.
-
-        Staged tensors live one bucket at a time, plus a chunked tensor across its buckets, so
-        the largest one is what must fit; a hostile plan claiming a 1 TB tensor stops here.
-        """
-        staged = [tensor_nbytes(spec) for index, spec in enumerate(self.plan.tensors) if not self.direct(index)]
-        available = psutil.virtual_memory().available
-        if staged and max(staged) > available:
-            raise PlanError(
-                f"plan needs to stage a {max(staged)}-byte tensor; only {available} bytes of memory are available"
-            )
-
-    def in_place(self, tensor: int) -> bool:
-        """Whether tensor `tensor` is written straight into its destination in host memory."""
-        dest = self._dest[tensor]
-        return dest is not None and dest.device.type == "cpu" and dest.is_contiguous()
-
-    def on_device(self, tensor: int) -> bool:
-        """Whether tensor `tensor` is copied piece by piece into its destination on a device."""
-        dest = self._dest[tensor]
-        return dest is not None and dest.device.type != "cpu" and dest.is_contiguous()
-
-    def direct(self, tensor: int) -> bool:
-        """Whether tensor `tensor` lands in its destination with no staging copy."""
-        return self.in_place(tensor) or self.on_device(tensor)
-
-    def target(self, piece: Piece) -> np.ndarray:
-        """The writable host bytes `piece` lands in: its destination's, or its staging tensor's.
-        Not for a piece with a device destination: `land` or `fill` those."""
-        if self.on_device(piece.tensor):
-            raise AssertionError("a piece bound for a device has no host target")
-        if self.in_place(piece.tensor):
-            self.touched_live = self.touched_live or self.sink.destinations_live
-            whole = byte_view(self._dest[piece.tensor])  # type: ignore[arg-type]
-        else:
-            whole = byte_view(self._stage(piece.tensor))
-        return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
-
-    def land(self, piece: Piece, data: np.ndarray, *, pinned: bool = False) -> None:
-        """Copy `data`, the piece's bytes in host memory (a transport's buffer), to where it goes.
-        `pinned`: `data` is page-locked for CUDA (hostpin), so a device copies it by DMA directly."""
-        if self.on_device(piece.tensor):
-            if pinned:
-                self.device_target(piece).copy_(readable_tensor(data))
-            else:
-                self.fill(piece, lambda out: copy_bytes(out, data))
-        else:
-            copy_bytes(self.target(piece), data)
-
-    def land_tensor(self, piece: Piece, data: torch.Tensor) -> None:
-        """Copy `data`, the piece's bytes as a uint8 tensor on a device (a GPU ring slot), to
-        where it goes: device to device, or device to host. The caller synchronizes the device."""
-        if self.on_device(piece.tensor):
-            self.device_target(piece).copy_(data)
-        else:
-            torch.from_numpy(self.target(piece)).copy_(data)
-
-    def fill(self, piece: Piece, read: Callable[[np.ndarray], object]) -> None:
-        """Have `read` write the piece's bytes into host memory (a socket's `recv_into`): its
-        destination or staging tensor, or, for a device destination, a bounce buffer of one
-        bucket (pinned for CUDA, so the copy to the device is a DMA) then copied over."""
-        if not self.on_device(piece.tensor):
-            read(self.target(piece))
-            return
-        if self._bounce is None:
-            pinned = self._dest[piece.tensor].device.type == "cuda"  # type: ignore[union-attr]
-            self._bounce = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, pin_memory=pinned)
-        bounce = self._bounce[: piece.nbytes]
-        read(bounce.numpy())
-        self.device_target(piece).copy_(bounce)  # synchronous: the bounce buffer is free again
-
-    def landed(self, piece: Piece) -> np.ndarray:
-        """The piece's bytes where they landed, in host memory (a copy for a device destination)."""
-        if self.on_device(piece.tensor):
-            return self.device_target(piece).cpu().numpy()
-        return self.target(piece)
-
-    def device_target(self, piece: Piece) -> torch.Tensor:
-        """The device bytes (a uint8 tensor) of a piece whose destination is on a device."""
-        self.touched_live = self.touched_live or self.sink.destinations_live
-        whole = self._dest[piece.tensor].detach().reshape(-1).view(torch.uint8)  # type: ignore[union-attr]
-        return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
-
-    def adopt(self, tensor: int, value: torch.Tensor) -> bool:
-        """Take `value` (already in the wire dtype and shape) as tensor `tensor`'s content without
-        copying, when it is not written in place. Returns False when the caller must copy."""
-        if self.direct(tensor):
-            return False
-        self._staged[tensor] = value
-        return True
-
-    def finish_bucket(self, index: int, checksum: int | None = None) -> None:
-        """Check bucket `index` (when the sync verifies buckets and the transport sent a
-        checksum), then deliver the tensors it completed to their destinations or the sink."""
-        if self.verify != "off" and checksum is not None:
-            landed = bucket_checksum(self.landed(piece) for piece in self.plan.buckets[index])
-            if landed != checksum:
-                raise ChecksumError(
-                    f"bucket {index} of version {self.version}: the bytes that landed hash to {landed:#018x}, "
-                    f"the sender's to {checksum:#018x}",
-                    version=self.version,
-                    bucket=index,
-                )
-            self.checksums.append(landed)
-        loads = []
-        for tensor in self._completes[index]:
-            if self.direct(tensor):
-                continue
-            value = self._staged.pop(tensor) if tensor in self._staged else self._stage(tensor)
-            if self.verify == "full":
-                self._delivered[tensor] = xxhash.xxh3_64_intdigest(byte_view(value.contiguous()))
-            dest = self._dest[tensor]
-            if dest is not None:
-                self.touched_live = self.touched_live or self.sink.destinations_live
-                dest.copy_(value)
-            else:
-                loads.append((self.plan.tensors[tensor].name, value))
-        if loads:
-            self.touched_live = self.touched_live or self.sink.loads_live
-            with sink_errors("load"):
-                self.sink.load(loads)
-
-    def check_tensors(self, expected: tuple[int, ...]) -> None:
-        """verify="full": every tensor, where it finally sits, hashes as the sender's did."""
-        if len(expected) != len(self.plan.tensors):
-            raise ChecksumError(
-                f"version {self.version}: {len(expected)} tensor digests for {len(self.plan.tensors)} tensors"
-            )
-        for index, spec in enumerate(self.plan.tensors):
-            if self.direct(index):
-                landed = xxhash.xxh3_64_intdigest(byte_view(self._dest[index].cpu()))  # type: ignore[union-attr]
-            else:
-                landed = self._delivered.get(index, -1)
-            if landed != expected[index]:
-                raise ChecksumError(
-                    f"version {self.version}: tensor {spec.name!r} does not hold the bytes the sender sent",
-                    version=self.version,
-                )
-
-    def _stage(self, tensor: int) -> torch.Tensor:
-        staged = self._staged.get(tensor)
-        if staged is None:
-            spec = self.plan.tensors[tensor]
-            staged = torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
-            self._staged[tensor] = staged
-        return staged
 
 
 @contextmanager

@@ -21,8 +21,9 @@ import xxhash  # noqa: F401
 
 with atheris.instrument_imports(include=["weightsync"]):
     from weightsync.errors import PlanError, ProtocolError
+    from weightsync.landing import Landing
     from weightsync.plan import check_plan, plan_digest
-    from weightsync.sink import CallableSink, Landing
+    from weightsync.sink import CallableSink
     from weightsync.types import Offer
     from weightsync.wire import decode, encode
 
@@ -52,7 +53,7 @@ def one_input(data: bytes) -> None:
         return
     for index, bucket in enumerate(message.plan.buckets):
         for piece in bucket:
-            target = landing.target(piece)
+            target = landing.host_view(piece)
             assert target.nbytes == piece.nbytes, "a piece lands in exactly its own bytes"
         landing.finish_bucket(index)
 

@@ -14,7 +14,7 @@ import torch
 from tests.helpers import TRANSPORTS, assert_all_bit_exact, random_tensor, random_values, receiving, sending
 from weightsync import hostpin
 from weightsync.errors import ConfigError
-from weightsync.sink import Landing
+from weightsync.landing import Landing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -13,7 +13,7 @@ from tests.server.checks import check_staged
 from tests.server.conftest import live_server
 from tests.server.test_server import PROMPTS, greedy, push
 from weightsync.errors import ConfigError
-from weightsync.sink import Landing
+from weightsync.landing import Landing
 
 
 def test_staged_swap_serves_each_pushed_version(tiny_models, tmp_path) -> None:

@@ -528,7 +528,7 @@ class _Failing(WeightSink):
         if self.hook == "commit":
             raise ValueError("engine could not swap weights")
 
-    def abort(self, version, error):  # type: ignore[no-untyped-def]
+    def abort(self, version, error, *, intact):  # type: ignore[no-untyped-def]
         self.aborted_with.append((version, error))
 
 
@@ -565,7 +565,7 @@ def test_sink_abort_raising_does_not_hide_the_failure(transport):
     """load fails, then abort fails too: the receiver reports load's error and recovers."""
 
     class Both(_Failing):
-        def abort(self, version, error):  # type: ignore[no-untyped-def]
+        def abort(self, version, error, *, intact):  # type: ignore[no-untyped-def]
             super().abort(version, error)
             raise RuntimeError("abort failed as well")
 
@@ -839,7 +839,7 @@ def test_tcp_receiver_restarted_on_the_same_port_rejoins(noticed):
             assert sender.push({"w": torch.ones(4)}, version=1).ok
         finally:
             first.close()
-        (inbox,) = sender._transports[0]._inboxes.values()  # type: ignore[attr-defined]
+        (inbox,) = sender._routes[0].channel._inboxes.values()  # type: ignore[attr-defined]
         assert wait_until(inbox.closed.is_set), "the sender's reader saw the connection close"
         if not noticed:
             # The race a push right after the restart can hit: the reader has not run yet.

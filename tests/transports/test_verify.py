@@ -9,8 +9,8 @@ import torch
 
 from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
 from weightsync import ConfigError, NegotiationError, WeightReceiver
+from weightsync.landing import Landing
 from weightsync.plan import build_plan, plan_digest
-from weightsync.sink import Landing
 from weightsync.types import Offer, TensorSpec
 
 BUCKET = 4096
@@ -35,7 +35,7 @@ def flip_bucket_1(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def corrupted(self: Landing, index: int, checksum: int | None = None) -> None:
         if self.version == 1 and index == 1:
-            self.target(self.plan.buckets[1][0])[0] ^= 0x40
+            self.host_view(self.plan.buckets[1][0])[0] ^= 0x40
         original(self, index, checksum)
 
     monkeypatch.setattr(Landing, "finish_bucket", corrupted)
@@ -137,8 +137,13 @@ def test_the_content_digest_is_what_both_sides_agree_they_moved(transport: str) 
 
 def test_a_content_digest_that_differs_fails_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:
     import weightsync.sender
+    from weightsync.checksum import SyncHashes
 
-    monkeypatch.setattr(weightsync.sender, "content_digest", lambda digest, checksums: "0" * 32)
+    class WrongDigest(SyncHashes):
+        def content_digest(self) -> str:
+            return "0" * 32
+
+    monkeypatch.setattr(weightsync.sender, "SyncHashes", WrongDigest)  # the sender's side only
     source = model()
     with (
         receiving(zeros(source), "shm") as receiver,
@@ -176,7 +181,7 @@ def test_full_verification_catches_bytes_in_the_wrong_place(transport: str, monk
     def misplaced(self: Landing, index: int, checksum: int | None = None) -> None:
         original(self, index, checksum)
         if index == 0:
-            self.target(self.plan.buckets[0][0])[:2] = 0x7F  # after the check passed
+            self.host_view(self.plan.buckets[0][0])[:2] = 0x7F  # after the check passed
 
     monkeypatch.setattr(Landing, "finish_bucket", misplaced)
     source = model()

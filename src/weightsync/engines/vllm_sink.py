@@ -184,7 +184,7 @@ class ReloadSink(WeightSink):
         self.version = version
         self._set_dirty(False)
 
-    def abort(self, version: int, error: BaseException) -> None:
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         if self._thread is not None:
             # End the iterator cleanly rather than raising into vLLM: its finalize step then puts
             # back every layer that got nothing, and leaves the model whole for the next sync.

@@ -198,13 +198,12 @@ def add_digest_parser(subparsers: argparse._SubParsersAction) -> None:  # type: 
         "digest",
         help="check the content digest servers hold against each other, a checkpoint or a value",
         description="Read each server's content digest (from its last verified push) and compare. With "
-        "--model, the expected digest is computed from that checkpoint as a push would send it, "
-        "with the bucket size the servers' last push used (or --bucket-bytes). Exit status 0 only "
+        "--model, the expected digest is computed from that checkpoint as a push would send it "
+        "(whatever its bucket size). Exit status 0 only "
         "if every server holds the expected digest (without one, the same digest as the others).",
     )
     digest.add_argument("--to", nargs="*", default=[], metavar="URL", help="server URLs (http://HOST:PORT)")
     digest.add_argument("--model", default=None, help="checkpoint directory (*.safetensors) to compute it from")
-    digest.add_argument("--bucket-bytes", type=int, default=None, help="bucket size of the push (default: ask)")
     digest.add_argument("--expect", default=None, metavar="HEX", help="the digest a push reported")
     digest.add_argument("--timeout", type=_seconds, default=60.0, help="seconds for each HTTP call (default 60)")
     digest.add_argument(
@@ -225,20 +224,10 @@ def run_digest(args: argparse.Namespace) -> int:
     for url in args.to:
         with RolloutClient(url, timeout=args.timeout, auth_token=args.auth_token) as client:
             info = client.weight_info()
-        held[url] = {
-            "version": info["version"],
-            "content_digest": info["content_digest"],
-            "bucket_bytes": info["last_sync"].get("bucket_bytes", 0),
-        }
+        held[url] = {"version": info["version"], "content_digest": info["content_digest"]}
     expected = args.expect
     if args.model:
-        sizes = {entry["bucket_bytes"] for entry in held.values() if entry["bucket_bytes"]}
-        bucket_bytes = args.bucket_bytes or (sizes.pop() if len(sizes) == 1 else None)
-        if bucket_bytes is None:
-            raise ConfigError(
-                f"cannot tell the push's bucket size (servers report {sorted(sizes) or 'none'}): pass --bucket-bytes"
-            )
-        computed = source_digest(SafetensorsSource(args.model), bucket_bytes)
+        computed = source_digest(SafetensorsSource(args.model))
         if expected is not None and expected != computed:
             raise ConfigError(f"--expect {expected} contradicts the checkpoint's digest {computed}")
         expected = computed

@@ -144,7 +144,6 @@ class RolloutServer:
             verify=config.verify,
             auth_token=config.auth_token,
         )
-        self.sink.receiver_state = lambda: self.receiver.state
         self.loop.start()
 
     @property

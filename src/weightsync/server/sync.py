@@ -4,16 +4,15 @@ begin   the engine's sink checks the plan (a refused plan pauses nothing), then 
         paused in the server's sync mode and the sync lands while it is parked
 commit  the engine's sink commits, the loop switches to the new version and resumes
         (a user's /pause stays in force: that pause has its own owner)
-abort   once the receiver has settled: intact weights resume the previous version; a dirty
-        receiver (live weights partly written) stops serving until the next good sync
+abort   told by the receiver whether the served weights are intact: intact weights resume the
+        previous version; dirty ones (live weights partly written) stop serving until the next
+        good sync
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -24,9 +23,6 @@ from weightsync.sink import WeightSink
 from weightsync.types import Plan
 
 __all__ = ["ServerSink", "SyncStats"]
-
-SETTLE_S = 5.0
-"""How long to wait for the receiver to leave "syncing" after an abort (microseconds in practice)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -71,7 +67,6 @@ class ServerSink(WeightSink):
         mode: how to pause for a sync ("wait", "abort" or "keep").
         drain_timeout: seconds to wait for the loop to park before refusing the sync.
         metrics: where sync metrics go.
-        receiver_state: reads the receiver's state (set once the receiver exists).
     """
 
     def __init__(
@@ -89,7 +84,8 @@ class ServerSink(WeightSink):
         self.drain_timeout = drain_timeout
         self.metrics = metrics
         self.stats = SyncStats()
-        self.receiver_state: Callable[[], str] = lambda: "empty"
+        self._dirty = False
+        """Whether the served weights are a mix no version names (a sync failed half-written)."""
         self._started = 0.0
 
     @property
@@ -142,6 +138,7 @@ class ServerSink(WeightSink):
         if self.staged:
             self._park(version)
         self.inner.commit(version)
+        self._dirty = False
         self.stats.seconds = time.perf_counter() - self._started
         self.stats.ok = True
         self.stats.num_committed += 1
@@ -152,9 +149,9 @@ class ServerSink(WeightSink):
         self.metrics.sync_in_progress.set(0)
         self.loop.resume("sync", version)
 
-    def abort(self, version: int, error: BaseException) -> None:
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         try:
-            self.inner.abort(version, error)
+            self.inner.abort(version, error, intact=intact)
         finally:
             self.stats.seconds = time.perf_counter() - self._started
             self.stats.ok = False
@@ -162,15 +159,9 @@ class ServerSink(WeightSink):
             self.stats.num_failed += 1
             self.metrics.syncs.labels("failed").inc()
             self.metrics.sync_in_progress.set(0)
-            # The receiver decides dirty-or-intact right after this hook returns; settle then.
-            threading.Thread(target=self._settle, name="server-sync-settle", daemon=True).start()
-
-    def _settle(self) -> None:
-        deadline = time.monotonic() + SETTLE_S
-        while self.receiver_state() == "syncing" and time.monotonic() < deadline:
-            time.sleep(0.001)
-        if self.receiver_state() in ("ready", "empty"):
-            self.loop.resume("sync")
-        else:  # dirty, or never settled: the live weights are not a version we can name
-            self.metrics.version.set(-1)
-            self.loop.invalidate("sync")
+            self._dirty = self._dirty or not intact
+            if self._dirty:  # the live weights are not a version we can name
+                self.metrics.version.set(-1)
+                self.loop.invalidate("sync")
+            else:
+                self.loop.resume("sync")

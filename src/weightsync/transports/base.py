@@ -1,140 +1,186 @@
-"""The transport contract: how a sender reaches its receivers, and how a receiver listens.
+"""The transport contract: a control channel plus a data plane, composed, never inherited.
 
-A sync is always the same conversation; transports differ only in how it travels and how
-bucket bytes get from source to destination:
+A sync is always the same conversation; `WeightSender.push` runs the sending half and
+`WeightReceiver` the receiving half, each in one loop. A transport supplies only two things:
 
-    sender                                 receiver
-      connect ------------ Hello ---------->  (listening since construction)
-              <----------- Welcome ---------  max bucket size, committed version
-      offer   ------------ Offer(plan) ---->  check plan, sink.begin
-              <----------- Accept/Failed ---
-      send_bucket  x N  -- bucket bytes --->  land pieces, deliver completed tensors
-      commit  ------------ Commit --------->  verify digest, sink.commit
-              <----------- Committed/Failed-
+- how the conversation travels: a `Link` per receiver (socket or in-process, `links.py`);
+- how bucket bytes move: a data plane, `SendPlane` on the sender and `ReceivePlane` (one per
+  connection) on the receiver: a host ring (shm), a device ring (cudaipc), a socket stream
+  (tcp), a gloo chain (collective), a direct copy (inproc).
 
-`WeightSender` calls each method below from exactly one place; a transport records a failing
-receiver on its `Peer` and carries on with the others.
+::
+
+    WeightSender.push                              WeightReceiver (one thread per sender)
+      channel.connect ---- Hello --------------->  Welcome (+ the sender's Auth)
+      plane.setup(plan, offer):
+        [ring announcement ------------------->    plane.on_setup]
+        channel.offer ---- Offer(plan) --------->  begin -> Landing
+                      <--- Accept / Failed -----
+      plane.send(k, items)  x N  -- bucket k -->   plane.receive(k, landing)  x N
+      plane.finish                                 plane.finish(landing)
+      channel.commit ----- Commit ------------->   commit
+                      <--- Committed / Failed --
+
+Each plane method returns what happened to each receiver (`Failures`); the sender holds the
+state. A transport declares itself once, as a `TransportSpec` in the registry (`__init__.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Protocol
-
-import torch
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
 from weightsync.errors import WeightSyncError
-from weightsync.types import Abort, Commit, Message, Offer, Piece, Welcome
+from weightsync.types import Message, Plan
 
 if TYPE_CHECKING:
-    from weightsync.sink import Landing
+    from weightsync.checksum import SyncHashes
+    from weightsync.landing import Landing
+    from weightsync.pack import BucketItem
+    from weightsync.transports.control import SenderChannel
 
-__all__ = ["BucketItem", "Peer", "ReceiverTransport", "SenderTransport", "SyncTarget"]
+__all__ = [
+    "Failures",
+    "Link",
+    "LinkKind",
+    "Listener",
+    "PlaneOptions",
+    "ReceivePlane",
+    "SendPlane",
+    "TransportSpec",
+]
+
+Failures: TypeAlias = dict[str, WeightSyncError]
+"""Receivers (by address) that failed in a step, with why."""
+
+LinkKind: TypeAlias = Literal["unix", "tcp", "inproc"]
 
 
-@dataclasses.dataclass(slots=True)
-class BucketItem:
-    """One piece of a bucket with the source tensor it is cut from."""
+class Link(Protocol):
+    """One control connection, either end: typed messages, every wait bounded.
 
-    piece: Piece
-    tensor: torch.Tensor
-    wire_dtype: torch.dtype
+    `version` and `bucket` are set by the sync loop so that errors say where they happened."""
+
+    transport: str
+    version: int | None
+    bucket: int | None
+
+    def send(self, message: Message, timeout: float | None) -> None: ...
+
+    def recv(self, timeout: float | None, max_bytes: int = ...) -> Message: ...
+
+    def wait_readable(self) -> None: ...
+
+    def closed_by_peer(self) -> bool: ...
+
+    def close(self) -> None: ...
 
 
-@dataclasses.dataclass(eq=False, slots=True)
-class Peer:
-    """A receiver as the sender sees it during a push."""
+class Listener(Protocol):
+    """Where a receiver accepts links; `serve(link)` runs on a thread per connection."""
 
     address: str
-    welcome: Welcome | None = None
-    error: WeightSyncError | None = None
-    committed: bool = False
 
-    @property
-    def alive(self) -> bool:
-        return self.error is None and self.welcome is not None
+    def start(self, serve: Callable[[Link], None]) -> None: ...
+
+    def close(self) -> None: ...
 
 
-class SenderTransport(ABC):
-    """The sending half of a transport, for every receiver address with its scheme."""
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PlaneOptions:
+    """What a data plane is built with, on either side."""
 
-    name: str = ""
+    timeout: float
+    """Seconds any single wait may last."""
+    num_slots: int = 2
+    """Ring slots (shm, cudaipc): 2 lets packing overlap landing."""
+    max_bucket_bytes: int = 0
+    """Receiver: the largest bucket it accepts (a ring with larger slots is refused)."""
 
-    def __init__(self, peers: list[Peer], timeout: float) -> None:
-        self.peers = peers
-        self.timeout = timeout
-        self.checksums: list[int] = []
-        """The checksums of this sync's buckets, when it verifies buckets and the transport
-        has a wire (inproc has none)."""
-        self.tensor_digests: tuple[int, ...] = ()
-        """With verify="full", once every bucket was sent: each tensor's hash, in plan order."""
 
-    def live(self) -> list[Peer]:
-        return [peer for peer in self.peers if peer.alive]
+class SendPlane(ABC):
+    """How bucket bytes leave the sender, for every receiver of one transport."""
 
-    @abstractmethod
-    def connect(self) -> None:
-        """Connect (or reconnect) every peer without a live connection and fill its `welcome`."""
+    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+        self.channel = channel
+        self.options = options
 
-    @abstractmethod
-    def offer(self, offer: Offer) -> None:
-        """Send the plan and wait for every live peer to accept or fail."""
+    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
+        """Prepare to move `plan`'s buckets, around `offer` (which sends the plan and waits for
+        every receiver in `live` to accept); returns the receivers that failed. Default: offer."""
+        return offer()
 
     @abstractmethod
-    def send_bucket(self, index: int, items: list[BucketItem]) -> None:
-        """Move bucket `index` to every live peer."""
+    def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
+        """Move bucket `index` to every receiver in `live`; feed `hashes` with its bytes as sent."""
 
-    @abstractmethod
-    def commit(self, commit: Commit) -> None:
-        """Ask every live peer to commit and wait for each to confirm or fail."""
+    def finish(self, live: Sequence[str]) -> Failures:
+        """Every bucket was handed to `send`: wait until it left (before the commit)."""
+        return {}
 
-    @abstractmethod
-    def abort(self, abort: Abort) -> None:
-        """Tell every live peer the sync is abandoned."""
+    def abort(self) -> None:
+        """The sync is abandoned: drop what is in flight."""
+        return None
 
-    @abstractmethod
     def close(self) -> None:
-        """Release connections and buffers; safe to call twice."""
+        """Release buffers; safe to call twice."""
+        return None
 
 
-class SyncTarget(Protocol):
-    """What a receiving transport drives: the `WeightReceiver`'s state machine."""
+class ReceivePlane(ABC):
+    """How bucket bytes reach one receiver from one sender (one per connection)."""
 
-    auth_required: bool
-    """True when senders must prove a shared token (`authenticate`) before anything else."""
+    def __init__(self, link: Link, options: PlaneOptions) -> None:
+        self.link = link
+        self.options = options
 
-    def welcome(self, sender_nonce: str = "") -> Welcome: ...
-
-    def authenticate(self, welcome: Welcome, message: Message) -> bool: ...
-
-    def begin(self, offer: Offer) -> Landing: ...
-
-    def commit(self, landing: Landing, commit: Commit) -> None: ...
-
-    def abort(self, landing: Landing, error: BaseException) -> None: ...
-
-
-class ReceiverTransport(ABC):
-    """The receiving half: listens from `start()` on and drives a `SyncTarget` per sync."""
-
-    name: str = ""
-
-    def __init__(self, target: SyncTarget, *, host: str, port: int, timeout: float) -> None:
-        self.target = target
-        self.host = host
-        self.port = port
-        self.timeout = timeout
-
-    @property
-    @abstractmethod
-    def address(self) -> str:
-        """Where senders connect, e.g. "tcp://127.0.0.1:5555"."""
+    def on_setup(self, message: Message) -> bool:
+        """Take a setup message sent between syncs (a ring to map); False if it is not one."""
+        return False
 
     @abstractmethod
-    def start(self) -> None:
-        """Start listening in the background."""
+    def receive(self, index: int, landing: Landing) -> None:
+        """Land bucket `index` (announced on the link) and finish it (`landing.finish_bucket`)."""
 
-    @abstractmethod
+    def finish(self, landing: Landing) -> None:
+        """After the last `receive`: land what is still in flight."""
+        return None
+
     def close(self) -> None:
-        """Stop listening, drop connections, release buffers; safe to call twice."""
+        """Release what this connection held; safe to call twice."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TransportSpec:
+    """A transport, declared once: its name, its link, its two data planes, what it needs."""
+
+    name: str
+    """The address scheme: "shm" for "shm://@NAME"."""
+    link: LinkKind
+    """How the conversation travels: a Unix socket, TCP, or in-process."""
+    send_plane: Callable[[SenderChannel, PlaneOptions], SendPlane]
+    receive_plane: Callable[[Link, PlaneOptions], ReceivePlane]
+    summary: str
+    """Reach and how bytes move, one line (the registry's table)."""
+    uses_slots: bool = False
+    """Whether `num_slots` means something to it (a ring)."""
+    needs_cuda: bool = False
+    check: Callable[[str], None] = lambda role: None
+    """Raises ConfigError when this process cannot use the transport as `role` ("sender" or
+    "receiver"): no CUDA for cudaipc."""
+
+
+def fail_all(live: Sequence[str], error: WeightSyncError) -> Failures:
+    return dict.fromkeys(live, error)
+
+
+def merge(*failures: Mapping[str, WeightSyncError]) -> Failures:
+    """The first failure recorded for each receiver wins."""
+    merged: Failures = {}
+    for step in failures:
+        for address, error in step.items():
+            merged.setdefault(address, error)
+    return merged

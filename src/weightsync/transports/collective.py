@@ -7,7 +7,7 @@ it at most once, and a bucket reaches the last receiver a few chunks after the f
 chain, as NCCL broadcasts; gloo's own broadcast is a binomial tree that sends a whole bucket
 ceil(log2(N+1)) times in turn). Ranks follow the receivers' hosts, so a chain enters each host once.
 
-Control messages travel over one TCP connection per receiver, exactly as in the tcp transport
+Control messages travel over one TCP connection per receiver, as in the tcp transport
 (handshake, plan, checksums, commit). The bucket bytes travel by gloo send/recv in a process
 group of the sender (rank 0) and the receivers that accepted the plan, formed through a
 `TCPStore` the sender hosts. A group lives as long as its membership: when the receivers that
@@ -35,20 +35,30 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from weightsync.checksum import SyncHashes
 from weightsync.errors import CollectiveError, ConfigError, ProtocolError, WeightSyncError
-from weightsync.pack import write_piece
-from weightsync.sink import Landing
-from weightsync.transports.base import BucketItem, Peer
-from weightsync.transports.tcp import TcpReceiver, TcpSender
-from weightsync.types import BucketReady, Group, Message, Offer, Plan
+from weightsync.landing import Landing
+from weightsync.pack import BucketItem, pack_bucket
+from weightsync.transports.base import (
+    Failures,
+    Link,
+    PlaneOptions,
+    ReceivePlane,
+    SendPlane,
+    TransportSpec,
+)
+from weightsync.transports.control import SenderChannel, expect_on, next_message
+from weightsync.types import BucketReady, Group, Message, Plan
 from weightsync.wire import Connection
 
-__all__ = ["CollectiveReceiver", "CollectiveSender"]
+__all__ = ["SPEC", "ChainReceivePlane", "ChainSendPlane"]
 
 BACKEND = "gloo"
 MAX_WORLD_SIZE = 4096
@@ -122,7 +132,7 @@ class _Member:
     instead of at its timeout."""
 
     def __init__(
-        self, group: dist.Backend, rank: int, world_size: int, timeout: float, control: Connection | None = None
+        self, group: dist.Backend, rank: int, world_size: int, timeout: float, control: Link | None = None
     ) -> None:
         self._group: dist.Backend | None = group
         self._control = control
@@ -238,120 +248,121 @@ class _Member:
             self._forwards = None
 
 
-class CollectiveSender(TcpSender):
-    name = "collective"
+class ChainSendPlane(SendPlane):
+    """The sender's end of the chain (rank 0): packs each bucket and passes it to rank 1."""
 
-    def __init__(self, peers: list[Peer], timeout: float, auth_token: str | None = None) -> None:
-        super().__init__(peers, timeout, auth_token)
+    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+        super().__init__(channel, options)
         self._store: dist.TCPStore | None = None
         self._store_host = ""
         self._member: _Member | None = None
-        self._members: list[Connection] = []
+        self._members: list[Link] = []
         self._in_flight: list[_InFlight | None] = [None, None]
         self._plan: Plan | None = None
 
-    def offer(self, offer: Offer) -> None:
-        super().offer(offer)  # the peers still live accepted the plan
-        self._plan, self._in_flight = offer.plan, [None, None]
-        if offer.plan.buckets and self.live():
-            self._form_group()
+    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
+        failures = offer()
+        self._plan, self._in_flight = plan, [None, None]
+        accepted = [address for address in live if address not in failures]
+        if plan.buckets and accepted:
+            failures |= self._form_group(accepted)
+        return failures
 
-    def _form_group(self) -> None:
-        """Make the live peers (and only them) the group, unless they already are; ranks go
+    def _form_group(self, live: Sequence[str]) -> Failures:
+        """Make the live receivers (and only them) the group, unless they already are; ranks go
         host by host, so that the chain crosses from one host to the next only once."""
-        peers = sorted(self.live(), key=lambda peer: self.connection(peer).sock.getpeername()[0])
-        members = [self.connection(peer) for peer in peers]
+        ordered = sorted(live, key=lambda address: _socket(self.channel.link(address)).sock.getpeername()[0])
+        members = [self.channel.link(address) for address in ordered]
         if self._member is not None and members == self._members:
-            return
+            return {}
         self._disband()
-        host = members[0].sock.getsockname()[0]  # our address as the receivers reach us
+        host = _socket(members[0]).sock.getsockname()[0]  # our address as the receivers reach us
         if self._store is None or self._store_host != host:
-            self._store, self._store_host = _host_store(host, self.timeout), host
-        prefix = secrets.token_hex(16)
-        for rank, peer in enumerate(peers, start=1):
-            message = Group(host, self._store.port, prefix, rank, len(peers) + 1, BACKEND)
-            try:
-                self.connection(peer).send(message, self.timeout)
-            except (WeightSyncError, OSError) as exc:
-                self.fail(peer, exc)
-        if len(self.live()) != len(peers):
-            self._fail_all(CollectiveError("a receiver left while the process group was forming", transport=self.name))
-            return
-        try:
-            group = _new_group(self._store, prefix, 0, len(peers) + 1, host, self.timeout)
-        except CollectiveError as exc:
-            self._fail_all(exc)
-            return
-        self._member, self._members = _Member(group, 0, len(peers) + 1, self.timeout), members
+            self._store, self._store_host = _host_store(host, self.options.timeout), host
+        store, prefix, world_size = self._store, secrets.token_hex(16), len(ordered) + 1
 
-    def send_bucket(self, index: int, items: list[BucketItem]) -> None:
-        assert self._member is not None and self._plan is not None
+        def invite(address: str, link: Link) -> None:
+            rank = ordered.index(address) + 1
+            link.send(Group(host, store.port, prefix, rank, world_size, BACKEND), self.options.timeout)
+
+        failures = self.channel.each(ordered, invite)
+        if failures:
+            error = CollectiveError("a receiver left while the process group was forming", transport="collective")
+            return failures | self._fail_all([a for a in ordered if a not in failures], error)
+        try:
+            group = _new_group(store, prefix, 0, world_size, host, self.options.timeout)
+        except CollectiveError as exc:
+            return self._fail_all(ordered, exc)
+        self._member, self._members = _Member(group, 0, world_size, self.options.timeout), members
+        return {}
+
+    def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
+        member, plan = self._member, self._plan
+        if member is None or plan is None:
+            return self._fail_all(live, CollectiveError("no process group for this sync", transport="collective"))
         slot = index % 2
-        if not self._settle(slot):
-            return
-        cuda = any(item.tensor.is_cuda for item in items)
-        buffer = self._member.buffers(self._plan.bucket_bytes, pinned=cuda)[slot]
-        out = buffer.numpy()
-        views = []
-        for item in items:
-            piece = item.piece
-            view = out[piece.bucket_offset : piece.bucket_offset + piece.nbytes]
-            write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, view)
-            views.append(view)
-        message = BucketReady(index, slot, self.checksum(items, views))
+        failures = self._settle(slot, live)
+        if failures:
+            return failures
+        buffer = member.buffers(plan.bucket_bytes, pinned=any(item.tensor.is_cuda for item in items))[slot]
+        views = [np.asarray(view) for view in pack_bucket(items, buffer.numpy())]
+        checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
+        message = BucketReady(index, slot, checksum)
 
-        def announce(peer: Peer, conn: Connection) -> None:
-            conn.bucket = index
-            conn.send(message, self.timeout)
+        def announce(address: str, link: Link) -> None:
+            link.bucket = index
+            link.send(message, self.options.timeout)
 
-        self.each(announce)
-        if not self.live():
-            return
+        failures = self.channel.each(live, announce)
+        remaining = [address for address in live if address not in failures]
+        if not remaining:
+            return failures
         try:
-            self._in_flight[slot] = self._member.broadcast(buffer[: _bucket_used(self._plan, index)], index)
+            self._in_flight[slot] = member.broadcast(buffer[: _bucket_used(plan, index)], index)
         except CollectiveError as exc:
-            self._broken(exc)
+            return failures | self._broken(exc, remaining)
+        return failures
 
-    def _settle(self, slot: int) -> bool:
-        """Wait for the bucket in flight from `slot`, if any; False if the group broke."""
+    def finish(self, live: Sequence[str]) -> Failures:
+        failures: Failures = {}
+        for slot in range(2):
+            failures |= self._settle(slot, [a for a in live if a not in failures])
+        return failures
+
+    def _settle(self, slot: int, live: Sequence[str]) -> Failures:
+        """Wait for the bucket in flight from `slot`, if any; everyone fails if the group broke."""
         posted, self._in_flight[slot] = self._in_flight[slot], None
         if posted is None:
-            return True
+            return {}
         try:
             posted.wait()
         except CollectiveError as exc:
-            self._broken(exc)
-            return False
-        return True
+            return self._broken(exc, live)
+        return {}
 
-    def _broken(self, exc: CollectiveError) -> None:
-        """The group failed: every member fails this sync; those whose connection closed too
-        are reported as gone, with the reason they gave if any."""
-        deadline = time.monotonic() + min(0.5, self.timeout)
-        for peer in self.live():
-            inbox = self._inboxes.get(peer)
-            if inbox is not None and inbox.closed.wait(max(0.0, deadline - time.monotonic())):
-                self.fail(peer, inbox.reason() or CollectiveError(f"receiver died during the sync ({exc})"))
-        self._fail_all(exc)
+    def _broken(self, exc: CollectiveError, live: Sequence[str]) -> Failures:
+        """The group failed: every member fails this sync; those whose link closed too are
+        reported as gone, with the reason they gave if any."""
+        deadline = time.monotonic() + min(0.5, self.options.timeout)
+        failures: Failures = {}
+        for address in live:
+            closed = self.channel.closed(address, max(0.0, deadline - time.monotonic()))
+            if closed is not False:
+                reason = closed or CollectiveError(f"receiver died during the sync ({exc})")
+                failures[address] = self.channel.fail(address, reason)
+        return failures | self._fail_all([a for a in live if a not in failures], exc)
 
-    def _fail_all(self, exc: WeightSyncError) -> None:
-        for peer in self.live():
-            self.fail(peer, exc)
+    def _fail_all(self, live: Sequence[str], exc: WeightSyncError) -> Failures:
+        failures = {address: self.channel.fail(address, exc) for address in live}
         self._disband()
+        return failures
 
-    def commit(self, commit) -> None:  # type: ignore[no-untyped-def]
-        for slot in range(2):
-            self._settle(slot)
-        super().commit(commit)
-
-    def abort(self, abort) -> None:  # type: ignore[no-untyped-def]
+    def abort(self) -> None:
         self._disband()  # receivers waiting on the chain see the group close at once
-        super().abort(abort)
 
     def close(self) -> None:
         self._disband()
         self._store = None
-        super().close()
 
     def _disband(self) -> None:
         self._in_flight = [None, None]
@@ -360,98 +371,115 @@ class CollectiveSender(TcpSender):
         self._member, self._members = None, []
 
 
-class CollectiveReceiver(TcpReceiver):
-    name = "collective"
+class ChainReceivePlane(ReceivePlane):
+    """A receiver's place in the chain: posts bucket k+1 before it lands bucket k, and after a
+    local failure keeps receiving and forwarding (discarding) so the others are not held up."""
 
-    def __init__(self, target, *, host: str, port: int, timeout: float) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(target, host=host, port=port, timeout=timeout)
-        self._members: dict[Connection, _Member] = {}
+    def __init__(self, link: Link, options: PlaneOptions) -> None:
+        super().__init__(link, options)
+        self._member: _Member | None = None
+        self._buffers: list[torch.Tensor] = []
+        self._pending: tuple[_InFlight, int] | None = None
+        self._failure: WeightSyncError | None = None
+        self._first: Message | None = None
+        """Bucket 0's announcement, read while looking for a `Group`."""
 
-    def receive_buckets(self, conn: Connection, landing: Landing) -> None:
-        plan, version = landing.plan, landing.version
-        if not plan.buckets:
-            return
-        conn.bucket = 0
-        message: Message | None = self._next(conn, version)
-        if isinstance(message, Group):
-            self._join(conn, message)
-            message = None
-        member = self._members.get(conn)
-        if member is None:
-            raise ProtocolError("no process group was formed for this sync", transport=self.name, version=version)
-        cuda = any(landing.on_device(tensor) for tensor in range(len(plan.tensors)))
-        buffers = member.buffers(plan.bucket_bytes, pinned=cuda and torch.cuda.is_available())
-        pending: tuple[_InFlight, int] | None = None
-        posted: _InFlight | None = None
-        failure: WeightSyncError | None = None
+    def receive(self, index: int, landing: Landing) -> None:
         try:
-            for index in range(len(plan.buckets)):
-                conn.bucket = index
-                announced = message if message is not None else self._next(conn, version)
-                message = None
-                if not isinstance(announced, BucketReady) or announced.index != index:
-                    raise ProtocolError(
-                        f"expected BucketReady for bucket {index}, got {announced!r}"[:200],
-                        transport=self.name,
-                        version=version,
-                        bucket=index,
-                    )
-                posted = member.broadcast(buffers[index % 2][: _bucket_used(plan, index)], index)
-                if pending is not None:
-                    failure = self._land(pending, buffers, landing, failure)
-                pending = (posted, announced.checksum)
-            if pending is not None:
-                failure = self._land(pending, buffers, landing, failure)
+            if index == 0:
+                self._start(landing)
+            self._receive(index, landing)
         except BaseException as exc:
-            for inflight in (posted, pending[0] if pending else None):
-                if inflight is not None:
-                    inflight.forget()  # the error's traceback must not keep the group's connections
-            if isinstance(exc, CollectiveError):
-                self._leave(conn)  # the group is broken; the sender forms a new one
+            self._forget(exc)
             raise
+
+    def _start(self, landing: Landing) -> None:
+        message = next_message(self.link, self.options.timeout)
+        if isinstance(message, Group):
+            self._join(message)
+            message = expect_on(self.link, BucketReady, self.options.timeout, "BucketReady for bucket 0")
+        if self._member is None:
+            raise ProtocolError(
+                "no process group was formed for this sync", transport="collective", version=landing.version
+            )
+        cuda = landing.any_on_device() and torch.cuda.is_available()
+        self._buffers = self._member.buffers(landing.plan.bucket_bytes, pinned=cuda)
+        self._pending, self._failure, self._first = None, None, message
+
+    def _receive(self, index: int, landing: Landing) -> None:
+        member = self._member
+        if member is None:
+            raise ProtocolError("no process group was formed for this sync", transport="collective")
+        first, self._first = self._first, None
+        announced = first if first is not None else next_message(self.link, self.options.timeout)
+        if not isinstance(announced, BucketReady) or announced.index != index:
+            raise ProtocolError(
+                f"expected BucketReady for bucket {index}, got {announced!r}"[:200],
+                transport="collective",
+                version=landing.version,
+                bucket=index,
+            )
+        posted = member.broadcast(self._buffers[index % 2][: _bucket_used(landing.plan, index)], index)
+        pending, self._pending = self._pending, (posted, announced.checksum)
+        if pending is not None:
+            self._land(pending, landing)
+
+    def finish(self, landing: Landing) -> None:
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                self._land(pending, landing)
+        except BaseException as exc:
+            self._forget(exc)
+            raise
+        failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
 
-    def _land(
-        self,
-        pending: tuple[_InFlight, int],
-        buffers: list[torch.Tensor],
-        landing: Landing,
-        failure: WeightSyncError | None,
-    ) -> WeightSyncError | None:
+    def _land(self, pending: tuple[_InFlight, int], landing: Landing) -> None:
         """Wait for a posted bucket and land it; after a local failure, only wait (drain)."""
         posted, checksum = pending
         posted.wait()
+        if self._failure is not None:
+            return
         index = posted.bucket
-        if failure is not None:
-            return failure
-        slot = buffers[index % 2].numpy()
+        slot = self._buffers[index % 2]
+        data = slot.numpy()
         try:
             for piece in landing.plan.buckets[index]:
-                landing.land(
-                    piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes], pinned=buffers[0].is_pinned()
-                )
+                piece_data = data[piece.bucket_offset : piece.bucket_offset + piece.nbytes]
+                landing.copy_in(piece, piece_data, pinned=slot.is_pinned())
             landing.finish_bucket(index, checksum)
         except WeightSyncError as exc:
-            return exc  # keep receiving and forwarding: the others are not held up
-        return None
+            self._failure = exc  # keep receiving and forwarding: the others are not held up
 
-    def _join(self, conn: Connection, message: Group) -> None:
+    def _forget(self, exc: BaseException) -> None:
+        pending, self._pending, self._first = self._pending, None, None
+        if pending is not None:
+            pending[0].forget()  # the error's traceback must not keep the group's connections
+        if isinstance(exc, CollectiveError):
+            self.close()  # the group is broken; the sender forms a new one
+
+    def _join(self, message: Group) -> None:
         if message.backend != BACKEND or not 0 < message.rank < message.world_size <= MAX_WORLD_SIZE:
-            raise ProtocolError(f"cannot join {message!r}"[:200], transport=self.name)
-        self._leave(conn)
-        store = _client_store(message.store_host, message.store_port, self.timeout)
-        host = conn.sock.getsockname()[0]  # our address as the sender reaches us
-        group = _new_group(store, message.prefix, message.rank, message.world_size, host, self.timeout)
-        self._members[conn] = _Member(group, message.rank, message.world_size, self.timeout, conn)
+            raise ProtocolError(f"cannot join {message!r}"[:200], transport="collective")
+        self.close()
+        timeout = self.options.timeout
+        store = _client_store(message.store_host, message.store_port, timeout)
+        host = _socket(self.link).sock.getsockname()[0]  # our address as the sender reaches us
+        group = _new_group(store, message.prefix, message.rank, message.world_size, host, timeout)
+        self._member = _Member(group, message.rank, message.world_size, timeout, self.link)
 
-    def on_disconnect(self, conn: Connection) -> None:
-        self._leave(conn)
-
-    def _leave(self, conn: Connection) -> None:
-        member = self._members.pop(conn, None)
+    def close(self) -> None:
+        member, self._member = self._member, None
         if member is not None:
             member.close()
+
+
+def _socket(link: Link) -> Connection:
+    if not isinstance(link, Connection):
+        raise ProtocolError("the collective transport needs a socket link", transport="collective")
+    return link
 
 
 def _host_store(host: str, timeout: float) -> dist.TCPStore:
@@ -485,3 +513,12 @@ def _client_store(host: str, port: int, timeout: float) -> dist.TCPStore:
         raise CollectiveError(
             f"cannot reach the sender's rendezvous at {host}:{port}: {_first_line(exc)}", transport="collective"
         ) from exc
+
+
+SPEC = TransportSpec(
+    name="collective",
+    link="tcp",
+    send_plane=ChainSendPlane,
+    receive_plane=ChainReceivePlane,
+    summary="any hosts, a group: source -> bucket -> rank 1 -> rank 2 ... (gloo chain)",
+)

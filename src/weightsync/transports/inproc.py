@@ -1,111 +1,92 @@
 """In-process transport: sender and receiver in one process (colocated / hybrid mode).
 
-Nothing is serialised and no bucket buffer exists: each piece is copied straight from the source
-tensor into the receiver's destination, and a receiver without destinations gets the source
-tensors themselves (views, or the cast result) with no copy at all.
+The conversation runs over an in-process link (typed messages as objects, no encoding) and no
+bucket buffer exists: the receiver takes each bucket's items (the sender's tensors) off the link
+and copies every piece straight into its landing site; a tensor without a destination is handed
+to the sink as the source tensor itself (a view, or the cast result), with no copy at all. The
+sender keeps at most two buckets' items in flight, so a source that gathers tensors one at a
+time (FSDP) holds no more than that.
 """
 
 from __future__ import annotations
 
-import secrets
-import weakref
+import time
+from collections.abc import Sequence
 
-from weightsync.errors import ConnectError, RemoteError, WeightSyncError
-from weightsync.pack import write_piece
-from weightsync.sink import Landing
-from weightsync.transports.base import BucketItem, Peer, ReceiverTransport, SenderTransport, SyncTarget
-from weightsync.types import Abort, Commit, Offer
+from weightsync.checksum import SyncHashes
+from weightsync.errors import ProtocolError
+from weightsync.landing import Landing
+from weightsync.pack import BucketItem, write_piece
+from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
+from weightsync.transports.control import SenderChannel, expect_on
+from weightsync.transports.links import QueueLink
+from weightsync.types import BucketDone, BucketReady
 
-__all__ = ["InprocReceiver", "InprocSender"]
+__all__ = ["SPEC", "DirectReceivePlane", "DirectSendPlane"]
 
-_LISTENING: weakref.WeakValueDictionary[str, InprocReceiver] = weakref.WeakValueDictionary()
-
-
-class InprocReceiver(ReceiverTransport):
-    name = "inproc"
-
-    def __init__(self, target: SyncTarget, *, host: str, port: int, timeout: float) -> None:
-        super().__init__(target, host=host, port=port, timeout=timeout)
-        self._address = f"inproc://{secrets.token_hex(8)}"
-
-    @property
-    def address(self) -> str:
-        return self._address
-
-    def start(self) -> None:
-        _LISTENING[self._address] = self
-
-    def close(self) -> None:
-        _LISTENING.pop(self._address, None)
+IN_FLIGHT = 2
+"""Buckets handed over and not yet landed, per receiver."""
 
 
-class InprocSender(SenderTransport):
-    name = "inproc"
+class DirectSendPlane(SendPlane):
+    """Hands each bucket's items to every receiver; waits for the one `IN_FLIGHT` before."""
 
-    def __init__(self, peers: list[Peer], timeout: float) -> None:
-        super().__init__(peers, timeout)
-        self._targets: dict[Peer, SyncTarget] = {}
-        self._landings: dict[Peer, Landing] = {}
+    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+        super().__init__(channel, options)
+        self._acked: dict[str, int] = {}
 
-    def connect(self) -> None:
-        for peer in self.peers:
-            peer.error, peer.welcome = None, None
-            receiver = _LISTENING.get(peer.address)
-            if receiver is None:
-                peer.error = ConnectError(
-                    f"no receiver listening at {peer.address} in this process", transport=self.name
-                )
-                continue
-            self._targets[peer] = receiver.target
-            peer.welcome = receiver.target.welcome()
+    def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
+        if index == 0:
+            self._acked = {}
+        deadline = time.monotonic() + self.options.timeout
 
-    def offer(self, offer: Offer) -> None:
-        self._landings = {}
-        for peer in self.live():
-            try:
-                self._landings[peer] = self._targets[peer].begin(offer)
-            except WeightSyncError as exc:
-                peer.error = exc
+        def hand_over(address: str, link: Link) -> None:
+            while self._acked.get(address, -1) < index - IN_FLIGHT:
+                self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
+            _queue(link).hand_over(index, items)
+            link.bucket = index
+            link.send(BucketReady(index, 0), self.options.timeout)
 
-    def send_bucket(self, index: int, items: list[BucketItem]) -> None:
-        for peer in self.live():
-            landing = self._landings[peer]
-            try:
-                for item in items:
-                    self._land(landing, item)
-                landing.finish_bucket(index)
-            except WeightSyncError as exc:
-                self._fail(peer, exc)
+        return self.channel.each(live, hand_over)
 
-    @staticmethod
-    def _land(landing: Landing, item: BucketItem) -> None:
-        piece = item.piece
-        if landing.in_place(piece.tensor):
-            write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, landing.target(piece))
-        elif landing.on_device(piece.tensor):
-            write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, landing.device_target(piece))
-        elif piece.tensor_offset == 0:
-            landing.adopt(piece.tensor, item.tensor.detach().to(item.wire_dtype))
 
-    def commit(self, commit: Commit) -> None:
-        for peer in self.live():
-            try:
-                self._targets[peer].commit(self._landings.pop(peer), commit)
-                peer.committed = True
-            except WeightSyncError as exc:
-                peer.error = exc
+class DirectReceivePlane(ReceivePlane):
+    """Copies each piece from the sender's tensor into its landing site (or adopts the tensor)."""
 
-    def abort(self, abort: Abort) -> None:
-        for peer in self.live():
-            self._fail(peer, RemoteError(f"sender aborted the sync of version {abort.version}: {abort.reason}"))
+    def receive(self, index: int, landing: Landing) -> None:
+        link = _queue(self.link)
+        expect_on(link, BucketReady, self.options.timeout, f"BucketReady for bucket {index}")
+        items = link.take_over(index)
+        if items is None:
+            raise ProtocolError(f"bucket {index} was announced but not handed over", transport="inproc", bucket=index)
+        for item in items:
+            _land(landing, item)
+        landing.finish_bucket(index)
+        link.send(BucketDone(index), self.options.timeout)
 
-    def _fail(self, peer: Peer, exc: WeightSyncError) -> None:
-        peer.error = exc
-        landing = self._landings.pop(peer, None)
-        if landing is not None:
-            self._targets[peer].abort(landing, exc)
 
-    def close(self) -> None:
-        for peer in list(self._landings):
-            self._fail(peer, RemoteError("sender closed during a sync"))
-        self._targets.clear()
+def _land(landing: Landing, item: BucketItem) -> None:
+    piece = item.piece
+    device = landing.device_view(piece)
+    if device is not None:
+        write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, device)
+    elif landing.direct(piece.tensor):
+        write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, landing.host_view(piece))
+    elif piece.tensor_offset == 0:
+        # the whole tensor, adopted as it is (no copy): its later pieces, if any, are in it already
+        landing.adopt(piece.tensor, item.tensor.detach().to(item.wire_dtype))
+
+
+def _queue(link: Link) -> QueueLink:
+    if not isinstance(link, QueueLink):
+        raise ProtocolError("the in-process data plane needs an in-process link", transport=link.transport)
+    return link
+
+
+SPEC = TransportSpec(
+    name="inproc",
+    link="inproc",
+    send_plane=DirectSendPlane,
+    receive_plane=DirectReceivePlane,
+    summary="same process: source -> destination, one copy (or none)",
+)

@@ -1,0 +1,316 @@
+"""The control channel: the conversation of a sync, over links of any kind.
+
+`SenderChannel` is the sender's end for the receivers of one transport: it connects (Hello,
+Welcome, Auth), offers, commits and aborts, each step returning what happened per receiver. Replies
+are read by a thread per link into an inbox, so the sender waits on several receivers with one
+deadline. `next_message` and `expect_on` are the receiver's reads, shared by the receive loop and
+the data planes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from weightsync.auth import new_nonce, proof, proof_matches
+from weightsync.errors import (
+    AuthError,
+    PeerClosedError,
+    ProtocolError,
+    RemoteError,
+    TransferTimeout,
+    WeightSyncError,
+)
+from weightsync.transports.base import Failures, Link
+from weightsync.types import (
+    PROTOCOL_VERSION,
+    Abort,
+    Accept,
+    Auth,
+    Commit,
+    Committed,
+    Failed,
+    Hello,
+    Message,
+    Offer,
+    Welcome,
+)
+
+__all__ = ["SenderChannel", "expect_on", "next_message"]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+CLOSE_GRACE_S = 1.0
+"""How long a sender waits, after a receiver's link broke, for the reason it sent before closing."""
+
+
+class _Inbox:
+    """Messages a receiver sends back, read by a background thread."""
+
+    def __init__(self, link: Link, timeout: float) -> None:
+        self._timeout = timeout
+        self._queue: queue.Queue[Message | WeightSyncError] = queue.Queue()
+        self.closed = threading.Event()
+        """Set once the link is gone: the receiver closed it, died, or sent garbage."""
+        threading.Thread(target=self._read, args=(link,), daemon=True, name="weightsync-inbox").start()
+
+    def _read(self, link: Link) -> None:
+        while True:
+            try:
+                # Wait for data without touching the socket's timeout: the sender thread uses the
+                # same socket, and switching it to blocking mode under a send in flight turns
+                # that send into EAGAIN. Reads then use the sender's own timeout, unchanged.
+                link.wait_readable()
+                self._queue.put(link.recv(self._timeout))
+            except WeightSyncError as exc:
+                self._queue.put(exc)
+                self.closed.set()
+                return
+
+    def reason(self) -> RemoteError | None:
+        """The receiver's own failure message, if one is waiting in the inbox."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return None
+            if isinstance(item, Failed):
+                return RemoteError(item.message, kind=item.kind)
+
+    def get(self, deadline: float, link: Link) -> Message:
+        try:
+            item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise TransferTimeout(
+                "peer sent no reply in time", transport=link.transport, version=link.version, bucket=link.bucket
+            ) from None
+        if isinstance(item, WeightSyncError):
+            raise item
+        if isinstance(item, Failed):
+            raise RemoteError(item.message, kind=item.kind)
+        return item
+
+
+class SenderChannel:
+    """The sender's links to the receivers of one transport.
+
+    Args:
+        scheme: the transport's name (for errors).
+        open_link: opens a link to an address, bounded by a timeout.
+        timeout: seconds any single wait may last.
+        auth_token: the shared token receivers must prove, or None.
+    """
+
+    def __init__(
+        self, scheme: str, open_link: Callable[[str, float], Link], *, timeout: float, auth_token: str | None
+    ) -> None:
+        self.scheme = scheme
+        self.timeout = timeout
+        self._open_link = open_link
+        self._token = auth_token
+        self._links: dict[str, Link] = {}
+        self._inboxes: dict[str, _Inbox] = {}
+        self._welcomes: dict[str, Welcome] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self.sender_id = f"{socket.gethostname()}:{id(self):x}"
+
+    def link(self, address: str) -> Link:
+        return self._links[address]
+
+    # --- the conversation -----------------------------------------------------------------------
+
+    def connect(self, addresses: Sequence[str]) -> tuple[dict[str, Welcome], Failures]:
+        """Connect every receiver without a live link (keeping those still connected); returns
+        each reachable receiver's Welcome, and why the others failed."""
+        welcomes: dict[str, Welcome] = {}
+        failures: Failures = {}
+        for address in addresses:
+            if self._connected(address):
+                welcomes[address] = self._welcomes[address]
+                continue
+            self.drop(address)
+            try:
+                welcomes[address] = self._welcomes[address] = self._handshake(address)
+            except (WeightSyncError, OSError) as exc:
+                failures[address] = self.fail(address, exc)
+        return welcomes, failures
+
+    def _connected(self, address: str) -> bool:
+        link, inbox = self._links.get(address), self._inboxes.get(address)
+        # the receiver may have closed it (it restarted, say) before our reader noticed
+        return link is not None and inbox is not None and not inbox.closed.is_set() and not link.closed_by_peer()
+
+    def _handshake(self, address: str) -> Welcome:
+        link = self._links[address] = self._open_link(address, self.timeout)
+        nonce = new_nonce()
+        link.send(Hello(PROTOCOL_VERSION, self.sender_id, nonce), self.timeout)
+        self._inboxes[address] = _Inbox(link, self.timeout)
+        welcome = self.expect(address, Welcome, time.monotonic() + self.timeout)
+        if welcome.protocol != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"receiver speaks protocol {welcome.protocol}, sender {PROTOCOL_VERSION}", transport=self.scheme
+            )
+        if self._token is not None:
+            if not proof_matches(self._token, "receiver", nonce, welcome.proof):
+                raise AuthError(f"receiver {address} did not prove it holds our auth token")
+            link.send(Auth(proof(self._token, "sender", welcome.nonce)), self.timeout)
+        return welcome
+
+    def offer(self, offer: Offer, live: Sequence[str]) -> Failures:
+        """Send the plan; returns the receivers that did not accept it, with why."""
+
+        def send(address: str, link: Link) -> None:
+            link.version, link.bucket = offer.version, None
+            link.send(offer, self.timeout)
+
+        failures = self.each(live, send)
+        deadline = time.monotonic() + self.timeout
+
+        def accepted(address: str, link: Link) -> None:
+            self._check_version(self.expect(address, Accept, deadline), offer.version)
+
+        return failures | self.each([a for a in live if a not in failures], accepted)
+
+    def commit(self, commit: Commit, live: Sequence[str]) -> Failures:
+        """Ask every receiver in `live` to commit; returns those that did not, with why."""
+        failures = self.each(live, lambda address, link: link.send(commit, self.timeout))
+        deadline = time.monotonic() + self.timeout
+
+        def confirm(address: str, link: Link) -> None:
+            reply = self.reply(address, deadline)
+            while not isinstance(reply, Committed):  # acks of the last buckets may come first
+                reply = self.reply(address, deadline)
+            self._check_version(reply, commit.version)
+
+        return failures | self.each([a for a in live if a not in failures], confirm)
+
+    def abort(self, abort: Abort, live: Sequence[str]) -> None:
+        """Tell every receiver in `live` the sync is off, and wait until each let go of it."""
+        self.each(live, lambda address, link: link.send(abort, self.timeout))
+        # A receiver ends the link once it has aborted (and released its sync slot). Wait for
+        # that close, so that the next push neither finds the receiver still busy nor reads the
+        # aborted sync's late acks; then reconnect next time.
+        deadline = time.monotonic() + self.timeout
+        for address in live:
+            inbox = self._inboxes.get(address)
+            if inbox is not None:
+                inbox.closed.wait(max(0.0, deadline - time.monotonic()))
+            self.drop(address)
+
+    def _check_version(self, reply: Accept | Committed, version: int) -> None:
+        if reply.version != version:
+            raise ProtocolError(f"receiver answered for version {reply.version}, not {version}", transport=self.scheme)
+
+    # --- tools for the data planes ---------------------------------------------------------------
+
+    def reply(self, address: str, deadline: float) -> Message:
+        """The next message from `address`; a `Failed` raises RemoteError."""
+        return self._inboxes[address].get(deadline, self._links[address])
+
+    def expect(self, address: str, kind: type[M], deadline: float) -> M:
+        """The next message from `address`, which must be a `kind`; a `Failed` raises RemoteError."""
+        link = self._links[address]
+        message = self._inboxes[address].get(deadline, link)
+        if not isinstance(message, kind):
+            raise ProtocolError(
+                f"expected {getattr(kind, '__name__', 'a message')}, got {type(message).__name__}",
+                transport=self.scheme,
+                version=link.version,
+                bucket=link.bucket,
+            )
+        return message
+
+    def each(self, live: Sequence[str], action: Callable[[str, Link], None], *, parallel: bool = False) -> Failures:
+        """Run `action` for every receiver in `live`; returns those whose action raised, with why
+        (their links dropped). With `parallel`, one thread each: for bulk sends, whose cost is
+        per receiver, so that N receivers do not take N times as long."""
+
+        def attempt(address: str) -> BaseException | None:
+            try:
+                action(address, self._links[address])
+            except (WeightSyncError, OSError) as exc:
+                return exc
+            return None
+
+        if parallel and len(live) > 1:
+            errors = list(self._executor(len(live)).map(attempt, live))
+        else:
+            errors = [attempt(address) for address in live]
+        return {
+            address: self.fail(address, error) for address, error in zip(live, errors, strict=True) if error is not None
+        }
+
+    def fail(self, address: str, exc: BaseException) -> WeightSyncError:
+        """Drop a receiver's link after `exc`; returns the error to report (its own reason, when it
+        sent one before closing)."""
+        error = exc if isinstance(exc, WeightSyncError) else PeerClosedError(str(exc), transport=self.scheme)
+        inbox = self._inboxes.get(address)
+        if inbox is not None and isinstance(error, PeerClosedError):
+            inbox.closed.wait(min(CLOSE_GRACE_S, self.timeout))  # it usually said why before closing
+            error = inbox.reason() or error
+        log.warning("receiver %s failed: %s", address, error)
+        self.drop(address)
+        return error
+
+    def closed(self, address: str, timeout: float) -> RemoteError | None | bool:
+        """Wait up to `timeout` for the link to close: False if it did not, else the reason the
+        receiver gave (None when it gave none)."""
+        inbox = self._inboxes.get(address)
+        if inbox is None or not inbox.closed.wait(timeout):
+            return False
+        return inbox.reason()
+
+    def drop(self, address: str) -> None:
+        link = self._links.pop(address, None)
+        self._inboxes.pop(address, None)
+        self._welcomes.pop(address, None)
+        if link is not None:
+            link.close()
+
+    def close(self) -> None:
+        for address in list(self._links):
+            self.drop(address)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool, self._pool_size = None, 0
+
+    def _executor(self, size: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_size < size:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(size, thread_name_prefix=f"weightsync-{self.scheme}-send")
+            self._pool_size = size
+        return self._pool
+
+
+# --- the receiver's reads -----------------------------------------------------------------------
+
+
+def next_message(link: Link, timeout: float) -> Message:
+    """The sender's next message within a sync; its `Abort` raises RemoteError."""
+    message = link.recv(timeout)
+    if isinstance(message, Abort):
+        raise RemoteError(f"sender aborted the sync of version {message.version}: {message.reason}")
+    return message
+
+
+def expect_on(link: Link, kind: type[M], timeout: float, what: str = "") -> M:
+    """The sender's next message within a sync, which must be a `kind` (ProtocolError otherwise)."""
+    message = next_message(link, timeout)
+    if not isinstance(message, kind):
+        raise ProtocolError(
+            f"expected {what or kind.__name__}, got {message!r}"[:200],
+            transport=link.transport,
+            version=link.version,
+            bucket=link.bucket,
+        )
+    return message

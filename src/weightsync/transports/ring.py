@@ -1,0 +1,177 @@
+"""The ring protocol, shared by shm (slots in host shared memory) and cudaipc (slots in GPU
+memory): the sender owns `num_slots` slots, created once and reused across syncs, writes bucket
+k into slot k % num_slots while receivers copy bucket k-1 out, and every receiver reads the same
+slot (written once, read N times). A receiver acks each bucket (`BucketDone`) to free its slot.
+
+A ring is announced before the offer, so every receiver has mapped it before it accepts, and
+unlinked right after: a crash of either side leaves nothing behind. The rings themselves (how a
+slot is made, shared, written and read) live in shm.py and cudaipc.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from weightsync.checksum import SyncHashes
+from weightsync.errors import ConfigError, ProtocolError
+from weightsync.landing import Landing
+from weightsync.pack import BucketItem
+from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane
+from weightsync.transports.control import SenderChannel, expect_on
+from weightsync.types import BucketDone, BucketReady, Message, Piece, Plan
+
+__all__ = ["MAX_SLOTS", "ReceiveRing", "RingReceivePlane", "RingSendPlane", "SendRing"]
+
+MAX_SLOTS = 16
+
+
+class SendRing(Protocol):
+    """The sender's slots."""
+
+    slot_bytes: int
+
+    def announcement(self) -> Message:
+        """What tells a receiver how to open this ring."""
+        ...
+
+    def write(self, slot: int, items: Sequence[BucketItem], *, readback: bool) -> list[np.ndarray]:
+        """Pack `items` into slot `slot`, ready for other processes to read; with `readback`,
+        returns their bytes in host memory (for checksums)."""
+        ...
+
+    def unlink(self) -> None:
+        """Remove the names others open the ring by; the slots stay usable."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ReceiveRing(Protocol):
+    """A receiver's view of a sender's slots."""
+
+    slot_bytes: int
+    num_slots: int
+
+    def read(self, slot: int, pieces: Sequence[Piece], landing: Landing) -> None:
+        """Land `pieces` out of slot `slot`; the slot may be overwritten once this returns."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class RingSendPlane(SendPlane):
+    """Buckets through a ring; `new_ring(num_slots, slot_bytes)` makes the ring."""
+
+    def __init__(self, channel: SenderChannel, options: PlaneOptions, new_ring: Callable[[int, int], SendRing]) -> None:
+        super().__init__(channel, options)
+        if not 1 <= options.num_slots <= MAX_SLOTS:
+            raise ConfigError(f"num_slots must be in [1, {MAX_SLOTS}], got {options.num_slots}")
+        self._new_ring = new_ring
+        self._ring: SendRing | None = None
+        self._members: set[Link] = set()
+        """The links that have opened the ring; a reconnected receiver needs a new ring."""
+        self._acked: dict[str, int] = {}
+
+    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
+        plan_bytes = plan.bucket_bytes
+        links = {self.channel.link(address) for address in live}
+        failures: Failures = {}
+        ring = self._ring
+        if ring is None or ring.slot_bytes != plan_bytes or not links <= self._members:
+            if ring is not None:
+                ring.close()
+            self._ring = ring = self._new_ring(self.options.num_slots, plan_bytes)
+            self._members = links
+            message = ring.announcement()
+            failures = self.channel.each(live, lambda address, link: link.send(message, self.options.timeout))
+        self._acked = {address: -1 for address in live}
+        try:
+            return failures | offer()  # every receiver that accepts has opened the ring
+        finally:
+            ring.unlink()
+
+    def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
+        ring = self._ring
+        if ring is None:
+            raise ProtocolError("bucket sent before the ring was set up", transport=self.channel.scheme)
+        slot = index % self.options.num_slots
+        deadline = time.monotonic() + self.options.timeout
+        failures = self.channel.each(
+            live, lambda address, link: self._wait_ack(address, index - self.options.num_slots, deadline)
+        )
+        views = ring.write(slot, items, readback=hashes is not None)
+        checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
+        message = BucketReady(index, slot, checksum)
+
+        def notify(address: str, link: Link) -> None:
+            link.bucket = index
+            link.send(message, self.options.timeout)
+
+        return failures | self.channel.each([a for a in live if a not in failures], notify)
+
+    def _wait_ack(self, address: str, index: int, deadline: float) -> None:
+        while self._acked.get(address, -1) < index:
+            self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+
+class RingReceivePlane(ReceivePlane):
+    """Buckets out of a sender's ring; `open_ring(message)` opens the ring a setup message
+    announces, or returns None when the message is not a ring of this kind."""
+
+    def __init__(
+        self, link: Link, options: PlaneOptions, open_ring: Callable[[Message, PlaneOptions], ReceiveRing | None]
+    ) -> None:
+        super().__init__(link, options)
+        self._open_ring = open_ring
+        self._ring: ReceiveRing | None = None
+
+    def on_setup(self, message: Message) -> bool:
+        ring = self._open_ring(message, self.options)
+        if ring is None:
+            return False
+        self.close()
+        self._ring = ring
+        return True
+
+    def receive(self, index: int, landing: Landing) -> None:
+        message = expect_on(self.link, BucketReady, self.options.timeout, f"BucketReady for bucket {index}")
+        ring = self._ring
+        if message.index != index:
+            raise ProtocolError(
+                f"expected BucketReady for bucket {index}, got {message!r}"[:200],
+                transport=self.link.transport,
+                version=self.link.version,
+                bucket=index,
+            )
+        if ring is None or not 0 <= message.slot < ring.num_slots or landing.plan.bucket_bytes > ring.slot_bytes:
+            raise ProtocolError(
+                "bucket refers to a ring slot this receiver has not mapped",
+                transport=self.link.transport,
+                version=self.link.version,
+                bucket=index,
+            )
+        ring.read(message.slot, landing.plan.buckets[index], landing)
+        landing.finish_bucket(index, message.checksum)
+        self.link.send(BucketDone(index), self.options.timeout)
+
+    def close(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
+
+
+def check_ring(num_slots: int, slot_bytes: int, options: PlaneOptions, transport: str) -> None:
+    """Refuse a ring this receiver would not allocate buckets for, before opening any of it."""
+    if not 0 < num_slots <= MAX_SLOTS or not 0 < slot_bytes <= options.max_bucket_bytes:
+        raise ProtocolError(
+            f"ring of {num_slots} x {slot_bytes} bytes exceeds this receiver's limits", transport=transport
+        )
