@@ -27,12 +27,11 @@ import secrets
 import threading
 from typing import Any, Literal, TypeAlias
 
-from weightsync.auth import check_bind, new_nonce, proof, proof_matches, resolve_token
+from weightsync.auth import check_bind, new_nonce, proof, proof_matches
 from weightsync.checksum import VERIFY_MODES, Verify, check_verify, stricter
 from weightsync.errors import (
     AuthError,
     ChecksumError,
-    ConfigError,
     NegotiationError,
     PeerClosedError,
     PlanError,
@@ -41,9 +40,9 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.landing import Landing
+from weightsync.options import ReceiverOptions, build_options
 from weightsync.plan import check_plan, plan_digest
 from weightsync.sink import WeightSink, as_sink, sink_errors
-from weightsync.sizing import DEFAULT_MEMORY_BUDGET_BYTES, align_down, parse_bucket_bytes
 from weightsync.transports import get_transport
 from weightsync.transports.base import Link, PlaneOptions, ReceivePlane
 from weightsync.transports.control import expect_on
@@ -91,33 +90,18 @@ class WeightReceiver:
     """
 
     def __init__(
-        self,
-        sink: Any,
-        transport: str = "shm",
-        *,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        max_bucket_bytes: int | str = "auto",
-        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-        timeout: float = 60.0,
-        verify: str = "off",
-        auth_token: str | None = None,
+        self, sink: Any, transport: str = "shm", options: ReceiverOptions | None = None, **kwargs: Any
     ) -> None:
         spec = get_transport(transport)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 128:
-            raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {memory_budget_bytes!r}")
-        self._verify: Verify = check_verify(verify)
-        self._token = resolve_token(auth_token)
+        self.options = options = build_options(ReceiverOptions, options, kwargs)
+        self._verify: Verify = options.verify
+        self._token = options.auth_token
         spec.check("receiver")
-        if spec.link == "tcp":
-            check_bind(host, self._token, f"a {transport} weight receiver")
+        if spec.networked:
+            check_bind(options.host, self._token, f"a {transport} weight receiver")
         self._sink: WeightSink = as_sink(sink)
-        self._max_bucket_bytes = parse_bucket_bytes(max_bucket_bytes, "max_bucket_bytes") or align_down(
-            memory_budget_bytes // 2
-        )
-        self._timeout = float(timeout)
+        self._max_bucket_bytes = options.bucket_limit
+        self._timeout = options.timeout
         self._new_plane = spec.receive_plane
         self._plane_options = PlaneOptions(timeout=self._timeout, max_bucket_bytes=self._max_bucket_bytes)
         self._id = secrets.token_hex(4)
@@ -126,7 +110,7 @@ class WeightReceiver:
         self._status = ReceiverStatus()
         self._before_sync: ReceiverState = "empty"
         self._closed = threading.Event()
-        self._listener = listener_for(spec.link, spec.name, host=host, port=port, timeout=self._timeout)
+        self._listener = listener_for(spec.link, spec.name, host=options.host, port=options.port, timeout=self._timeout)
         self._listener.start(self._serve)
 
     # --- what it holds --------------------------------------------------------------------------

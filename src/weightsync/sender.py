@@ -16,20 +16,16 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
-from weightsync.auth import resolve_token
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
+from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
 from weightsync.plan import build_plan, plan_digest, tensor_nbytes, wire_specs
 from weightsync.sizing import (
     ALIGN_BYTES,
-    DEFAULT_MEMORY_BUDGET_BYTES,
     align_up,
     auto_bucket_bytes,
     negotiate_bucket_bytes,
-    parse_bucket_bytes,
 )
 from weightsync.source import as_source
 from weightsync.transports import check_address
@@ -48,6 +44,8 @@ class Route:
     """The receivers of one transport, with the control channel and data plane that reach them."""
 
     name: str
+    wire: bool
+    """Whether its bytes cross a wire, so that buckets carry checksums."""
     addresses: tuple[str, ...]
     channel: SenderChannel
     plane: SendPlane
@@ -85,42 +83,16 @@ class WeightSender:
             requires each receiver to prove it holds the same one.
     """
 
-    def __init__(
-        self,
-        addresses: Sequence[str] | str,
-        *,
-        bucket_bytes: int | str = "auto",
-        min_bucket_bytes: int = ALIGN_BYTES,
-        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-        cast: torch.dtype | Mapping[str, torch.dtype] | None = None,
-        timeout: float = 60.0,
-        num_slots: int = 2,
-        raise_on_failure: bool = False,
-        verify: str = "off",
-        auth_token: str | None = None,
-    ) -> None:
+    def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
         addresses = [addresses] if isinstance(addresses, str) else list(addresses)
         if not addresses or len(set(addresses)) != len(addresses):
             raise ConfigError(f"need one or more distinct receiver addresses, got {addresses!r}")
         specs = {address: check_address(address) for address in addresses}
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if not isinstance(min_bucket_bytes, int) or min_bucket_bytes < 1:
-            raise ConfigError(f"min_bucket_bytes must be a positive integer, got {min_bucket_bytes!r}")
-        if not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 128:
-            raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {memory_budget_bytes!r}")
-        self._bucket_bytes = parse_bucket_bytes(bucket_bytes)
-        self._min_bucket_bytes = min_bucket_bytes
-        self._memory_budget_bytes = memory_budget_bytes
-        self._num_slots = num_slots
-        self._cast = cast
-        self._timeout = float(timeout)
-        self._raise_on_failure = raise_on_failure
-        self._verify: Verify = check_verify(verify)
-        token = resolve_token(auth_token)
+        self.options = options = build_options(SenderOptions, options, kwargs)
+        self._timeout = options.timeout
         self._addresses = addresses
         self._routes: list[Route] = []
-        options = PlaneOptions(timeout=self._timeout, num_slots=num_slots)
+        plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
         try:
             for spec in dict.fromkeys(specs.values()):
                 spec.check("sender")
@@ -128,11 +100,11 @@ class WeightSender:
                     spec.name,
                     opener(spec.link, spec.name),
                     timeout=self._timeout,
-                    auth_token=token if spec.link != "inproc" else None,
+                    auth_token=options.auth_token if spec.across_processes else None,
                 )
-                plane = spec.send_plane(channel, options)
+                plane = spec.send_plane(channel, plane_options)
                 mine = tuple(address for address in addresses if specs[address] is spec)
-                self._routes.append(Route(spec.name, mine, channel, plane))
+                self._routes.append(Route(spec.name, spec.has_wire, mine, channel, plane))
         except BaseException:
             self.close()
             raise
@@ -169,7 +141,7 @@ class WeightSender:
             raise ConfigError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
         source = as_source(tensors)
         metas = source.metas()
-        specs = wire_specs(metas, self._cast)
+        specs = wire_specs(metas, self.options.cast)
         started = time.perf_counter()
         ends = started + deadline if deadline is not None else None
 
@@ -179,12 +151,11 @@ class WeightSender:
         plan = build_plan(specs, bucket_bytes)
         digest = plan_digest(plan)
         # the strictest verification any receiver asks for, or ours if stricter
-        verify = stricter(self._verify, *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures))
+        verify = stricter(
+            self.options.verify, *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures)
+        )
         offer = Offer(version, plan, digest, verify)
-        hashes = {
-            route.name: SyncHashes(plan) if verify != "off" and route.name != "inproc" else None
-            for route in self._routes
-        }
+        hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
         for route in self._routes:
             live = route.live(failures, welcomes)
             failures |= route.plane.setup(plan, live, lambda: route.channel.offer(offer, live))  # noqa: B023
@@ -226,7 +197,7 @@ class WeightSender:
             len(report.outcomes) - len(report.failed),
             len(report.outcomes),
         )
-        if self._raise_on_failure and not report.ok:
+        if self.options.raise_on_failure and not report.ok:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
 
@@ -243,20 +214,21 @@ class WeightSender:
         self, largest_tensor_bytes: int, welcomes: Mapping[str, Welcome], failures: Failures
     ) -> int:
         """Negotiate one bucket size; receivers that cannot afford the minimum are failed."""
-        proposed = self._bucket_bytes or auto_bucket_bytes(
-            largest_tensor_bytes, memory_budget_bytes=self._memory_budget_bytes, num_slots=self._num_slots
+        options = self.options
+        proposed = options.proposed_bucket_bytes or auto_bucket_bytes(
+            largest_tensor_bytes, memory_budget_bytes=options.memory_budget_bytes, num_slots=options.num_slots
         )
         # The sender's own minimum bounds its proposal too: "auto" sized from small tensors
         # must not propose less than it then requires.
-        proposed = max(proposed, ALIGN_BYTES, align_up(self._min_bucket_bytes))
+        proposed = max(proposed, ALIGN_BYTES, align_up(options.min_bucket_bytes))
         for address, welcome in welcomes.items():
-            if address not in failures and welcome.max_bucket_bytes < self._min_bucket_bytes:
+            if address not in failures and welcome.max_bucket_bytes < options.min_bucket_bytes:
                 failures[address] = NegotiationError(
                     f"receiver {address} accepts buckets of at most {welcome.max_bucket_bytes} bytes, "
-                    f"the sender requires at least {self._min_bucket_bytes}"
+                    f"the sender requires at least {options.min_bucket_bytes}"
                 )
         limits = {a: w.max_bucket_bytes for a, w in welcomes.items() if a not in failures}
-        return negotiate_bucket_bytes(proposed, limits, self._min_bucket_bytes) if limits else proposed
+        return negotiate_bucket_bytes(proposed, limits, options.min_bucket_bytes) if limits else proposed
 
     def close(self) -> None:
         """Close connections and release transfer buffers (shared-memory rings)."""

@@ -167,10 +167,19 @@ class TransportSpec:
     """Reach and how bytes move, one line (the registry's table)."""
     uses_slots: bool = False
     """Whether `num_slots` means something to it (a ring)."""
+    across_processes: bool = True
+    """False for a transport whose receivers live in the sender's process (inproc)."""
+    has_wire: bool = True
+    """Whether bucket bytes cross a wire that checksums can guard (inproc copies in one process)."""
     needs_cuda: bool = False
     check: Callable[[str], None] = lambda role: None
     """Raises ConfigError when this process cannot use the transport as `role` ("sender" or
     "receiver"): no CUDA for cudaipc."""
+
+    @property
+    def networked(self) -> bool:
+        """Whether a receiver listens on a network interface (and must guard it with a token)."""
+        return self.link == "tcp"
 
 
 def fail_all(live: Sequence[str], error: WeightSyncError) -> Failures:

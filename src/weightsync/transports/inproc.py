@@ -89,4 +89,6 @@ SPEC = TransportSpec(
     send_plane=DirectSendPlane,
     receive_plane=DirectReceivePlane,
     summary="same process: source -> destination, one copy (or none)",
+    across_processes=False,
+    has_wire=False,
 )

@@ -1,0 +1,116 @@
+"""The options of each end, as values: frozen, keyword-only, validated once when built.
+
+`WeightSender(addresses, **kwargs)` and `WeightReceiver(sink, transport, **kwargs)` build these
+from their keyword arguments; the relay, the fleet, the server and the CLI build them once and
+pass them on as they are (`WeightSender(addresses, options=SenderOptions(...))`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from weightsync.auth import resolve_token
+from weightsync.checksum import Verify, check_verify
+from weightsync.errors import ConfigError
+from weightsync.sizing import ALIGN_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, align_down, parse_bucket_bytes
+
+__all__ = ["ReceiverOptions", "SenderOptions", "build_options"]
+
+OptionsT = TypeVar("OptionsT", "SenderOptions", "ReceiverOptions")
+
+DEFAULT_TIMEOUT_S = 60.0
+"""The bound on any single wait, on either side, unless given."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SenderOptions:
+    """How a `WeightSender` pushes (see its docstring for each field)."""
+
+    bucket_bytes: int | str = "auto"
+    min_bucket_bytes: int = ALIGN_BYTES
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    cast: torch.dtype | Mapping[str, torch.dtype] | None = None
+    timeout: float = DEFAULT_TIMEOUT_S
+    num_slots: int = 2
+    raise_on_failure: bool = False
+    verify: Verify = "off"
+    auth_token: str | None = None
+    """The shared token; None takes $WEIGHTSYNC_AUTH_TOKEN (resolved once, here)."""
+
+    def __post_init__(self) -> None:
+        _check_timeout(self.timeout)
+        if (
+            isinstance(self.min_bucket_bytes, bool)
+            or not isinstance(self.min_bucket_bytes, int)
+            or self.min_bucket_bytes < 1
+        ):
+            raise ConfigError(f"min_bucket_bytes must be a positive integer, got {self.min_bucket_bytes!r}")
+        _check_budget(self.memory_budget_bytes)
+        parse_bucket_bytes(self.bucket_bytes)
+        object.__setattr__(self, "timeout", float(self.timeout))
+        object.__setattr__(self, "verify", check_verify(self.verify))
+        object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
+
+    @property
+    def proposed_bucket_bytes(self) -> int | None:
+        """The bucket size to propose, or None for "auto"."""
+        return parse_bucket_bytes(self.bucket_bytes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ReceiverOptions:
+    """How a `WeightReceiver` listens and what it accepts (see its docstring for each field)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    max_bucket_bytes: int | str = "auto"
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+    timeout: float = DEFAULT_TIMEOUT_S
+    verify: Verify = "off"
+    auth_token: str | None = None
+    """The shared token; None takes $WEIGHTSYNC_AUTH_TOKEN (resolved once, here)."""
+
+    def __post_init__(self) -> None:
+        _check_timeout(self.timeout)
+        _check_budget(self.memory_budget_bytes)
+        parse_bucket_bytes(self.max_bucket_bytes, "max_bucket_bytes")
+        object.__setattr__(self, "timeout", float(self.timeout))
+        object.__setattr__(self, "verify", check_verify(self.verify))
+        object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
+
+    @property
+    def bucket_limit(self) -> int:
+        """The largest bucket accepted: `max_bucket_bytes`, or half the memory budget for "auto"."""
+        return parse_bucket_bytes(self.max_bucket_bytes, "max_bucket_bytes") or align_down(
+            self.memory_budget_bytes // 2
+        )
+
+
+def _check_timeout(timeout: object) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _check_budget(budget: object) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 128:
+        raise ConfigError(f"memory_budget_bytes must be an integer >= 128, got {budget!r}")
+
+
+def build_options(cls: type[OptionsT], options: OptionsT | None, kwargs: Mapping[str, Any]) -> OptionsT:
+    """`options` as given, or built from keyword arguments (not both)."""
+    if options is not None:
+        if kwargs:
+            raise ConfigError(f"give options= or keyword arguments, not both (got {sorted(kwargs)})")
+        if not isinstance(options, cls):
+            raise ConfigError(f"options must be a {cls.__name__}, got {type(options).__name__}")
+        return options
+    unknown = set(kwargs) - {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {sorted(unknown)}; expected some of {[f.name for f in dataclasses.fields(cls)]}"
+        )  # type: ignore[arg-type]
+    return cls(**kwargs)
