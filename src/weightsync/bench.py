@@ -38,7 +38,7 @@ import numpy as np
 import psutil
 import torch
 
-from weightsync.errors import ConfigError
+from weightsync.errors import BenchError, ConfigError
 from weightsync.pack import STREAMING_COPY, byte_view
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
@@ -64,10 +64,6 @@ DEFAULT_TRANSPORTS = ("shm", "tcp")
 BASELINES = ("torch_save", "safetensors", "mp_queue_pickle", "mp_queue_shared")
 """Run in this order: `mp_queue_shared` moves the source tensors into shared memory, so it goes last."""
 DTYPE = torch.bfloat16
-
-
-class BenchError(RuntimeError):
-    """A receiver process failed or stopped answering."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
