@@ -38,7 +38,7 @@ import numpy as np
 import psutil
 import torch
 
-from weightsync.errors import BenchError, ConfigError
+from weightsync.errors import BenchError, ConfigError, ResourceError
 from weightsync.pack import STREAMING_COPY, byte_view
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
@@ -635,7 +635,7 @@ def _check_memory(config: BenchConfig, total_bytes: int) -> None:
     available = psutil.virtual_memory().available
     if need > 0.8 * available:  # leave room for rings, page tables, and whatever else runs here
         fits = 0.8 * available / (copies * GIB)
-        raise ConfigError(
+        raise ResourceError(
             f"this run needs about {need / GIB:.1f} GiB ({copies} copies of {total_bytes / GIB:.2f} GiB), "
             f"{available / GIB:.1f} GiB are available; use a size of at most {fits:.2f} GiB (--size-gb)"
         )
