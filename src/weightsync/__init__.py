@@ -5,6 +5,7 @@ source (named tensors) -> plan (buckets, chunks) -> transport (bytes) -> sink (e
 
 from __future__ import annotations
 
+from weightsync.engines.hf_config import min_bucket_bytes
 from weightsync.errors import (
     AuthError,
     ChecksumError,
@@ -28,7 +29,7 @@ from weightsync.plan import build_plan
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 from weightsync.sink import TensorDictSink, WeightSink
-from weightsync.sizing import auto_bucket_bytes, min_bucket_bytes
+from weightsync.sizing import auto_bucket_bytes
 from weightsync.source import StateDictSource, TensorMeta, WeightSource
 from weightsync.types import Plan, ReceiverOutcome, SyncReport
 
