@@ -5,6 +5,8 @@ source (named tensors) -> plan (buckets, chunks) -> transport (bytes) -> sink (e
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from weightsync.engines.hf_config import min_bucket_bytes
 from weightsync.errors import (
     AuthError,
@@ -23,7 +25,6 @@ from weightsync.errors import (
     TransportError,
     WeightSyncError,
 )
-from weightsync.fleet import RolloutFleet
 from weightsync.module_source import ModuleSource
 from weightsync.plan import build_plan
 from weightsync.receiver import WeightReceiver
@@ -33,7 +34,20 @@ from weightsync.sizing import auto_bucket_bytes
 from weightsync.source import StateDictSource, TensorMeta, WeightSource
 from weightsync.types import Plan, ReceiverOutcome, SyncReport
 
+if TYPE_CHECKING:
+    from weightsync.cluster.ray_fleet import RolloutFleet
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """`RolloutFleet` lives in weightsync.cluster.ray_fleet and is imported only when asked for."""
+    if name == "RolloutFleet":
+        from weightsync.cluster.ray_fleet import RolloutFleet
+
+        return RolloutFleet
+    raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+
 
 __all__ = [
     "AuthError",
