@@ -110,7 +110,7 @@ class Served:
 
     def __init__(self, model: Path, engine: str, load_format: str, timeout: float) -> None:
         started = time.perf_counter()
-        command = [sys.executable, "-m", "weightsync.server.cli", "serve", "--engine", engine, "--model", str(model)]
+        command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model)]
         command += ["--load-format", load_format, "--port", "0", "--ready-timeout", str(timeout)]
         env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
