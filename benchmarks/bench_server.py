@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import string
 import subprocess
 import sys
 import tempfile
@@ -36,16 +37,18 @@ from typing import Any
 import httpx
 from safetensors.torch import load_file
 
+from weightsync import WeightSender
+from weightsync.demo.task import save_char_tokenizer
+from weightsync.server.process import first_line_with
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the character tokenizer the tests use
-
-from tests.models import VOCAB_SIZE, save_tokenizer  # noqa: E402
-
-from weightsync import WeightSender  # noqa: E402
-from weightsync.server.process import first_line_with  # noqa: E402
-
 GIB = 1 << 30
 PROMPT = [5, 6, 7, 8]
+CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
+VOCAB = {token: index for index, token in enumerate(["<pad>", "<unk>", "<eos>", *CHARS])}
+"""A one-character-per-token vocabulary (letters, digits, punctuation, space, newline): no download."""
+VOCAB_SIZE = 128
+"""The model's vocabulary size: the tokenizer's ids, padded (ids it never produces are fine)."""
 
 
 def build_model(path: Path, size_gb: float) -> int:
@@ -72,7 +75,7 @@ def build_model(path: Path, size_gb: float) -> int:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path)
-    save_tokenizer(path)
+    save_char_tokenizer(path, VOCAB)
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
@@ -110,7 +113,7 @@ class Served:
 
     def __init__(self, model: Path, engine: str, load_format: str, timeout: float) -> None:
         started = time.perf_counter()
-        command = [sys.executable, "-m", "weightsync.server.cli", "serve", "--engine", engine, "--model", str(model)]
+        command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model)]
         command += ["--load-format", load_format, "--port", "0", "--ready-timeout", str(timeout)]
         env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import weightsync
-from weightsync import ConfigError, WeightReceiver, WeightSender
+from weightsync import ConfigError, ResourceError, WeightReceiver, WeightSender
 
 EXPECTED = [
     "AuthError",
@@ -25,9 +25,12 @@ EXPECTED = [
     "Plan",
     "PlanError",
     "ProtocolError",
+    "ReceiverOptions",
     "ReceiverOutcome",
     "RemoteError",
+    "ResourceError",
     "RolloutFleet",
+    "SenderOptions",
     "SinkError",
     "StateDictSource",
     "SyncFailed",
@@ -148,10 +151,10 @@ def test_receiver_rejects_what_is_no_sink(sink):
         WeightReceiver(sink, transport="inproc")
 
 
-def test_tcp_port_in_use_is_a_config_error():
+def test_tcp_port_in_use_is_a_resource_error():
     with WeightReceiver({}, transport="tcp") as first:
         port = int(first.address.rpartition(":")[2])
-        with pytest.raises(ConfigError, match="cannot listen"):
+        with pytest.raises(ResourceError, match="cannot listen"):
             WeightReceiver({}, transport="tcp", port=port)
 
 

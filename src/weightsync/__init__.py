@@ -5,6 +5,9 @@ source (named tensors) -> plan (buckets, chunks) -> transport (bytes) -> sink (e
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from weightsync.engines.hf_config import min_bucket_bytes
 from weightsync.errors import (
     AuthError,
     ChecksumError,
@@ -16,23 +19,37 @@ from weightsync.errors import (
     PlanError,
     ProtocolError,
     RemoteError,
+    ResourceError,
     SinkError,
     SyncFailed,
     TransferTimeout,
     TransportError,
     WeightSyncError,
 )
-from weightsync.fleet import RolloutFleet
 from weightsync.module_source import ModuleSource
+from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.plan import build_plan
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 from weightsync.sink import TensorDictSink, WeightSink
-from weightsync.sizing import auto_bucket_bytes, min_bucket_bytes
+from weightsync.sizing import auto_bucket_bytes
 from weightsync.source import StateDictSource, TensorMeta, WeightSource
 from weightsync.types import Plan, ReceiverOutcome, SyncReport
 
+if TYPE_CHECKING:
+    from weightsync.cluster.ray_fleet import RolloutFleet
+
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """`RolloutFleet` lives in weightsync.cluster.ray_fleet and is imported only when asked for."""
+    if name == "RolloutFleet":
+        from weightsync.cluster.ray_fleet import RolloutFleet
+
+        return RolloutFleet
+    raise AttributeError(f"module 'weightsync' has no attribute {name!r}")
+
 
 __all__ = [
     "AuthError",
@@ -46,9 +63,12 @@ __all__ = [
     "Plan",
     "PlanError",
     "ProtocolError",
+    "ReceiverOptions",
     "ReceiverOutcome",
     "RemoteError",
+    "ResourceError",
     "RolloutFleet",
+    "SenderOptions",
     "SinkError",
     "StateDictSource",
     "SyncFailed",

@@ -1,25 +1,39 @@
-"""The one exception tree of weightsync.
+"""The one exception tree of weightsync: every class weightsync defines lives here.
 
 ::
 
-    WeightSyncError
+    WeightSyncError                             root: every error weightsync raises derives from it
       ConfigError(WeightSyncError, ValueError)  bad configuration or arguments, raised at build time
+      ResourceError                             a runtime resource cannot be had: a port, shared memory, a process
+      RequestError(WeightSyncError, ValueError) a rollout server refuses a request as invalid (HTTP 400)
       NegotiationError                          sender and receivers cannot agree (bucket size, protocol)
       PlanError                                 a plan is malformed or does not match the receiving side
-      TransportError                            moving bytes failed; carries transport, version, bucket
+      TransportError                            moving bytes failed; .transport, .version, .bucket
         ConnectError                            could not reach a peer
         TransferTimeout                         a wait ran past its timeout
         PeerClosedError                         the peer closed the connection or died
         ProtocolError                           malformed frame, unexpected message or wire-version skew
-        CollectiveError                         a process group broke (a member died or stalled)
+        CollectiveError                         a process group broke (a member died, stalled or never joined)
+        ChecksumError                           a bucket's landed bytes do not match the sender's checksum
+      AuthError                                 a peer could not prove it holds the shared auth token
       SinkError                                 the sink (engine) refused or failed to load weights
-      RemoteError                               failure reported by the peer, with its message
-      SyncFailed                                a push did not commit on every receiver
+      RemoteError                               failure reported by the peer; .kind is the peer's error class
+      SyncFailed                                a push did not commit on every receiver; .report
+      ServerError                               a rollout server answered an error status or was unreachable; .status
+      BenchError(WeightSyncError, RuntimeError) a benchmark's receiver process failed or stopped answering
+
+docs/errors.md draws the same tree, and tests/unit/test_errors.py checks that the two drawings,
+`__all__` and the classes agree.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
+    "AuthError",
+    "BenchError",
+    "ChecksumError",
     "CollectiveError",
     "ConfigError",
     "ConnectError",
@@ -28,6 +42,9 @@ __all__ = [
     "PlanError",
     "ProtocolError",
     "RemoteError",
+    "RequestError",
+    "ResourceError",
+    "ServerError",
     "SinkError",
     "SyncFailed",
     "TransferTimeout",
@@ -42,6 +59,17 @@ class WeightSyncError(Exception):
 
 class ConfigError(WeightSyncError, ValueError):
     """A configuration value or argument is invalid."""
+
+
+class ResourceError(WeightSyncError):
+    """A runtime resource cannot be had: a port to listen on, shared memory to reserve, memory for
+    a run, a process or server that should have started. The arguments were valid; the machine
+    could not honour them now."""
+
+
+class RequestError(WeightSyncError, ValueError):
+    """A rollout server refuses a request as invalid (answered with HTTP 400): an empty prompt,
+    token ids outside the vocabulary, a prompt longer than the model's context, a duplicate id."""
 
 
 class NegotiationError(WeightSyncError):
@@ -133,3 +161,23 @@ class SyncFailed(WeightSyncError):
     def __init__(self, message: str, report: object) -> None:
         super().__init__(message)
         self.report = report
+
+
+class ServerError(WeightSyncError):
+    """A rollout server answered with an error status, or no weightsync server answered (`status` 0).
+
+    Attributes:
+        status: the HTTP status, or 0 when no weightsync answer came (connection refused, a
+            timeout, a body that is not a JSON object).
+        body: the server's answer (parsed JSON, or text), or what went wrong when none came.
+    """
+
+    def __init__(self, status: int, body: Any) -> None:
+        message = body.get("error", {}).get("message") if isinstance(body, dict) and "error" in body else body
+        super().__init__(f"HTTP {status}: {message}" if status else str(message))
+        self.status = status
+        self.body = body
+
+
+class BenchError(WeightSyncError, RuntimeError):
+    """A benchmark's receiver process failed, died or stopped answering."""

@@ -128,7 +128,8 @@ class RelaySink(WeightSink):
         return None  # every tensor comes to `load` whole, so that it can be forwarded
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        assert self._stream is not None
+        if self._stream is None:
+            raise SinkError("the relay was handed tensors outside a sync (load before begin)")
         own = []
         for name, tensor in named_tensors:
             if self._inner is not None:
@@ -164,7 +165,8 @@ class RelaySink(WeightSink):
 
     def _finish(self) -> SyncReport | BaseException:
         """Wait for the downstream push (it ends once the last tensor was sent and committed)."""
-        assert self._thread is not None
+        if self._thread is None:
+            return SinkError("the relay has no sync to finish (commit or abort before begin)")
         self._thread.join(self._timeout * 3)  # the push's own waits are bounded by the timeout
         if self._thread.is_alive() or not self._outcome:
             return TransferTimeout("the downstream push did not finish in time")

@@ -17,7 +17,7 @@ from weightsync import WeightSyncError
 from weightsync.server.client import RolloutClient, ServerError
 
 ray = pytest.importorskip("ray")
-fleet_module = pytest.importorskip("weightsync.fleet")
+fleet_module = pytest.importorskip("weightsync.cluster.ray_fleet")
 RolloutFleet = fleet_module.RolloutFleet
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "weightsync.server.cli", *args]
+    return [sys.executable, "-m", "weightsync", *args]
 
 
 def env() -> dict[str, str]:

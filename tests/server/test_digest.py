@@ -11,8 +11,8 @@ import torch
 from tests.helpers import receiving, sending
 from tests.server.conftest import live_server
 from weightsync.checkpoint import SafetensorsSource
+from weightsync.cli import main
 from weightsync.digest import source_digest
-from weightsync.server.cli import main
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])

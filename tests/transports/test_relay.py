@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import WAIT_S, Recorder, assert_all_bit_exact, random_tensor, receiving, sending
-from weightsync import PlanError, TensorMeta, WeightReceiver
+from weightsync import PlanError, SinkError, TensorMeta, WeightReceiver
 from weightsync.relay import RelaySink
 
 
@@ -93,3 +93,15 @@ def test_a_dead_server_behind_the_relay_is_reported_and_the_others_commit():
                 assert_all_bit_exact(alive, source)
         finally:
             relay_sink.close()
+
+
+def test_outside_a_sync_the_relay_refuses_tensors_and_commits_with_a_sink_error():
+    """Its state guards are errors, not asserts (which `python -O` strips)."""
+    relay = RelaySink(["inproc://weightsync-nobody"], timeout=WAIT_S)
+    try:
+        with pytest.raises(SinkError, match="outside a sync"):
+            relay.load([("w", torch.zeros(1))])
+        with pytest.raises(SinkError, match="no sync to finish"):
+            relay.commit(1)
+    finally:
+        relay.close()

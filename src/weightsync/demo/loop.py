@@ -25,6 +25,7 @@ from tqdm import tqdm
 from weightsync.demo import grpo, task
 from weightsync.demo.report import StepLog
 from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
+from weightsync.errors import ConfigError
 from weightsync.module_source import ModuleSource
 from weightsync.sender import WeightSender
 from weightsync.types import SyncReport
@@ -71,7 +72,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     elif config.mode == "disaggregated":
         rollouts = ServerFleet(model_dir, config.servers, config.engine, config.timeout)
     else:
-        raise ValueError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
+        raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
     steps = StepLog(config.out / "steps.jsonl")
     sender = WeightSender(rollouts.addresses(), timeout=config.timeout)
     pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-demo-rollouts")

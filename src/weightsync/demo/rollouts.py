@@ -24,6 +24,7 @@ import httpx
 
 from weightsync.auth import resolve_token
 from weightsync.engines.base import SamplingParams
+from weightsync.errors import ResourceError
 from weightsync.receiver import WeightReceiver
 from weightsync.server.process import first_line_with
 
@@ -114,7 +115,7 @@ class _Server:
         if line is None:
             self.process.kill()
             self.process.wait(10)
-            raise RuntimeError(f"rollout server {index} did not start listening within {timeout} s")
+            raise ResourceError(f"rollout server {index} did not start listening within {timeout} s")
         fields = line.split()
         self.url, self.address = fields[2], fields[4]
         token = resolve_token(None)  # the servers inherit $WEIGHTSYNC_AUTH_TOKEN, if set
@@ -191,7 +192,7 @@ class ServerFleet:
             with self._lock:
                 live = [server for server in self.servers if server.alive()]
             if not live:
-                raise RuntimeError("every rollout server is down")
+                raise ResourceError("every rollout server is down")
             shares = [todo[i :: len(live)] for i in range(len(live))]
             with ThreadPoolExecutor(len(live)) as pool:
                 results = list(

@@ -14,7 +14,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from typing import Literal
 
-from weightsync.errors import ConfigError
+from weightsync.errors import RequestError
 from weightsync.sink import WeightSink
 
 __all__ = ["Engine", "LoadFormat", "SamplingParams", "StepOutput", "check_request"]
@@ -93,17 +93,17 @@ class Engine(ABC):
 def check_request(
     prompt_token_ids: list[int], params: SamplingParams, *, vocab_size: int, max_model_len: int, known: bool
 ) -> None:
-    """Refuse (ConfigError, an HTTP 400) a request no engine should start: a duplicate id, an
+    """Refuse (RequestError, an HTTP 400) a request no engine should start: a duplicate id, an
     empty prompt, token ids outside the vocabulary, or a prompt plus max_tokens longer than the
     model's context, which would otherwise hold the engine and grow its KV cache without end."""
     if known:
-        raise ConfigError("a request with this id already exists")
+        raise RequestError("a request with this id already exists")
     if not prompt_token_ids:
-        raise ConfigError("a prompt needs at least one token")
+        raise RequestError("a prompt needs at least one token")
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-        raise ConfigError(f"prompt token ids must lie in [0, {vocab_size})")
+        raise RequestError(f"prompt token ids must lie in [0, {vocab_size})")
     if len(prompt_token_ids) + params.max_tokens > max_model_len:
-        raise ConfigError(
+        raise RequestError(
             f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceed "
             f"the engine's max_model_len {max_model_len}"
         )

@@ -25,7 +25,7 @@ import torch
 from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
 from weightsync.engines.malloc import return_large_frees_to_os
 from weightsync.engines.vllm_sink import CheckpointLayout, ReloadSink, checkpoint_layout
-from weightsync.errors import ConfigError, SinkError
+from weightsync.errors import ConfigError, RequestError, SinkError
 from weightsync.sink import StagedSink, WeightSink
 
 __all__ = ["DEFAULT_KV_CACHE_BYTES", "VLLMEngine"]
@@ -129,7 +129,7 @@ class VLLMEngine(Engine):
             )
             self._llm.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling)
         except ValueError as exc:
-            raise ConfigError(f"vLLM refused request {request_id!r}: {exc}") from exc
+            raise RequestError(f"vLLM refused request {request_id!r}: {exc}") from exc
         self._requests.add(request_id)
 
     def step(self) -> list[StepOutput]:

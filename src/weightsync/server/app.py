@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from weightsync.engines.base import SamplingParams
+from weightsync.errors import RequestError
 from weightsync.server.loop import TokenEvent
 from weightsync.server.runtime import RolloutServer
 from weightsync.server.schemas import Choice, CompletionRequest, CompletionResponse, Logprobs, Usage
@@ -118,7 +119,7 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
         return error(404, f"model {body.model!r} is not served here; this is {server.config.model_name!r}", "not_found")
     try:
         prompts = tokenize(server, body.prompt)
-    except ValueError as exc:
+    except ValueError as exc:  # a RequestError, or the tokenizer refusing the text
         return error(400, str(exc), "invalid_request_error")
     if not await wait_at_gate(server):
         _, reason = server.health()
@@ -147,13 +148,13 @@ def tokenize(server: RolloutServer, prompt: Any) -> list[list[int]]:
     else:
         prompts = list(prompt)
     if not prompts:
-        raise ValueError("prompt is empty")
+        raise RequestError("prompt is empty")
     ids = [p if isinstance(p, list) else server.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
     for one in ids:
         if not one:
-            raise ValueError("a prompt has no tokens")
+            raise RequestError("a prompt has no tokens")
         if min(one) < 0:
-            raise ValueError(f"token id {min(one)} is negative")
+            raise RequestError(f"token id {min(one)} is negative")
     return ids
 
 

@@ -8,21 +8,25 @@ import socket
 import threading
 import time
 
-from weightsync.errors import ConfigError
+from weightsync.errors import ResourceError
 from weightsync.server.runtime import RolloutServer, ServeConfig
 
 __all__ = ["BackgroundServer", "bind"]
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on host:port (port 0: any free one)."""
+    """A listening TCP socket on host:port (port 0: any free one).
+
+    Raises:
+        ResourceError: the address cannot be bound (in use, not this host's, not permitted).
+    """
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc}") from exc
+        raise ResourceError(f"cannot listen on {host}:{port}: {exc}") from exc
     # Listen now, before the URL is handed out: a client that connects while uvicorn is still
     # starting waits in the backlog instead of being refused.
     sock.listen(128)
@@ -56,7 +60,7 @@ class BackgroundServer:
             deadline = time.monotonic() + start_timeout
             while not self._http.started:
                 if not self._thread.is_alive() or time.monotonic() > deadline:
-                    raise ConfigError(f"the HTTP server on {self.url} did not start within {start_timeout} s")
+                    raise ResourceError(f"the HTTP server on {self.url} did not start within {start_timeout} s")
                 time.sleep(0.01)
         except BaseException:
             self.server.close()

@@ -1,4 +1,9 @@
-"""A small client for one rollout server (httpx): health, weight info, completions, pause."""
+"""A small client for one rollout server (httpx): health, weight info, completions, pause.
+
+Every failure to get a weightsync answer is a `ServerError`: an error status (`status` is it),
+or no answer from a weightsync server at all (`status` 0: no connection, a timeout, a body that
+is not a JSON object).
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,9 @@ from typing import Any
 import httpx
 
 from weightsync.auth import resolve_token
-from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.errors import ConfigError, ServerError
 
 __all__ = ["RolloutClient", "ServerError"]
-
-
-class ServerError(WeightSyncError):
-    """The server answered with an error status; `status` and `body` say what it said."""
-
-    def __init__(self, status: int, body: Any) -> None:
-        message = body.get("error", {}).get("message") if isinstance(body, dict) and "error" in body else body
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-        self.body = body
 
 
 class RolloutClient:
@@ -41,10 +36,16 @@ class RolloutClient:
 
     def health(self) -> dict[str, Any]:
         """The /health body; 503 is not an error here (it carries the reason)."""
-        return self._http.get("/health").json()  # type: ignore[no-any-return]
+        response = self._request("GET", "/health")
+        if response.status_code not in (200, 503):
+            raise ServerError(response.status_code, self._body(response, "/health", allow_text=True))
+        return self._body(response, "/health")
 
     def weight_info(self) -> dict[str, Any]:
-        return self._call("GET", "/weight_info")
+        info = self._call("GET", "/weight_info")
+        if not {"version", "addresses", "content_digest", "last_sync"} <= info.keys():
+            raise ServerError(0, f"{self.base_url}/weight_info is not a weightsync rollout server's answer")
+        return info
 
     def completions(self, prompt: Any, **fields: Any) -> dict[str, Any]:
         return self._call("POST", "/v1/completions", json={"prompt": prompt, **fields})
@@ -56,19 +57,37 @@ class RolloutClient:
         return self._call("POST", "/resume")
 
     def metrics(self) -> str:
-        response = self._http.get("/metrics")
-        response.raise_for_status()
+        response = self._request("GET", "/metrics")
+        if response.status_code >= 400:
+            raise ServerError(response.status_code, self._body(response, "/metrics", allow_text=True))
         return response.text
 
     def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        response = self._request(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise ServerError(response.status_code, self._body(response, path, allow_text=True))
+        return self._body(response, path)
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            response = self._http.request(method, path, **kwargs)
+            return self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise ServerError(0, f"{method} {self.base_url}{path} failed: {exc}") from exc
-        body = response.json()
-        if response.status_code >= 400:
-            raise ServerError(response.status_code, body)
-        return body  # type: ignore[no-any-return]
+
+    def _body(self, response: httpx.Response, path: str, allow_text: bool = False) -> Any:
+        """The response's JSON object; a body that is not one means no weightsync server answered."""
+        try:
+            body = response.json()
+        except ValueError:  # json.JSONDecodeError, or bytes that are not text
+            body = None
+        if isinstance(body, dict):
+            return body
+        if allow_text:  # an error status from a proxy or another service: say what it said
+            return " ".join(response.text.split())[:200] or response.reason_phrase
+        raise ServerError(
+            0,
+            f"{self.base_url}{path} answered HTTP {response.status_code} without a JSON object: is it a weightsync server?",
+        )
 
     def close(self) -> None:
         self._http.close()

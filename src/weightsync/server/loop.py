@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from weightsync.engines.base import Engine, SamplingParams, StepOutput
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, ResourceError
 
 __all__ = ["PAUSE_MODES", "EngineLoop", "PauseMode", "TokenEvent"]
 
@@ -104,7 +104,7 @@ class EngineLoop:
         """Queue a request; `deliver` is called from the loop thread with each TokenEvent."""
         with self._cond:
             if self._closed:
-                raise ConfigError("the engine loop is closed")
+                raise ResourceError("the engine loop is closed (the server is shutting down)")
             self._pending.append(_Submission(request_id, prompt_token_ids, params, deliver))
             self._cond.notify_all()
 

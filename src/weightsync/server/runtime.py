@@ -21,12 +21,15 @@ from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
 
-__all__ = ["ENGINES", "RolloutServer", "ServeConfig", "build_engine"]
+__all__ = ["ENGINES", "RolloutServer", "ServeConfig", "build_engine", "engine_class"]
 
 log = logging.getLogger(__name__)
 
 ENGINES = {"hf": "weightsync.engines.hf:HFEngine", "vllm": "weightsync.engines.vllm:VLLMEngine"}
 """Engine name -> "module:Class", imported only when chosen."""
+
+ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm"}
+"""Engine name -> the package it runs on, imported by `engine_class` to fail early where it is missing."""
 
 AUTO_VERSION = 0
 """The version a server started with --load-format auto serves: the checkpoint on disk."""
@@ -102,16 +105,30 @@ class ServeConfig:
         return self.served_model_name or Path(self.model).resolve().name
 
 
-def build_engine(name: str, model: str, load_format: str, staged: bool = False) -> Engine:
-    """Import the engine class lazily (vLLM is heavy and optional) and build it."""
+def engine_class(name: str) -> type[Engine]:
+    """Import engine `name`'s class (vLLM is heavy and optional, so only when chosen).
+
+    Raises:
+        ConfigError: the engine is unknown, or its packages are missing or do not import here.
+    """
+    if name not in ENGINES:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}; got {name!r}")
     module_name, _, class_name = ENGINES[name].partition(":")
     try:
+        importlib.import_module(ENGINE_PACKAGES[name])
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        hint = "pip install vllm" if name == "vllm" else "pip install 'weightsync[hf]'"
-        raise ConfigError(f"engine {name!r} is not available ({exc}); {hint}") from exc
+    except (ImportError, RuntimeError) as exc:  # RuntimeError: a vLLM build that does not match torch
+        hint = "run scripts/install-vllm.sh (vLLM's CPU build; pip install vllm on a GPU host)"
+        if name != "vllm":
+            hint = "pip install 'weightsync[hf]'"
+        raise ConfigError(f"engine {name!r} is not available here ({exc}); {hint}") from exc
+    return getattr(module, class_name)  # type: ignore[no-any-return]
+
+
+def build_engine(name: str, model: str, load_format: str, staged: bool = False) -> Engine:
+    """Build engine `name` for `model` (its class imported by `engine_class`)."""
     options = {"staged": True} if staged else {}
-    return getattr(module, class_name)(model, load_format=load_format, **options)  # type: ignore[no-any-return]
+    return engine_class(name)(model, load_format=load_format, **options)  # type: ignore[call-arg]
 
 
 class RolloutServer:

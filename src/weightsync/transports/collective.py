@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync.checksum import SyncHashes
-from weightsync.errors import CollectiveError, ConfigError, ProtocolError, WeightSyncError
+from weightsync.errors import CollectiveError, ProtocolError, ResourceError, WeightSyncError
 from weightsync.landing import Landing
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import (
@@ -491,7 +491,7 @@ def _host_store(host: str, timeout: float) -> dist.TCPStore:
         listener.listen(128)
     except OSError as exc:
         listener.close()
-        raise ConfigError(f"cannot host the collective rendezvous on {host}: {exc.strerror or exc}") from exc
+        raise ResourceError(f"cannot host the collective rendezvous on {host}: {exc.strerror or exc}") from exc
     port = listener.getsockname()[1]
     # The store takes the listening socket over (and closes it when it goes).
     return dist.TCPStore(

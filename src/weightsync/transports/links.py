@@ -20,7 +20,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from weightsync.errors import ConfigError, ConnectError, PeerClosedError, TransferTimeout, TransportError
+from weightsync.errors import ConfigError, ConnectError, PeerClosedError, ResourceError, TransferTimeout, TransportError
 from weightsync.pack import BucketItem
 from weightsync.transports.base import Link, Listener
 from weightsync.types import Message
@@ -161,7 +161,7 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+        raise ResourceError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     sock.listen(64)
     return sock
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from weightsync import hostpin
-from weightsync.errors import ConfigError, ProtocolError
+from weightsync.errors import ProtocolError, ResourceError
 from weightsync.landing import Landing
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import PlaneOptions, TransportSpec
@@ -109,7 +109,7 @@ class ShmRing:
             try:
                 os.posix_fallocate(fd, 0, size)  # fail now with ENOSPC, not later with SIGBUS
             except OSError as exc:
-                raise ConfigError(
+                raise ResourceError(
                     f"cannot reserve {size} bytes in {SHM_DIR}: {exc.strerror}; lower bucket_bytes or grow {SHM_DIR}"
                 ) from exc
             region = mmap.mmap(fd, size)

@@ -8,10 +8,12 @@ import json
 import time
 from pathlib import Path
 
-__all__ = ["add_demo_parser"]
+from weightsync.cli.args import at_least, positive_seconds
+
+__all__ = ["add_parser", "run"]
 
 
-def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     demo = subparsers.add_parser(
         "demo",
         help="a real GRPO run that pushes weights to rollout engines after every step",
@@ -20,33 +22,32 @@ def add_demo_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ig
         "after every step. Writes steps.jsonl, reward_and_sync.png and summary.json to --out.",
     )
     demo.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    demo.add_argument("--servers", type=int, default=2, help="rollout servers (disaggregated; default 2)")
+    demo.add_argument("--servers", type=at_least(1), default=2, help="rollout servers (disaggregated; default 2)")
     demo.add_argument(
         "--engine",
         choices=["auto", "hf", "vllm"],
         default="auto",
         help="rollout servers' engine: auto (default) is vllm where it is installed, else hf",
     )
-    demo.add_argument("--steps", type=int, default=80, help="training steps (default 80)")
-    demo.add_argument("--prompts-per-step", type=int, default=16)
-    demo.add_argument("--group", type=int, default=8, help="samples per prompt (default 8)")
+    demo.add_argument("--steps", type=at_least(1), default=80, help="training steps (default 80)")
+    demo.add_argument("--prompts-per-step", type=at_least(1), default=16)
+    demo.add_argument("--group", type=at_least(2), default=8, help="samples per prompt (default 8)")
     demo.add_argument("--lr", type=float, default=3e-3)
     demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy (default 0)")
-    demo.add_argument("--max-staleness", type=int, default=1, help="drop samples more versions old (default 1)")
-    demo.add_argument("--kill-server-at", type=int, help="SIGKILL rollout server 0 at this step (resilience)")
+    demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old (default 1)")
+    demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--timeout", type=float, default=60.0, help="seconds any request or sync may take")
+    demo.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any request or sync may take")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory (default runs/demo)")
     demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
-    demo.set_defaults(handler=run_demo)
+    demo.set_defaults(handler=run)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from weightsync.demo.loop import DemoConfig, run
+def run(args: argparse.Namespace) -> int:
+    from weightsync.demo.loop import DemoConfig
+    from weightsync.demo.loop import run as run_loop
     from weightsync.demo.report import plot, summary
 
-    if args.steps < 1 or args.servers < 1 or args.group < 2 or args.prompts_per_step < 1 or args.max_staleness < 0:
-        raise argparse.ArgumentTypeError("steps, servers, prompts-per-step >= 1, group >= 2, max-staleness >= 0")
     engine = args.engine
     if engine == "auto":
         engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
@@ -67,7 +68,7 @@ def run_demo(args: argparse.Namespace) -> int:
         progress=args.progress,
     )
     started = time.perf_counter()
-    records = run(config)
+    records = run_loop(config)
     plot(records, args.out / "reward_and_sync.png")
     result = summary(records) | {"seconds": time.perf_counter() - started, "mode": args.mode, "engine": engine}
     (args.out / "summary.json").write_text(json.dumps(result, indent=1))

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightsync.auth import resolve_token
-from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.errors import ConfigError, ResourceError, WeightSyncError
 from weightsync.sender import WeightSender
 from weightsync.types import SyncReport
 
@@ -211,7 +211,7 @@ class RolloutFleet:
                 ray.kill(actors[name])
         failed = [name for name in names if name not in described]
         if failed:
-            raise WeightSyncError(f"servers {failed} did not start within {self._timeout} s (see the Ray logs)")
+            raise ResourceError(f"servers {failed} did not start within {self._timeout} s (see the Ray logs)")
         return names
 
     def remove(self, name: str) -> None:

@@ -1,0 +1,39 @@
+"""`weightsync bench`: push a synthetic model through each transport and the usual baselines.
+
+Every method is timed the same way, end to end: from the sender's first byte until the values
+sit in a separate receiving process's preallocated (and already resident) destination tensors.
+Each receiver then checks every byte against content regenerated from the seed, outside the
+timed region. Content differs per tensor and per sync, so stale bytes cannot pass.
+
+The sender is this process; receivers are spawned processes that hold their destination
+tensors for the whole run. Baselines (`torch.save`/`torch.load` and safetensors through a
+`/dev/shm` file, a `multiprocessing` queue) always run against one receiver.
+
+Peak RSS growth is measured per process over each sync: the kernel's peak (VmHWM) is reset
+through `/proc/self/clear_refs` before it and read after it; where that is not allowed a
+thread samples RSS every millisecond instead. Shared-memory pages a process maps and touches
+count, as they do in RSS.
+
+config.py what a run measures; model.py the synthetic model and its content; measure.py memcpy,
+peak RSS and the environment; receivers.py the receiving processes; runs.py the runs;
+results.py what they measured, as JSON and as a table.
+"""
+
+from __future__ import annotations
+
+from weightsync.bench.config import BASELINES, DEFAULT_TRANSPORTS, GIB, MIB, TRANSPORTS, BenchConfig
+from weightsync.bench.results import BenchReport, MethodResult, format_table
+from weightsync.bench.runs import run
+
+__all__ = [
+    "BASELINES",
+    "DEFAULT_TRANSPORTS",
+    "GIB",
+    "MIB",
+    "TRANSPORTS",
+    "BenchConfig",
+    "BenchReport",
+    "MethodResult",
+    "format_table",
+    "run",
+]

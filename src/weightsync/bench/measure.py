@@ -1,0 +1,107 @@
+"""Reference speeds (single-thread memcpy, pinned host-to-device copy), peak RSS growth, and the
+environment a run records."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import psutil
+import torch
+
+from weightsync.bench.config import GIB
+from weightsync.pack import STREAMING_COPY
+
+__all__ = ["PeakRss", "environment", "h2d_gbps", "memcpy_gbps"]
+
+
+def environment() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "libc": " ".join(platform.libc_ver()),
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
+        "copy_routine": "native streaming stores" if STREAMING_COPY else "numpy.copyto",
+    }
+
+
+def memcpy_gbps(num_bytes: int = GIB, rounds: int = 3) -> float:
+    """Single-thread `numpy.copyto` between two pre-faulted buffers, best of `rounds`, GB/s."""
+    source = np.ones(num_bytes, dtype=np.uint8)
+    target = np.ones(num_bytes, dtype=np.uint8)
+    best = math.inf
+    for _ in range(rounds):
+        started = time.perf_counter()
+        np.copyto(target, source)
+        best = min(best, time.perf_counter() - started)
+    return num_bytes / best / 1e9
+
+
+def h2d_gbps(num_bytes: int = GIB, rounds: int = 3) -> float:
+    """One pinned host-to-device copy of `num_bytes` (the best a bucket can cross PCIe), best of `rounds`, GB/s."""
+    source = torch.ones(num_bytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    best = math.inf
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return num_bytes / best / 1e9
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+class PeakRss:
+    """Growth of this process's peak RSS between `start()` and `stop()`, in bytes."""
+
+    def __init__(self) -> None:
+        self._before = 0
+        self._sampled = 0
+        self._sampler: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # reset VmHWM to the current RSS
+            self._before = _status_bytes("VmRSS")
+        except OSError:
+            self._start_sampling()
+
+    def _start_sampling(self) -> None:
+        process = psutil.Process()
+        self._before = self._sampled = process.memory_info().rss
+        self._stop.clear()
+
+        def sample() -> None:
+            while not self._stop.wait(0.001):
+                self._sampled = max(self._sampled, process.memory_info().rss)
+
+        self._sampler = threading.Thread(target=sample, daemon=True, name="weightsync-bench-rss")
+        self._sampler.start()
+
+    def stop(self) -> int:
+        if self._sampler is None:
+            return max(0, _status_bytes("VmHWM") - self._before)
+        self._stop.set()
+        self._sampler.join()
+        self._sampler = None
+        self._sampled = max(self._sampled, psutil.Process().memory_info().rss)
+        return max(0, self._sampled - self._before)

@@ -1,0 +1,48 @@
+"""The `weightsync` command: argument parsing only; each subcommand hands off to the library.
+
+    weightsync demo [--mode disaggregated|colocated] [--servers 2] [--steps 80] [--out runs/demo]
+    weightsync bench [--transport shm,tcp] [--size-gb 4] [--bucket-mb auto] [--receivers 1,4] [--json]
+    weightsync serve --engine vllm|hf --model DIR [--load-format dummy|auto] [--port P] [--transport shm|tcp|collective]
+    weightsync push --model DIR --to URL [URL ...]
+    weightsync digest [--to URL ...] [--model DIR] [--expect HEX]
+
+One module per command (demo, bench, serve, push, digest), each with `add_parser(subparsers)` and
+`run(args) -> exit status`; args.py holds the shared argument types and reads
+$WEIGHTSYNC_AUTH_TOKEN; errors.py maps every error to one line on stderr and an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from weightsync.cli import bench, demo, digest, push, serve
+from weightsync.cli.errors import describe
+
+__all__ = ["build_parser", "main"]
+
+COMMANDS = (demo, bench, serve, push, digest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightsync", description="Move model weights from trainer to engines.")
+    parser.add_argument("--traceback", action="store_true", help="on an error, show its traceback instead of one line")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `weightsync` command; returns the exit status (errors.py lists them)."""
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return int(handler(args))
+    except (Exception, KeyboardInterrupt) as exc:
+        if args.traceback:
+            raise
+        status, message = describe(exc, args.command)
+        print(f"weightsync {args.command}: {message}", file=sys.stderr)
+        return status

@@ -1,0 +1,62 @@
+"""The one error mapping of the `weightsync` command: any error -> one line on stderr and an exit
+status, never a traceback (`weightsync --traceback COMMAND ...` shows it instead).
+
+    2    usage: a bad flag (argparse) or a ConfigError (bad arguments or configuration)
+    130  interrupted (Ctrl-C)
+    1    anything else: a server that refused or is not there, a failed sync, a missing package
+"""
+
+from __future__ import annotations
+
+from weightsync.auth import TOKEN_ENV
+from weightsync.errors import AuthError, ConfigError, ServerError, WeightSyncError
+
+__all__ = ["FAILED", "INTERRUPTED", "USAGE", "describe"]
+
+FAILED = 1
+USAGE = 2
+INTERRUPTED = 130
+
+EXTRAS = {"serve": "server", "push": "server", "digest": "server", "demo": "demo", "bench": "hf"}
+"""The pip extra each command's optional packages come with."""
+
+
+def describe(exc: BaseException, command: str) -> tuple[int, str]:
+    """The exit status and the one-line message for `exc`, raised by `command`."""
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED, "interrupted"
+    if isinstance(exc, ConfigError):
+        return USAGE, one_line(exc)
+    if isinstance(exc, ImportError):
+        return FAILED, missing_package(exc, command)
+    if refused_token(exc):
+        return FAILED, f"{one_line(exc)} (give the servers' token with --auth-token or ${TOKEN_ENV})"
+    if isinstance(exc, (WeightSyncError, OSError)):
+        return FAILED, one_line(exc)
+    return (
+        FAILED,
+        f"unexpected {type(exc).__name__}: {one_line(exc)} (weightsync --traceback {command} ... shows where)",
+    )
+
+
+def refused_token(exc: BaseException) -> bool:
+    """A server or peer refused us for a missing or wrong auth token."""
+    return isinstance(exc, AuthError) or (isinstance(exc, ServerError) and exc.status in (401, 403))
+
+
+def missing_package(exc: ImportError, command: str) -> str:
+    root = (exc.name or "").partition(".")[0]
+    if root == "vllm":
+        return f"vLLM does not import here ({one_line(exc)}): run scripts/install-vllm.sh"
+    return (
+        f"{one_line(exc)}: install what `{command}` needs with pip install 'weightsync[{EXTRAS.get(command, 'dev')}]'"
+    )
+
+
+def one_line(exc: BaseException) -> str:
+    """The message on one line: a message of several lines (a peer's traceback) keeps its first
+    and last (where the peer's error is named)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
