@@ -15,6 +15,7 @@ upstream sync aborts the downstream one: no server claims a version it does not 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, RemoteError, SinkError, TransferTimeout
+from weightsync.options import SenderOptions
 from weightsync.sender import WeightSender
 from weightsync.sink import WeightSink, as_sink
 from weightsync.source import TensorMeta
@@ -91,12 +93,13 @@ class RelaySink(WeightSink):
         sink: Any = None,
         *,
         timeout: float = 60.0,
-        sender: dict[str, Any] | None = None,
+        sender: SenderOptions | None = None,
     ) -> None:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._inner = as_sink(sink) if sink is not None else None
-        self._sender = WeightSender(addresses, timeout=timeout, **(sender or {}))
+        options = dataclasses.replace(sender or SenderOptions(), timeout=timeout)
+        self._sender = WeightSender(addresses, options=options)
         self._timeout = float(timeout)
         self.loads_live = self._inner is not None and (self._inner.loads_live or self._inner.destinations_live)
         self._stream: _Stream | None = None

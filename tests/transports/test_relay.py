@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import WAIT_S, Recorder, assert_all_bit_exact, random_tensor, receiving, sending
-from weightsync import PlanError, SinkError, TensorMeta, WeightReceiver
+from weightsync import PlanError, SenderOptions, SinkError, TensorMeta, WeightReceiver
 from weightsync.relay import RelaySink
 
 
@@ -30,7 +30,7 @@ def test_every_server_behind_the_relay_gets_each_version_bit_exact(upstream):
     downstream = [zeros_like(model(0)) for _ in range(3)]
     own = zeros_like(model(0))
     servers = [WeightReceiver(dest, transport="shm", timeout=WAIT_S) for dest in downstream]
-    relay_sink = RelaySink([s.address for s in servers], own, timeout=WAIT_S, sender={"bucket_bytes": 8192})
+    relay_sink = RelaySink([s.address for s in servers], own, timeout=WAIT_S, sender=SenderOptions(bucket_bytes=8192))
     try:
         with (
             receiving(relay_sink, upstream) as relay,

@@ -7,14 +7,15 @@ import dataclasses
 import torch
 
 from weightsync.errors import ConfigError
+from weightsync.transports import get_transport, serving_transports
 
 __all__ = ["BASELINES", "DEFAULT_TRANSPORTS", "DTYPE", "GIB", "MIB", "TRANSPORTS", "BenchConfig"]
 
 MIB = 1 << 20
 GIB = 1 << 30
-TRANSPORTS = ("shm", "tcp", "collective", "cudaipc")
+TRANSPORTS = tuple(serving_transports())
 """Transports the benchmark can run: the cross-process ones (inproc never leaves the process);
-cudaipc only with device cuda."""
+those that need CUDA (cudaipc) only with device cuda."""
 DEFAULT_TRANSPORTS = ("shm", "tcp")
 """What `--transport all` runs on the CPU; with device cuda, cudaipc too."""
 BASELINES = ("torch_save", "safetensors", "mp_queue_pickle", "mp_queue_shared")
@@ -66,8 +67,9 @@ class BenchConfig:
             raise ConfigError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda: torch sees no CUDA device here")
-        if "cudaipc" in self.transports and self.device != "cuda":
-            raise ConfigError("the cudaipc transport moves GPU tensors: run it with device cuda")
+        on_gpu = [name for name in self.transports if name in TRANSPORTS and get_transport(name).needs_cuda]
+        if on_gpu and self.device != "cuda":
+            raise ConfigError(f"the {on_gpu[0]} transport moves GPU tensors: run it with device cuda")
         if self.device == "cuda" and self.baselines:
             raise ConfigError("the baselines run on cpu only: with device cuda, turn them off (--no-baselines)")
         if self.bucket_bytes is not None and self.bucket_bytes < 64:

@@ -9,6 +9,7 @@ import argparse
 
 from weightsync.checksum import VERIFY_MODES
 from weightsync.cli.args import add_auth_token, auth_token, port, seconds
+from weightsync.transports import serving_transports
 
 __all__ = ["add_parser", "run"]
 
@@ -27,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     serve.add_argument("--host", default="127.0.0.1", help="HTTP interface (default 127.0.0.1)")
     serve.add_argument("--port", type=port, default=8000, help="HTTP port, 0 for any free one (default 8000)")
     serve.add_argument(
-        "--transport", choices=("shm", "tcp", "collective"), default="shm", help="weight transport (default shm)"
+        "--transport", choices=serving_transports(), default="shm", help="weight transport (default shm)"
     )
     serve.add_argument("--receiver-host", default="127.0.0.1", help="tcp receiver interface (default 127.0.0.1)")
     serve.add_argument("--receiver-port", type=port, default=0, help="tcp receiver port (default any)")

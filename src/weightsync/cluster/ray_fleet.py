@@ -23,8 +23,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from weightsync.auth import resolve_token
+from weightsync.checksum import check_verify
 from weightsync.errors import ConfigError, ResourceError, WeightSyncError
+from weightsync.options import SenderOptions
 from weightsync.sender import WeightSender
+from weightsync.transports import get_transport
 from weightsync.types import SyncReport
 
 __all__ = ["FleetReport", "RolloutFleet", "ServerActor", "ServerInfo"]
@@ -142,7 +145,7 @@ class RolloutFleet:
         max_restarts: int = 0,
         auth_token: str | None = None,
         timeout: float = 120.0,
-        sender: Mapping[str, Any] | None = None,
+        sender: SenderOptions | None = None,
         serve: Mapping[str, Any] | None = None,
     ) -> None:
         import ray
@@ -151,8 +154,8 @@ class RolloutFleet:
             raise ConfigError("Ray is not initialised: call ray.init() (or ray.init(address=...)) first")
         if not isinstance(num_servers, int) or num_servers < 0:
             raise ConfigError(f"num_servers must be a non-negative integer, got {num_servers!r}")
-        if transport == "inproc":
-            raise ConfigError("a fleet's servers live in other processes: use transport tcp, collective or shm")
+        if not get_transport(transport).across_processes:
+            raise ConfigError(f"a fleet's servers live in other processes: transport {transport} cannot reach them")
         # Resolved here: actors inherit the environment of their node's raylet, not the trainer's.
         auth_token = resolve_token(auth_token)
         self._serve = {
@@ -178,7 +181,9 @@ class RolloutFleet:
             # failing, so a restarting server is re-learned, not dropped.
             max_task_retries=-1 if max_restarts else 0,
         )
-        self._sender_options = {"timeout": timeout, "verify": verify, "auth_token": auth_token, **(sender or {})}
+        self._sender_options = sender or SenderOptions(
+            timeout=timeout, verify=check_verify(verify), auth_token=auth_token
+        )
         self._timeout = timeout
         self._actors: dict[str, Any] = {}
         self._members: dict[str, ServerInfo] = {}
@@ -272,7 +277,7 @@ class RolloutFleet:
             behind = [info for info in self._members.values() if info.version != self.version]
             if not behind:
                 return None
-            with WeightSender([info.address for info in behind], **self._sender_options) as sender:
+            with WeightSender([info.address for info in behind], options=self._sender_options) as sender:
                 report = sender.push(source, self.version)
             self._record(behind, report)
             expected = self._digests.get(self.version, "")
@@ -336,7 +341,7 @@ class RolloutFleet:
         if self._sender is None or self._sender.addresses != addresses:
             if self._sender is not None:
                 self._sender.close()
-            self._sender = WeightSender(addresses, **self._sender_options)
+            self._sender = WeightSender(addresses, options=self._sender_options)
         return self._sender
 
     def _record(self, members: list[ServerInfo], report: SyncReport) -> None:

@@ -20,6 +20,7 @@ from weightsync.receiver import WeightReceiver
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
+from weightsync.transports import get_transport, serving_transports
 
 __all__ = ["ENGINES", "RolloutServer", "ServeConfig", "build_engine", "engine_class"]
 
@@ -81,14 +82,14 @@ class ServeConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
         check_bind(self.host, self.auth_token, "the rollout server's HTTP API")
-        if self.transport in ("tcp", "collective"):
+        if get_transport(self.transport).networked:
             check_bind(self.receiver_host, self.auth_token, "the rollout server's weight receiver")
         if not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"model {self.model!r} is not a directory with a config.json")
         choices = {
             "engine": tuple(ENGINES),
             "load_format": ("dummy", "auto"),
-            "transport": ("shm", "tcp", "collective"),
+            "transport": tuple(serving_transports()),
             "sync_mode": PAUSE_MODES,
             "verify": VERIFY_MODES,
         }

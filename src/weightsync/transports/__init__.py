@@ -21,7 +21,15 @@ from weightsync.errors import ConfigError
 from weightsync.transports.base import TransportSpec
 from weightsync.transports.links import check_address as check_link_address
 
-__all__ = ["REGISTRY", "TransportSpec", "check_address", "get_transport", "names", "scheme_of"]
+__all__ = [
+    "REGISTRY",
+    "TransportSpec",
+    "check_address",
+    "get_transport",
+    "names",
+    "scheme_of",
+    "serving_transports",
+]
 
 REGISTRY: dict[str, str] = {
     "inproc": "weightsync.transports.inproc",
@@ -36,6 +44,11 @@ REGISTRY: dict[str, str] = {
 def names() -> list[str]:
     """Every transport's name, in registry order."""
     return list(REGISTRY)
+
+
+def serving_transports() -> list[str]:
+    """The transports a receiver in another process than the sender can use (a rollout server)."""
+    return [name for name in REGISTRY if get_transport(name).across_processes]
 
 
 def get_transport(name: str) -> TransportSpec:
