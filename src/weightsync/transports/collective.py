@@ -55,8 +55,8 @@ from weightsync.transports.base import (
     TransportSpec,
 )
 from weightsync.transports.control import SenderChannel, expect_on, next_message
+from weightsync.transports.links import socket_link
 from weightsync.types import BucketReady, Group, Message, Plan
-from weightsync.wire import Connection
 
 __all__ = ["SPEC", "ChainReceivePlane", "ChainSendPlane"]
 
@@ -271,12 +271,12 @@ class ChainSendPlane(SendPlane):
     def _form_group(self, live: Sequence[str]) -> Failures:
         """Make the live receivers (and only them) the group, unless they already are; ranks go
         host by host, so that the chain crosses from one host to the next only once."""
-        ordered = sorted(live, key=lambda address: _socket(self.channel.link(address)).sock.getpeername()[0])
+        ordered = sorted(live, key=lambda address: socket_link(self.channel.link(address)).sock.getpeername()[0])
         members = [self.channel.link(address) for address in ordered]
         if self._member is not None and members == self._members:
             return {}
         self._disband()
-        host = _socket(members[0]).sock.getsockname()[0]  # our address as the receivers reach us
+        host = socket_link(members[0]).sock.getsockname()[0]  # our address as the receivers reach us
         if self._store is None or self._store_host != host:
             self._store, self._store_host = _host_store(host, self.options.timeout), host
         store, prefix, world_size = self._store, secrets.token_hex(16), len(ordered) + 1
@@ -466,7 +466,7 @@ class ChainReceivePlane(ReceivePlane):
         self.close()
         timeout = self.options.timeout
         store = _client_store(message.store_host, message.store_port, timeout)
-        host = _socket(self.link).sock.getsockname()[0]  # our address as the sender reaches us
+        host = socket_link(self.link).sock.getsockname()[0]  # our address as the sender reaches us
         group = _new_group(store, message.prefix, message.rank, message.world_size, host, timeout)
         self._member = _Member(group, message.rank, message.world_size, timeout, self.link)
 
@@ -474,12 +474,6 @@ class ChainReceivePlane(ReceivePlane):
         member, self._member = self._member, None
         if member is not None:
             member.close()
-
-
-def _socket(link: Link) -> Connection:
-    if not isinstance(link, Connection):
-        raise ProtocolError("the collective transport needs a socket link", transport="collective")
-    return link
 
 
 def _host_store(host: str, timeout: float) -> dist.TCPStore:

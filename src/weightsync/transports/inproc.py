@@ -19,7 +19,7 @@ from weightsync.landing import Landing
 from weightsync.pack import BucketItem, write_piece
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
 from weightsync.transports.control import SenderChannel, expect_on
-from weightsync.transports.links import QueueLink
+from weightsync.transports.links import queue_link
 from weightsync.types import BucketDone, BucketReady
 
 __all__ = ["SPEC", "DirectReceivePlane", "DirectSendPlane"]
@@ -43,7 +43,7 @@ class DirectSendPlane(SendPlane):
         def hand_over(address: str, link: Link) -> None:
             while self._acked.get(address, -1) < index - IN_FLIGHT:
                 self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
-            _queue(link).hand_over(index, items)
+            queue_link(link).hand_over(index, items)
             link.bucket = index
             link.send(BucketReady(index, 0), self.options.timeout)
 
@@ -54,7 +54,7 @@ class DirectReceivePlane(ReceivePlane):
     """Copies each piece from the sender's tensor into its landing site (or adopts the tensor)."""
 
     def receive(self, index: int, landing: Landing) -> None:
-        link = _queue(self.link)
+        link = queue_link(self.link)
         expect_on(link, BucketReady, self.options.timeout, f"BucketReady for bucket {index}")
         items = link.take_over(index)
         if items is None:
@@ -75,12 +75,6 @@ def _land(landing: Landing, item: BucketItem) -> None:
     elif piece.tensor_offset == 0:
         # the whole tensor, adopted as it is (no copy): its later pieces, if any, are in it already
         landing.adopt(piece.tensor, item.tensor.detach().to(item.wire_dtype))
-
-
-def _queue(link: Link) -> QueueLink:
-    if not isinstance(link, QueueLink):
-        raise ProtocolError("the in-process data plane needs an in-process link", transport=link.transport)
-    return link
 
 
 SPEC = TransportSpec(

@@ -20,7 +20,15 @@ import time
 import weakref
 from collections.abc import Callable
 
-from weightsync.errors import ConfigError, ConnectError, PeerClosedError, ResourceError, TransferTimeout, TransportError
+from weightsync.errors import (
+    ConfigError,
+    ConnectError,
+    PeerClosedError,
+    ProtocolError,
+    ResourceError,
+    TransferTimeout,
+    TransportError,
+)
 from weightsync.pack import BucketItem
 from weightsync.transports.base import Link, Listener
 from weightsync.types import Message
@@ -63,6 +71,20 @@ def check_address(address: str, scheme: str, kind: str) -> None:
         raise ConfigError(f"{scheme} address must look like {scheme}://@NAME, got {address!r}")
     elif kind == "inproc" and not rest:
         raise ConfigError(f"{scheme} address must look like {scheme}://NAME, got {address!r}")
+
+
+def socket_link(link: Link) -> Connection:
+    """`link` as the socket it is; ProtocolError for a data plane that needs one and got another."""
+    if not isinstance(link, Connection):
+        raise ProtocolError(f"transport {link.transport} needs a socket link", transport=link.transport)
+    return link
+
+
+def queue_link(link: Link) -> QueueLink:
+    """`link` as the in-process link it is; ProtocolError otherwise."""
+    if not isinstance(link, QueueLink):
+        raise ProtocolError(f"transport {link.transport} needs an in-process link", transport=link.transport)
+    return link
 
 
 # --- socket links -------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from weightsync.landing import Landing
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
 from weightsync.transports.control import SenderChannel, expect_on
+from weightsync.transports.links import socket_link
 from weightsync.types import BucketData
-from weightsync.wire import Connection
 
 __all__ = ["SPEC", "StreamReceivePlane", "StreamSendPlane"]
 
@@ -40,7 +40,7 @@ class StreamSendPlane(SendPlane):
         message = BucketData(index, sum(item.piece.nbytes for item in items), checksum)
 
         def stream(address: str, link: Link) -> None:
-            conn = _socket(link)
+            conn = socket_link(link)
             conn.bucket = index
             conn.send(message, self.options.timeout)
             for view in views:
@@ -67,7 +67,7 @@ class StreamReceivePlane(ReceivePlane):
     """Reads each bucket's bytes off the socket into their landing sites."""
 
     def receive(self, index: int, landing: Landing) -> None:
-        conn = _socket(self.link)
+        conn = socket_link(self.link)
         pieces = landing.plan.buckets[index]
         expected = sum(piece.nbytes for piece in pieces)
         message = expect_on(conn, BucketData, self.options.timeout, f"BucketData({index}, {expected})")
@@ -81,12 +81,6 @@ class StreamReceivePlane(ReceivePlane):
         for piece in pieces:
             landing.read_in(piece, lambda out: conn.recv_into(out, self.options.timeout))
         landing.finish_bucket(index, message.checksum)
-
-
-def _socket(link: Link) -> Connection:
-    if not isinstance(link, Connection):
-        raise ProtocolError("a stream data plane needs a socket link", transport=link.transport)
-    return link
 
 
 SPEC = TransportSpec(
