@@ -41,7 +41,8 @@ class RolloutClient:
 
     def health(self) -> dict[str, Any]:
         """The /health body; 503 is not an error here (it carries the reason)."""
-        return self._http.get("/health").json()  # type: ignore[no-any-return]
+        body: dict[str, Any] = self._http.get("/health").json()
+        return body
 
     def weight_info(self) -> dict[str, Any]:
         return self._call("GET", "/weight_info")
@@ -65,10 +66,10 @@ class RolloutClient:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise ServerError(0, f"{method} {self.base_url}{path} failed: {exc}") from exc
-        body = response.json()
+        body: dict[str, Any] = response.json()
         if response.status_code >= 400:
             raise ServerError(response.status_code, body)
-        return body  # type: ignore[no-any-return]
+        return body
 
     def close(self) -> None:
         self._http.close()

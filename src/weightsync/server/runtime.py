@@ -10,22 +10,23 @@ import dataclasses
 import importlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES
-from weightsync.engines.base import Engine
+from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
 from weightsync.receiver import WeightReceiver
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
 
-__all__ = ["ENGINES", "RolloutServer", "ServeConfig", "build_engine"]
+__all__ = ["ENGINES", "EngineName", "RolloutServer", "ServeConfig", "build_engine"]
 
 log = logging.getLogger(__name__)
 
-ENGINES = {"hf": "weightsync.engines.hf:HFEngine", "vllm": "weightsync.engines.vllm:VLLMEngine"}
+EngineName = Literal["hf", "vllm"]
+ENGINES: dict[EngineName, str] = {"hf": "weightsync.engines.hf:HFEngine", "vllm": "weightsync.engines.vllm:VLLMEngine"}
 """Engine name -> "module:Class", imported only when chosen."""
 
 AUTO_VERSION = 0
@@ -59,12 +60,12 @@ class ServeConfig:
     """
 
     model: str
-    engine: str = "hf"
-    load_format: str = "dummy"
+    engine: EngineName = "hf"
+    load_format: LoadFormat = "dummy"
     transport: str = "shm"
     receiver_host: str = "127.0.0.1"
     receiver_port: int = 0
-    sync_mode: str = "wait"
+    sync_mode: PauseMode = "wait"
     ready_timeout: float = 30.0
     drain_timeout: float = 60.0
     sync_timeout: float = 60.0
@@ -102,7 +103,7 @@ class ServeConfig:
         return self.served_model_name or Path(self.model).resolve().name
 
 
-def build_engine(name: str, model: str, load_format: str, staged: bool = False) -> Engine:
+def build_engine(name: EngineName, model: str, load_format: LoadFormat, staged: bool = False) -> Engine:
     """Import the engine class lazily (vLLM is heavy and optional) and build it."""
     module_name, _, class_name = ENGINES[name].partition(":")
     try:
@@ -111,7 +112,8 @@ def build_engine(name: str, model: str, load_format: str, staged: bool = False) 
         hint = "pip install vllm" if name == "vllm" else "pip install 'weightsync[hf]'"
         raise ConfigError(f"engine {name!r} is not available ({exc}); {hint}") from exc
     options = {"staged": True} if staged else {}
-    return getattr(module, class_name)(model, load_format=load_format, **options)  # type: ignore[no-any-return]
+    engine: Engine = getattr(module, class_name)(model, load_format=load_format, **options)
+    return engine
 
 
 class RolloutServer:
@@ -131,7 +133,7 @@ class RolloutServer:
         self.sink = ServerSink(
             self.engine.weight_sink(),
             self.loop,
-            mode=config.sync_mode,  # type: ignore[arg-type]
+            mode=config.sync_mode,
             drain_timeout=config.drain_timeout,
             metrics=self.metrics,
         )
