@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv, lint, then run the test suite. Extra arguments go to pytest.
+# Set up .venv, lint, type-check, then run the test suite. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -9,4 +9,5 @@ if [[ -z "${WEIGHTSYNC_SKIP_VLLM:-}" ]]; then
 fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+.venv/bin/mypy  # [tool.mypy] in pyproject.toml: the package, strict on the core
 exec .venv/bin/pytest -q "$@"

@@ -37,7 +37,7 @@ class ModuleSource:
 
     def __init__(self, module: torch.nn.Module, rename: Rename | None = None, *, buffers: bool = False) -> None:
         self._module = module
-        named = list(module.named_parameters())
+        named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
         if buffers:
             persistent = {name for name, _ in module.named_buffers() if _is_persistent(module, name)}
             named += [(name, t) for name, t in module.named_buffers() if name in persistent]

@@ -20,8 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -90,7 +89,7 @@ class RelaySink(WeightSink):
     def __init__(
         self,
         addresses: Sequence[str] | str,
-        sink: Any = None,
+        sink: WeightSink | Callable[[list[tuple[str, torch.Tensor]]], None] | Mapping[str, torch.Tensor] | None = None,
         *,
         timeout: float = 60.0,
         sender: SenderOptions | None = None,
@@ -133,10 +132,11 @@ class RelaySink(WeightSink):
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self._stream is None:
             raise SinkError("the relay was handed tensors outside a sync (load before begin)")
+        inner = self._inner
         own = []
         for name, tensor in named_tensors:
-            if self._inner is not None:
-                dest = self._inner.destination(name)
+            if inner is not None:
+                dest = inner.destination(name)
                 if dest is not None:
                     dest.copy_(tensor)
                 else:
@@ -144,8 +144,8 @@ class RelaySink(WeightSink):
             # A tensor handed to `load` is the relay's own (staged by the landing), or the
             # trainer's (inproc), which stays put until this sync commits: safe to queue as is.
             self._stream.put((name, tensor))
-        if own:
-            self._inner.load(own)  # type: ignore[union-attr]
+        if inner is not None and own:
+            inner.load(own)
 
     def commit(self, version: int) -> None:
         report = self._finish()

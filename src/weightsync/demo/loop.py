@@ -17,7 +17,7 @@ import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
@@ -34,12 +34,15 @@ __all__ = ["DemoConfig", "run"]
 
 log = logging.getLogger(__name__)
 
+DemoMode = Literal["disaggregated", "colocated"]
+Rollouts = LocalRollouts | ServerFleet
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class DemoConfig:
     """Everything a run depends on; the defaults learn the task (reward above 0.8) in about 60 steps."""
 
-    mode: str = "disaggregated"
+    mode: DemoMode = "disaggregated"
     servers: int = 2
     engine: str = "hf"
     steps: int = 80
@@ -55,7 +58,7 @@ class DemoConfig:
     progress: bool = True
 
 
-OnStep = Callable[[dict[str, Any], torch.nn.Module, Any], None]
+OnStep = Callable[[dict[str, Any], torch.nn.Module, Rollouts], None]
 
 
 def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any]]:
@@ -68,7 +71,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed)
     if config.mode == "colocated":
-        rollouts: Any = LocalRollouts(model_dir, config.timeout)
+        rollouts: Rollouts = LocalRollouts(model_dir, config.timeout)
     elif config.mode == "disaggregated":
         rollouts = ServerFleet(model_dir, config.servers, config.engine, config.timeout)
     else:
@@ -95,7 +98,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             sender, report = push(sender, rollouts, model, step + 1, config.timeout)
             if next_batch is None:
                 samples = rollouts.generate(new_request(config, rng, step + 1))
-            record = {
+            record: dict[str, Any] = {
                 "step": step,
                 "reward_mean": sum(rewards) / max(len(rewards), 1),
                 "sync_seconds": report.seconds,
@@ -148,7 +151,7 @@ def fresh(samples: list[Sample], version: int, max_staleness: int) -> tuple[list
 
 
 def push(
-    sender: WeightSender, rollouts: Any, model: torch.nn.Module, version: int, timeout: float
+    sender: WeightSender, rollouts: Rollouts, model: torch.nn.Module, version: int, timeout: float
 ) -> tuple[WeightSender, SyncReport]:
     """Push the model to every rollout engine; a fleet whose membership changed gets a new
     sender (a restarted server listens on a new address)."""
@@ -158,9 +161,10 @@ def push(
     report = sender.push(ModuleSource(model), version)
     for outcome in report.failed:
         log.warning("push of version %d to %s failed: %s", version, outcome.address, outcome.error)
-        server = rollouts.by_address(outcome.address) if isinstance(rollouts, ServerFleet) else None
-        if server is not None and server in rollouts.servers:
-            rollouts.drop(server, f"failed the push of version {version} ({outcome.kind})")
+        if isinstance(rollouts, ServerFleet):
+            server = rollouts.by_address(outcome.address)
+            if server is not None and server in rollouts.servers:
+                rollouts.drop(server, f"failed the push of version {version} ({outcome.kind})")
     rollouts.joined({o.address for o in report.outcomes if o.committed})
     return sender, report
 

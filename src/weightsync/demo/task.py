@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SPECIAL = ["<pad>", "<unk>", "<eos>"]
 CHARS = list("0123456789=")
@@ -61,7 +65,7 @@ def save_char_tokenizer(path: Path, vocab: dict[str, int]) -> None:
     fast.save_pretrained(path)
 
 
-def build_policy(path: Path, seed: int = 0):  # type: ignore[no-untyped-def]
+def build_policy(path: Path, seed: int = 0) -> PreTrainedModel:
     """A tiny Qwen2-shaped causal LM from a config (no download), saved with its tokenizer.
 
     head_dim 32 keeps it loadable by vLLM's CPU backend too.

@@ -22,7 +22,7 @@ __all__ = ["InPlaceModelSink", "alias_groups"]
 
 def alias_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """Names grouped by the storage they share (a group of more than one name is a tie)."""
-    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    groups: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], list[str]] = {}
     for name, tensor in tensors.items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
         groups.setdefault(key, []).append(name)

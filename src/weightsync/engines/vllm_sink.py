@@ -22,12 +22,14 @@ longer touches.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Final
 
 import torch
 
@@ -43,7 +45,15 @@ log = logging.getLogger(__name__)
 QUEUE_BUCKETS = 2
 """Buckets that may wait for the loader: bounds the memory a slow loader can pile up."""
 
-_END = object()
+
+class _End(enum.Enum):
+    """The queue's end-of-sync marker (its own type, so the queue's items stay typed)."""
+
+    END = enum.auto()
+
+
+_END: Final = _End.END
+_Batch = list[tuple[str, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,7 +121,7 @@ def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | N
     if len(sent) != len(plan.tensors):
         problems.append("plan names a tensor twice")
     feed: dict[str, str | None] = {name: name for name in sent}
-    tied = set()
+    tied: set[str] = set()
     for group in layout.ties:
         tied.update(group)
         present = [name for name in group if name in sent]
@@ -155,7 +165,7 @@ class ReloadSink(WeightSink):
         self._on_commit = on_commit
         self._set_dirty = set_dirty
         self._feed: dict[str, str | None] = {}
-        self._queue: queue.Queue[object] = queue.Queue(QUEUE_BUCKETS)
+        self._queue: queue.Queue[_Batch | _End] = queue.Queue(QUEUE_BUCKETS)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -171,7 +181,7 @@ class ReloadSink(WeightSink):
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self._thread is None:
             self._start()
-        batch = [(self._feed[name], tensor) for name, tensor in named_tensors if self._feed[name] is not None]
+        batch = [(fed, tensor) for name, tensor in named_tensors if (fed := self._feed[name]) is not None]
         self._put(batch)
 
     def commit(self, version: int) -> None:
@@ -212,9 +222,9 @@ class ReloadSink(WeightSink):
             batch = self._queue.get()
             if batch is _END:
                 return
-            yield from batch  # type: ignore[misc]
+            yield from batch
 
-    def _put(self, item: object) -> None:
+    def _put(self, item: _Batch) -> None:
         thread = self._thread
         for _ in range(max(1, int(self.timeout / 0.1))):
             if self._error is not None or thread is None or not thread.is_alive():

@@ -17,7 +17,7 @@ import itertools
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 
 from weightsync.engines.base import SamplingParams
 from weightsync.errors import RequestError
-from weightsync.server.loop import TokenEvent
+from weightsync.server.loop import PAUSE_MODES, TokenEvent
 from weightsync.server.runtime import RolloutServer
 from weightsync.server.schemas import Choice, CompletionRequest, CompletionResponse, Logprobs, Usage
 
@@ -87,9 +87,9 @@ def create_app(server: RolloutServer) -> FastAPI:
 
     @app.post("/pause", dependencies=control)
     async def pause(mode: str = Query("wait"), timeout: float = Query(60.0, gt=0, le=86400)) -> JSONResponse:
-        if mode not in ("wait", "abort", "keep"):
+        if mode not in PAUSE_MODES:
             return error(400, f"mode must be wait, abort or keep; got {mode!r}", "invalid_request_error")
-        parked = await asyncio.to_thread(server.pause, mode, timeout)  # type: ignore[arg-type]
+        parked = await asyncio.to_thread(server.pause, mode, timeout)
         return JSONResponse({"paused": True, "parked": parked, "mode": mode})
 
     @app.post("/resume", dependencies=control)
@@ -125,9 +125,10 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
         _, reason = server.health()
         return error(503, f"not serving after {server.config.ready_timeout} s: {reason}", "service_unavailable")
     queues = submit(server, body, prompts, request_id)
+    stop = cast(list[str] | None, body.stop)  # the request's validator made a lone string a list
     try:
         collected = await asyncio.gather(
-            *(collect(server, queue, f"{request_id}-{index}", body.stop) for index, queue in enumerate(queues))
+            *(collect(server, queue, f"{request_id}-{index}", stop) for index, queue in enumerate(queues))
         )
     finally:  # the client went away or we failed: stop generating for it
         for index in range(len(queues)):
@@ -274,7 +275,7 @@ async def collect(
 def response(
     server: RolloutServer, request_id: str, choices: list[Choice], prompts: list[list[int]], n: int
 ) -> CompletionResponse:
-    versions = sorted({v for c in choices for v in (c.weight_versions or [c.weight_version]) if v is not None})
+    versions = sorted({v for c in choices for v in (c.weight_versions or (c.weight_version,)) if v is not None})
     completion_tokens = sum(len(c.token_ids) for c in choices)
     prompt_tokens = sum(len(p) for p in prompts)
     return CompletionResponse(

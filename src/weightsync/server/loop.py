@@ -20,6 +20,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from types import EllipsisType
 from typing import Literal
 
 from weightsync.engines.base import Engine, SamplingParams, StepOutput
@@ -30,7 +31,8 @@ __all__ = ["PAUSE_MODES", "EngineLoop", "PauseMode", "TokenEvent"]
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["wait", "abort", "keep"]
-PAUSE_MODES: tuple[str, ...] = ("wait", "abort", "keep")
+PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
+"""Every PauseMode; `mode in PAUSE_MODES` narrows a str to one."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -131,11 +133,11 @@ class EngineLoop:
             self._cond.notify_all()
             return self._cond.wait_for(lambda: self._parked and self._parked_epoch >= ticket, timeout)
 
-    def resume(self, owner: str, version: int | None | type[Ellipsis] = ...) -> None:
+    def resume(self, owner: str, version: int | None | EllipsisType = ...) -> None:
         """Remove `owner`'s pause; with `version`, first switch the served weight version."""
         with self._cond:
             if version is not ...:
-                self._version = version  # type: ignore[assignment]
+                self._version = version
             self._pauses.pop(owner, None)
             self._cond.notify_all()
 

@@ -10,11 +10,11 @@ import dataclasses
 import importlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES
-from weightsync.engines.base import Engine
+from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
 from weightsync.receiver import WeightReceiver
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
@@ -22,11 +22,12 @@ from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
 from weightsync.transports import get_transport, serving_transports
 
-__all__ = ["ENGINES", "RolloutServer", "ServeConfig", "build_engine", "engine_class"]
+__all__ = ["ENGINES", "EngineName", "RolloutServer", "ServeConfig", "build_engine", "engine_class"]
 
 log = logging.getLogger(__name__)
 
-ENGINES = {"hf": "weightsync.engines.hf:HFEngine", "vllm": "weightsync.engines.vllm:VLLMEngine"}
+EngineName = Literal["hf", "vllm"]
+ENGINES: dict[EngineName, str] = {"hf": "weightsync.engines.hf:HFEngine", "vllm": "weightsync.engines.vllm:VLLMEngine"}
 """Engine name -> "module:Class", imported only when chosen."""
 
 ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm"}
@@ -63,12 +64,12 @@ class ServeConfig:
     """
 
     model: str
-    engine: str = "hf"
-    load_format: str = "dummy"
+    engine: EngineName = "hf"
+    load_format: LoadFormat = "dummy"
     transport: str = "shm"
     receiver_host: str = "127.0.0.1"
     receiver_port: int = 0
-    sync_mode: str = "wait"
+    sync_mode: PauseMode = "wait"
     ready_timeout: float = 30.0
     drain_timeout: float = 60.0
     sync_timeout: float = 60.0
@@ -129,7 +130,8 @@ def engine_class(name: str) -> type[Engine]:
 def build_engine(name: str, model: str, load_format: str, staged: bool = False) -> Engine:
     """Build engine `name` for `model` (its class imported by `engine_class`)."""
     options = {"staged": True} if staged else {}
-    return engine_class(name)(model, load_format=load_format, **options)  # type: ignore[call-arg]
+    engine: Engine = engine_class(name)(model, load_format=load_format, **options)  # type: ignore[call-arg]
+    return engine
 
 
 class RolloutServer:
@@ -149,7 +151,7 @@ class RolloutServer:
         self.sink = ServerSink(
             self.engine.weight_sink(),
             self.loop,
-            mode=config.sync_mode,  # type: ignore[arg-type]
+            mode=config.sync_mode,
             drain_timeout=config.drain_timeout,
             metrics=self.metrics,
         )
