@@ -1,18 +1,18 @@
-"""Peers in child processes, driven by the test: `SenderProcess` runs `WeightSender`s for it,
-`ReceiverProcess` holds one `WeightReceiver`.
+"""A sender in a child process, driven by the test: `SenderProcess` runs `WeightSender`s for it.
 
-cudaipc needs them: CUDA IPC does not open a handle in the process that exported it, so a cudaipc
-sender and its receivers must live in different processes. With a `SenderProcess` the receivers
-stay in the test process, with every sink the contract suite uses (a `Recorder`, a callable, a
-custom `WeightSink`); with a `ReceiverProcess` the sender does.
+cudaipc needs one: CUDA IPC does not open a handle in the process that exported it, so a cudaipc
+sender and its receivers must live in different processes. With the sender in a child, the
+receivers stay in the test process with every sink the tests use (a `Recorder`, a dict, a
+callable, a custom `WeightSink`, a monkeypatched `Landing`), and so do the assertions on them.
+`sending` picks it for cudaipc addresses and is `tests.helpers.sending` for the others.
 
 The test talks to a child over its stdin and stdout, one pickled message per length-prefixed
 frame: test plumbing between two processes of one test run (the library's own wire carries no
 pickle). Tensors travel by torch.save and are loaded with `map_location=device`, which keeps
 views, strides, offsets and ties: a non-contiguous source stays non-contiguous on the GPU.
 
-This module is also the child's program (`python -m tests.peer_process`); it imports nothing
-from the tests, so that the child needs only torch and weightsync.
+This module is also the child's program (`python -m tests.peer_process`); it imports no test
+helper at module level, so that the child needs only torch and weightsync.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from typing import Any, BinaryIO
 import torch
 
 import weightsync
-from weightsync import SyncReport, WeightReceiver, WeightSender, WeightSink, WeightSource
+from weightsync import SyncReport, WeightSender, WeightSource
 from weightsync import errors as weightsync_errors
-from weightsync.sink import Landing
 
 ROOT = Path(__file__).resolve().parents[1]
 """The checkout: the child runs `-m tests.peer_process` from here."""
@@ -89,9 +88,9 @@ def _rebuild_error(name: str, message: str, report: object, kind: str, where: st
 
 
 class _Child:
-    """A child process running this module's `main` in `role`, answering one request at a time."""
+    """A child process running this module's `main`, answering one request at a time."""
 
-    def __init__(self, role: str, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any]) -> None:
         paths = [str(Path(weightsync.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.peer_process"],
@@ -103,7 +102,7 @@ class _Child:
         self.pid = self._proc.pid
         self._lock = threading.Lock()
         try:
-            self.hello = self.request(role, config, timeout=START_S)
+            self.hello = self.request(config, timeout=START_S)
         except BaseException:
             self.kill()
             raise
@@ -165,7 +164,7 @@ class SenderProcess:
     """
 
     def __init__(self, device: str = "cuda") -> None:
-        self._child = _Child("sender", {"device": device})
+        self._child = _Child({"device": device})
         self.pid = self._child.pid
 
     @contextlib.contextmanager
@@ -205,86 +204,22 @@ class RemoteSender:
         self._child.request("close", self._key)
 
 
-class ReceiverProcess:
-    """A `WeightReceiver` in a child process, its sink a recorder.
+@contextlib.contextmanager
+def sending(
+    addresses: list[str] | str, *, process: SenderProcess | None = None, **kwargs: Any
+) -> Iterator[WeightSender | RemoteSender]:
+    """As `tests.helpers.sending`, but a push to cudaipc receivers comes from a child process:
+    `process`, or one started for this sender alone (and gone once it is closed)."""
+    listed = [addresses] if isinstance(addresses, str) else addresses
+    if not any(address.startswith("cudaipc://") for address in listed):
+        from tests.helpers import sending as sending_here  # not in the child, which needs no test helpers
 
-    Args:
-        like: the tensors it receives: zeroed destinations of the same names, shapes and dtypes
-            are made in the child on `device` (written in place, or staged for a non-contiguous
-            one); with `delivery="load"` the child keeps a copy of each tensor its sink is handed.
-        transport: the receiver's transport.
-        device: where the child keeps the destinations.
-        delivery: "in-place" (destinations) or "load" (the sink's `load`).
-        gated: `load` waits until `release()` (bounded), to hold a sync open.
-        flip: (version, bucket): one landed byte of that bucket is flipped before its checksum
-            is checked (the receiving side of test_verify's `flip_bucket_1`).
-        **receiver_kwargs: `WeightReceiver` arguments (timeout, verify, ...).
-    """
-
-    def __init__(
-        self,
-        like: Mapping[str, torch.Tensor],
-        transport: str = "cudaipc",
-        *,
-        device: str = "cuda",
-        delivery: str = "in-place",
-        gated: bool = False,
-        flip: tuple[int, int] | None = None,
-        **receiver_kwargs: Any,
-    ) -> None:
-        receiver_kwargs.setdefault("timeout", 10.0)
-        config = {
-            "specs": [(name, tuple(t.shape), t.dtype) for name, t in like.items()],
-            "transport": transport,
-            "device": device,
-            "delivery": delivery,
-            "gated": gated,
-            "flip": flip,
-            "kwargs": receiver_kwargs,
-        }
-        self._child = _Child("receiver", config)
-        self.pid = self._child.pid
-        self.address: str = self._child.hello
-
-    def status(self) -> dict[str, Any]:
-        """version, state, last_error, content_digest, hooks [(hook, version)], aborts [version]."""
-        return self._child.request("status")
-
-    @property
-    def version(self) -> int | None:
-        return self.status()["version"]
-
-    @property
-    def state(self) -> str:
-        return self.status()["state"]
-
-    @property
-    def last_error(self) -> str:
-        return self.status()["last_error"]
-
-    def wait_for_version(self, version: int, timeout: float) -> bool:
-        return self._child.request("wait", version, timeout, timeout=timeout + REPLY_S)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """What the child holds, copied to this process's host memory: its destinations, or what
-        its sink was handed."""
-        return torch.load(io.BytesIO(self._child.request("tensors")), weights_only=True)
-
-    def release(self) -> None:
-        """Open the gate: a held `load` goes on, and later ones do not wait."""
-        self._child.request("release")
-
-    def close(self) -> None:
-        self._child.close()
-
-    def kill(self) -> None:
-        self._child.kill()
-
-    def __enter__(self) -> ReceiverProcess:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        with sending_here(addresses, **kwargs) as sender:
+            yield sender
+        return
+    with contextlib.ExitStack() as stack:
+        process = process or stack.enter_context(SenderProcess("cuda"))
+        yield stack.enter_context(process.sending(addresses, **kwargs))
 
 
 # --- the child's side -----------------------------------------------------------------------------
@@ -302,56 +237,6 @@ class _Channel:
     def answer(self, status: str, value: object) -> None:
         self._writer.write(_frame((status, value)))
         self._writer.flush()
-
-
-class _RecordingSink(WeightSink):
-    """The child receiver's sink: its destinations, or copies of what `load` is handed; every hook
-    recorded; `load` held on a gate if asked."""
-
-    def __init__(self, dest: dict[str, torch.Tensor] | None, gated: bool) -> None:
-        self.dest = dest
-        self.received: dict[str, torch.Tensor] = {}
-        self.hooks: list[tuple[str, int | None]] = []
-        self.aborts: list[int] = []
-        self.gate = threading.Event()
-        if not gated:
-            self.gate.set()
-
-    def begin(self, plan, version):  # type: ignore[no-untyped-def]
-        self.hooks.append(("begin", version))
-
-    def destination(self, name):  # type: ignore[no-untyped-def]
-        return None if self.dest is None else self.dest.get(name)
-
-    def load(self, named_tensors):  # type: ignore[no-untyped-def]
-        if not self.gate.wait(60):
-            raise RuntimeError("test gate never opened")
-        self.hooks.append(("load", None))
-        for name, tensor in named_tensors:
-            self.received[name] = tensor.clone()
-
-    def commit(self, version):  # type: ignore[no-untyped-def]
-        self.hooks.append(("commit", version))
-
-    def abort(self, version, error):  # type: ignore[no-untyped-def]
-        self.hooks.append(("abort", version))
-        self.aborts.append(version)
-
-
-def _flip_landed_byte(version: int, bucket: int) -> None:
-    """Corrupt one landed byte of `bucket` of `version`, before its checksum is checked."""
-    original = Landing.finish_bucket
-
-    def corrupted(self: Landing, index: int, checksum: int | None = None) -> None:
-        if (self.version, index) == (version, bucket):
-            piece = self.plan.buckets[index][0]
-            if self.on_device(piece.tensor):
-                self.device_target(piece)[:1].bitwise_xor_(0x40)
-            else:
-                self.target(piece)[0] ^= 0x40
-        original(self, index, checksum)
-
-    Landing.finish_bucket = corrupted  # type: ignore[method-assign]
 
 
 def _serve_sender(config: dict[str, Any], channel: _Channel) -> None:
@@ -377,59 +262,14 @@ def _serve_sender(config: dict[str, Any], channel: _Channel) -> None:
                     channel.answer("ok", None)
                 elif op == "exit":
                     break
+                else:
+                    raise ValueError(f"unknown request {op!r}")
             except Exception as exc:
                 channel.answer("raise", _describe(exc))
     finally:
         for sender in senders.values():
             sender.close()
     channel.answer("ok", None)
-
-
-def _serve_receiver(config: dict[str, Any], channel: _Channel) -> None:
-    device = config["device"]
-    dest = None
-    if config["delivery"] == "in-place":
-        dest = {name: torch.zeros(shape, dtype=dtype, device=device) for name, shape, dtype in config["specs"]}
-    sink = _RecordingSink(dest, config["gated"])
-    if config["flip"] is not None:
-        _flip_landed_byte(*config["flip"])
-    receiver = WeightReceiver(sink, transport=config["transport"], **config["kwargs"])
-    channel.answer("ok", receiver.address)
-    try:
-        for request in channel:
-            op, args = request[0], request[1:]
-            try:
-                if op == "status":
-                    channel.answer("ok", _status(receiver, sink))
-                elif op == "wait":
-                    channel.answer("ok", receiver.wait_for_version(*args))
-                elif op == "tensors":
-                    held = sink.received if dest is None else dest
-                    buffer = io.BytesIO()
-                    torch.save({name: tensor.cpu() for name, tensor in held.items()}, buffer)
-                    channel.answer("ok", buffer.getvalue())
-                elif op == "release":
-                    sink.gate.set()
-                    channel.answer("ok", None)
-                elif op == "exit":
-                    break
-            except Exception as exc:
-                channel.answer("raise", _describe(exc))
-    finally:
-        sink.gate.set()
-        receiver.close()
-    channel.answer("ok", None)
-
-
-def _status(receiver: WeightReceiver, sink: _RecordingSink) -> dict[str, Any]:
-    return {
-        "version": receiver.version,
-        "state": receiver.state,
-        "last_error": receiver.last_error,
-        "content_digest": receiver.content_digest,
-        "hooks": list(sink.hooks),
-        "aborts": list(sink.aborts),
-    }
 
 
 def _describe(exc: BaseException) -> tuple[str, str, object, str, str]:
@@ -441,10 +281,9 @@ def main() -> None:
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # anything printed goes to stderr; stdout carries the answers only
     channel = _Channel(sys.stdin.buffer, answers)
-    role, config = next(iter(channel))
+    (config,) = next(iter(channel))
     try:
-        serve = {"sender": _serve_sender, "receiver": _serve_receiver}[role]
-        serve(config, channel)
+        _serve_sender(config, channel)
     except Exception as exc:
         channel.answer("raise", _describe(exc))
 

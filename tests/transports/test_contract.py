@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -34,8 +35,8 @@ from tests.helpers import (
     tensor_sets,
     wait_until,
 )
-from tests.helpers import sending as sending_from_here
-from tests.peer_process import RemoteSender, SenderProcess
+from tests.peer_process import SenderProcess
+from tests.peer_process import sending as sending_from_either
 from weightsync import (
     PlanError,
     StateDictSource,
@@ -66,19 +67,13 @@ def _stop_the_sender_process() -> Iterator[None]:
         _sender_process.pop().close()
 
 
-@contextlib.contextmanager
-def sending(addresses: list[str] | str, **kwargs: object) -> Iterator[WeightSender | RemoteSender]:
+def sending(addresses: list[str] | str, **kwargs: object) -> contextlib.AbstractContextManager[Any]:
     """`tests.helpers.sending`, except that cudaipc receivers are pushed to from a child process
-    whose sources are on its GPU (one process for the module, started on first use)."""
-    first = addresses if isinstance(addresses, str) else addresses[0]
-    if not first.startswith("cudaipc://"):
-        with sending_from_here(addresses, **kwargs) as sender:
-            yield sender
-        return
-    if not _sender_process:
+    whose sources are on its GPU: one process for the module, started on first use."""
+    listed = [addresses] if isinstance(addresses, str) else addresses
+    if any(address.startswith("cudaipc://") for address in listed) and not _sender_process:
         _sender_process.append(SenderProcess("cuda"))
-    with _sender_process[0].sending(addresses, **kwargs) as sender:
-        yield sender
+    return sending_from_either(addresses, process=next(iter(_sender_process), None), **kwargs)
 
 
 def source_stays_here(transport: str) -> None:
