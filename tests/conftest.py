@@ -1,5 +1,5 @@
 """Fixtures every test shares: the transport parameter, and checks that no test leaves shared
-memory or weightsync threads behind."""
+memory or weightsync threads behind. Tests marked `gpu` are skipped where torch sees no CUDA."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 
 import psutil
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from tests.helpers import TRANSPORTS, shm_segments, wait_until
@@ -70,7 +71,8 @@ def no_thread_leak():  # type: ignore[no-untyped-def]
 #
 # WEIGHTSYNC_FAULT_TABLE=docs/fault-table.md pytest -m fault   writes one row per fault case: what
 # was injected, what we expect, what the test observed (from its own measurements), and whether it
-# passed. Without the variable nothing is written.
+# passed. Without the variable nothing is written. A case this host skips (a `gpu` case without
+# CUDA) is listed as "not run here" with the reason, never as passed or failed.
 
 _FAULT_ROWS: dict[str, dict[str, str]] = {}
 
@@ -101,14 +103,31 @@ def observe(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     assert not listening() - before_ports, f"ports left listening: {listening() - before_ports}"
 
 
+NOT_RUN_HERE = "not run here"
+"""The result of a fault case this host skipped (a GPU case without CUDA): listed, never passed."""
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     row = _FAULT_ROWS.get(report.nodeid)
-    if row is not None and (report.when == "call" or report.outcome != "passed"):
+    if row is None:
+        return
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        row["result"], row["observed"] = NOT_RUN_HERE, reason.removeprefix("Skipped: ")
+    elif report.when == "call" or report.outcome != "passed":
         row["result"] = "pass" if report.outcome == "passed" and row.get("result") != "FAIL" else "FAIL"
 
 
+GPU_ONLY = "GPU only: torch sees no CUDA device on this host"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    cuda = None
     for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            cuda = torch.cuda.is_available() if cuda is None else cuda
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason=GPU_ONLY))
         marker = item.get_closest_marker("fault")
         if marker is not None:
             case = getattr(item, "callspec", None)
@@ -129,9 +148,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         "column is the test's own record of what happened. Every test also checks that no /dev/shm",
         "segment and no weightsync thread is left behind, and that the next push commits.",
         "",
-        "| fault | expected | observed | result |",
-        "|---|---|---|---|",
     ]
+    if any(row["result"] == NOT_RUN_HERE for row in rows):
+        lines += [
+            f"Rows whose result is `{NOT_RUN_HERE}` were skipped on the host that wrote this table (the cudaipc",
+            "cases need CUDA on both sides); the observed column says why. Run the suite on a GPU host for them.",
+            "",
+        ]
+    lines += ["| fault | expected | observed | result |", "|---|---|---|---|"]
     for row in rows:
         observed = row.get("observed", "(the test failed before recording)").replace("|", "/")
         lines.append(f"| {row['fault']} | {row['expected']} | {observed} | {row['result']} |")

@@ -1,7 +1,13 @@
 """Failure paths with real processes: a sender or receiver killed with SIGKILL mid-sync, a peer
 that stalls, a sender that dies while its shared-memory ring still has names. After each, the
 survivors say what happened (version, bucket), no receiver claims a version it does not hold
-intact, nothing is left in /dev/shm, and the next push succeeds."""
+intact, nothing is left in /dev/shm, and the next push succeeds.
+
+cudaipc runs the one-to-one cases on a GPU host (marked `gpu`), its destinations on the GPU. Its
+sender and receivers must be different processes (CUDA IPC does not open a handle in the process
+that exported it), so its pushes come from a child process (`tests.peer_process.sending`), while
+the receivers, their sinks and the assertions stay here, as for shm and tcp.
+"""
 
 from __future__ import annotations
 
@@ -25,10 +31,10 @@ from tests.helpers import (
     Recorder,
     assert_all_bit_exact,
     receiving,
-    sending,
     shm_segments,
     wait_until,
 )
+from tests.peer_process import sending
 from weightsync import (
     CollectiveError,
     PeerClosedError,
@@ -41,9 +47,15 @@ from weightsync import (
 
 pytestmark = pytest.mark.slow
 
-ONE_TO_ONE = ["shm", "tcp"]
+ONE_TO_ONE = ["shm", "tcp", pytest.param("cudaipc", marks=pytest.mark.gpu)]
 """Transports where each receiver has its own stream, so one receiver's fault is its alone.
 The collective transport fails its whole group instead: its cases are at the end."""
+
+
+def device_for(transport: str) -> str:
+    """Where the receivers' destinations live: on the GPU for cudaipc (a colocated engine's)."""
+    return "cuda" if transport == "cudaipc" else "cpu"
+
 
 N = 1 << 14
 """Elements per tensor in the child programs (64 KiB of float32: one bucket each)."""
@@ -53,6 +65,7 @@ import sys, time, torch
 from weightsync import TensorMeta, WeightSender
 
 address, version, stall_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
 N = {N}
 
 class Slow:
@@ -64,10 +77,10 @@ class Slow:
             if i == stall_at:
                 print("STALLED", flush=True)
                 time.sleep(120)
-            yield f"t{{i}}", torch.full((N,), float(i + 1))
+            yield f"t{{i}}", torch.full((N,), float(i + 1), device=device)
 
 sender = WeightSender([address], bucket_bytes=N * 4, timeout=120)
-good = {{f"t{{i}}": torch.full((N,), -1.0) for i in range(3)}}
+good = {{f"t{{i}}": torch.full((N,), -1.0, device=device) for i in range(3)}}
 assert sender.push(good, version=version - 1).ok
 print("PUSHED", flush=True)
 sender.push(Slow(), version=version)
@@ -181,11 +194,11 @@ def push_past_a_stall(sender: WeightSender, source: dict[str, torch.Tensor], gat
 @pytest.mark.parametrize("transport", ONE_TO_ONE)
 @pytest.mark.parametrize("stall_at", [1, 0], ids=["after-first-bucket", "before-any-bucket"])
 def test_sender_killed_mid_sync(transport, stall_at, observe):
-    dest = {f"t{i}": torch.zeros(N) for i in range(3)}
+    dest = {f"t{i}": torch.zeros(N, device=device_for(transport)) for i in range(3)}
     sink = Recorder(dest)
     with (
         receiving(sink, transport, timeout=60) as receiver,
-        Child(SENDER_CHILD, receiver.address, 5, stall_at) as child,
+        Child(SENDER_CHILD, receiver.address, 5, stall_at, device_for(transport)) as child,
     ):
         child.expect("PUSHED")
         assert receiver.version == 4
@@ -264,6 +277,37 @@ def test_sender_stalling_times_the_receiver_out(transport, observe):
         )
 
 
+@pytest.mark.fault(
+    "the sender stalls mid-sync (alive, silent) (cudaipc)",
+    expected="receiver gives up after its timeout naming version and bucket, sink aborted, previous state kept; next push commits",
+)
+@pytest.mark.gpu
+def test_cudaipc_sender_stalling_times_the_receiver_out(observe):
+    """The case above over cudaipc, whose sender must be another process: a child pushes version
+    2, then goes silent in version 3 after its first bucket."""
+    sink = Recorder()
+    with (
+        receiving(sink, "cudaipc", timeout=2.0) as receiver,
+        Child(SENDER_CHILD, receiver.address, 3, 1, "cuda") as child,
+    ):
+        child.expect("PUSHED")
+        assert receiver.version == 2
+        child.expect("STALLED")
+        stalled = time.monotonic()
+        assert sink.aborted.wait(WAIT_S), "the receiver never gave up"
+        gave_up = time.monotonic() - stalled
+        assert isinstance(sink.aborts[0][1], TransferTimeout)
+        assert [version for version, _ in sink.aborts] == [3]
+        assert wait_until(lambda: receiver.state != "syncing")
+        assert "version=3" in receiver.last_error and "bucket=1" in receiver.last_error
+        assert (receiver.state, receiver.version) == ("ready", 2), "bucket 0 was staged, not live: version 2 stays"
+        healthy_push(receiver, None, version=4)
+        observe(
+            f"receiver gave up {gave_up:.2f} s after the sender went silent (timeout 2 s): `{receiver_error(sink)}`; "
+            "state stayed ready, version 2; version 4 committed"
+        )
+
+
 # --- a receiver dies or stalls ------------------------------------------------------------------
 
 
@@ -273,7 +317,7 @@ def test_sender_stalling_times_the_receiver_out(transport, observe):
 )
 @pytest.mark.parametrize("transport", ONE_TO_ONE)
 def test_receiver_killed_mid_sync(transport, observe):
-    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    dest = {f"t{i}": torch.zeros(N, device=device_for(transport)) for i in range(4)}
     source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
     with Child(RECEIVER_CHILD, transport) as victim, receiving(dest, transport) as healthy:
         address = victim.expect("ADDRESS").split()[1]
@@ -311,7 +355,7 @@ def test_receiver_killed_mid_sync(transport, observe):
 def test_receiver_stalling_is_timed_out_and_the_others_complete(transport, observe):
     gate = threading.Event()
     slow = Recorder(gate=gate)
-    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    dest = {f"t{i}": torch.zeros(N, device=device_for(transport)) for i in range(4)}
     source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
     with (
         receiving(slow, transport, timeout=WAIT_S) as stalled,

@@ -16,7 +16,7 @@ from weightsync import hostpin
 from weightsync.errors import ConfigError
 from weightsync.landing import Landing
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped where torch sees no CUDA (tests/conftest.py)
 
 BUCKET = 1 << 16
 

@@ -17,7 +17,7 @@ import torch
 from tests.helpers import random_tensor, sending
 from weightsync.digest import source_digest
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.gpu  # skipped where torch sees no CUDA (tests/conftest.py)
 
 BUCKET = 1 << 16
 

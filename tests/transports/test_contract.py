@@ -1,11 +1,21 @@
 """The transport contract, run over every transport with inproc as the reference: what goes in
 comes out bit for bit, chunked at any boundary, into a dict, a callable or a WeightSink, with
-one negotiated bucket size, and every refusal reported per receiver while the others commit."""
+one negotiated bucket size, and every refusal reported per receiver while the others commit.
+
+cudaipc runs it too, on a GPU host (marked `gpu`): its receivers stay in this process, with the
+same sinks and the same assertions, and its pushes come from a child process (`SenderProcess`),
+the source tensors moved to that process's GPU with their layout, because CUDA IPC does not open
+a handle in the process that exported it. The few tests whose source or second sender cannot
+leave this process skip it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -22,10 +32,11 @@ from tests.helpers import (
     random_tensor,
     random_values,
     receiving,
-    sending,
     tensor_sets,
     wait_until,
 )
+from tests.peer_process import SenderProcess
+from tests.peer_process import sending as sending_from_either
 from weightsync import (
     PlanError,
     StateDictSource,
@@ -35,6 +46,42 @@ from weightsync import (
     WeightSender,
     WeightSink,
 )
+
+# --- cudaipc: pushed from a child process ----------------------------------------------------------
+
+
+@pytest.fixture(params=[*TRANSPORTS, pytest.param("cudaipc", marks=pytest.mark.gpu)], scope="module")
+def transport(request: pytest.FixtureRequest) -> str:
+    """Each transport in turn, cudaipc included; inproc is the reference the others must match."""
+    return request.param
+
+
+_sender_process: list[SenderProcess] = []
+"""The child process that pushes to this module's cudaipc receivers, once started."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_sender_process() -> Iterator[None]:
+    yield
+    while _sender_process:
+        _sender_process.pop().close()
+
+
+def sending(addresses: list[str] | str, **kwargs: object) -> contextlib.AbstractContextManager[Any]:
+    """`tests.helpers.sending`, except that cudaipc receivers are pushed to from a child process
+    whose sources are on its GPU: one process for the module, started on first use."""
+    listed = [addresses] if isinstance(addresses, str) else addresses
+    if any(address.startswith("cudaipc://") for address in listed) and not _sender_process:
+        _sender_process.append(SenderProcess("cuda"))
+    return sending_from_either(addresses, process=next(iter(_sender_process), None), **kwargs)
+
+
+def source_stays_here(transport: str) -> None:
+    """Skip cudaipc in a test whose source (a WeightSource class of the test's) or second sender
+    must live in this process: cudaipc pushes from a child process."""
+    if transport == "cudaipc":
+        pytest.skip("cudaipc pushes from a child process; this test's source or sender cannot move there")
+
 
 # --- random tensor sets (hypothesis), one receiver per transport for all examples ---------------
 
@@ -456,6 +503,7 @@ def test_wait_for_version(transport):
 
 def test_weight_source_is_consumed_lazily_in_order(transport):
     """A WeightSource's tensors are produced one at a time, in metas() order, each once."""
+    source_stays_here(transport)
     produced: list[str] = []
     sizes = {"a": 100, "b": 3, "c": 64, "d": 1}
 
@@ -644,6 +692,8 @@ def test_tensor_dict_sink_not_strict_accepts_a_subset(transport):
 
 
 def test_source_contradicting_its_metadata_aborts_every_receiver(transport):
+    source_stays_here(transport)
+
     class Liar:
         def metas(self):  # type: ignore[no-untyped-def]
             return [TensorMeta("a", (64,), torch.float32), TensorMeta("b", (64,), torch.float32)]
@@ -679,6 +729,8 @@ def test_source_contradicting_its_metadata_aborts_every_receiver(transport):
 
 
 def test_source_failing_before_any_byte_keeps_the_previous_version(transport):
+    source_stays_here(transport)
+
     class Broken:
         def metas(self):  # type: ignore[no-untyped-def]
             return [TensorMeta("a", (4,), torch.float32)]
@@ -774,6 +826,7 @@ def test_unreachable_receiver_fails_and_the_others_commit(transport):
 
 
 def test_busy_receiver_refuses_a_second_sender(transport):
+    source_stays_here(transport)
     gate = threading.Event()
     sink = Recorder(gate=gate)
     with receiving(sink, transport) as receiver:

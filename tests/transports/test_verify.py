@@ -1,13 +1,20 @@
 """verify="bucket": every bucket checksummed by the sender and checked where it landed; a
 flipped byte fails the sync with a ChecksumError naming version and bucket, and the next push
-goes through."""
+goes through.
+
+cudaipc takes the flipped byte too, on a GPU host (marked `gpu`): the sender checksums what it
+packed into its GPU ring, the receiver what landed (device to host here). Its pushes come from a
+child process (`tests.peer_process.sending`), as CUDA IPC does not open a handle in the process
+that exported it; the receiver, and the byte flipped in it, stay in this process.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
+from tests.helpers import assert_all_bit_exact, random_tensor, receiving
+from tests.peer_process import sending
 from weightsync import ConfigError, NegotiationError, WeightReceiver
 from weightsync.landing import Landing
 from weightsync.plan import build_plan, plan_digest
@@ -54,7 +61,7 @@ def test_verified_round_trip(transport: str) -> None:
     "a bucket with a flipped byte (verify=bucket)",
     expected="ChecksumError naming version and bucket before the bucket reaches the sink; `dirty` if it landed in live tensors, else the previous version serves; next push commits",
 )
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", pytest.param("cudaipc", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("where", ["in-place", "staged"])
 def test_a_flipped_byte_fails_the_sync_and_the_next_push_succeeds(transport, where, flip_bucket_1, observe) -> None:
     source = model()
