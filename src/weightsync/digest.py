@@ -38,5 +38,5 @@ def source_digest(tensors: Any, cast: torch.dtype | Mapping[str, torch.dtype] | 
         if view is None:  # a cast, a GPU tensor or a strided one: converted once, on the host
             view = np.empty(nbytes, dtype=np.uint8)
             write_piece(tensor, wire_dtype, 0, nbytes, view)
-        digests.append(xxhash.xxh3_64_intdigest(view))
+        digests.append(xxhash.xxh3_64_intdigest(view.data))
     return content_digest(specs, digests)

@@ -186,7 +186,7 @@ class Landing:
                 continue
             value = self._staged.pop(tensor) if tensor in self._staged else self._stage(tensor)
             if self.verify == "full":
-                self._delivered[tensor] = xxhash.xxh3_64_intdigest(byte_view(value.contiguous()))
+                self._delivered[tensor] = xxhash.xxh3_64_intdigest(byte_view(value.contiguous()).data)
             dest = self._dest[tensor]
             if dest is not None:
                 self.touched_live = self.touched_live or self.sink.destinations_live
@@ -207,7 +207,7 @@ class Landing:
         for index, spec in enumerate(self.plan.tensors):
             dest = self._dest[index]
             if dest is not None and self.direct(index):
-                landed = xxhash.xxh3_64_intdigest(byte_view(dest.cpu()))
+                landed = xxhash.xxh3_64_intdigest(byte_view(dest.cpu()).data)
             else:
                 landed = self._delivered.get(index, -1)
             if landed != expected[index]:

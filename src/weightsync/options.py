@@ -108,9 +108,8 @@ def build_options(cls: type[OptionsT], options: OptionsT | None, kwargs: Mapping
         if not isinstance(options, cls):
             raise ConfigError(f"options must be a {cls.__name__}, got {type(options).__name__}")
         return options
-    unknown = set(kwargs) - {field.name for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    known = [field.name for field in dataclasses.fields(cls)]
+    unknown = set(kwargs) - set(known)
     if unknown:
-        raise ConfigError(
-            f"unknown option(s) {sorted(unknown)}; expected some of {[f.name for f in dataclasses.fields(cls)]}"
-        )  # type: ignore[arg-type]
+        raise ConfigError(f"unknown option(s) {sorted(unknown)}; expected some of {known}")
     return cls(**kwargs)

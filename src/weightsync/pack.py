@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -28,10 +28,12 @@ from weightsync.source import TensorMeta
 from weightsync.types import Piece, Plan
 
 try:
-    from weightsync._native import streamcopy
+    from weightsync._native import streamcopy as _streamcopy
+
+    _stream_copy: Callable[[np.ndarray, np.ndarray], None] | None = _streamcopy.copy
+    _streaming = bool(_streamcopy.STREAMING)
 except ImportError:  # built without a C compiler: numpy's memcpy is the fallback
-    streamcopy = None
-_stream_copy = streamcopy.copy if streamcopy is not None else None
+    _stream_copy, _streaming = None, False
 
 __all__ = [
     "STREAMING_COPY",
@@ -44,7 +46,7 @@ __all__ = [
     "write_piece",
 ]
 
-STREAMING_COPY = bool(streamcopy is not None and streamcopy.STREAMING)
+STREAMING_COPY = _streaming
 """Whether `copy_bytes` streams large copies (the native routine was built and this CPU has AVX2)."""
 
 

@@ -266,7 +266,7 @@ class WeightReceiver:
         check_plan(offer.plan, self._max_bucket_bytes)
         if plan_digest(offer.plan) != offer.digest:
             raise PlanError("plan digest does not match the plan")
-        if offer.verify not in VERIFY_MODES or stricter(offer.verify, self._verify) != offer.verify:  # type: ignore[arg-type]
+        if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
         with sink_errors("begin"):
             self._sink.begin(offer.plan, offer.version)

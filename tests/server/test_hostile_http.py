@@ -75,7 +75,7 @@ def test_nothing_in_the_package_unpickles() -> None:
     """No pickle, marshal or shelve import, and no torch.load without weights_only=True, outside
     the benchmark (whose pickled-queue baseline and worker pipes stay between its own processes)."""
     for path in SRC.rglob("*.py"):
-        if path.name == "bench.py":
+        if path.relative_to(SRC).parts[0] == "bench":  # the benchmark harness, src/weightsync/bench/
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

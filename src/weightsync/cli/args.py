@@ -59,7 +59,8 @@ def add_auth_token(parser: argparse.ArgumentParser, what: str) -> None:
 def auth_token(args: argparse.Namespace) -> str | None:
     """--auth-token, else $WEIGHTSYNC_AUTH_TOKEN, else None: the library gets the token explicitly."""
     if args.auth_token is not None:
-        return args.auth_token  # type: ignore[no-any-return]
+        token: str = args.auth_token
+        return token
     return os.environ.get(TOKEN_ENV) or None
 
 

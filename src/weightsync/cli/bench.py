@@ -48,7 +48,7 @@ def bucket_mb(text: str) -> float | None:
     return value
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser(
         "bench",
         help="measure transfer speed against memcpy and the usual baselines",

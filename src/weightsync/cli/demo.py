@@ -13,7 +13,7 @@ from weightsync.cli.args import at_least, positive_seconds
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = subparsers.add_parser(
         "demo",
         help="a real GRPO run that pushes weights to rollout engines after every step",

@@ -14,7 +14,7 @@ from weightsync.errors import ConfigError
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     digest = subparsers.add_parser(
         "digest",
         help="check the content digest servers hold against each other, a checkpoint or a value",

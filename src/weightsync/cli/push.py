@@ -15,7 +15,7 @@ from weightsync.cli.args import add_auth_token, at_least, auth_token, positive_s
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     push = subparsers.add_parser(
         "push",
         help="push a safetensors checkpoint to running servers",

@@ -213,7 +213,7 @@ class RolloutFleet:
                 self._actors[name] = actors[name]
                 self._members[name] = described[name]
             else:
-                ray.kill(actors[name])
+                ray.kill(actors[name])  # type: ignore[arg-type]  # ray's stubs: .remote() may be a class
         failed = [name for name in names if name not in described]
         if failed:
             raise ResourceError(f"servers {failed} did not start within {self._timeout} s (see the Ray logs)")

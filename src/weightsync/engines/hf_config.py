@@ -6,7 +6,7 @@ imports neither transformers nor a model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -63,6 +63,6 @@ def min_bucket_bytes(hf_config: Any, dtype: torch.dtype | str | None = None) -> 
     if isinstance(dtype, str):
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ConfigError(f"unknown dtype {dtype!r}")
-        dtype = getattr(torch, dtype)
+        dtype = cast(torch.dtype, getattr(torch, dtype))
     resolved = dtype or _config_dtype(config) or _config_dtype(hf_config) or torch.bfloat16
     return align_up(vocab * hidden * itemsize(resolved))

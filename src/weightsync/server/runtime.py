@@ -124,7 +124,8 @@ def engine_class(name: str) -> type[Engine]:
         if name != "vllm":
             hint = "pip install 'weightsync[hf]'"
         raise ConfigError(f"engine {name!r} is not available here ({exc}); {hint}") from exc
-    return getattr(module, class_name)  # type: ignore[no-any-return]
+    cls: type[Engine] = getattr(module, class_name)
+    return cls
 
 
 def build_engine(name: str, model: str, load_format: str, staged: bool = False) -> Engine:

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -69,9 +70,27 @@ CHUNK_BYTES = 4 << 20
 once, large enough that the per-message cost disappears."""
 
 
-def _new_group(store: dist.Store, prefix: str, rank: int, world_size: int, host: str, timeout: float) -> dist.Backend:
+Gloo: TypeAlias = dist.ProcessGroupGloo
+Forwarded: TypeAlias = "Future[list[dist.Work]]"
+"""Settled once a forwarding rank has received a bucket and passed it on."""
+ForwardJob: TypeAlias = "tuple[list[dist.Work], list[torch.Tensor], Forwarded]"
+"""What a forwarding rank's thread takes: the receives of a bucket's chunks, the chunks, the result."""
+
+
+def _send(group: Gloo, chunk: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    # ProcessGroupGloo has send/recv at runtime; torch's stubs declare them on ProcessGroup only
+    work: dist.Work = group.send([chunk], peer, tag)  # type: ignore[attr-defined]
+    return work
+
+
+def _recv(group: Gloo, chunk: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    work: dist.Work = group.recv([chunk], peer, tag)  # type: ignore[attr-defined]
+    return work
+
+
+def _new_group(store: dist.Store, prefix: str, rank: int, world_size: int, host: str, timeout: float) -> Gloo:
     """A gloo group over `store`, its sockets bound to `host`; blocks until every rank joined."""
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._timeout = datetime.timedelta(seconds=timeout)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     try:
@@ -98,8 +117,8 @@ class _InFlight:
     It lets go of its gloo works as soon as it is settled: a work holds the group's connections
     open, and the error a failed sync leaves behind (with its traceback) must not."""
 
-    def __init__(self, works: list[dist.Work] | Future, member: _Member, bucket: int) -> None:
-        self._works: list[dist.Work] | Future | None = works
+    def __init__(self, works: list[dist.Work] | Forwarded, member: _Member, bucket: int) -> None:
+        self._works: list[dist.Work] | Forwarded | None = works
         self._member = member
         self.bucket = bucket
 
@@ -131,15 +150,13 @@ class _Member:
     `close` drops the group, which closes its connections: a peer blocked on it fails at once
     instead of at its timeout."""
 
-    def __init__(
-        self, group: dist.Backend, rank: int, world_size: int, timeout: float, control: Link | None = None
-    ) -> None:
-        self._group: dist.Backend | None = group
+    def __init__(self, group: Gloo, rank: int, world_size: int, timeout: float, control: Link | None = None) -> None:
+        self._group: Gloo | None = group
         self._control = control
         self.rank, self.world_size = rank, world_size
         self.timeout = timeout
         self.slots: list[torch.Tensor] = []
-        self._forwards: queue.SimpleQueue[tuple[list[dist.Work], list[torch.Tensor], Future] | None] | None = None
+        self._forwards: queue.SimpleQueue[ForwardJob | None] | None = None
         if 0 < rank < world_size - 1:
             self._forwards = queue.SimpleQueue()
             # (the thread reads the group off `self`: a Thread keeps its args until it ends)
@@ -160,15 +177,15 @@ class _Member:
         group = self._group
         if group is None:
             raise CollectiveError("the process group was disbanded", transport="collective", bucket=bucket)
-        chunks = list(tensor.split(CHUNK_BYTES)) if tensor.numel() else []
+        chunks = list(torch.split(tensor, CHUNK_BYTES)) if tensor.numel() else []
         works: list[dist.Work] = []
         error = None
         try:
             for tag, chunk in enumerate(chunks):
                 if self.rank == 0:
-                    works.append(group.send([chunk], 1, tag))
+                    works.append(_send(group, chunk, 1, tag))
                 else:
-                    works.append(group.recv([chunk], self.rank - 1, tag))
+                    works.append(_recv(group, chunk, self.rank - 1, tag))
         except RuntimeError as exc:
             error = self.error(exc, bucket)
         if error is not None:
@@ -177,11 +194,11 @@ class _Member:
         if self._forwards is None:
             return _InFlight(works, self, bucket)
         receives = works
-        forwarded: Future = Future()
+        forwarded: Forwarded = Future()
         self._forwards.put((receives, chunks, forwarded))
         return _InFlight(forwarded, self, bucket)
 
-    def _forward_loop(self, forwards: queue.SimpleQueue) -> None:
+    def _forward_loop(self, forwards: queue.SimpleQueue[ForwardJob | None]) -> None:
         """Forward each chunk once it arrived, bucket after bucket, until `close`.
 
         After a failure it lets go of the group at once (and fails what is queued unread), which
@@ -207,9 +224,7 @@ class _Member:
                 self._group = None
             del job, receives, chunks, forwarded, group  # hold nothing of the group between buckets
 
-    def _forward(
-        self, group: dist.Backend, receives: list[dist.Work], chunks: list[torch.Tensor], forwarded: Future
-    ) -> str:
+    def _forward(self, group: Gloo, receives: list[dist.Work], chunks: list[torch.Tensor], forwarded: Forwarded) -> str:
         """Forward one bucket; the error, or "" once every chunk was passed on (and the bucket's
         buffer may be reused). Only this thread holds the works, so that letting go of the group
         here lets go of it for good."""
@@ -218,7 +233,7 @@ class _Member:
         try:
             for tag, (work, chunk) in enumerate(zip(receives, chunks, strict=True)):
                 work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
-                sends.append(group.send([chunk], self.rank + 1, tag))
+                sends.append(_send(group, chunk, self.rank + 1, tag))
             for work in sends:
                 work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as exc:
@@ -346,9 +361,8 @@ class ChainSendPlane(SendPlane):
         deadline = time.monotonic() + min(0.5, self.options.timeout)
         failures: Failures = {}
         for address in live:
-            closed = self.channel.closed(address, max(0.0, deadline - time.monotonic()))
-            if closed is not False:
-                reason = closed or CollectiveError(f"receiver died during the sync ({exc})")
+            if self.channel.closed(address, max(0.0, deadline - time.monotonic())):
+                reason = self.channel.reason(address) or CollectiveError(f"receiver died during the sync ({exc})")
                 failures[address] = self.channel.fail(address, reason)
         return failures | self._fail_all([a for a in live if a not in failures], exc)
 

@@ -261,13 +261,15 @@ class SenderChannel:
         self.drop(address)
         return error
 
-    def closed(self, address: str, timeout: float) -> RemoteError | None | bool:
-        """Wait up to `timeout` for the link to close: False if it did not, else the reason the
-        receiver gave (None when it gave none)."""
+    def closed(self, address: str, timeout: float) -> bool:
+        """Wait up to `timeout` for the receiver's link to close; whether it did."""
         inbox = self._inboxes.get(address)
-        if inbox is None or not inbox.closed.wait(timeout):
-            return False
-        return inbox.reason()
+        return inbox is not None and inbox.closed.wait(timeout)
+
+    def reason(self, address: str) -> RemoteError | None:
+        """The failure the receiver reported before its link closed, if it sent one."""
+        inbox = self._inboxes.get(address)
+        return inbox.reason() if inbox is not None else None
 
     def drop(self, address: str) -> None:
         link = self._links.pop(address, None)

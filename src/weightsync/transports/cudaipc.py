@@ -46,7 +46,7 @@ class DeviceRingSlots:
     def announcement(self) -> Message:
         shared = []
         for slot in self.slots:
-            device, handle, size, offset, counter, counter_offset, event, sync = slot.untyped_storage()._share_cuda_()
+            device, handle, size, offset, counter, counter_offset, event, sync = slot.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
             shared.append(DeviceSlot(device, handle, size, offset, counter, counter_offset, event, sync))
         return DeviceRing(tuple(shared), self.slot_bytes)
 
@@ -71,7 +71,7 @@ class OpenedRing:
         self.num_slots = len(message.slots)
         self.slots: list[torch.Tensor] = []
         for slot in message.slots:
-            storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+            storage = torch.UntypedStorage._new_shared_cuda(
                 slot.device,
                 slot.handle,
                 slot.size,

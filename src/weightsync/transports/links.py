@@ -362,9 +362,12 @@ def listener_for(kind: str, scheme: str, *, host: str, port: int, timeout: float
 
 def opener(kind: str, scheme: str) -> Callable[[str, float], Link]:
     """What opens a link of `kind` to a receiver of transport `scheme`: (address, timeout) -> Link."""
-    connect = {"inproc": connect_inproc, "unix": connect_unix, "tcp": connect_tcp}[kind]
 
     def open_link(address: str, timeout: float) -> Link:
-        return connect(address, scheme, timeout)
+        if kind == "inproc":
+            return connect_inproc(address, scheme, timeout)
+        if kind == "unix":
+            return connect_unix(address, scheme, timeout)
+        return connect_tcp(address, scheme, timeout)
 
     return open_link

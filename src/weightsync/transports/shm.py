@@ -163,6 +163,7 @@ class MappedRing:
             hostpin.unpin_all(self.slots)
         self.slots = []
         _unmap(self._maps)
+        reap_stale_segments()  # a sender that died before unlinking its ring left names behind
 
 
 def open_ring(message: Message, options: PlaneOptions) -> MappedRing | None:
