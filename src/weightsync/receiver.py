@@ -39,7 +39,7 @@ from weightsync.errors import (
     RemoteError,
     WeightSyncError,
 )
-from weightsync.landing import Landing
+from weightsync.landing import Landing, Staging
 from weightsync.options import ReceiverOptions, build_options
 from weightsync.plan import check_plan, plan_digest
 from weightsync.sink import WeightSink, as_sink, sink_errors
@@ -108,6 +108,8 @@ class WeightReceiver:
         self._busy = threading.Lock()
         self._changed = threading.Condition()
         self._status = ReceiverStatus()
+        self._staging = Staging()
+        """Reused by every sync: where tensors without a destination are assembled."""
         self._before_sync: ReceiverState = "empty"
         self._closed = threading.Event()
         self._listener = listener_for(spec.link, spec.name, host=options.host, port=options.port, timeout=self._timeout)
@@ -271,7 +273,8 @@ class WeightReceiver:
         with sink_errors("begin"):
             self._sink.begin(offer.plan, offer.version)
         try:
-            return Landing(offer.plan, self._sink, offer.version, offer.digest, check_verify(offer.verify))
+            verify = check_verify(offer.verify)
+            return Landing(offer.plan, self._sink, offer.version, offer.digest, verify, self._staging)
         except BaseException as exc:  # the sink began: it must hear that the sync is off
             with contextlib.suppress(Exception):
                 self._sink.abort(offer.version, exc, intact=True)

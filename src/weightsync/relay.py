@@ -86,6 +86,9 @@ class RelaySink(WeightSink):
         sender: further `WeightSender` options for the downstream push (bucket_bytes, verify...).
     """
 
+    borrows = False
+    """The downstream push sends a tensor after `load` returned: it must be the relay's own."""
+
     def __init__(
         self,
         addresses: Sequence[str] | str,

@@ -42,6 +42,11 @@ class WeightSink:
     """Set by a staged sink whose `commit` feeds the served weights (StagedSink), once it has
     started to: a commit that fails after that leaves them mixed, and the receiver says dirty."""
 
+    borrows: bool = True
+    """True when `load` is done with its tensors once it returns (it copies what it keeps): it is
+    then handed read-only views of the transport's buffers, with no copy. A sink that holds on to
+    them (queues them for another thread) sets False and gets tensors of its own."""
+
     def begin(self, plan: Plan, version: int) -> None:
         """Check the plan against the engine; raise PlanError to refuse it."""
 
@@ -50,7 +55,8 @@ class WeightSink:
         return None
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Take complete tensors. They may be views into transfer buffers: copy what you keep."""
+        """Take complete tensors. With `borrows` (the default) they are read-only views into
+        transfer buffers, valid until this returns: copy what you keep."""
         raise SinkError(f"sink {type(self).__name__} has no destination for {[n for n, _ in named_tensors][:5]}")
 
     def commit(self, version: int) -> None:

@@ -9,7 +9,7 @@ import torch
 from weightsync.errors import ConfigError
 from weightsync.transports import get_transport, serving_transports
 
-__all__ = ["BASELINES", "DEFAULT_TRANSPORTS", "DTYPE", "GIB", "MIB", "TRANSPORTS", "BenchConfig"]
+__all__ = ["BASELINES", "DEFAULT_TRANSPORTS", "DTYPE", "GIB", "MIB", "SINKS", "TRANSPORTS", "BenchConfig"]
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -21,6 +21,8 @@ DEFAULT_TRANSPORTS = ("shm", "tcp")
 BASELINES = ("torch_save", "safetensors", "mp_queue_pickle", "mp_queue_shared")
 """Run in this order: `mp_queue_shared` moves the source tensors into shared memory, so it goes last."""
 DTYPE = torch.bfloat16
+SINKS = ("dict", "callable")
+"""The receivers' sinks a run can measure: destination tensors, or an engine-style loader."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -52,8 +54,13 @@ class BenchConfig:
     """Show a progress bar on stderr."""
     device: str = "cpu"
     """Where the trainer's tensors and every receiver's destinations live: "cpu" or "cuda"."""
+    sinks: tuple[str, ...] = ("dict",)
+    """How receivers take the weights: "dict" (destination tensors, written in place) and/or
+    "callable" (a loader: each tensor handed over and copied into a preallocated destination)."""
 
     def __post_init__(self) -> None:
+        if not self.sinks or set(self.sinks) - set(SINKS):
+            raise ConfigError(f"sinks must be some of {', '.join(SINKS)}, got {self.sinks}")
         unknown = set(self.transports) - set(TRANSPORTS)
         if unknown:
             raise ConfigError(f"unknown transport(s) {sorted(unknown)}; the benchmark runs {list(TRANSPORTS)}")

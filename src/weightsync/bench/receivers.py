@@ -33,12 +33,20 @@ class ReceiverSide:
         self.receiver: WeightReceiver | None = None
         self.peak = PeakRss()
 
-    def listen(self, transport: str, max_bucket_bytes: int | None) -> str:
+    def listen(self, transport: str, max_bucket_bytes: int | None, sink: str = "dict") -> str:
         self.close_receiver()
         self.receiver = WeightReceiver(
-            self.dest, transport, max_bucket_bytes=max_bucket_bytes or "auto", timeout=self.timeout
+            self.dest if sink == "dict" else self.load_into_dest,
+            transport,
+            max_bucket_bytes=max_bucket_bytes or "auto",
+            timeout=self.timeout,
         )
         return self.receiver.address
+
+    def load_into_dest(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """An engine's loader: each tensor handed over is copied into the engine's own storage."""
+        for name, tensor in named_tensors:
+            self.dest[name].copy_(tensor)
 
     def close_receiver(self) -> None:
         if self.receiver is not None:

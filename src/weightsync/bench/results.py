@@ -27,6 +27,8 @@ class MethodResult:
     receiver_rss_growth: list[int] = dataclasses.field(default_factory=list)
     """The largest growth among the receivers, per sync."""
     verified_syncs: list[bool] = dataclasses.field(default_factory=list)
+    sink: str = "-"
+    """weightsync's receivers: "dict" (destinations written in place) or "callable" (a loader)."""
 
     @property
     def gbps(self) -> float:
@@ -50,6 +52,7 @@ class MethodResult:
             "method": self.method,
             "transport": self.transport,
             "receivers": self.receivers,
+            "sink": self.sink,
             "gbps": round(self.gbps, 3),
             "ratio_to_memcpy": round(self.gbps / memcpy_gbps, 3),
             "bucket_bytes": self.bucket_bytes,
@@ -93,6 +96,7 @@ _COLUMNS = (
     ("method", "<"),
     ("transport", "<"),
     ("receivers", ">"),
+    ("sink", "<"),
     ("GB/s", ">"),
     ("x memcpy", ">"),
     ("first GB/s", ">"),
@@ -109,6 +113,7 @@ def _row(result: MethodResult, memcpy: float) -> list[str]:
         result.method,
         result.transport or "-",
         str(result.receivers),
+        result.sink,
         f"{result.gbps:.2f}",
         f"{result.gbps / memcpy:.2f}",
         f"{result.first_sync_gbps:.2f}",

@@ -50,10 +50,10 @@ class _Run:
         return self.version
 
 
-def _run_weightsync(run: _Run, transport: str, num_receivers: int) -> MethodResult:
+def _run_weightsync(run: _Run, transport: str, num_receivers: int, sink: str) -> MethodResult:
     config, workers = run.config, run.workers[:num_receivers]
-    result = MethodResult("weightsync", transport, num_receivers, run.total_bytes)
-    addresses = broadcast(workers, "listen", transport, config.bucket_bytes)
+    result = MethodResult("weightsync", transport, num_receivers, run.total_bytes, sink=sink)
+    addresses = broadcast(workers, "listen", transport, config.bucket_bytes, sink)
     sender = WeightSender(
         addresses,
         bucket_bytes=config.bucket_bytes or "auto",
@@ -64,7 +64,7 @@ def _run_weightsync(run: _Run, transport: str, num_receivers: int) -> MethodResu
     peak = PeakRss()
     try:
         for _ in range(config.repeat):
-            run.step(f"weightsync {transport} x{num_receivers}")
+            run.step(f"weightsync {transport} x{num_receivers} ({sink})")
             version = run.next_version()
             broadcast(workers, "arm")
             peak.start()
@@ -153,7 +153,8 @@ def run(config: BenchConfig) -> BenchReport:
     shapes = model_shapes(config.size_bytes)
     total_bytes = sum(math.prod(shape) for _, shape in shapes) * DTYPE.itemsize
     _check_memory(config, total_bytes)
-    num_steps = config.repeat * (len(config.transports) * len(config.receivers) + config.baselines * len(BASELINES))
+    num_weightsync = len(config.transports) * len(config.receivers) * len(config.sinks)
+    num_steps = config.repeat * (num_weightsync + config.baselines * len(BASELINES))
     bar = tqdm(total=num_steps + 2, file=sys.stderr, disable=not config.progress, unit="step", leave=False)
 
     def step(what: str) -> None:
@@ -176,7 +177,10 @@ def run(config: BenchConfig) -> BenchReport:
             worker.reply(timeout=max(300.0, config.timeout))
         state = _Run(config, source, workers, total_bytes, step, host if config.device != "cpu" else None)
         results = [
-            _run_weightsync(state, transport, count) for transport in config.transports for count in config.receivers
+            _run_weightsync(state, transport, count, sink)
+            for transport in config.transports
+            for count in config.receivers
+            for sink in config.sinks
         ]
         if config.baselines:
             results += [_run_baseline(state, method) for method in BASELINES]

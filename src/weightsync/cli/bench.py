@@ -14,6 +14,13 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
+def sink_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names or set(names) - {"dict", "callable"}:
+        raise argparse.ArgumentTypeError(f"expected dict, callable or dict,callable, got {text!r}")
+    return names
+
+
 def transport_names(text: str) -> tuple[str, ...]:
     from weightsync.bench import DEFAULT_TRANSPORTS, TRANSPORTS
 
@@ -61,6 +68,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default="all",
         help="shm, tcp, collective, cudaipc (with --device cuda), a comma list, or all (= shm,tcp; default)",
     )
+    bench.add_argument(
+        "--sink",
+        type=sink_names,
+        default=("dict",),
+        help="dict (destinations written in place; default), callable (an engine-style loader), or dict,callable",
+    )
     bench.add_argument("--size-gb", type=float, default=4.0, help="model size in GiB (default 4)")
     bench.add_argument("--bucket-mb", type=bucket_mb, default=None, help="bucket size in MiB, or auto (default)")
     bench.add_argument("--receivers", type=counts, default=(1,), help="receiver counts, e.g. 1 or 1,4 (default 1)")
@@ -102,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         progress=args.progress,
         device=args.device,
+        sinks=args.sink,
     )
     report = run_bench(config)
     table = format_table(report)

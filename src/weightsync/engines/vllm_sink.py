@@ -150,6 +150,9 @@ class ReloadSink(WeightSink):
         timeout: seconds `load` waits for queue room and `commit`/`abort` wait for the loader.
     """
 
+    borrows = False
+    """The loader thread reads a bucket's tensors after `load` returned: they must be its own."""
+
     def __init__(
         self,
         layout: CheckpointLayout,

@@ -101,6 +101,10 @@ class ServerSink(WeightSink):
         return self.inner.wrote_live
 
     @property
+    def borrows(self) -> bool:  # type: ignore[override]
+        return self.inner.borrows
+
+    @property
     def staged(self) -> bool:
         """True when nothing served changes before the commit (the engine's sink stages the
         sync): then the engine keeps serving during the transfer and parks only for the commit."""

@@ -1,0 +1,103 @@
+"""Landing, where each piece goes: lent to a borrowing loader without a copy, chunked tensors
+assembled in an arena that is reused across syncs, owned tensors for a sink that keeps them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from weightsync.landing import Landing, Staging, arena_layout
+from weightsync.plan import build_plan, plan_digest
+from weightsync.sink import CallableSink, WeightSink
+from weightsync.types import Plan, TensorSpec
+
+BUCKET = 4096
+
+
+def plan_of(*sizes: int) -> Plan:
+    """float32 tensors of `sizes` elements, in 4 KiB buckets (a tensor over 1024 elements is chunked)."""
+    return build_plan([TensorSpec(f"t{i}", "float32", (n,), "float32") for i, n in enumerate(sizes)], BUCKET)
+
+
+def ring_of(plan: Plan, values: dict[int, torch.Tensor]) -> list[np.ndarray]:
+    """Each bucket's bytes as a transport would hold them (a ring slot per bucket)."""
+    slots = [np.zeros(plan.bucket_bytes, dtype=np.uint8) for _ in plan.buckets]
+    for index, bucket in enumerate(plan.buckets):
+        for piece in bucket:
+            source = values[piece.tensor].view(torch.uint8).numpy()
+            slots[index][piece.bucket_offset : piece.bucket_offset + piece.nbytes] = source[
+                piece.tensor_offset : piece.tensor_offset + piece.nbytes
+            ]
+    return slots
+
+
+def land(plan: Plan, sink: WeightSink, slots: list[np.ndarray], staging: Staging | None = None) -> None:
+    landing = Landing(plan, sink, 1, plan_digest(plan), staging=staging)
+    for index, bucket in enumerate(plan.buckets):
+        for piece in bucket:
+            landing.copy_in(piece, slots[index][piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+        landing.finish_bucket(index)
+
+
+def test_a_borrowing_loader_gets_views_of_the_transport_buffer_and_chunked_tensors_from_the_arena() -> None:
+    plan = plan_of(100, 3000, 200)  # t1 (12000 bytes) is chunked over four buckets
+    values = {i: torch.randn(spec.shape[0]) for i, spec in enumerate(plan.tensors)}
+    slots = ring_of(plan, values)
+    staging = Staging()
+    seen: dict[str, tuple[torch.Tensor, bool, int]] = {}
+
+    def load(named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
+            in_a_slot = any(np.shares_memory(tensor.numpy(), slot) for slot in slots)
+            seen[name] = (tensor.clone(), in_a_slot, tensor.data_ptr())
+
+    land(plan, CallableSink(load), slots, staging)
+    for i, spec in enumerate(plan.tensors):
+        assert torch.equal(seen[spec.name][0], values[i])
+    assert seen["t0"][1] and seen["t2"][1], "a tensor whole in one bucket is lent, not copied"
+    assert not seen["t1"][1], "a chunked tensor is assembled off the ring"
+    first_arena_ptr = seen["t1"][2]
+    land(plan, CallableSink(load), slots, staging)
+    assert seen["t1"][2] == first_arena_ptr, "the arena is reused by the next sync"
+
+
+def test_a_sink_that_keeps_its_tensors_gets_its_own() -> None:
+    plan = plan_of(100, 3000)
+    values = {i: torch.randn(spec.shape[0]) for i, spec in enumerate(plan.tensors)}
+    slots = ring_of(plan, values)
+    kept: dict[str, torch.Tensor] = {}
+
+    class Keeps(WeightSink):
+        borrows = False
+
+        def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+            kept.update(named)
+
+    land(plan, Keeps(), slots)
+    for slot in slots:
+        slot[:] = 0  # the transport reuses its buffers
+    for i, spec in enumerate(plan.tensors):
+        assert torch.equal(kept[spec.name], values[i])
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [
+        ((3000,), 12032),  # one chunked tensor, 64-byte aligned
+        ((100, 3000, 100, 3000), 24064),  # t1 ends in the bucket where t3 starts: both live at once
+        ((3000, 1000, 3000), 12032),  # t0 is done before t2 begins: t2 reuses its place
+    ],
+)
+def test_the_arena_holds_what_is_live_at_once(sizes: tuple[int, ...], expected: int) -> None:
+    plan = plan_of(*sizes)
+    chunked = [i for i, n in enumerate(sizes) if n * 4 > BUCKET]
+    offsets, size = arena_layout(plan, chunked)
+    assert size == expected
+    spans = {t: (offsets[t], offsets[t] + plan.tensors[t].shape[0] * 4) for t in chunked}
+    for a in chunked:
+        for b in chunked:
+            buckets_a = {i for i, bucket in enumerate(plan.buckets) for p in bucket if p.tensor == a}
+            buckets_b = {i for i, bucket in enumerate(plan.buckets) for p in bucket if p.tensor == b}
+            if a < b and buckets_a & buckets_b:
+                assert spans[a][1] <= spans[b][0] or spans[b][1] <= spans[a][0], "live tensors never overlap"
