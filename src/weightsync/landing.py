@@ -17,6 +17,7 @@ it completed. Where a tensor lands:
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -134,6 +135,10 @@ class Landing:
         """The checksums of the buckets verified so far, and the tensors' digests."""
         self.touched_live = False
         """True once any byte was written into live weights (an abort then leaves a mix)."""
+        self.landing_s = 0.0
+        """Seconds spent copying pieces into place or staging, and checking checksums."""
+        self.load_s = 0.0
+        """Seconds spent in the sink's `load`."""
         self._delivered: dict[int, int] = {}
         """verify="full": the hash of each tensor handed to the sink or copied out of staging."""
         self._dest: list[torch.Tensor | None] = [self._destination(index) for index in range(len(plan.tensors))]
@@ -233,6 +238,11 @@ class Landing:
         on a device), to where the piece goes. `pinned`: host `data` is page-locked for CUDA
         (hostpin), so a device copies it by DMA directly. Device copies are left in flight on
         the current stream: synchronise before reusing `data`."""
+        started = time.perf_counter()
+        self._copy_in(piece, data, pinned)
+        self.landing_s += time.perf_counter() - started
+
+    def _copy_in(self, piece: Piece, data: np.ndarray | torch.Tensor, pinned: bool) -> None:
         device = self.device_view(piece)
         if device is None and self.lends(piece):
             self._lent[piece.tensor] = data
@@ -281,8 +291,10 @@ class Landing:
         """Check bucket `index` (when the sync verifies and the transport sent a checksum), then
         deliver the tensors it completed to their destinations or the sink."""
         if self.verify != "off" and checksum is not None:
+            started = time.perf_counter()
             pieces = self.plan.buckets[index]
             landed = self.hashes.bucket(pieces, [self._landed(piece) for piece in pieces])
+            self.landing_s += time.perf_counter() - started
             if landed != checksum:
                 raise ChecksumError(
                     f"bucket {index} of version {self.version}: the bytes that landed hash to {landed:#018x}, "
@@ -308,8 +320,10 @@ class Landing:
                 loads.append((self.plan.tensors[tensor].name, value))
         if loads:
             self.touched_live = self.touched_live or self.sink.loads_live
+            started = time.perf_counter()
             with sink_errors("load"):
                 self.sink.load(loads)
+            self.load_s += time.perf_counter() - started
 
     def check_tensors(self, expected: Sequence[int]) -> None:
         """verify="full": every tensor, where it finally sits, hashes as the sender's did."""

@@ -25,6 +25,8 @@ import dataclasses
 import logging
 import secrets
 import threading
+import time
+from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
 from weightsync.auth import check_bind, new_nonce, proof, proof_matches
@@ -47,7 +49,19 @@ from weightsync.transports import get_transport
 from weightsync.transports.base import Link, PlaneOptions, ReceivePlane
 from weightsync.transports.control import expect_on
 from weightsync.transports.links import listener_for
-from weightsync.types import PROTOCOL_VERSION, Accept, Auth, Commit, Committed, Failed, Hello, Message, Offer, Welcome
+from weightsync.types import (
+    PROTOCOL_VERSION,
+    Accept,
+    Auth,
+    Commit,
+    Committed,
+    Failed,
+    Hello,
+    Message,
+    Offer,
+    SyncTimes,
+    Welcome,
+)
 from weightsync.wire import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES
 
 __all__ = ["ReceiverState", "ReceiverStatus", "WeightReceiver"]
@@ -68,6 +82,8 @@ class ReceiverStatus:
     """The content digest of `version` when its sync was verified, else ""."""
     last_error: str = ""
     """Why the last sync failed, or "" if it committed."""
+    times: SyncTimes | None = None
+    """Where the last committed sync's time went."""
 
 
 class WeightReceiver:
@@ -111,6 +127,7 @@ class WeightReceiver:
         self._staging = Staging()
         """Reused by every sync: where tensors without a destination are assembled."""
         self._before_sync: ReceiverState = "empty"
+        self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
         self._listener = listener_for(spec.link, spec.name, host=options.host, port=options.port, timeout=self._timeout)
         self._listener.start(self._serve)
@@ -154,10 +171,21 @@ class WeightReceiver:
                 lambda: self._status.version is not None and self._status.version >= version, timeout
             )
 
+    def watch(self, observer: Callable[[ReceiverStatus, ReceiverStatus], None]) -> None:
+        """Call `observer(before, after)` on every change of the status, on the thread that made
+        it (a sync's), after the change. An observer must be quick and must not raise."""
+        self._observers.append(observer)
+
     def _set(self, **changes: Any) -> None:
         with self._changed:
-            self._status = dataclasses.replace(self._status, **changes)
+            before = self._status
+            self._status = after = dataclasses.replace(before, **changes)
             self._changed.notify_all()
+        for observer in self._observers:
+            try:
+                observer(before, after)
+            except Exception:  # an observer's bug must not break a sync
+                log.exception("a receiver status observer raised")
 
     # --- the receive loop: one per connected sender ---------------------------------------------
 
@@ -204,6 +232,7 @@ class WeightReceiver:
 
     def _sync(self, link: Link, plane: ReceivePlane, offer: Offer) -> None:
         link.version, link.bucket = offer.version, None
+        started = time.perf_counter()
         try:
             landing = self.begin(offer)
         except WeightSyncError as exc:
@@ -216,14 +245,18 @@ class WeightReceiver:
                 plane.receive(index, landing)
             plane.finish(landing)
             link.bucket = None
-            self.commit(landing, expect_on(link, Commit, self._timeout))
+            commit = expect_on(link, Commit, self._timeout)
+            committing = time.perf_counter()
+            self.commit(landing, commit)
+            times = _times(landing, self._sink, started, committing)
+            self._set(times=times)
         except BaseException as exc:
             self.abort(landing, exc)
             if isinstance(exc, WeightSyncError) and not isinstance(exc, (PeerClosedError, RemoteError)):
                 with contextlib.suppress(WeightSyncError):
                     link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
             raise
-        link.send(Committed(offer.version), self._timeout)
+        link.send(Committed(offer.version, times), self._timeout)
 
     # --- the steps of a sync --------------------------------------------------------------------
 
@@ -340,3 +373,13 @@ class WeightReceiver:
 
     def __repr__(self) -> str:
         return f"WeightReceiver({self.address!r}, state={self.state!r}, version={self.version})"
+
+
+def _times(landing: Landing, sink: WeightSink, started: float, committing: float) -> SyncTimes:
+    """Where a committed sync's time went, from its offer to its commit returning."""
+    ended = time.perf_counter()
+    load_s = landing.load_s + (ended - committing)  # the sink's commit: the engine's reload
+    pause_s = sink.paused_s
+    total_s = ended - started
+    transfer_s = max(0.0, total_s - landing.landing_s - load_s - pause_s)
+    return SyncTimes(total_s, transfer_s, landing.landing_s, load_s, pause_s)

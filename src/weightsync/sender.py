@@ -32,7 +32,7 @@ from weightsync.transports import check_address
 from weightsync.transports.base import Failures, PlaneOptions, SendPlane
 from weightsync.transports.control import SenderChannel
 from weightsync.transports.links import opener
-from weightsync.types import Abort, Commit, Offer, ReceiverOutcome, SyncReport, Welcome
+from weightsync.types import Abort, Commit, Offer, ReceiverOutcome, SyncReport, SyncTimes, Welcome
 
 __all__ = ["WeightSender"]
 
@@ -174,9 +174,12 @@ class WeightSender:
                 route.channel.abort(Abort(version, f"sender failed: {exc}"), route.live(failures, welcomes))
             raise
         contents = {}
+        times: dict[str, SyncTimes] = {}
         for route in self._routes:
             commit, contents[route.name] = _commit_message(version, digest, verify, hashes[route.name])
-            failures |= route.channel.commit(commit, route.live(failures, welcomes))
+            committed, failed = route.channel.commit(commit, route.live(failures, welcomes))
+            times |= committed
+            failures |= failed
 
         report = SyncReport(
             version=version,
@@ -185,7 +188,7 @@ class WeightSender:
             num_buckets=len(plan.buckets),
             bucket_bytes=plan.bucket_bytes,
             seconds=time.perf_counter() - started,
-            outcomes=tuple(_outcome(address, failures) for address in self._addresses),
+            outcomes=tuple(_outcome(address, failures, times.get(address)) for address in self._addresses),
             content_digest=next((content for content in contents.values() if content), ""),
         )
         log.info(
@@ -255,9 +258,9 @@ def _commit_message(version: int, digest: str, verify: Verify, hashes: SyncHashe
     return Commit(version, digest, content, hashes.tensor_digests() if verify == "full" else ()), content
 
 
-def _outcome(address: str, failures: Failures) -> ReceiverOutcome:
+def _outcome(address: str, failures: Failures, times: SyncTimes | None) -> ReceiverOutcome:
     error: WeightSyncError | None = failures.get(address)
     if error is None:
-        return ReceiverOutcome(address, True)
+        return ReceiverOutcome(address, True, times=times)
     kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
     return ReceiverOutcome(address, False, kind, str(error))

@@ -42,6 +42,9 @@ class WeightSink:
     """Set by a staged sink whose `commit` feeds the served weights (StagedSink), once it has
     started to: a commit that fails after that leaves them mixed, and the receiver says dirty."""
 
+    paused_s: float = 0.0
+    """Seconds the engine was parked for the current sync (a rollout server's sink sets it)."""
+
     borrows: bool = True
     """True when `load` is done with its tensors once it returns (it copies what it keeps): it is
     then handed read-only views of the transport's buffers, with no copy. A sink that holds on to

@@ -22,6 +22,7 @@ __all__ = [
     "Hello",
     "Message",
     "Offer",
+    "SyncTimes",
     "Piece",
     "Plan",
     "ReceiverOutcome",
@@ -192,10 +193,26 @@ class Commit(msgspec.Struct, frozen=True, tag=True):
     """With verify="full": xxh3-64 of every tensor's bytes, in plan order."""
 
 
+class SyncTimes(msgspec.Struct, frozen=True):
+    """Where one receiver's sync went, in seconds, from its Accept to its Committed."""
+
+    total_s: float = 0.0
+    transfer_s: float = 0.0
+    """Waiting for and reading bucket bytes: what is left of `total_s` after the rest."""
+    landing_s: float = 0.0
+    """Copying pieces into place or staging, and checking checksums."""
+    load_s: float = 0.0
+    """In the sink's `load` and `commit`: the engine's own reload."""
+    pause_s: float = 0.0
+    """Parking the engine for the sync (a rollout server): waiting for requests to drain."""
+
+
 class Committed(msgspec.Struct, frozen=True, tag=True):
     """Receiver -> sender: `version` is committed and serving."""
 
     version: int
+    times: SyncTimes = msgspec.field(default_factory=SyncTimes)
+    """Where the receiver's sync went."""
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -247,6 +264,8 @@ class ReceiverOutcome:
     committed: bool
     kind: str = ""
     error: str = ""
+    times: SyncTimes | None = None
+    """Where this receiver's sync went (once it committed)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -140,3 +141,15 @@ def test_a_server_that_requires_verified_pushes(tiny_models) -> None:
         assert greedy(server, "abc")["weight_version"] == 1
         # what the server verified it holds is what the trainer sent
         assert report.content_digest and server.client.weight_info()["content_digest"] == report.content_digest
+
+
+def test_a_sync_says_where_its_time_went(tiny_models) -> None:
+    with live_server(tiny_models["qwen2"]) as server:
+        report = push(server, SafetensorsSource(tiny_models["qwen2"]), 1)
+        times = server.client.weight_info()["last_sync"]["times"]
+        assert set(times) == {"total_s", "transfer_s", "landing_s", "load_s", "pause_s"}
+        assert times["total_s"] <= report.seconds
+        assert times == pytest.approx(msgspec.structs.asdict(report.outcomes[0].times), abs=1e-5)
+        text = server.client.metrics()
+        for phase in ("transfer", "landing", "load", "pause"):
+            assert f'weightsync_sync_phase_seconds_count{{phase="{phase}"}} 1.0' in text, phase

@@ -105,3 +105,25 @@ def test_options_are_given_once_as_values_or_as_keywords() -> None:
         SenderOptions(verify="sometimes")  # type: ignore[arg-type]
     with receiving({}, "inproc", options=None, verify="full") as receiver:
         assert receiver.options == ReceiverOptions(timeout=10.0, verify="full")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_each_receiver_reports_where_its_sync_went(transport: str) -> None:
+    def slow_loader(named: list[tuple[str, torch.Tensor]]) -> None:
+        time.sleep(0.05)
+        if any(name == "refused" for name, _ in named):
+            raise ValueError("the engine refuses this one")
+
+    with (
+        receiving(slow_loader, transport) as receiver,
+        sending(receiver.address, bucket_bytes=1024) as sender,
+    ):
+        report = sender.push(weights(1), version=1)
+        (outcome,) = report.outcomes
+        times = outcome.times
+        assert outcome.committed and times is not None and times == receiver.status.times
+        assert times.load_s >= 4 * 0.05, "four buckets, each loaded by a sink that takes 50 ms"
+        parts = times.transfer_s + times.landing_s + times.load_s + times.pause_s
+        assert parts == pytest.approx(times.total_s, abs=1e-6) and times.total_s <= report.seconds
+        failed = sender.push({"refused": torch.zeros(3)}, version=2)
+        assert not failed.ok and failed.outcomes[0].times is None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from weightsync.types import SyncTimes
+
 __all__ = ["ServerMetrics"]
 
 
@@ -20,6 +22,13 @@ class ServerMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,
         )
+        self.sync_phase_seconds = Histogram(
+            "weightsync_sync_phase_seconds",
+            "Where committed syncs spent their time: transfer, landing, load (the engine's reload), pause",
+            ["phase"],
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
         self.sync_bytes = Counter("weightsync_sync_bytes", "Bytes of committed syncs", registry=r)
         self.version = Gauge("weightsync_weight_version", "Weight version served (-1: none)", registry=r)
         self.sync_in_progress = Gauge("weightsync_sync_in_progress", "1 while a sync is landing", registry=r)
@@ -28,6 +37,11 @@ class ServerMetrics:
         )
         self.requests = Counter("weightsync_requests", "Completion requests, by HTTP status", ["status"], registry=r)
         self.version.set(-1)
+
+    def observe_times(self, times: SyncTimes) -> None:
+        """One committed sync's phases."""
+        for phase in ("transfer", "landing", "load", "pause"):
+            self.sync_phase_seconds.labels(phase).observe(getattr(times, f"{phase}_s"))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

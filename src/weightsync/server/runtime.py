@@ -16,11 +16,12 @@ from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES
 from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
-from weightsync.receiver import WeightReceiver
+from weightsync.receiver import ReceiverStatus, WeightReceiver
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
 from weightsync.transports import get_transport, serving_transports
+from weightsync.types import SyncTimes
 
 __all__ = ["ENGINES", "EngineName", "RolloutServer", "ServeConfig", "build_engine", "engine_class"]
 
@@ -165,7 +166,12 @@ class RolloutServer:
             verify=config.verify,
             auth_token=config.auth_token,
         )
+        self.receiver.watch(self._observe)
         self.loop.start()
+
+    def _observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
+        if after.times is not None and after.times is not before.times:
+            self.metrics.observe_times(after.times)
 
     @property
     def version(self) -> int | None:
@@ -195,7 +201,7 @@ class RolloutServer:
             "version": self.loop.version,
             "state": self.state(),
             "last_error": self.receiver.last_error,
-            "last_sync": self.sink.stats.to_json(),
+            "last_sync": self.sink.stats.to_json() | {"times": _times_json(self.receiver.status.times)},
             "content_digest": self.receiver.content_digest,
             "transport": self.config.transport,
             "addresses": [self.receiver.address],
@@ -217,3 +223,10 @@ class RolloutServer:
         self.receiver.close()
         self.loop.close()
         self.engine.close()
+
+
+def _times_json(times: SyncTimes | None) -> dict[str, float] | None:
+    """Where the last committed sync's time went, in seconds, or None before the first."""
+    if times is None:
+        return None
+    return {field: round(getattr(times, field), 6) for field in times.__struct_fields__}

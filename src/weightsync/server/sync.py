@@ -84,6 +84,7 @@ class ServerSink(WeightSink):
         self.drain_timeout = drain_timeout
         self.metrics = metrics
         self.stats = SyncStats()
+        self._paused_s = 0.0
         self._dirty = False
         """Whether the served weights are a mix no version names (a sync failed half-written)."""
         self._started = 0.0
@@ -110,8 +111,15 @@ class ServerSink(WeightSink):
         sync): then the engine keeps serving during the transfer and parks only for the commit."""
         return not (self.inner.destinations_live or self.inner.loads_live)
 
+    @property
+    def paused_s(self) -> float:  # type: ignore[override]
+        return self._paused_s
+
     def _park(self, version: int) -> None:
-        if not self.loop.pause("sync", self.mode, self.drain_timeout):
+        started = time.perf_counter()
+        parked = self.loop.pause("sync", self.mode, self.drain_timeout)
+        self._paused_s = time.perf_counter() - started
+        if not parked:
             self.loop.resume("sync")
             raise SinkError(
                 f"the engine did not finish its requests within {self.drain_timeout} s (sync mode {self.mode!r}); "
@@ -119,6 +127,7 @@ class ServerSink(WeightSink):
             )
 
     def begin(self, plan: Plan, version: int) -> None:
+        self._paused_s = 0.0
         self.inner.begin(plan, version)
         if not self.staged:
             self._park(version)

@@ -39,6 +39,7 @@ from weightsync.types import (
     Hello,
     Message,
     Offer,
+    SyncTimes,
     Welcome,
 )
 
@@ -180,18 +181,22 @@ class SenderChannel:
 
         return failures | self.each([a for a in live if a not in failures], accepted)
 
-    def commit(self, commit: Commit, live: Sequence[str]) -> Failures:
-        """Ask every receiver in `live` to commit; returns those that did not, with why."""
+    def commit(self, commit: Commit, live: Sequence[str]) -> tuple[dict[str, SyncTimes], Failures]:
+        """Ask every receiver in `live` to commit; returns where each that did spent its time,
+        and those that did not, with why."""
         failures = self.each(live, lambda address, link: link.send(commit, self.timeout))
         deadline = time.monotonic() + self.timeout
+        times: dict[str, SyncTimes] = {}
 
         def confirm(address: str, link: Link) -> None:
             reply = self.reply(address, deadline)
             while not isinstance(reply, Committed):  # acks of the last buckets may come first
                 reply = self.reply(address, deadline)
             self._check_version(reply, commit.version)
+            times[address] = reply.times
 
-        return failures | self.each([a for a in live if a not in failures], confirm)
+        failures |= self.each([a for a in live if a not in failures], confirm)
+        return times, failures
 
     def abort(self, abort: Abort, live: Sequence[str]) -> None:
         """Tell every receiver in `live` the sync is off, and wait until each let go of it."""
