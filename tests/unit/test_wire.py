@@ -519,7 +519,8 @@ def test_raw_tcp_sync_commits(tcp_live):
             peer.send(message)
             peer.sock.sendall(data)
         peer.send(Commit(3, offer.digest))
-        assert peer.recv() == Committed(3)
+        reply = peer.recv()  # (its timings vary)
+        assert isinstance(reply, Committed) and reply.version == 3
     finally:
         peer.close()
     assert receiver.version == 3 and receiver.state == "ready"
