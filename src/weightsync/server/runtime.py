@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from weightsync.auth import check_bind, resolve_token
-from weightsync.checksum import VERIFY_MODES
+from weightsync.checksum import VERIFY_MODES, Verify
 from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
+from weightsync.options import ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
@@ -75,7 +76,7 @@ class ServeConfig:
     drain_timeout: float = 60.0
     sync_timeout: float = 60.0
     served_model_name: str | None = None
-    verify: str = "off"
+    verify: Verify = "off"
     auth_token: str | None = None
     allow_unauthenticated_generation: bool = False
     host: str = "127.0.0.1"
@@ -102,6 +103,17 @@ class ServeConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{field} must be a non-negative number of seconds, got {value!r}")
+
+    @property
+    def receiver_options(self) -> ReceiverOptions:
+        """The options of this server's weight receiver."""
+        return ReceiverOptions(
+            host=self.receiver_host,
+            port=self.receiver_port,
+            timeout=self.sync_timeout,
+            verify=self.verify,
+            auth_token=self.auth_token,
+        )
 
     @property
     def model_name(self) -> str:
@@ -157,15 +169,7 @@ class RolloutServer:
             drain_timeout=config.drain_timeout,
             metrics=self.metrics,
         )
-        self.receiver = WeightReceiver(
-            self.sink,
-            config.transport,
-            host=config.receiver_host,
-            port=config.receiver_port,
-            timeout=config.sync_timeout,
-            verify=config.verify,
-            auth_token=config.auth_token,
-        )
+        self.receiver = WeightReceiver(self.sink, config.transport, options=config.receiver_options)
         self.receiver.watch(self._observe)
         self.loop.start()
 
