@@ -94,14 +94,16 @@ class FleetReport:
 
     sync: SyncReport
     dropped: dict[str, str]
-    """Servers found dead before the push, name -> why; they are gone from the fleet."""
+    """Servers found dead before or during the push, name -> why; they are gone from the fleet."""
     joined: tuple[str, ...]
     """Servers this push reached for the first time (new, or restarted by Ray)."""
+    dropped_addresses: frozenset[str] = frozenset()
+    """The weight addresses of servers that died during the push (their outcomes failed)."""
 
     @property
     def ok(self) -> bool:
         """Every live member committed (dropped servers are reported, not failures)."""
-        return self.sync.ok
+        return all(o.committed or o.address in self.dropped_addresses for o in self.sync.outcomes)
 
 
 class RolloutFleet:
@@ -259,8 +261,27 @@ class RolloutFleet:
                 self.version = version
                 if report.content_digest:
                     self._digests[version] = report.content_digest
+            died = self._drop_dead_among(report)
             self._mark_ready()
-            return FleetReport(report, dropped, joined)
+            addresses = frozenset(info.address for info in members if info.name in died)
+            return FleetReport(report, dropped | died, joined, addresses)
+
+    def _drop_dead_among(self, report: SyncReport) -> dict[str, str]:
+        """Servers whose push failed because they died meanwhile (killed between the check before
+        the push and the push itself): dropped like those found dead before it."""
+        import ray
+
+        failed = {outcome.address for outcome in report.failed}
+        suspects = {name: self._actors[name] for name, info in self._members.items() if info.address in failed}
+        if not suspects:
+            return {}
+        alive = self._describe(suspects)
+        died = {name: "died during the push" for name in suspects if name not in alive}
+        for name in died:
+            ray.kill(self._actors.pop(name))
+            self._members.pop(name, None)
+            log.warning("fleet: dropped %s: died during the push", name)
+        return died
 
     def catch_up(self, source: Any) -> FleetReport | None:
         """Bring every live server that lacks the fleet's version to it, from `source`, which
