@@ -156,7 +156,7 @@ def test_a_rollout_worker_killed_mid_sync_fails_the_push_in_time_and_a_new_group
     received = rollout.update_weights(global_steps=10)
     with pytest.raises(ray.exceptions.RayTaskError, match="SyncFailed") as failed:
         ray.get(sent[0], timeout=60)
-    assert time.monotonic() - started < TIMEOUT_S + 10, "the push outlived its timeout"
+    assert time.monotonic() - started < TIMEOUT_S, "the push outlived its timeout"
     assert doomed_address in str(failed.value) and survivor_address not in str(failed.value)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(received[1], timeout=60)
@@ -267,3 +267,28 @@ def test_a_changed_tensor_list_fails_one_sync_cleanly_and_the_next_learns_it():
     finally:
         actor.close()
         rollout.close()
+
+
+def test_the_config_lines_of_the_docs_build_both_sides(monkeypatch):
+    """Each config block of docs/integrations/verl.md, composed into verl's own trainer config
+    (Hydra) and turned into engines as verl's workers do: the documented lines work as written."""
+    import re
+    from pathlib import Path
+
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+
+    monkeypatch.setenv("WEIGHTSYNC_AUTH_TOKEN", "a-token-of-sixteen-chars")  # host=auto listens beyond loopback
+    doc = (Path(__file__).parents[2] / "docs" / "integrations" / "verl.md").read_text(encoding="utf-8")
+    blocks = [block.split() for block in re.findall(r"```bash\n(.*?)```", doc, re.S) if "backend=weightsync" in block]
+    assert len(blocks) == 4, "shm, cudaipc, tcp, collective"
+    config_dir = str(Path(verl.__file__).parent / "trainer" / "config")
+    for overrides in blocks:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            config = compose(config_name="ppo_trainer", overrides=overrides)
+        engine_config = omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine)
+        transport = overrides[2].rpartition("=")[2]
+        for role in ({"is_master": True}, {}):
+            engine = verl_workers.build_engine(engine_config, **role)
+            assert isinstance(engine, WeightSyncCheckpointEngine) and engine.settings.transport == transport
