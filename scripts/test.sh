@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 if [[ -z "${WEIGHTSYNC_SKIP_VLLM:-}" ]]; then
     ./scripts/install-vllm.sh
 fi
+# verl (the tested version, without its own requirements) for weightsync.integrations.verl and
+# its tests; WEIGHTSYNC_SKIP_VERL=1 skips them.
+if [[ -z "${WEIGHTSYNC_SKIP_VERL:-}" ]]; then
+    ./scripts/install-verl.sh
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy  # [tool.mypy] in pyproject.toml: the package, strict on the core

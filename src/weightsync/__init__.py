@@ -34,6 +34,7 @@ from weightsync.sender import WeightSender
 from weightsync.sink import TensorDictSink, WeightSink
 from weightsync.sizing import auto_bucket_bytes
 from weightsync.source import StateDictSource, TensorMeta, WeightSource
+from weightsync.stream import StreamSink, TensorStream
 from weightsync.types import Plan, ReceiverOutcome, SyncReport
 
 if TYPE_CHECKING:
@@ -71,10 +72,12 @@ __all__ = [
     "SenderOptions",
     "SinkError",
     "StateDictSource",
+    "StreamSink",
     "SyncFailed",
     "SyncReport",
     "TensorDictSink",
     "TensorMeta",
+    "TensorStream",
     "TransferTimeout",
     "TransportError",
     "WeightReceiver",

@@ -162,6 +162,9 @@ class SyncFailed(WeightSyncError):
         super().__init__(message)
         self.report = report
 
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable: Ray and multiprocessing carry it to the caller
+        return type(self), (self.args[0], self.report)
+
 
 class ServerError(WeightSyncError):
     """A rollout server answered with an error status, or no weightsync server answered (`status` 0).
@@ -177,6 +180,9 @@ class ServerError(WeightSyncError):
         super().__init__(f"HTTP {status}: {message}" if status else str(message))
         self.status = status
         self.body = body
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.status, self.body)
 
 
 class BenchError(WeightSyncError, RuntimeError):

@@ -106,3 +106,28 @@ def test_every_exception_class_of_weightsync_is_defined_in_errors_py():
     assert set(found) == set(errors.__all__)
     elsewhere = {name: files for name, files in found.items() if files != ["errors.py"]}
     assert not elsewhere, f"exception classes defined outside errors.py: {elsewhere}"
+
+
+def test_every_error_survives_pickling():
+    """Ray and multiprocessing carry errors back to the caller (verl's trainer sees a worker's
+    SyncFailed): each class must unpickle as itself, with its message and attributes."""
+    import pickle
+
+    from weightsync.types import ReceiverOutcome, SyncReport
+
+    report = SyncReport(1, 64, 1, 1, 64, 0.1, (ReceiverOutcome("shm://@a", False, "PeerClosedError", "gone"),))
+    special = {
+        errors.SyncFailed: errors.SyncFailed("shm://@a: PeerClosedError: gone", report),
+        errors.ServerError: errors.ServerError(503, {"error": {"message": "syncing"}}),
+        errors.RemoteError: errors.RemoteError("refused", kind="PlanError"),
+    }
+    for name in errors.__all__:
+        cls = getattr(errors, name)
+        if cls in special:
+            error = special[cls]
+        elif issubclass(cls, errors.TransportError):
+            error = cls("stalled", transport="shm", version=3, bucket=1)
+        else:
+            error = cls("bad")
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is cls and str(back) == str(error) and vars(back) == vars(error), name

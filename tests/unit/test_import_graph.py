@@ -25,8 +25,8 @@ import weightsync
 
 PACKAGE = Path(weightsync.__file__).parent
 
-OPTIONAL = ("ray", "fastapi", "uvicorn", "transformers", "vllm", "httpx", "prometheus_client", "safetensors")
-"""Top-level packages of the optional extras ([server], [hf], [ray], vLLM): `import weightsync`
+OPTIONAL = ("ray", "fastapi", "uvicorn", "transformers", "vllm", "httpx", "prometheus_client", "safetensors", "verl")
+"""Top-level packages of the optional extras ([server], [hf], [ray], [verl], vLLM): `import weightsync`
 needs only torch and the core dependencies."""
 
 
@@ -211,6 +211,22 @@ def test_the_package_root_imports_no_optional_stack_at_module_level():
     level (the subprocess test below is the ground truth; this one names the chain)."""
     offenders = optional_stacks_on_import(PACKAGE)
     assert not offenders, "\n".join(offenders)
+
+
+def test_no_module_imports_the_integrations():
+    """weightsync.integrations.* are imported by the frameworks they plug into, never by weightsync."""
+    integrations = PACKAGE / "integrations"
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        if integrations in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):  # deferred imports too
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            if any(name.startswith("weightsync.integrations") for name in names):
+                importers.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not importers, importers
 
 
 def test_importing_weightsync_loads_no_optional_stack():

@@ -1,0 +1,143 @@
+"""StreamSink: a sync pulled as (name, tensor) pairs on the consumer's thread, over every
+transport. Tensors arrive bucket by bucket, bit-exact; the version commits only after the
+consumer took every tensor; a consumer that stops early, never comes, or is too slow aborts the
+sync on this receiver (the sender reports it); a sync that fails raises on the consumer's thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
+from weightsync import ConfigError, PlanError, SinkError, TransferTimeout, WeightSyncError
+from weightsync.stream import StreamSink
+
+MODEL = {
+    "embed": random_tensor(torch.bfloat16, (512, 64), seed=1),  # 64 KiB: larger than the bucket
+    "norm": random_tensor(torch.float32, (64,), seed=2),
+    "proj": random_tensor(torch.float16, (64, 32), seed=3),
+    "head": random_tensor(torch.int8, (100,), seed=4),
+}
+BUCKET = 16 << 10
+
+
+class Pusher:
+    """A push on a thread of its own, as a trainer in another process would run it."""
+
+    def __init__(self, push: Callable[[], object]) -> None:
+        self.result: object = None
+        self.thread = threading.Thread(target=self._run, args=(push,), daemon=True)
+        self.thread.start()
+
+    def _run(self, push: Callable[[], object]) -> None:
+        try:
+            self.result = push()
+        except BaseException as exc:
+            self.result = exc
+
+    def join(self) -> object:
+        self.thread.join(30)
+        assert not self.thread.is_alive(), "push did not return"
+        return self.result
+
+
+def test_stream_yields_every_tensor_bit_exact_and_commits_after_the_last(transport):
+    sink = StreamSink(timeout=10)
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        for version in (1, 2):
+            pusher = Pusher(lambda v=version: sender.push(MODEL, version=v))  # type: ignore[misc]
+            got = {}
+            with sink.stream(version=version) as tensors:
+                for name, tensor in tensors:
+                    assert receiver.version == (None if version == 1 else version - 1), "committed early"
+                    got[name] = tensor.clone()
+                assert tensors.committed_version == version
+            report = pusher.join()
+            assert report.ok, report  # type: ignore[attr-defined]
+            assert list(got) == list(MODEL), "plan order"
+            assert_all_bit_exact(got, MODEL)
+            assert receiver.wait_for_version(version, timeout=10)
+            assert receiver.state == "ready"
+
+
+def test_consumer_that_stops_early_aborts_the_sync(transport):
+    sink = StreamSink(timeout=10)
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        pusher = Pusher(lambda: sender.push(MODEL, version=3))
+        for _name, _tensor in sink.stream(version=3):
+            break  # the stream is dropped here: the sync is abandoned at once
+        report = pusher.join()
+        assert not report.ok  # type: ignore[attr-defined]
+        assert "the consumer stopped after 1 tensors" in report.failed[0].error  # type: ignore[attr-defined]
+        assert receiver.version is None and receiver.state == "dirty"
+        # the next sync, fully taken, commits
+        pusher = Pusher(lambda: sender.push(MODEL, version=4))
+        got = {name: tensor.clone() for name, tensor in sink.stream(version=4)}
+        assert pusher.join().ok  # type: ignore[attr-defined]
+        assert_all_bit_exact(got, MODEL)
+
+
+def test_no_consumer_times_out_the_sync_and_the_late_consumer_hears_why():
+    sink = StreamSink(timeout=0.5)
+    with receiving(sink, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET, timeout=10) as sender:
+        report = sender.push(MODEL, version=5)
+        assert not report.ok and "no consumer took a bucket" in report.failed[0].error
+        with pytest.raises(TransferTimeout, match="no consumer took a bucket"):
+            next(sink.stream(version=5))
+        assert receiver.version is None
+
+
+def test_sender_that_dies_mid_sync_raises_on_the_consumer_thread():
+    sink = StreamSink(timeout=10)
+    with receiving(sink, "tcp", timeout=1.0) as receiver:
+        sender = sending(receiver.address, bucket_bytes=BUCKET, timeout=10)
+
+        def source():  # type: ignore[no-untyped-def]
+            yield "embed", MODEL["embed"]
+            raise RuntimeError("trainer crashed")
+
+        from weightsync import StateDictSource
+
+        class Crashing(StateDictSource):
+            def tensors(self):  # type: ignore[no-untyped-def]
+                return source()
+
+        with sender as live:
+            pusher = Pusher(lambda: live.push(Crashing(list(MODEL.items())), version=6))
+            with pytest.raises(WeightSyncError, match="sender failed: trainer crashed"):
+                for _ in sink.stream(version=6):
+                    pass
+            assert isinstance(pusher.join(), RuntimeError)
+        assert receiver.version is None
+
+
+def test_stream_waits_a_bounded_time_for_a_sync_and_checks_the_version():
+    sink = StreamSink(timeout=0.2)
+    with pytest.raises(TransferTimeout, match="no sync of version 1 began"):
+        next(sink.stream(version=1))
+    with pytest.raises(ConfigError):
+        sink.stream(version=-1)
+    with pytest.raises(ConfigError):
+        StreamSink(timeout=0)
+    sink = StreamSink(timeout=10)
+    with receiving(sink, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        pusher = Pusher(lambda: sender.push(MODEL, version=7))
+        with pytest.raises(PlanError, match="version 7, expected 8"):
+            next(sink.stream(version=8))
+        report = pusher.join()
+        assert not report.ok and "expected version 8" in report.failed[0].error  # type: ignore[attr-defined]
+
+
+def test_close_from_another_thread_wakes_the_consumer():
+    sink = StreamSink(timeout=10)
+    stream = sink.stream()
+    timer = threading.Timer(0.2, stream.close)
+    timer.start()
+    with pytest.raises(SinkError, match="closed"):
+        next(stream)
+    timer.join()
+    with pytest.raises(StopIteration):
+        next(stream)
