@@ -1,0 +1,211 @@
+"""Delta sync: send a receiver only the elements whose wire bits changed since the version it holds.
+
+The sender keeps a baseline: the wire bytes of its last push, one copy of the model in the wire
+dtype, in host memory (a 2 GiB bf16 model costs 2 GiB of host RAM), plus that version's content
+digest. Each push with `delta=True` diffs every tensor, as sent (after any cast), bitwise against
+the baseline, updates the baseline in place, and encodes each tensor the cheapest way:
+
+    sparse   count int32 indices, then count values      4 + itemsize bytes per changed element
+    bitmap   one bit per element, then count values       numel / 8 + itemsize per changed element
+    dense    every element                                numel * itemsize
+
+The patch is an ordinary `Plan` whose tensors carry an `encoding`, so it is bucketed, chunked,
+checksummed and landed like any sync. A receiver gets it only if it holds exactly the baseline
+(its content digest equals the baseline's); everyone else gets the full version in the same
+push. The receiver applies each patch in place into its destination (`apply_patch`) and, before
+committing, hashes every destination whole: the content digest of the full new weights must equal
+the sender's, or the sync fails with ChecksumError and the receiver's next push is full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+
+import msgspec
+import numpy as np
+import torch
+import xxhash
+
+from weightsync.checksum import content_digest
+from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.errors import PlanError
+from weightsync.pack import byte_view
+from weightsync.plan import INDEX_BYTES, dense_nbytes, tensor_nbytes
+from weightsync.source import TensorMeta, WeightSource
+from weightsync.types import TensorSpec
+
+__all__ = ["DENSE_FRACTION", "Baseline", "Diff", "apply_patch"]
+
+DENSE_FRACTION = 0.5
+"""A push whose patches would carry more than this fraction of the full model goes full: the diff
+would not pay for itself."""
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype per element size: elements are compared by their bits (NaN payloads, -0.0)."""
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(_BITS[tensor.element_size()])
+
+
+def _encode(new: torch.Tensor, old: torch.Tensor, spec: TensorSpec) -> tuple[TensorSpec, torch.Tensor | None, int]:
+    """The cheapest encoding of `new` as a patch onto `old` (same shape and dtype): its spec, its
+    payload (a flat uint8 tensor, or None for dense: the tensor itself) and how many elements
+    changed."""
+    numel = new.numel()
+    if new.element_size() not in _BITS:
+        return spec, None, numel
+    changed = _bits(new) != _bits(old)
+    indices = changed.nonzero().reshape(-1)
+    count = indices.numel()
+    sizes = {
+        "sparse": count * (INDEX_BYTES + new.element_size()) if numel < 1 << 31 else math.inf,
+        "bitmap": (numel + 7) // 8 + count * new.element_size(),
+        "dense": dense_nbytes(spec),
+    }
+    encoding = min(sizes, key=lambda name: sizes[name])
+    if encoding == "dense":
+        return spec, None, count
+    values = byte_view(new.reshape(-1)[indices])
+    if encoding == "sparse":
+        head = byte_view(indices.to(torch.int32))
+    else:
+        head = np.packbits(changed.numpy(), bitorder="little")
+    payload = torch.from_numpy(np.concatenate([head, values]))
+    return msgspec.structs.replace(spec, encoding=encoding, count=count), payload, count
+
+
+def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> None:
+    """Write the patch `payload` (its uint8 bytes, as planned by `spec`) into `dest` in place.
+
+    Raises:
+        PlanError: the payload names elements outside the tensor, or a bitmap's bits disagree
+            with its count (a corrupted or hostile patch; checksums catch corruption first).
+    """
+    numel, count = math.prod(spec.shape), spec.count
+    dtype = dtype_from_name(spec.dtype)
+    payload = payload.reshape(-1)
+    if payload.numel() != tensor_nbytes(spec):
+        raise PlanError(f"patch of {spec.name!r} is {payload.numel()} bytes, its plan says {tensor_nbytes(spec)}")
+    head = count * INDEX_BYTES if spec.encoding == "sparse" else (numel + 7) // 8
+    values = payload[head:].clone().view(dtype)  # a fresh, aligned copy: the values are small
+    if spec.encoding == "sparse":
+        where = payload[:head].clone().view(torch.int32).to(torch.int64)
+        if count and (int(where.min()) < 0 or int(where.max()) >= numel):
+            raise PlanError(f"patch of {spec.name!r} names elements outside its {numel}")
+    else:
+        bits = np.unpackbits(payload[:head].numpy(), count=numel, bitorder="little")
+        where = torch.from_numpy(bits.view(np.bool_))
+        if int(where.sum()) != count:
+            raise PlanError(f"bitmap patch of {spec.name!r} marks {int(where.sum())} elements, its plan says {count}")
+    flat = dest.view(-1)
+    flat[where.to(flat.device)] = values.to(flat.device)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Diff:
+    """One push's view of what changed since the baseline it was diffed against."""
+
+    base: str
+    """The content digest of the previous baseline (what a delta receiver must hold), or ""."""
+    content: str
+    """The content digest of the new version: every tensor whole, as sent."""
+    specs: tuple[TensorSpec, ...]
+    """The patch plan's tensors (encodings and counts)."""
+    payloads: tuple[torch.Tensor, ...]
+    """Each tensor's payload: a flat uint8 patch, or the whole tensor (dense)."""
+    changed_elements: int
+    total_elements: int
+    full_bytes: int
+
+    @property
+    def patch_bytes(self) -> int:
+        return sum(tensor_nbytes(spec) for spec in self.specs)
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    @property
+    def worth_it(self) -> bool:
+        """Whether a receiver at the base should get the patch rather than the full version."""
+        return bool(self.base) and self.patch_bytes <= DENSE_FRACTION * self.full_bytes
+
+    def patch_source(self) -> WeightSource:
+        """The patches as a source for `bucket_items` (uint8 payloads; dense ones as they are)."""
+        return _Tensors(list(zip((spec.name for spec in self.specs), self.payloads, strict=True)))
+
+
+class _Tensors:
+    """Named tensors already in memory, as a `WeightSource`."""
+
+    def __init__(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self._items = items
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(name, tuple(payload.shape), payload.dtype) for name, payload in self._items]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._items)
+
+
+class Baseline:
+    """The sender's copy of its last push, in the wire dtype, in host memory.
+
+    Costs one copy of the model as sent (2 bytes per element for a bf16 push). `diff` compares
+    a new version against it, replaces it with the new version, and says what changed.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.content = ""
+        """The content digest of the version it holds, or "" before the first push."""
+
+    def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
+        """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
+        new version. A changed tensor set, shape or dtype makes every tensor dense (no base)."""
+        same_layout = [spec.name for spec in specs] == list(self.tensors) and all(
+            tuple(self.tensors[spec.name].shape) == spec.shape
+            and self.tensors[spec.name].dtype == dtype_from_name(spec.dtype)
+            for spec in specs
+        )
+        base = self.content if same_layout else ""
+        if not same_layout:
+            self.tensors = {}
+        patched: list[TensorSpec] = []
+        payloads: list[torch.Tensor] = []
+        digests: list[int] = []
+        changed = total = 0
+        for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
+            if name != spec.name or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.source_dtype:
+                raise PlanError(
+                    f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised "
+                    f"{spec.name!r} {spec.source_dtype}{list(spec.shape)}"
+                )
+            new = tensor.detach().to("cpu", dtype_from_name(spec.dtype)).contiguous()
+            old = self.tensors.get(name)
+            if old is None:
+                old = self.tensors[name] = torch.empty_like(new)
+                patch_spec, payload, num_changed = spec, None, new.numel()
+            else:
+                patch_spec, payload, num_changed = _encode(new, old, spec)
+            old.copy_(new)  # the source may change under us once push returns; the baseline is ours
+            patched.append(patch_spec)
+            payloads.append(old if payload is None else payload)
+            digests.append(xxhash.xxh3_64_intdigest(byte_view(old).data))
+            changed += num_changed
+            total += new.numel()
+        self.content = content_digest(specs, digests)
+        full_bytes = sum(dense_nbytes(spec) for spec in specs)
+        return Diff(base, self.content, tuple(patched), tuple(payloads), changed, total, full_bytes)
+
+    def source(self) -> WeightSource:
+        """The baseline's tensors (the version last diffed), as a source for a full push."""
+        return _Tensors(list(self.tensors.items()))
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the baseline holds."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
