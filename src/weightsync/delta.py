@@ -89,6 +89,8 @@ def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> 
     payload = payload.reshape(-1)
     if payload.numel() != tensor_nbytes(spec):
         raise PlanError(f"patch of {spec.name!r} is {payload.numel()} bytes, its plan says {tensor_nbytes(spec)}")
+    if count == 0:
+        return
     head = count * INDEX_BYTES if spec.encoding == "sparse" else (numel + 7) // 8
     values = payload[head:].clone().view(dtype)  # a fresh, aligned copy: the values are small
     if spec.encoding == "sparse":

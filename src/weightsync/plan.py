@@ -176,7 +176,8 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
                 )
             if piece.bucket_offset < bucket_end or piece.bucket_offset + piece.nbytes > plan.bucket_bytes:
                 raise PlanError(f"bucket {bucket_index}: piece {piece} overlaps or leaves the bucket")
-            size = itemsize(dtype_from_name(plan.tensors[tensor].dtype))
+            spec = plan.tensors[tensor]
+            size = itemsize(dtype_from_name(spec.dtype)) if spec.encoding == "dense" else 1  # a patch: raw bytes
             if piece.tensor_offset % size or piece.nbytes % size:
                 raise PlanError(f"bucket {bucket_index}: piece {piece} splits an element of {size} bytes")
             bucket_end = piece.bucket_offset + piece.nbytes
