@@ -291,7 +291,7 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
 # --- the pieces, directly ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.05, 0.99])
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.05, 0.2, 0.99])
 def test_patches_apply_bit_exact_with_the_cheapest_encoding(fraction: float) -> None:
     gen = torch.Generator().manual_seed(7)
     old = (torch.randn(4096, generator=gen) * 0.02).to(torch.bfloat16)
@@ -304,7 +304,7 @@ def test_patches_apply_bit_exact_with_the_cheapest_encoding(fraction: float) -> 
     baseline.diff(specs, as_source({"w": old}))
     diff = baseline.diff(specs, as_source({"w": new}))
     (spec,), (payload,) = diff.specs, diff.payloads
-    expected = {0.0: "sparse", 0.001: "sparse", 0.05: "bitmap", 0.99: "dense"}[fraction]
+    expected = {0.0: "sparse", 0.001: "sparse", 0.05: "sparse", 0.2: "bitmap", 0.99: "dense"}[fraction]
     assert spec.encoding == expected and diff.changed_elements == len(where)
     target = old.clone()
     if spec.encoding == "dense":
