@@ -184,7 +184,7 @@ class WeightSender:
             changed_fraction = 1.0
         else:
             diff = self._baseline.diff(specs, source)
-            deliveries = self._deliveries(diff, specs, bucket_bytes, reachable, welcomes)
+            deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, welcomes)
             changed_fraction = diff.changed_fraction if diff.base else 1.0
 
         by_address: dict[str, Delivery] = {}
@@ -225,31 +225,6 @@ class WeightSender:
         if self.options.raise_on_failure and not report.ok:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
-
-    def _deliveries(
-        self,
-        diff: Diff,
-        specs: list[TensorSpec],
-        bucket_bytes: int,
-        reachable: list[str],
-        welcomes: Mapping[str, Welcome],
-    ) -> list[Delivery]:
-        """Who gets the patch (those holding exactly the baseline it applies to) and who the
-        full version, full first; both from the baseline, which now holds the new version."""
-        patched = frozenset(a for a in reachable if diff.worth_it and welcomes[a].content == diff.base)
-        full = frozenset(reachable) - patched
-        deliveries = []
-        if full:
-            baseline = self._baseline.source() if self._baseline is not None else diff.patch_source()
-            plan = build_plan(specs, bucket_bytes)
-            deliveries.append(Delivery("full", plan, baseline.metas(), baseline, full, content=diff.content))
-        if patched:
-            patches = diff.patch_source()
-            plan = build_plan(diff.specs, bucket_bytes)
-            deliveries.append(
-                Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.content)
-            )
-        return deliveries
 
     def _deliver(
         self,
@@ -341,6 +316,32 @@ class WeightSender:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _deliveries(
+    baseline: Baseline,
+    diff: Diff,
+    specs: list[TensorSpec],
+    bucket_bytes: int,
+    reachable: list[str],
+    welcomes: Mapping[str, Welcome],
+) -> list[Delivery]:
+    """Who gets the patch (those holding exactly the baseline it applies to) and who the
+    full version, full first; both from the baseline, which now holds the new version."""
+    patched = frozenset(a for a in reachable if diff.worth_it and welcomes[a].content == diff.base)
+    full = frozenset(reachable) - patched
+    deliveries = []
+    if full:
+        whole = baseline.source()
+        plan = build_plan(specs, bucket_bytes)
+        deliveries.append(Delivery("full", plan, whole.metas(), whole, full, content=diff.content))
+    if patched:
+        patches = diff.patch_source()
+        plan = build_plan(diff.specs, bucket_bytes)
+        deliveries.append(
+            Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.content)
+        )
+    return deliveries
 
 
 def _check_deadline(ends: float | None, version: int, index: int) -> None:
