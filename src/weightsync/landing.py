@@ -28,7 +28,8 @@ import psutil
 import torch
 import xxhash
 
-from weightsync.checksum import SyncHashes, Verify
+from weightsync.checksum import SyncHashes, Verify, content_digest
+from weightsync.delta import apply_patch
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, PlanError
 from weightsync.hostpin import readable_tensor
@@ -135,6 +136,9 @@ class Landing:
         version: the version being synced.
         digest: the plan's digest, as offered.
         verify: this sync's verification ("off", "bucket" or "full").
+        staging: the receiver's reusable staging space.
+        delta: the plan patches the version the destinations hold (`Offer.base`): encoded
+            tensors are staged and applied in place (`delta.apply_patch`) when complete.
     """
 
     def __init__(
@@ -145,8 +149,11 @@ class Landing:
         digest: str,
         verify: Verify = "off",
         staging: Staging | None = None,
+        *,
+        delta: bool = False,
     ) -> None:
         self.plan = plan
+        self.delta = delta
         self.sink = sink
         self.version = version
         self.digest = digest
@@ -161,6 +168,10 @@ class Landing:
         """Seconds spent in the sink's `load`."""
         self._delivered: dict[int, int] = {}
         """verify="full": the hash of each tensor handed to the sink or copied out of staging."""
+        self._encoded = {index for index, spec in enumerate(plan.tensors) if spec.encoding != "dense"}
+        """Tensors that travel as patches: staged, then applied into their destinations."""
+        if self._encoded and not delta:
+            raise PlanError("the plan carries patches but names no base version to apply them to")
         self._dest: list[torch.Tensor | None] = [self._destination(index) for index in range(len(plan.tensors))]
         self._staged: dict[int, torch.Tensor] = {}
         self._lent: dict[int, np.ndarray | torch.Tensor] = {}
@@ -171,7 +182,7 @@ class Landing:
         self._whole = {tensor for tensor, count in num_pieces.items() if count == 1}
         """Tensors that travel in one piece: lent to a borrowing sink rather than copied."""
         borrowing = self.sink.borrows
-        chunked = [t for t in sorted(num_pieces) if t not in self._whole and not self.direct(t)] if borrowing else []
+        chunked = [t for t in sorted(num_pieces) if t not in self._whole and self._stageable(t)] if borrowing else []
         self._arena_offsets, arena_bytes = arena_layout(plan, chunked)
         self._completes: list[list[int]] = [
             [p.tensor for p in bucket if p.tensor_offset + p.nbytes == tensor_nbytes(plan.tensors[p.tensor])]
@@ -187,6 +198,10 @@ class Landing:
         if dest is not None and (tuple(dest.shape) != spec.shape or dest.dtype != dtype_from_name(spec.dtype)):
             raise PlanError(
                 f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, destination is {dest.dtype}{list(dest.shape)}"
+            )
+        if spec.encoding != "dense" and (dest is None or not dest.is_contiguous()):
+            raise PlanError(
+                f"{spec.name!r} arrives as a patch, and the sink has no contiguous destination to apply it to"
             )
         return dest
 
@@ -210,12 +225,29 @@ class Landing:
     def on_device(self, tensor: int) -> bool:
         """Whether tensor `tensor` lands piece by piece in its destination on a device."""
         dest = self._dest[tensor]
-        return dest is not None and dest.device.type != "cpu" and dest.is_contiguous()
+        return self.direct(tensor) and dest is not None and dest.device.type != "cpu"
 
     def direct(self, tensor: int) -> bool:
         """Whether tensor `tensor` lands in its destination with no staging copy."""
         dest = self._dest[tensor]
-        return dest is not None and dest.is_contiguous()
+        return tensor not in self._encoded and dest is not None and dest.is_contiguous()
+
+    def _stageable(self, tensor: int) -> bool:
+        """Whether tensor `tensor` may be assembled in the arena (a whole tensor, not a patch)."""
+        return not self.direct(tensor) and tensor not in self._encoded
+
+    @property
+    def patchable(self) -> bool:
+        """Whether every tensor sits in a contiguous destination, where a later patch can go."""
+        return all(dest is not None and dest.is_contiguous() for dest in self._dest)
+
+    def destination_digest(self) -> str | None:
+        """The content digest of every destination as it is now (the full version, whatever
+        travelled), or None when some tensor has no destination to hash."""
+        if not self.patchable:
+            return None
+        digests = [xxhash.xxh3_64_intdigest(byte_view(dest.cpu()).data) for dest in self._dest if dest is not None]
+        return content_digest(self.plan.tensors, digests)
 
     def any_on_device(self) -> bool:
         return any(self.on_device(tensor) for tensor in range(len(self.plan.tensors)))
@@ -229,7 +261,7 @@ class Landing:
         if self.on_device(piece.tensor):
             raise PlanError(f"piece of tensor {piece.tensor} lands on a device, not in host memory")
         dest = self._dest[piece.tensor]
-        if dest is not None and dest.is_contiguous():
+        if dest is not None and self.direct(piece.tensor):
             self.touched_live = self.touched_live or self.sink.destinations_live
             whole = byte_view(dest)
         elif piece.tensor in self._arena_offsets and self._arena is not None:
@@ -242,7 +274,7 @@ class Landing:
     def lends(self, piece: Piece) -> bool:
         """Whether `piece` is not copied at all: its bytes are lent, from the transport's buffer,
         to a sink that borrows them for the length of a `load`."""
-        return piece.tensor in self._whole and self.sink.borrows and not self.direct(piece.tensor)
+        return piece.tensor in self._whole and self.sink.borrows and self._stageable(piece.tensor)
 
     def device_view(self, piece: Piece) -> torch.Tensor | None:
         """The device bytes (a uint8 tensor) `piece` lands in, or None when it lands in host memory."""
@@ -329,6 +361,9 @@ class Landing:
         for tensor in tensors:
             if self.direct(tensor):
                 continue
+            if tensor in self._encoded:
+                self._patch(tensor)
+                continue
             value = self._value(tensor)
             if self.verify == "full":
                 self._delivered[tensor] = xxhash.xxh3_64_intdigest(byte_view(value.contiguous()).data)
@@ -344,6 +379,16 @@ class Landing:
             with sink_errors("load"):
                 self.sink.load(loads)
             self.load_s += time.perf_counter() - started
+
+    def _patch(self, tensor: int) -> None:
+        spec, dest = self.plan.tensors[tensor], self._dest[tensor]
+        payload = self._staged.pop(tensor, None)
+        if spec.count == 0 or dest is None:
+            return  # unchanged (destinations of patches were checked at the start)
+        if payload is None:
+            raise PlanError(f"patch of {spec.name!r} completed with no bytes landed")
+        self.touched_live = self.touched_live or self.sink.destinations_live
+        apply_patch(dest, spec, payload)
 
     def check_tensors(self, expected: Sequence[int]) -> None:
         """verify="full": every tensor, where it finally sits, hashes as the sender's did."""
@@ -388,7 +433,9 @@ class Landing:
         staged = self._staged.get(tensor)
         if staged is None:
             spec = self.plan.tensors[tensor]
-            staged = _typed(host_bytes(tensor_nbytes(spec)), spec.dtype, spec.shape)
+            staged = host_bytes(tensor_nbytes(spec))
+            if tensor not in self._encoded:  # a patch stays raw bytes
+                staged = _typed(staged, spec.dtype, spec.shape)
             self._staged[tensor] = staged
         return staged
 

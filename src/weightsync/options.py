@@ -40,9 +40,14 @@ class SenderOptions:
     verify: Verify = "off"
     auth_token: str | None = None
     """The shared token; None takes $WEIGHTSYNC_AUTH_TOKEN (resolved once, here)."""
+    delta: bool = False
+    """Send receivers that hold the previous push only what changed (delta.py); costs one host
+    copy of the model in the wire dtype, and verifies every push (at least "bucket")."""
 
     def __post_init__(self) -> None:
         _check_timeout(self.timeout)
+        if not isinstance(self.delta, bool):
+            raise ConfigError(f"delta must be True or False, got {self.delta!r}")
         if (
             isinstance(self.min_bucket_bytes, bool)
             or not isinstance(self.min_bucket_bytes, int)

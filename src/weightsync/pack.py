@@ -25,7 +25,7 @@ import torch
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
 from weightsync.source import TensorMeta
-from weightsync.types import Piece, Plan
+from weightsync.types import Piece, Plan, TensorSpec
 
 try:
     from weightsync._native import streamcopy as _streamcopy
@@ -129,8 +129,13 @@ def bucket_items(
                 if num_pieces[piece.tensor] > 1 and not tensor.is_contiguous():
                     tensor = tensor.contiguous()  # once per tensor, not once per chunk
                 current = (piece.tensor, tensor)
-            items.append(BucketItem(piece, current[1], dtype_from_name(plan.tensors[piece.tensor].dtype)))
+            items.append(BucketItem(piece, current[1], _wire_dtype(plan.tensors[piece.tensor])))
         yield index, items
+
+
+def _wire_dtype(spec: TensorSpec) -> torch.dtype:
+    """What a tensor's bytes are cut from: its wire dtype, or raw bytes for a patch (delta.py)."""
+    return dtype_from_name(spec.dtype) if spec.encoding == "dense" else torch.uint8
 
 
 def _next_tensor(tensors: Iterator[tuple[str, torch.Tensor]], meta: TensorMeta) -> torch.Tensor:

@@ -24,7 +24,16 @@ from weightsync.sizing import ALIGN_BYTES, align_up
 from weightsync.source import TensorMeta
 from weightsync.types import Piece, Plan, TensorSpec
 
-__all__ = ["build_plan", "check_plan", "plan_digest", "tensor_nbytes", "wire_specs"]
+__all__ = [
+    "ENCODINGS",
+    "INDEX_BYTES",
+    "build_plan",
+    "check_plan",
+    "dense_nbytes",
+    "plan_digest",
+    "tensor_nbytes",
+    "wire_specs",
+]
 
 MAX_TENSORS = 1 << 20
 MAX_NAME_LENGTH = 4096
@@ -33,8 +42,27 @@ MAX_ELEMENTS = 1 << 56
 """More elements than any real tensor has; keeps every byte size torch computes within int64."""
 
 
-def tensor_nbytes(spec: TensorSpec) -> int:
+ENCODINGS = ("dense", "sparse", "bitmap")
+"""How a tensor's bytes travel (TensorSpec.encoding; delta.py encodes and applies patches)."""
+INDEX_BYTES = 4
+"""A sparse patch's indices are int32: a tensor of 2**31 elements or more travels dense."""
+
+
+def dense_nbytes(spec: TensorSpec) -> int:
+    """The tensor's own size: every element in the wire dtype."""
     return math.prod(spec.shape) * itemsize(dtype_from_name(spec.dtype))
+
+
+def tensor_nbytes(spec: TensorSpec) -> int:
+    """The bytes the plan carries for the tensor: all of it, or its patch."""
+    if spec.encoding == "dense":
+        return dense_nbytes(spec)
+    value_bytes = spec.count * itemsize(dtype_from_name(spec.dtype))
+    if spec.encoding == "sparse":
+        return spec.count * INDEX_BYTES + value_bytes
+    if spec.encoding == "bitmap":
+        return (math.prod(spec.shape) + 7) // 8 + value_bytes
+    raise PlanError(f"tensor {spec.name!r} has an unknown encoding {spec.encoding!r}")
 
 
 def _wire_dtype(meta: TensorMeta, cast: torch.dtype | Mapping[str, torch.dtype] | None) -> torch.dtype:
@@ -148,7 +176,8 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
                 )
             if piece.bucket_offset < bucket_end or piece.bucket_offset + piece.nbytes > plan.bucket_bytes:
                 raise PlanError(f"bucket {bucket_index}: piece {piece} overlaps or leaves the bucket")
-            size = itemsize(dtype_from_name(plan.tensors[tensor].dtype))
+            spec = plan.tensors[tensor]
+            size = itemsize(dtype_from_name(spec.dtype)) if spec.encoding == "dense" else 1  # a patch: raw bytes
             if piece.tensor_offset % size or piece.nbytes % size:
                 raise PlanError(f"bucket {bucket_index}: piece {piece} splits an element of {size} bytes")
             bucket_end = piece.bucket_offset + piece.nbytes
@@ -174,4 +203,17 @@ def _checked_nbytes(spec: TensorSpec) -> int:
     ):
         raise PlanError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
     dtype_from_name(spec.source_dtype)
+    _check_encoding(spec)
     return tensor_nbytes(spec)
+
+
+def _check_encoding(spec: TensorSpec) -> None:
+    if spec.encoding not in ENCODINGS:
+        raise PlanError(f"tensor {spec.name!r} has an unknown encoding {spec.encoding!r}")
+    numel = math.prod(spec.shape)
+    if spec.encoding == "dense" and spec.count != 0:
+        raise PlanError(f"dense tensor {spec.name!r} claims a patch of {spec.count} values")
+    if not 0 <= spec.count <= numel:
+        raise PlanError(f"tensor {spec.name!r} patches {spec.count} of its {numel} elements")
+    if spec.encoding == "sparse" and numel >= 1 << 31:
+        raise PlanError(f"tensor {spec.name!r} of {numel} elements is too large for int32 indices")

@@ -119,6 +119,10 @@ class WeightReceiver:
         self._max_bucket_bytes = options.bucket_limit
         self._timeout = options.timeout
         self._new_plane = spec.receive_plane
+        self._wire = spec.has_wire
+        self._base = ""
+        """The content digest a patch may be applied to here: the last committed version's, when
+        it was verified and every tensor of it sits in a destination; "" once a sync begins."""
         self._plane_options = PlaneOptions(timeout=self._timeout, max_bucket_bytes=self._max_bucket_bytes)
         self._id = secrets.token_hex(4)
         self._busy = threading.Lock()
@@ -250,13 +254,14 @@ class WeightReceiver:
             self.commit(landing, commit)
             times = _times(landing, self._sink, started, committing)
             self._set(times=times)
+            base = self._base
         except BaseException as exc:
             self.abort(landing, exc)
             if isinstance(exc, WeightSyncError) and not isinstance(exc, (PeerClosedError, RemoteError)):
                 with contextlib.suppress(WeightSyncError):
                     link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
             raise
-        link.send(Committed(offer.version, times), self._timeout)
+        link.send(Committed(offer.version, times, base), self._timeout)
 
     # --- the steps of a sync --------------------------------------------------------------------
 
@@ -268,8 +273,9 @@ class WeightReceiver:
     def welcome(self, sender_nonce: str = "") -> Welcome:
         """Our Welcome, with a fresh challenge and, if we hold a token, our answer to the sender's."""
         answer = proof(self._token, "receiver", sender_nonce) if self._token and sender_nonce else ""
+        base = self._base if self.state == "ready" else ""
         return Welcome(
-            PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self.version, self._verify, new_nonce(), answer
+            PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self.version, self._verify, new_nonce(), answer, base
         )
 
     def authenticate(self, welcome: Welcome, message: Message) -> bool:
@@ -294,6 +300,7 @@ class WeightReceiver:
             self._busy.release()
             raise
         self._before_sync = self._status.state
+        self._base = ""  # every sync writes destinations: nothing to patch until it commits
         self._set(state="syncing")
         return landing
 
@@ -303,11 +310,18 @@ class WeightReceiver:
             raise PlanError("plan digest does not match the plan")
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
+        if offer.base and offer.base != self._base:
+            raise NegotiationError(
+                f"version {offer.version} is a patch onto content {offer.base}; this receiver holds "
+                f"{self._base or 'no version a patch can be applied to'}"
+            )
         with sink_errors("begin"):
             self._sink.begin(offer.plan, offer.version)
         try:
             verify = check_verify(offer.verify)
-            return Landing(offer.plan, self._sink, offer.version, offer.digest, verify, self._staging)
+            return Landing(
+                offer.plan, self._sink, offer.version, offer.digest, verify, self._staging, delta=bool(offer.base)
+            )
         except BaseException as exc:  # the sink began: it must hear that the sync is off
             with contextlib.suppress(Exception):
                 self._sink.abort(offer.version, exc, intact=True)
@@ -322,6 +336,7 @@ class WeightReceiver:
         except BaseException as exc:
             self._finish_abort(landing, exc)
             raise
+        self._base = content if landing.patchable else ""
         self._set(state="ready", version=commit.version, content_digest=content, last_error="")
         self._busy.release()
 
@@ -330,12 +345,20 @@ class WeightReceiver:
             raise PlanError(f"commit of version {commit.version} does not match the sync of version {landing.version}")
         if not commit.content:
             return ""
-        if not landing.hashes.complete:
-            raise ChecksumError(f"commit of version {commit.version} has a content digest, the buckets had none")
-        content = landing.hashes.content_digest()
+        if landing.hashes.complete and not landing.delta:
+            content = landing.hashes.content_digest()
+        else:
+            # A patch: what travelled is not the version, so hash the version where it now sits,
+            # whole. In process (no wire, no checksums) likewise, where there are destinations.
+            found = landing.destination_digest()
+            if found is None and (landing.delta or self._wire):
+                raise ChecksumError(f"commit of version {commit.version} has a content digest, the buckets had none")
+            if found is None:
+                return ""  # in process, into a loader: nothing crossed a wire, nothing to hash
+            content = found
         if content != commit.content:
             raise ChecksumError(f"version {commit.version}: content digest differs from the sender's")
-        if landing.verify == "full":
+        if landing.verify == "full" and not landing.delta:  # a patch was checked whole, above
             landing.check_tensors(commit.tensors)
         return content
 

@@ -14,29 +14,46 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
+from weightsync.delta import Baseline, Diff
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
-from weightsync.plan import build_plan, plan_digest, tensor_nbytes, wire_specs
+from weightsync.plan import build_plan, dense_nbytes, plan_digest, tensor_nbytes, wire_specs
 from weightsync.sizing import (
     ALIGN_BYTES,
     align_up,
     auto_bucket_bytes,
     negotiate_bucket_bytes,
 )
-from weightsync.source import as_source
+from weightsync.source import TensorMeta, WeightSource, as_source
 from weightsync.transports import check_address
 from weightsync.transports.base import Failures, PlaneOptions, SendPlane
 from weightsync.transports.control import SenderChannel
 from weightsync.transports.links import opener
-from weightsync.types import Abort, Commit, Offer, ReceiverOutcome, SyncReport, SyncTimes, Welcome
+from weightsync.types import Abort, Commit, Committed, Offer, Plan, ReceiverOutcome, SyncReport, TensorSpec, Welcome
 
 __all__ = ["WeightSender"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Delivery:
+    """One plan and the receivers it goes to: everyone ("full"), or those a patch applies to."""
+
+    mode: Literal["full", "delta"]
+    plan: Plan
+    metas: Sequence[TensorMeta]
+    source: WeightSource
+    """What `plan`'s pieces are cut from, in plan order."""
+    addresses: frozenset[str]
+    base: str = ""
+    """For a patch: the content digest of the version it applies to (`Offer.base`)."""
+    content: str = ""
+    """The version's content digest where the sender computed it whole (a delta push)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,7 +67,7 @@ class Route:
     channel: SenderChannel
     plane: SendPlane
 
-    def live(self, failures: Failures, welcomes: Mapping[str, Welcome]) -> list[str]:
+    def live(self, failures: Mapping[str, WeightSyncError], welcomes: Mapping[str, Welcome]) -> list[str]:
         return [address for address in self.addresses if address in welcomes and address not in failures]
 
     def close(self) -> None:
@@ -81,6 +98,10 @@ class WeightSender:
         auth_token: the shared secret of receivers that require one (default:
             $WEIGHTSYNC_AUTH_TOKEN). Proven by HMAC, never sent; with a token, the sender also
             requires each receiver to prove it holds the same one.
+        delta: send each receiver that holds the previous push (verified, and in destinations
+            it can patch) only the elements whose wire bits changed, and every other receiver
+            the full version, in the same push (docs/delta.md). Keeps one copy of the model in
+            the wire dtype in host memory, and verifies every push (at least "bucket").
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
@@ -92,6 +113,8 @@ class WeightSender:
         self._timeout = options.timeout
         self._addresses = addresses
         self._routes: list[Route] = []
+        self._baseline = Baseline() if options.delta else None
+        """delta=True: the last push, as sent; a receiver holding it gets only what changed."""
         plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
         try:
             for spec in dict.fromkeys(specs.values()):
@@ -148,53 +171,52 @@ class WeightSender:
         welcomes, failures = self._connect()
         largest = max((tensor_nbytes(spec) for spec in specs), default=0)
         bucket_bytes = self._agree_bucket_bytes(largest, welcomes, failures)
-        plan = build_plan(specs, bucket_bytes)
-        digest = plan_digest(plan)
-        # the strictest verification any receiver asks for, or ours if stricter
+        # the strictest verification any receiver asks for, or ours if stricter; a delta push
+        # always verifies (a patch onto the wrong bytes must not commit)
         verify = stricter(
-            self.options.verify, *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures)
+            self.options.verify,
+            "bucket" if self._baseline is not None else "off",
+            *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
-        offer = Offer(version, plan, digest, verify)
-        hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
-        for route in self._routes:
-            live = route.live(failures, welcomes)
-            failures |= route.plane.setup(plan, live, lambda: route.channel.offer(offer, live))  # noqa: B023
-        try:
-            for index, items in bucket_items(plan, metas, source.tensors()):
-                if not any(route.live(failures, welcomes) for route in self._routes):
-                    break  # every receiver failed: nothing left to send to
-                _check_deadline(ends, version, index)
-                for route in self._routes:
-                    failures |= route.plane.send(index, items, route.live(failures, welcomes), hashes[route.name])
-            for route in self._routes:
-                failures |= route.plane.finish(route.live(failures, welcomes))
-        except BaseException as exc:
-            for route in self._routes:
-                route.plane.abort()
-                route.channel.abort(Abort(version, f"sender failed: {exc}"), route.live(failures, welcomes))
-            raise
-        contents = {}
-        times: dict[str, SyncTimes] = {}
-        for route in self._routes:
-            commit, contents[route.name] = _commit_message(version, digest, verify, hashes[route.name])
-            committed, failed = route.channel.commit(commit, route.live(failures, welcomes))
-            times |= committed
+        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
+        if self._baseline is None:
+            deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, source, frozenset(reachable))]
+            changed_fraction = 1.0
+        else:
+            diff = self._baseline.diff(specs, source)
+            deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, welcomes)
+            changed_fraction = diff.changed_fraction if diff.base else 1.0
+
+        by_address: dict[str, Delivery] = {}
+        committed: dict[str, Committed] = {}
+        contents = []
+        for delivery in deliveries:
+            replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures)
             failures |= failed
+            committed |= replies
+            contents.append(content)
+            by_address |= dict.fromkeys(delivery.addresses, delivery)
 
         report = SyncReport(
             version=version,
-            total_bytes=plan.total_bytes,
-            num_tensors=len(plan.tensors),
-            num_buckets=len(plan.buckets),
-            bucket_bytes=plan.bucket_bytes,
+            total_bytes=sum(dense_nbytes(spec) for spec in specs),
+            num_tensors=len(specs),
+            num_buckets=sum(len(delivery.plan.buckets) for delivery in deliveries),
+            bucket_bytes=bucket_bytes,
             seconds=time.perf_counter() - started,
-            outcomes=tuple(_outcome(address, failures, times.get(address)) for address in self._addresses),
-            content_digest=next((content for content in contents.values() if content), ""),
+            outcomes=tuple(
+                _outcome(address, failures, committed.get(address), by_address.get(address), changed_fraction)
+                for address in self._addresses
+            ),
+            content_digest=next((content for content in contents if content), ""),
+            wire_bytes=sum(delivery.plan.total_bytes for delivery in deliveries if delivery.addresses),
+            changed_fraction=changed_fraction,
         )
         log.info(
-            "pushed version %d: %d bytes in %.3f s (%.2f GB/s), %d/%d receivers committed",
+            "pushed version %d: %d bytes (%d on the wire) in %.3f s (%.2f GB/s), %d/%d receivers committed",
             version,
             report.total_bytes,
+            report.wire_bytes,
             report.seconds,
             report.gbps,
             len(report.outcomes) - len(report.failed),
@@ -203,6 +225,57 @@ class WeightSender:
         if self.options.raise_on_failure and not report.ok:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
+
+    def _deliver(
+        self,
+        delivery: Delivery,
+        version: int,
+        verify: Verify,
+        ends: float | None,
+        welcomes: Mapping[str, Welcome],
+        failures: Failures,
+    ) -> tuple[dict[str, Committed], Failures, str]:
+        """One plan to its receivers: offer, buckets, commit. Returns the receivers that
+        committed (their replies), those that failed in it, and the content digest committed
+        ("" unverified)."""
+        plan = delivery.plan
+        digest = plan_digest(plan)
+        failures = dict(failures)
+        offer = Offer(version, plan, digest, verify, delivery.base)
+
+        def live(route: Route) -> list[str]:
+            return [a for a in route.live(failures, welcomes) if a in delivery.addresses]
+
+        hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
+        for route in self._routes:
+            receivers = live(route)
+            failures |= route.plane.setup(plan, receivers, lambda: route.channel.offer(offer, receivers))  # noqa: B023
+        try:
+            for index, items in bucket_items(plan, delivery.metas, delivery.source.tensors()):
+                if not any(live(route) for route in self._routes):
+                    break  # every receiver failed: nothing left to send to
+                _check_deadline(ends, version, index)
+                for route in self._routes:
+                    failures |= route.plane.send(index, items, live(route), hashes[route.name])
+            for route in self._routes:
+                failures |= route.plane.finish(live(route))
+        except BaseException as exc:
+            for route in self._routes:
+                route.plane.abort()
+                route.channel.abort(Abort(version, f"sender failed: {exc}"), live(route))
+            raise
+        committed: dict[str, Committed] = {}
+        contents = []
+        for route in self._routes:
+            commit, content = _commit_message(version, digest, verify, hashes[route.name], delivery.content)
+            replies, failed = route.channel.commit(commit, live(route))
+            for address, reply in replies.items():
+                route.channel.record(address, reply.content)
+            committed |= replies
+            failures |= failed
+            contents.append(content)
+        failed_here = {a: e for a, e in failures.items() if a in delivery.addresses}
+        return committed, failed_here, next((content for content in contents if content), "")
 
     def _connect(self) -> tuple[dict[str, Welcome], Failures]:
         welcomes: dict[str, Welcome] = {}
@@ -245,22 +318,65 @@ class WeightSender:
         self.close()
 
 
+def _deliveries(
+    baseline: Baseline,
+    diff: Diff,
+    specs: list[TensorSpec],
+    bucket_bytes: int,
+    reachable: list[str],
+    welcomes: Mapping[str, Welcome],
+) -> list[Delivery]:
+    """Who gets the patch (those holding exactly the baseline it applies to) and who the
+    full version, full first; both from the baseline, which now holds the new version."""
+    patched = frozenset(a for a in reachable if diff.worth_it and welcomes[a].content == diff.base)
+    full = frozenset(reachable) - patched
+    deliveries = []
+    if full:
+        whole = baseline.source()
+        plan = build_plan(specs, bucket_bytes)
+        deliveries.append(Delivery("full", plan, whole.metas(), whole, full, content=diff.content))
+    if patched:
+        patches = diff.patch_source()
+        plan = build_plan(diff.specs, bucket_bytes)
+        deliveries.append(
+            Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.content)
+        )
+    return deliveries
+
+
 def _check_deadline(ends: float | None, version: int, index: int) -> None:
     if ends is not None and time.perf_counter() > ends:
         raise TransferTimeout(f"the push ran past its deadline before bucket {index}", version=version, bucket=index)
 
 
-def _commit_message(version: int, digest: str, verify: Verify, hashes: SyncHashes | None) -> tuple[Commit, str]:
-    """The Commit for one transport's receivers, and the content digest it carries ("" unverified)."""
+def _commit_message(
+    version: int, digest: str, verify: Verify, hashes: SyncHashes | None, content: str
+) -> tuple[Commit, str]:
+    """The Commit for one transport's receivers, and the content digest it carries ("" unverified).
+
+    `content`: the version's content digest where the sender knows it whole (a delta push's
+    diff), whatever travelled; else it comes from the buckets' hashes, when they were hashed."""
+    if content:
+        tensors = hashes.tensor_digests() if verify == "full" and hashes is not None and hashes.complete else ()
+        return Commit(version, digest, content, tensors), content
     if hashes is None or not hashes.complete:
         return Commit(version, digest), ""
     content = hashes.content_digest()
     return Commit(version, digest, content, hashes.tensor_digests() if verify == "full" else ()), content
 
 
-def _outcome(address: str, failures: Failures, times: SyncTimes | None) -> ReceiverOutcome:
+def _outcome(
+    address: str, failures: Failures, reply: Committed | None, delivery: Delivery | None, changed_fraction: float
+) -> ReceiverOutcome:
+    mode, wire_bytes = (delivery.mode, delivery.plan.total_bytes) if delivery is not None else ("full", 0)
     error: WeightSyncError | None = failures.get(address)
+    if error is None and reply is not None:
+        return ReceiverOutcome(
+            address, True, times=reply.times, mode=mode, wire_bytes=wire_bytes, changed_fraction=changed_fraction
+        )
     if error is None:
-        return ReceiverOutcome(address, True, times=times)
+        error = WeightSyncError("the receiver neither committed nor failed")
     kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
-    return ReceiverOutcome(address, False, kind, str(error))
+    return ReceiverOutcome(
+        address, False, kind, str(error), mode=mode, wire_bytes=wire_bytes, changed_fraction=changed_fraction
+    )

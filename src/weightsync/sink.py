@@ -146,6 +146,8 @@ class StagedSink(WeightSink):
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
         for spec in self._plan.tensors:
+            if spec.encoding != "dense" and spec.count == 0:
+                continue  # a delta sync left it unchanged: the engine holds it already
             tensor = self._standby[spec.name]
             dest = self.inner.destination(spec.name)
             if dest is not None:

@@ -34,9 +34,9 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a
-chain of send/recv instead of one gloo broadcast)."""
+chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -46,6 +46,12 @@ class TensorSpec(msgspec.Struct, frozen=True):
     dtype: str
     shape: tuple[int, ...]
     source_dtype: str
+    encoding: str = "dense"
+    """How its bytes travel (delta.py): "dense" (every element), or a patch onto the receiver's
+    copy of the base version: "sparse" (`count` int32 indices, then `count` values) or "bitmap"
+    (one bit per element, little-endian within each byte, then `count` values)."""
+    count: int = 0
+    """Values a patch carries (0 for "dense")."""
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -92,6 +98,9 @@ class Welcome(msgspec.Struct, frozen=True, tag=True):
     """The receiver's challenge, answered by the sender's `Auth` when the receiver has a token."""
     proof: str = ""
     """HMAC of the sender's nonce under the shared token, or "" when the receiver has none."""
+    content: str = ""
+    """The content digest of what it holds, where a patch (a delta sync) can be applied to it,
+    else "" (never verified, dirty, or a sink without destinations to patch)."""
 
 
 class Auth(msgspec.Struct, frozen=True, tag=True):
@@ -149,6 +158,9 @@ class Offer(msgspec.Struct, frozen=True, tag=True):
     digest: str
     verify: str = "off"
     """With "bucket", every bucket carries a checksum that the receiver checks."""
+    base: str = ""
+    """For a delta sync: the content digest of the version the plan's patches apply to, which
+    the receiver must hold; "" for a full sync."""
 
 
 class Accept(msgspec.Struct, frozen=True, tag=True):
@@ -213,6 +225,8 @@ class Committed(msgspec.Struct, frozen=True, tag=True):
     version: int
     times: SyncTimes = msgspec.field(default_factory=SyncTimes)
     """Where the receiver's sync went."""
+    content: str = ""
+    """What a delta sync may now be based on here (as `Welcome.content`)."""
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
@@ -266,6 +280,13 @@ class ReceiverOutcome:
     error: str = ""
     times: SyncTimes | None = None
     """Where this receiver's sync went (once it committed)."""
+    mode: str = "full"
+    """"delta" when it was sent only what changed since the version it held, else "full"."""
+    wire_bytes: int = 0
+    """Payload bytes its plan carried (every tensor's, or the patches')."""
+    changed_fraction: float = 1.0
+    """The fraction of elements whose wire bits changed since the sender's previous push (1.0
+    without a previous push or with `delta` off)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -282,6 +303,12 @@ class SyncReport:
     content_digest: str = ""
     """With verify="bucket": what every receiver that committed verified it holds (compare with
     a server's /weight_info `content_digest`); "" otherwise."""
+    wire_bytes: int = 0
+    """Payload bytes sent, summed over the plans of the push (a full plan and a delta plan when
+    both were needed); each receiver's share is in its outcome."""
+    changed_fraction: float = 1.0
+    """The fraction of elements whose wire bits changed since the previous push (1.0 without a
+    previous push, or with `delta` off)."""
 
     @property
     def gbps(self) -> float:

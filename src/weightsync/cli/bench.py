@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -89,6 +90,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     bench.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where source and destinations live (default cpu)"
     )
+    bench.add_argument(
+        "--delta-lr",
+        type=float,
+        default=None,
+        help="instead: delta against full sync of fp32 master weights stepped at this learning rate, sent as bf16",
+    )
+    bench.add_argument("--steps", type=at_least(1), default=5, help="with --delta-lr: steps per transport (5)")
     bench.add_argument("--quick", action="store_true", help="smoke test: 0.25 GiB, 2 syncs, 256 MiB memcpy")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
     bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
@@ -101,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quick:
         args.size_gb, args.repeat, args.memcpy_mb = min(args.size_gb, 0.25), min(args.repeat, 2), 256.0
+    if args.delta_lr is not None:
+        return run_delta_bench(args)
     config = BenchConfig(
         transports=args.transport if isinstance(args.transport, tuple) else transport_names(args.transport),
         size_bytes=int(args.size_gb * GIB),
@@ -125,3 +135,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table)
     return 0 if all(result.verified for result in report.results) else 1
+
+
+def run_delta_bench(args: argparse.Namespace) -> int:
+    from weightsync.bench.delta import format_delta_table, run_delta
+
+    transports = args.transport if isinstance(args.transport, tuple) else transport_names(args.transport)
+    bucket = "auto" if args.bucket_mb is None else int(args.bucket_mb * MIB)
+    results = run_delta(transports, int(args.size_gb * GIB), args.delta_lr, args.steps, args.seed, bucket)
+    table = format_delta_table(results)
+    if args.json:
+        print(table, file=sys.stderr)
+        print(json.dumps([dataclasses.asdict(result) for result in results]))
+    else:
+        print(table)
+    return 0

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import msgspec
+
 from weightsync.auth import new_nonce, proof, proof_matches
 from weightsync.errors import (
     AuthError,
@@ -39,7 +41,6 @@ from weightsync.types import (
     Hello,
     Message,
     Offer,
-    SyncTimes,
     Welcome,
 )
 
@@ -181,22 +182,22 @@ class SenderChannel:
 
         return failures | self.each([a for a in live if a not in failures], accepted)
 
-    def commit(self, commit: Commit, live: Sequence[str]) -> tuple[dict[str, SyncTimes], Failures]:
-        """Ask every receiver in `live` to commit; returns where each that did spent its time,
-        and those that did not, with why."""
+    def commit(self, commit: Commit, live: Sequence[str]) -> tuple[dict[str, Committed], Failures]:
+        """Ask every receiver in `live` to commit; returns the reply of each that did (where it
+        spent its time, what it now holds), and those that did not, with why."""
         failures = self.each(live, lambda address, link: link.send(commit, self.timeout))
         deadline = time.monotonic() + self.timeout
-        times: dict[str, SyncTimes] = {}
+        replies: dict[str, Committed] = {}
 
         def confirm(address: str, link: Link) -> None:
             reply = self.reply(address, deadline)
             while not isinstance(reply, Committed):  # acks of the last buckets may come first
                 reply = self.reply(address, deadline)
             self._check_version(reply, commit.version)
-            times[address] = reply.times
+            replies[address] = reply
 
         failures |= self.each([a for a in live if a not in failures], confirm)
-        return times, failures
+        return replies, failures
 
     def abort(self, abort: Abort, live: Sequence[str]) -> None:
         """Tell every receiver in `live` the sync is off, and wait until each let go of it."""
@@ -210,6 +211,13 @@ class SenderChannel:
             if inbox is not None:
                 inbox.closed.wait(max(0.0, deadline - time.monotonic()))
             self.drop(address)
+
+    def record(self, address: str, content: str) -> None:
+        """What `address` holds now that it committed (`Committed.content`): what its Welcome
+        would say if it connected again."""
+        welcome = self._welcomes.get(address)
+        if welcome is not None:
+            self._welcomes[address] = msgspec.structs.replace(welcome, content=content)
 
     def _check_version(self, reply: Accept | Committed, version: int) -> None:
         if reply.version != version:
