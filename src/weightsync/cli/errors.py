@@ -3,6 +3,7 @@ status, never a traceback (`weightsync --traceback COMMAND ...` shows it instead
 
     2    usage: a bad flag (argparse) or a ConfigError (bad arguments or configuration)
     130  interrupted (Ctrl-C)
+    143  terminated (SIGTERM; `weightsync serve` stops cleanly and exits 0: that is how a server is stopped)
     1    anything else: a server that refused or is not there, a failed sync, a missing package
 """
 
@@ -11,11 +12,19 @@ from __future__ import annotations
 from weightsync.auth import TOKEN_ENV
 from weightsync.errors import AuthError, ConfigError, ServerError, WeightSyncError
 
-__all__ = ["FAILED", "INTERRUPTED", "USAGE", "describe"]
+__all__ = ["FAILED", "INTERRUPTED", "TERMINATED", "USAGE", "Terminated", "describe"]
 
 FAILED = 1
 USAGE = 2
 INTERRUPTED = 130
+TERMINATED = 143
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: raised in the main thread by the command's handler, so that every
+    `finally` runs (a parent stops its children) before the process exits. A BaseException, like
+    KeyboardInterrupt, so that `except Exception` does not swallow it."""
+
 
 EXTRAS = {"serve": "server", "push": "server", "digest": "server", "demo": "demo", "bench": "hf"}
 """The pip extra each command's optional packages come with."""
@@ -25,6 +34,8 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
     """The exit status and the one-line message for `exc`, raised by `command`."""
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED, "interrupted"
+    if isinstance(exc, Terminated):
+        return TERMINATED, "terminated"
     if isinstance(exc, ConfigError):
         return USAGE, one_line(exc)
     if isinstance(exc, ImportError):

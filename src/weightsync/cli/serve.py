@@ -9,6 +9,7 @@ import argparse
 
 from weightsync.checksum import VERIFY_MODES
 from weightsync.cli.args import add_auth_token, auth_token, port, seconds
+from weightsync.cli.errors import Terminated
 from weightsync.transports import serving_transports
 
 __all__ = ["add_parser", "run"]
@@ -98,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"weightsync serve: http://{host}:{bound_port} receiver {server.receiver.address}", flush=True)
         http = uvicorn.Server(uvicorn.Config(create_app(server), log_level=args.log_level, lifespan="off"))
         http.run(sockets=[sock])
+    except Terminated:  # SIGTERM is how a server is stopped: uvicorn has shut down cleanly
+        pass
     finally:
         server.close()
         sock.close()

@@ -70,17 +70,14 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     reference = task.build_policy(config.out / "reference", seed=config.seed) if config.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed)
-    if config.mode == "colocated":
-        rollouts: Rollouts = LocalRollouts(model_dir, config.timeout)
-    elif config.mode == "disaggregated":
-        rollouts = ServerFleet(model_dir, config.servers, config.engine, config.timeout)
-    else:
-        raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
-    steps = StepLog(config.out / "steps.jsonl")
-    sender = WeightSender(rollouts.addresses(), timeout=config.timeout)
+    steps: StepLog | None = None
+    sender: WeightSender | None = None
+    rollouts = start_rollouts(config, model_dir)  # stops what it started if it fails
     pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-demo-rollouts")
     bar = tqdm(total=config.steps, disable=not config.progress, unit="step", file=None)
     try:
+        steps = StepLog(config.out / "steps.jsonl")
+        sender = WeightSender(rollouts.addresses(), timeout=config.timeout)
         sender, _ = push(sender, rollouts, model, 0, config.timeout)  # version 0: the initial weights
         samples = rollouts.generate(new_request(config, rng, 0))
         for step in range(config.steps):
@@ -126,12 +123,22 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             if on_step is not None:
                 on_step(record, model, rollouts)
         return steps.records
-    finally:
+    finally:  # the servers first: requests in flight then fail at once, and no thread waits on them
         bar.close()
-        pool.shutdown(wait=True, cancel_futures=True)
-        sender.close()
         rollouts.close()
-        steps.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if sender is not None:
+            sender.close()
+        if steps is not None:
+            steps.close()
+
+
+def start_rollouts(config: DemoConfig, model_dir: Path) -> Rollouts:
+    if config.mode == "colocated":
+        return LocalRollouts(model_dir, config.timeout)
+    if config.mode == "disaggregated":
+        return ServerFleet(model_dir, config.servers, config.engine, config.timeout)
+    raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
 
 
 def new_request(config: DemoConfig, rng: random.Random, step: int) -> Request:
