@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +33,11 @@ from weightsync.server.schemas import Choice, CompletionRequest, CompletionRespo
 __all__ = ["create_app"]
 
 GATE_POLL_S = 0.02
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+"""OpenAI-style error types by HTTP status; anything else is a "server_error"."""
+
+log = logging.getLogger(__name__)
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:
@@ -70,11 +76,11 @@ def create_app(server: RolloutServer) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok, reason = server.health()
-        body = {"status": "ok" if ok else "unavailable", "version": server.version, "state": server.state()}
-        if not ok:
-            body["reason"] = reason
-        return JSONResponse(body, status_code=200 if ok else 503)
+        now = server.health()
+        body = {"status": "ok" if now.ok else "unavailable", "version": server.version, "state": now.state}
+        if not now.ok:
+            body["reason"] = now.reason
+        return JSONResponse(body, status_code=200 if now.ok else 503)
 
     @app.get("/weight_info", dependencies=control)
     async def weight_info() -> dict[str, Any]:
@@ -103,7 +109,11 @@ def create_app(server: RolloutServer) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=generation)
     async def completions(body: CompletionRequest) -> JSONResponse:
-        response = await complete(server, body, f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}")
+        try:
+            response = await complete(server, body, f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}")
+        except Exception as exc:  # never a bare "Internal Server Error": say what failed, and count it
+            log.exception("completion request failed")
+            response = error(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error")
         server.metrics.requests.labels(str(response.status_code)).inc()
         return response
 
@@ -117,12 +127,18 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
         return error(400, "top_p other than 1 is not supported", "invalid_request_error")
     if body.model is not None and body.model != server.config.model_name:
         return error(404, f"model {body.model!r} is not served here; this is {server.config.model_name!r}", "not_found")
+    if server.tokenizer is None and (body.stop or has_text(body.prompt)):
+        return error(
+            400,
+            f"text prompts and stop strings need a tokenizer: {server.no_tokenizer}; send prompts as token ids",
+            "invalid_request_error",
+        )
     try:
         prompts = tokenize(server, body.prompt)
     except ValueError as exc:  # a RequestError, or the tokenizer refusing the text
         return error(400, str(exc), "invalid_request_error")
     if not await wait_at_gate(server):
-        _, reason = server.health()
+        reason = server.health().reason
         return error(503, f"not serving after {server.config.ready_timeout} s: {reason}", "service_unavailable")
     queues = submit(server, body, prompts, request_id)
     stop = cast(list[str] | None, body.stop)  # the request's validator made a lone string a list
@@ -133,11 +149,15 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
     finally:  # the client went away or we failed: stop generating for it
         for index in range(len(queues)):
             server.loop.cancel(f"{request_id}-{index}")
-    failed = [c.finish_reason for c in collected if (c.finish_reason or "").startswith("error")]
-    if failed:
-        return error(400, failed[0] or "", "invalid_request_error")
+    failed = next((c for c in collected if c.error is not None), None)
+    if failed is not None:  # never a 200 without output: the engine's error, with its status
+        return error(failed.error_status, failed.error or "", ERROR_TYPES.get(failed.error_status, "server_error"))
     choices = [c.choice(index, body.logprobs is not None) for index, c in enumerate(collected)]
     return JSONResponse(response(server, request_id, choices, prompts, body.n).model_dump(exclude_none=True))
+
+
+def has_text(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
 def tokenize(server: RolloutServer, prompt: Any) -> list[list[int]]:
@@ -215,6 +235,8 @@ class Collected:
         self.last_version: int | None = None
         self.text_end: int | None = None
         """Where a stop string cut the text, once one was generated."""
+        self.error: str | None = None
+        self.error_status = 500
 
     @property
     def done(self) -> bool:
@@ -228,6 +250,8 @@ class Collected:
         self.top_logprobs += event.top_logprobs or []
         self.last_version = event.version
         self.finish_reason = event.finish_reason
+        if event.error is not None:
+            self.error, self.error_status = event.error, event.error_status
         if self.stop and event.token_ids:
             text = self.text()
             found = [at for at in (text.find(stop) for stop in self.stop) if at >= 0]
@@ -235,14 +259,19 @@ class Collected:
                 self.text_end, self.finish_reason = min(found), "stop"
 
     def text(self) -> str:
+        if self.tokenizer is None:  # a model without a tokenizer: token ids only
+            return ""
         return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)[: self.text_end]
+
+    def piece(self, token: int) -> str:
+        return str(token) if self.tokenizer is None else str(self.tokenizer.decode([token]))
 
     def choice(self, index: int, with_logprobs: bool) -> Choice:
         logprobs = None
         if with_logprobs:
-            pieces = [self.tokenizer.decode([t]) for t in self.token_ids]
+            pieces = [self.piece(t) for t in self.token_ids]
             offsets = list(itertools.accumulate((len(p) for p in pieces), initial=0))[:-1]
-            top = [{self.tokenizer.decode([t]): lp for t, lp in one.items()} for one in self.top_logprobs]
+            top = [{self.piece(t): lp for t, lp in one.items()} for one in self.top_logprobs]
             logprobs = Logprobs(
                 tokens=pieces, token_logprobs=self.logprobs, top_logprobs=top or None, text_offset=offsets
             )

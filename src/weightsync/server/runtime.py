@@ -10,7 +10,7 @@ import dataclasses
 import importlib
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES
@@ -19,10 +19,21 @@ from weightsync.errors import ConfigError
 from weightsync.receiver import WeightReceiver
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
+from weightsync.server.startup import load_tokenizer, warm_up
 from weightsync.server.sync import ServerSink
 from weightsync.transports import get_transport, serving_transports
 
-__all__ = ["ENGINES", "EngineName", "RolloutServer", "ServeConfig", "build_engine", "engine_class"]
+__all__ = [
+    "ENGINES",
+    "FAILED_STEPS_UNHEALTHY",
+    "EngineName",
+    "Health",
+    "RolloutServer",
+    "ServeConfig",
+    "ServerState",
+    "build_engine",
+    "engine_class",
+]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +46,23 @@ ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm"}
 
 AUTO_VERSION = 0
 """The version a server started with --load-format auto serves: the checkpoint on disk."""
+
+FAILED_STEPS_UNHEALTHY = 3
+"""Engine steps failing in a row that make /health answer 503 ("failed"), until one succeeds."""
+
+ServerState = Literal["starting", "loading engine", "waiting for weights", "syncing", "ready", "dirty", "failed"]
+"""What /health names: the first two before the engine is up (`weightsync serve` answers from the
+moment its port listens), then the weights' state, or "failed" (the engine fails its steps, or
+failed to start)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Health:
+    """GET /health: 200 when `ok`, else 503 with `reason`."""
+
+    ok: bool
+    state: ServerState
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,14 +167,20 @@ class RolloutServer:
     """Engine + loop + receiver of one server; the HTTP app (`create_app`) reads from it."""
 
     def __init__(self, config: ServeConfig, engine: Engine | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer, self.no_tokenizer = load_tokenizer(config.model)
+        """The model's tokenizer, or None and why: then text prompts are refused (token ids work)."""
+        if self.tokenizer is None:
+            log.warning("%s: text prompts will be refused; prompts of token ids are served", self.no_tokenizer)
         self.engine = engine or build_engine(config.engine, config.model, config.load_format, config.staged)
+        try:
+            warm_up(self.engine, config.model)
+        except BaseException:
+            self.engine.close()
+            raise
         self.metrics = ServerMetrics()
         initial = AUTO_VERSION if config.load_format == "auto" else None
-        self.loop = EngineLoop(self.engine, version=initial)
+        self.loop = EngineLoop(self.engine, version=initial, on_failure=self._engine_failed)
         if initial is not None:
             self.metrics.version.set(initial)
         self.sink = ServerSink(
@@ -179,16 +213,24 @@ class RolloutServer:
             return "ready"
         return state
 
-    def health(self) -> tuple[bool, str]:
-        """(serving?, why not): ready once a version is committed and intact."""
+    def health(self) -> Health:
+        """Serving or not, in which state, and why not: serving once a version is committed and
+        intact, and while the engine does not fail step after step."""
         state = self.state()
+        if self.loop.failed_steps >= FAILED_STEPS_UNHEALTHY:
+            reason = f"the engine failed its last {self.loop.failed_steps} steps: {self.loop.last_failure}"
+            return Health(False, "failed", reason)
         if state == "dirty":
-            return False, f"weights are dirty: {self.receiver.last_error}; push a new version"
+            return Health(False, "dirty", f"weights are dirty: {self.receiver.last_error}; push a new version")
         if self.loop.version is None:
             if state == "syncing":
-                return False, "the first weight sync is in progress"
-            return False, "no weights committed yet (started with --load-format dummy): push weights first"
-        return True, ""
+                return Health(False, "syncing", "the first weight sync is in progress")
+            reason = "no weights committed yet (started with --load-format dummy): push weights first"
+            return Health(False, "waiting for weights", reason)
+        return Health(True, "syncing" if state == "syncing" else "ready")
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        self.metrics.engine_failures.inc()
 
     def weight_info(self) -> dict[str, object]:
         return {
