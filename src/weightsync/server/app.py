@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -26,9 +26,11 @@ from fastapi.responses import JSONResponse, Response
 
 from weightsync.engines.base import SamplingParams
 from weightsync.errors import RequestError
+from weightsync.server.body_limit import BodyLimit
 from weightsync.server.loop import PAUSE_MODES, TokenEvent
-from weightsync.server.runtime import RolloutServer
+from weightsync.server.runtime import Health, RolloutServer
 from weightsync.server.schemas import Choice, CompletionRequest, CompletionResponse, Logprobs, Usage
+from weightsync.server.startup import Startup
 
 __all__ = ["create_app"]
 
@@ -40,8 +42,12 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "servi
 log = logging.getLogger(__name__)
 
 
-def error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+def error(status: int, message: str, kind: str, state: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body (plain message, type, code); a 503 also names the server's state."""
+    body: dict[str, Any] = {"error": {"message": message, "type": kind, "code": status}}
+    if state is not None:
+        body["state"] = state
+    return JSONResponse(body, status_code=status)
 
 
 def bearer(token: str | None) -> Callable[[Request], None]:
@@ -58,13 +64,32 @@ def bearer(token: str | None) -> Callable[[Request], None]:
     return check
 
 
-def create_app(server: RolloutServer) -> FastAPI:
-    """The FastAPI app serving `server`."""
-    token = server.config.auth_token
-    control = [Depends(bearer(token))]
-    generation = [] if server.config.allow_unauthenticated_generation else control
+class NotServing(Exception):
+    """No RolloutServer to answer with yet (it is starting, or could not start)."""
+
+    def __init__(self, health: Health) -> None:
+        super().__init__(health.reason)
+        self.health = health
+
+
+def create_app(target: RolloutServer | Startup) -> FastAPI:
+    """The FastAPI app serving `target`: a server that is up, or one starting (then every
+    endpoint answers 503 naming the state until it is up)."""
+    startup = target if isinstance(target, Startup) else Startup.of(target)
+    config = startup.config
+    control = [Depends(bearer(config.auth_token))]
+    generation = [] if config.allow_unauthenticated_generation else control
     app = FastAPI(title="weightsync rollout server")
+    app.add_middleware(BodyLimit, limit=config.request_limit, hint=" (weightsync serve --max-request-bytes)")
     counter = itertools.count()
+
+    def serving() -> RolloutServer:
+        server = startup.server
+        if server is None:
+            raise NotServing(startup.health())
+        return server
+
+    ready = Depends(serving)
 
     @app.exception_handler(HTTPException)
     async def refused(request: Request, exc: HTTPException) -> JSONResponse:
@@ -72,43 +97,50 @@ def create_app(server: RolloutServer) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(400, str(exc.errors()), "invalid_request_error")
+        return error(400, plain(exc.errors()), "invalid_request_error")
+
+    @app.exception_handler(NotServing)
+    async def not_serving(request: Request, exc: NotServing) -> JSONResponse:
+        return error(503, exc.health.reason, "service_unavailable", state=exc.health.state)
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        now = server.health()
-        body = {"status": "ok" if now.ok else "unavailable", "version": server.version, "state": now.state}
+        now = startup.health()
+        version = startup.server.version if startup.server is not None else None
+        body = {"status": "ok" if now.ok else "unavailable", "version": version, "state": now.state}
         if not now.ok:
             body["reason"] = now.reason
         return JSONResponse(body, status_code=200 if now.ok else 503)
 
     @app.get("/weight_info", dependencies=control)
-    async def weight_info() -> dict[str, Any]:
+    async def weight_info(server: RolloutServer = ready) -> dict[str, Any]:
         return server.weight_info()
 
     @app.get("/v1/models", dependencies=generation)
-    async def models() -> dict[str, Any]:
-        card = {"id": server.config.model_name, "object": "model", "owned_by": "weightsync"}
+    async def models(server: RolloutServer = ready) -> dict[str, Any]:
+        card = {"id": config.model_name, "object": "model", "owned_by": "weightsync"}
         return {"object": "list", "data": [card | {"weight_version": server.version}]}
 
     @app.post("/pause", dependencies=control)
-    async def pause(mode: str = Query("wait"), timeout: float = Query(60.0, gt=0, le=86400)) -> JSONResponse:
+    async def pause(
+        server: RolloutServer = ready, mode: str = Query("wait"), timeout: float = Query(60.0, gt=0, le=86400)
+    ) -> JSONResponse:
         if mode not in PAUSE_MODES:
             return error(400, f"mode must be wait, abort or keep; got {mode!r}", "invalid_request_error")
         parked = await asyncio.to_thread(server.pause, mode, timeout)
         return JSONResponse({"paused": True, "parked": parked, "mode": mode})
 
     @app.post("/resume", dependencies=control)
-    async def resume() -> dict[str, Any]:
+    async def resume(server: RolloutServer = ready) -> dict[str, Any]:
         server.resume()
         return {"paused": bool(server.loop.paused_by)}
 
     @app.get("/metrics", dependencies=control)
-    async def metrics() -> Response:
+    async def metrics(server: RolloutServer = ready) -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions", dependencies=generation)
-    async def completions(body: CompletionRequest) -> JSONResponse:
+    async def completions(body: CompletionRequest, server: RolloutServer = ready) -> JSONResponse:
         try:
             response = await complete(server, body, f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}")
         except Exception as exc:  # never a bare "Internal Server Error": say what failed, and count it
@@ -118,6 +150,17 @@ def create_app(server: RolloutServer) -> FastAPI:
         return response
 
     return app
+
+
+def plain(errors: Sequence[Any]) -> str:
+    """pydantic's validation errors as one plain message: "field: what is wrong; ...", one
+    message per field (a union type reports every alternative; the first says enough)."""
+    messages: dict[str, str] = {}
+    for item in errors:
+        location = [str(part) for part in item.get("loc", ()) if part != "body"]
+        field = location[0] if location else "body"
+        messages.setdefault(field, str(item.get("msg", "invalid")).removeprefix("Value error, "))
+    return "; ".join(f"{field}: {message}" for field, message in messages.items()) or "invalid request"
 
 
 async def complete(server: RolloutServer, body: CompletionRequest, request_id: str) -> JSONResponse:
@@ -133,13 +176,14 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
             f"text prompts and stop strings need a tokenizer: {server.no_tokenizer}; send prompts as token ids",
             "invalid_request_error",
         )
-    try:
-        prompts = tokenize(server, body.prompt)
+    try:  # off the event loop: a long text takes a while, and /health must answer meanwhile
+        prompts = await asyncio.to_thread(tokenize, server, body.prompt)
     except ValueError as exc:  # a RequestError, or the tokenizer refusing the text
         return error(400, str(exc), "invalid_request_error")
     if not await wait_at_gate(server):
-        reason = server.health().reason
-        return error(503, f"not serving after {server.config.ready_timeout} s: {reason}", "service_unavailable")
+        now = server.health()
+        message = f"not serving after {server.config.ready_timeout} s: {now.reason}"
+        return error(503, message, "service_unavailable", state=now.state)
     queues = submit(server, body, prompts, request_id)
     stop = cast(list[str] | None, body.stop)  # the request's validator made a lone string a list
     try:

@@ -17,10 +17,11 @@ from weightsync.checksum import VERIFY_MODES
 from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
 from weightsync.receiver import WeightReceiver
+from weightsync.server.body_limit import default_max_request_bytes
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
-from weightsync.server.startup import load_tokenizer, warm_up
 from weightsync.server.sync import ServerSink
+from weightsync.server.warmup import load_tokenizer, warm_up
 from weightsync.transports import get_transport, serving_transports
 
 __all__ = [
@@ -89,6 +90,8 @@ class ServeConfig:
         host: the HTTP interface (checked here; `weightsync serve` binds it).
         staged: land syncs in a standby copy of the weights, and make it live only at commit (hf:
             a storage swap; vLLM: a reload from host memory); the engine serves during the transfer.
+        max_request_bytes: the largest HTTP request body accepted, checked before it is parsed
+            (None: 256 bytes per token of the model's context, at least 1 MiB).
     """
 
     model: str
@@ -107,6 +110,7 @@ class ServeConfig:
     allow_unauthenticated_generation: bool = False
     host: str = "127.0.0.1"
     staged: bool = False
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
@@ -129,10 +133,20 @@ class ServeConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{field} must be a non-negative number of seconds, got {value!r}")
+        limit = self.max_request_bytes
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1024):
+            raise ConfigError(f"max_request_bytes must be an integer of at least 1024, got {limit!r}")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
+
+    @property
+    def request_limit(self) -> int:
+        """The largest request body accepted, in bytes."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return default_max_request_bytes(self.model)
 
 
 def engine_class(name: str) -> type[Engine]:
