@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
 from weightsync.cli.args import at_least, positive_seconds
+from weightsync.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
 
@@ -43,14 +45,31 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.set_defaults(handler=run)
 
 
+def choose_engine(engine: str, mode: str) -> str:
+    """The rollout servers' engine: auto is vLLM where it is installed, else hf (said on stderr).
+
+    Raises:
+        ConfigError: --engine vllm where vLLM is not installed.
+    """
+    installed = importlib.util.find_spec("vllm") is not None
+    if engine == "vllm" and not installed:
+        raise ConfigError("--engine vllm: vLLM is not installed here; run scripts/install-vllm.sh, or use --engine hf")
+    if engine == "auto":
+        engine = "vllm" if installed else "hf"
+        if not installed and mode == "disaggregated":
+            print(
+                "weightsync demo: vLLM is not installed here (scripts/install-vllm.sh installs it): hf engine",
+                file=sys.stderr,
+            )
+    return engine
+
+
 def run(args: argparse.Namespace) -> int:
     from weightsync.demo.loop import DemoConfig
     from weightsync.demo.loop import run as run_loop
     from weightsync.demo.report import plot, summary
 
-    engine = args.engine
-    if engine == "auto":
-        engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    engine = choose_engine(args.engine, args.mode)
     config = DemoConfig(
         mode=args.mode,
         servers=args.servers,

@@ -59,9 +59,8 @@ def missing_package(exc: ImportError, command: str) -> str:
     root = (exc.name or "").partition(".")[0]
     if root == "vllm":
         return f"vLLM does not import here ({one_line(exc)}): run scripts/install-vllm.sh"
-    return (
-        f"{one_line(exc)}: install what `{command}` needs with pip install 'weightsync[{EXTRAS.get(command, 'dev')}]'"
-    )
+    extra = EXTRAS.get(command, "dev")
+    return f"{one_line(exc)}: install what `{command}` needs from your weightsync checkout: pip install -e '.[{extra}]'"
 
 
 def one_line(exc: BaseException) -> str:

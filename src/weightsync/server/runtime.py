@@ -164,7 +164,7 @@ def engine_class(name: str) -> type[Engine]:
     except (ImportError, RuntimeError) as exc:  # RuntimeError: a vLLM build that does not match torch
         hint = "run scripts/install-vllm.sh (vLLM's CPU build; pip install vllm on a GPU host)"
         if name != "vllm":
-            hint = "pip install 'weightsync[hf]'"
+            hint = "pip install -e '.[hf]' in your weightsync checkout"
         raise ConfigError(f"engine {name!r} is not available here ({exc}); {hint}") from exc
     cls: type[Engine] = getattr(module, class_name)
     return cls
