@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"weightsync serve: {url} receiver {startup.server.receiver.address}", flush=True)
 
     try:
-        startup.start(started)  # the engine loads on a thread; the API answers 503 meanwhile
         log.info("listening on %s (503 until the %s engine is up)", url, args.engine)
+        startup.start(started)  # the engine loads on a thread; the API answers 503 meanwhile
         http.run(sockets=[sock])
     except Terminated:  # SIGTERM is how a server is stopped: uvicorn has shut down cleanly
         pass

@@ -11,6 +11,7 @@ push in turn, through `inproc`, in one process.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import random
@@ -67,7 +68,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     config.out.mkdir(parents=True, exist_ok=True)
     model_dir = config.out / "policy"
     model = task.build_policy(model_dir, seed=config.seed)
-    reference = task.build_policy(config.out / "reference", seed=config.seed) if config.kl_coef > 0 else None
+    reference = copy.deepcopy(model).requires_grad_(False) if config.kl_coef > 0 else None  # the initial policy
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed)
     steps: StepLog | None = None
@@ -122,6 +123,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             bar.update(1)
             if on_step is not None:
                 on_step(record, model, rollouts)
+        task.save_policy(model, model_dir)  # the trained policy, next to the config the servers read
         return steps.records
     finally:  # the servers first: requests in flight then fail at once, and no thread waits on them
         bar.close()

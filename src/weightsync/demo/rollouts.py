@@ -110,7 +110,8 @@ class _Server:
         self.timeout = timeout
         command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model_dir)]
         command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout), "--log-level", "warning"]
-        self.child = ChildProcess(command, env=os.environ | {"OMP_NUM_THREADS": "1"})
+        quiet = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
+        self.child = ChildProcess(command, env=quiet | os.environ | {"OMP_NUM_THREADS": "1"})
         self.url = self.address = ""
         self.client: httpx.Client | None = None
 
@@ -272,6 +273,7 @@ class ServerFleet:
         for server in self.servers:
             if server.index == index:
                 server.kill()
+                self.events.append(f"server {index} killed (SIGKILL)")
 
     def __iter__(self) -> Iterator[_Server]:
         with self._lock:
