@@ -50,7 +50,7 @@ def running(process: psutil.Process) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.fault(
-    "the demo (parent of two `weightsync serve` processes) is signalled alone, mid-run",
+    "parent killed: the demo (parent of two `weightsync serve` processes) is signalled alone, mid-run",
     expected="no server left within 10 s: on SIGTERM/SIGINT the demo stops them and exits quietly (143/130); "
     "on SIGKILL each server sees its parent's pipe close and stops itself",
 )

@@ -205,7 +205,7 @@ def post_prompt(url: str, prompt: str) -> httpx.Response:
 
 
 @pytest.mark.fault(
-    "a 10 MB prompt (`POST /v1/completions`)",
+    "huge prompt: 10 MB of text to `POST /v1/completions`",
     expected="refused with 413 before it is parsed or tokenised (default bound from the model's context, "
     "--max-request-bytes); /health answers within 100 ms meanwhile; the server's memory does not grow",
 )

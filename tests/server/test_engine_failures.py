@@ -50,7 +50,7 @@ def complete(url: str, prompt: object = "ab") -> httpx.Response:
 
 
 @pytest.mark.fault(
-    "the engine fails its steps while serving",
+    "engine failure: the engine raises in its steps while serving",
     expected="every request gets a 500 whose JSON error names the engine's error (never a 200 with empty "
     "text); counted in /metrics; after 3 failed steps in a row /health is 503 'failed'; the next good step "
     "serves again",

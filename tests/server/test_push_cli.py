@@ -27,7 +27,7 @@ def push(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 @pytest.mark.fault(
-    "one server of a multi-server push is unreachable (`weightsync push --to LIVE DEAD`)",
+    "unreachable server in a multi-server push (`weightsync push --to LIVE DEAD`)",
     expected="the live server commits; the dead one is one line on stderr; the summary comes last and says "
     "1 of 2; exit status 1; no traceback",
 )

@@ -24,7 +24,7 @@ from types import FrameType
 
 from weightsync import __version__
 from weightsync.cli import bench, demo, digest, push, serve
-from weightsync.cli.errors import Terminated, describe
+from weightsync.cli.errors import TERMINATED, describe
 from weightsync.server.process import PARENT_FD_ENV, exit_with_parent
 
 __all__ = ["build_parser", "main"]
@@ -48,9 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        with sigterm_raises():
+        with sigterm_exits():
             return int(handler(args))
-    except (Exception, KeyboardInterrupt, Terminated) as exc:
+    except SystemExit as exc:
+        if exc.code != TERMINATED or args.traceback:
+            raise
+        print(f"weightsync {args.command}: terminated", file=sys.stderr)
+        return TERMINATED
+    except (Exception, KeyboardInterrupt) as exc:
         if args.traceback:
             raise
         status, message = describe(exc, args.command)
@@ -67,15 +72,15 @@ def watch_parent() -> None:
 
 
 @contextlib.contextmanager
-def sigterm_raises() -> Iterator[None]:
-    """SIGTERM raises `Terminated` in the main thread, so cleanup runs (children stopped, shared
+def sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) in the main thread, so cleanup runs (children stopped, shared
     memory released) before the process exits; the previous handler is back afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum: int, frame: FrameType | None) -> None:
-        raise Terminated()
+        raise SystemExit(TERMINATED)
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:

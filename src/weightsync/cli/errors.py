@@ -12,18 +12,14 @@ from __future__ import annotations
 from weightsync.auth import TOKEN_ENV
 from weightsync.errors import AuthError, ConfigError, ServerError, WeightSyncError
 
-__all__ = ["FAILED", "INTERRUPTED", "TERMINATED", "USAGE", "Terminated", "describe"]
+__all__ = ["FAILED", "INTERRUPTED", "TERMINATED", "USAGE", "describe"]
 
 FAILED = 1
 USAGE = 2
 INTERRUPTED = 130
 TERMINATED = 143
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: raised in the main thread by the command's handler, so that every
-    `finally` runs (a parent stops its children) before the process exits. A BaseException, like
-    KeyboardInterrupt, so that `except Exception` does not swallow it."""
+"""SIGTERM: the command's handler raises SystemExit(TERMINATED) in the main thread, so that every
+`finally` runs (a parent stops its children) before the process exits."""
 
 
 EXTRAS = {"serve": "server", "push": "server", "digest": "server", "demo": "demo", "bench": "hf"}
@@ -34,8 +30,6 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
     """The exit status and the one-line message for `exc`, raised by `command`."""
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED, "interrupted"
-    if isinstance(exc, Terminated):
-        return TERMINATED, "terminated"
     if isinstance(exc, ConfigError):
         return USAGE, one_line(exc)
     if isinstance(exc, ImportError):

@@ -11,7 +11,7 @@ import sys
 
 from weightsync.checksum import VERIFY_MODES
 from weightsync.cli.args import add_auth_token, at_least, auth_token, port, seconds
-from weightsync.cli.errors import Terminated
+from weightsync.cli.errors import TERMINATED
 from weightsync.transports import serving_transports
 
 __all__ = ["add_parser", "run"]
@@ -137,8 +137,9 @@ def run(args: argparse.Namespace) -> int:
         log.info("listening on %s (503 until the %s engine is up)", url, args.engine)
         startup.start(started)  # the engine loads on a thread; the API answers 503 meanwhile
         http.run(sockets=[sock])
-    except Terminated:  # SIGTERM is how a server is stopped: uvicorn has shut down cleanly
-        pass
+    except SystemExit as exc:  # SIGTERM is how a server is stopped: uvicorn has shut down cleanly
+        if exc.code != TERMINATED:
+            raise
     finally:
         startup.close()
         sock.close()

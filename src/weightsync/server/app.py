@@ -28,7 +28,7 @@ from weightsync.engines.base import SamplingParams
 from weightsync.errors import RequestError
 from weightsync.server.body_limit import BodyLimit
 from weightsync.server.loop import PAUSE_MODES, TokenEvent
-from weightsync.server.runtime import Health, RolloutServer
+from weightsync.server.runtime import RolloutServer
 from weightsync.server.schemas import Choice, CompletionRequest, CompletionResponse, Logprobs, Usage
 from weightsync.server.startup import Startup
 
@@ -64,14 +64,6 @@ def bearer(token: str | None) -> Callable[[Request], None]:
     return check
 
 
-class NotServing(Exception):
-    """No RolloutServer to answer with yet (it is starting, or could not start)."""
-
-    def __init__(self, health: Health) -> None:
-        super().__init__(health.reason)
-        self.health = health
-
-
 def create_app(target: RolloutServer | Startup) -> FastAPI:
     """The FastAPI app serving `target`: a server that is up, or one starting (then every
     endpoint answers 503 naming the state until it is up)."""
@@ -85,23 +77,23 @@ def create_app(target: RolloutServer | Startup) -> FastAPI:
 
     def serving() -> RolloutServer:
         server = startup.server
-        if server is None:
-            raise NotServing(startup.health())
+        if server is None:  # starting, or could not start: say which
+            now = startup.health()
+            raise HTTPException(503, {"message": now.reason, "state": now.state})
         return server
 
     ready = Depends(serving)
 
     @app.exception_handler(HTTPException)
     async def refused(request: Request, exc: HTTPException) -> JSONResponse:
+        if isinstance(exc.detail, dict):  # 503 from `serving`
+            detail: dict[str, str] = exc.detail
+            return error(exc.status_code, detail["message"], "service_unavailable", state=detail["state"])
         return error(exc.status_code, str(exc.detail), "authentication_error")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error(400, plain(exc.errors()), "invalid_request_error")
-
-    @app.exception_handler(NotServing)
-    async def not_serving(request: Request, exc: NotServing) -> JSONResponse:
-        return error(503, exc.health.reason, "service_unavailable", state=exc.health.state)
 
     @app.get("/health")
     async def health() -> JSONResponse:
