@@ -40,3 +40,47 @@ def test_bad_settings_are_refused_with_a_clear_error(changes, message):
 def test_device_cuda_without_a_gpu_says_so():
     with pytest.raises(ConfigError, match="no CUDA device"):
         BenchConfig(device="cuda", baselines=False)
+
+
+def test_a_run_that_does_not_fit_says_which_size_does(monkeypatch):
+    """The refusal used to read as a contradiction ("needs 15.8 GiB, 17.2 available"): it names
+    the share of memory a run may use, and the size that fits."""
+    import types
+
+    from weightsync.bench import GIB, fitting_size_bytes, runs
+    from weightsync.errors import ResourceError
+
+    available = int(17.2 * GIB)
+    monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
+    config = BenchConfig(size_bytes=4 * GIB)  # 4 copies with the baselines: about 16 GiB
+    fits = fitting_size_bytes(config)
+    assert fits == 3 * GIB + GIB // 4 and 4 * runs.model_bytes(fits) <= 0.8 * available
+    with pytest.raises(ResourceError) as refused:
+        runs._check_memory(config, runs.model_bytes(config.size_bytes))
+    message = str(refused.value)
+    assert "more than the 13.8 GiB it may use here (80% of the 17.2 GiB available now)" in message, message
+    assert "--size-gb 3.25 fits" in message, message
+    assert fitting_size_bytes(config, available=GIB // 2) == 0
+
+
+def test_the_default_size_fits_the_machine(monkeypatch, capsys):
+    """Plain `weightsync bench` measures 4 GiB where it fits, and the largest size that fits where
+    not (saying so), instead of refusing."""
+    import types
+
+    from weightsync import cli
+    from weightsync.bench import GIB, runs
+    from weightsync.cli import bench as bench_cli
+
+    seen = {}
+
+    def fake_run(config):  # noqa: ANN001, ANN202
+        seen["size"] = config.size_bytes
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int(17.2 * GIB)))
+    monkeypatch.setattr("weightsync.bench.run", fake_run)
+    assert cli.main(["bench"]) == 130
+    assert seen["size"] == 3 * GIB + GIB // 4
+    assert "4 GiB does not fit in the memory available now; measuring 3.25 GiB" in capsys.readouterr().err
+    assert bench_cli.DEFAULT_SIZE_GB == 4.0

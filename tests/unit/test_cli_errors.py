@@ -122,7 +122,7 @@ def test_a_config_error_is_a_usage_error(capsys):
             "ValueError: boom",
         ),
         (FileNotFoundError(2, "No such file or directory", "x"), 1, "No such file or directory"),
-        (ModuleNotFoundError("No module named 'httpx'", name="httpx"), 1, "pip install 'weightsync[server]'"),
+        (ModuleNotFoundError("No module named 'httpx'", name="httpx"), 1, "pip install -e '.[server]'"),
         (KeyError("surprise"), 1, "unexpected KeyError: 'surprise' (weightsync --traceback push"),
     ],
     ids=["ctrl-c", "config", "remote-traceback", "os", "missing-package", "unexpected"],
@@ -164,3 +164,66 @@ def test_serve_with_vllm_missing_points_at_the_install_script(tmp_path):
     )
     assert done.returncode == 2 and "scripts/install-vllm.sh" in done.stderr, done.stderr
     assert_one_line(done.stderr)
+
+
+@contextlib.contextmanager
+def silent_service() -> Iterator[str]:
+    """A port that accepts connections and never answers."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+
+
+def test_a_server_that_does_not_answer_in_time_is_one_line(capsys, tmp_path):
+    with silent_service() as url:
+        status, err = run(capsys, "push", "--model", str(tmp_path), "--to", url, "--timeout", "0.5")
+    assert status == 1 and err.startswith(f"weightsync push: {url}: ") and "timed out" in err, err
+    assert_one_line(err)
+
+
+def test_version(capsys):
+    from weightsync import __version__
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out == f"weightsync {__version__}\n"
+
+
+def test_demo_with_vllm_missing_names_the_flag_and_the_install_script(capsys, monkeypatch):
+    """Used to start the servers and blame "did not start listening within 60 s" after 10 s."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a))
+    status, err = run(capsys, "demo", "--engine", "vllm")
+    assert status == 2 and err.startswith("weightsync demo: --engine vllm: vLLM is not installed here")
+    assert "scripts/install-vllm.sh" in err and "--engine hf" in err
+    assert_one_line(err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("signum", "status", "last"), [(2, 130, "weightsync serve: interrupted"), (15, 0, None)])
+def test_ctrl_c_on_serve_is_one_line_and_130_sigterm_a_clean_stop(tmp_path, signum, status, last):
+    from tests.models import save_model
+
+    save_model("qwen2", tmp_path)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "weightsync", "serve", "--model", str(tmp_path), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": SRC},
+    )
+    assert serve.stdout is not None and serve.stdout.readline().startswith("weightsync serve: http://")
+    serve.send_signal(signum)
+    _, stderr = serve.communicate(timeout=60)
+    assert serve.returncode == status, stderr
+    assert "Traceback" not in stderr and "weightsync serve: terminated" not in stderr, stderr
+    if last is not None:
+        assert stderr.strip().splitlines()[-1] == last, stderr

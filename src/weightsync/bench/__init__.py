@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from weightsync.bench.config import BASELINES, DEFAULT_TRANSPORTS, GIB, MIB, TRANSPORTS, BenchConfig
 from weightsync.bench.results import BenchReport, MethodResult, format_table
-from weightsync.bench.runs import run
+from weightsync.bench.runs import fitting_size_bytes, run
 
 __all__ = [
     "BASELINES",
@@ -34,6 +34,7 @@ __all__ = [
     "BenchConfig",
     "BenchReport",
     "MethodResult",
+    "fitting_size_bytes",
     "format_table",
     "run",
 ]

@@ -25,7 +25,7 @@ from weightsync.bench.results import BenchReport, MethodResult
 from weightsync.errors import ResourceError
 from weightsync.sender import WeightSender
 
-__all__ = ["run"]
+__all__ = ["MEMORY_SHARE", "fitting_size_bytes", "run"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,18 +128,50 @@ def _run_baseline(run: _Run, method: str) -> MethodResult:
     return result
 
 
+MEMORY_SHARE = 0.8
+"""The share of the memory available now that a run may plan to use: the rest is left for the
+rings, page tables and whatever else runs on the machine."""
+
+SIZE_STEP_BYTES = GIB // 4
+"""`fitting_size_bytes` steps down by this much."""
+
+
+def copies_in_memory(config: BenchConfig) -> int:
+    """Model-sized copies a run holds at once: the source, every receiver's destinations and, for
+    the baselines, a file plus a loaded copy."""
+    return 1 + max(config.receivers) + (2 if config.baselines else 0)
+
+
+def model_bytes(size_bytes: int) -> int:
+    """The bytes of the synthetic model built for a target size (within a layer of it)."""
+    return sum(math.prod(shape) for _, shape in model_shapes(size_bytes)) * DTYPE.itemsize
+
+
+def fitting_size_bytes(config: BenchConfig, available: int | None = None) -> int:
+    """The largest target size, at most `config.size_bytes` and a multiple of 1/4 GiB, whose run
+    fits in the memory available now; 0 if not even 1/4 GiB fits."""
+    budget = MEMORY_SHARE * (psutil.virtual_memory().available if available is None else available)
+    size = config.size_bytes
+    while copies_in_memory(config) * model_bytes(size) > budget:
+        if size <= SIZE_STEP_BYTES:
+            return 0
+        size = (size - 1) // SIZE_STEP_BYTES * SIZE_STEP_BYTES
+    return size
+
+
 def _check_memory(config: BenchConfig, total_bytes: int) -> None:
-    """Refuse a run that cannot fit rather than let the machine swap or kill it: the source,
-    every receiver's destinations and, for the baselines, a file plus a loaded copy."""
-    copies = 1 + max(config.receivers) + (2 if config.baselines else 0)
-    need = copies * total_bytes
+    """Refuse a run that cannot fit rather than let the machine swap or kill it; say what fits."""
+    copies = copies_in_memory(config)
     available = psutil.virtual_memory().available
-    if need > 0.8 * available:  # leave room for rings, page tables, and whatever else runs here
-        fits = 0.8 * available / (copies * GIB)
-        raise ResourceError(
-            f"this run needs about {need / GIB:.1f} GiB ({copies} copies of {total_bytes / GIB:.2f} GiB), "
-            f"{available / GIB:.1f} GiB are available; use a size of at most {fits:.2f} GiB (--size-gb)"
-        )
+    if copies * total_bytes <= MEMORY_SHARE * available:
+        return
+    fits = fitting_size_bytes(config, available)
+    advice = f"--size-gb {fits / GIB:g} fits" if fits else "no size fits"
+    raise ResourceError(
+        f"this run holds {copies} copies of a {total_bytes / GIB:.2f} GiB model ({copies * total_bytes / GIB:.1f} GiB), "
+        f"more than the {MEMORY_SHARE * available / GIB:.1f} GiB it may use here ({MEMORY_SHARE:.0%} of the "
+        f"{available / GIB:.1f} GiB available now); {advice}, or run with --no-baselines or fewer --receivers"
+    )
 
 
 def run(config: BenchConfig) -> BenchReport:
@@ -151,7 +183,7 @@ def run(config: BenchConfig) -> BenchReport:
     from tqdm import tqdm
 
     shapes = model_shapes(config.size_bytes)
-    total_bytes = sum(math.prod(shape) for _, shape in shapes) * DTYPE.itemsize
+    total_bytes = model_bytes(config.size_bytes)
     _check_memory(config, total_bytes)
     num_weightsync = len(config.transports) * len(config.receivers) * len(config.sinks)
     num_steps = config.repeat * (num_weightsync + config.baselines * len(BASELINES))

@@ -14,11 +14,18 @@ $WEIGHTSYNC_AUTH_TOKEN; errors.py maps every error to one line on stderr and an 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 
+from weightsync import __version__
 from weightsync.cli import bench, demo, digest, push, serve
-from weightsync.cli.errors import describe
+from weightsync.cli.errors import TERMINATED, describe
+from weightsync.server.process import PARENT_FD_ENV, exit_with_parent
 
 __all__ = ["build_parser", "main"]
 
@@ -28,6 +35,7 @@ COMMANDS = (demo, bench, serve, push, digest)
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightsync", description="Move model weights from trainer to engines.")
     parser.add_argument("--traceback", action="store_true", help="on an error, show its traceback instead of one line")
+    parser.add_argument("--version", action="version", version=f"weightsync {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(subparsers)
@@ -36,13 +44,46 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `weightsync` command; returns the exit status (errors.py lists them)."""
+    watch_parent()
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        return int(handler(args))
+        with sigterm_exits():
+            return int(handler(args))
+    except SystemExit as exc:
+        if exc.code != TERMINATED or args.traceback:
+            raise
+        print(f"weightsync {args.command}: terminated", file=sys.stderr)
+        return TERMINATED
     except (Exception, KeyboardInterrupt) as exc:
         if args.traceback:
             raise
         status, message = describe(exc, args.command)
         print(f"weightsync {args.command}: {message}", file=sys.stderr)
         return status
+
+
+def watch_parent() -> None:
+    """A child started by `ChildProcess` stops when its parent dies (server/process.py). The
+    variable is removed so that this process's own children do not watch a stale number."""
+    fd = os.environ.pop(PARENT_FD_ENV, "")
+    if fd.isdigit():
+        exit_with_parent(int(fd))
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) in the main thread, so cleanup runs (children stopped, shared
+    memory released) before the process exits; the previous handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(TERMINATED)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -13,6 +13,17 @@ __all__ = ["add_parser", "run"]
 
 MIB = 1 << 20
 GIB = 1 << 30
+DEFAULT_SIZE_GB = 4.0
+
+
+def positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
 
 
 def sink_names(text: str) -> tuple[str, ...]:
@@ -75,7 +86,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=("dict",),
         help="dict (destinations written in place; default), callable (an engine-style loader), or dict,callable",
     )
-    bench.add_argument("--size-gb", type=float, default=4.0, help="model size in GiB (default 4)")
+    bench.add_argument(
+        "--size-gb",
+        type=positive_gib,
+        default=None,
+        help=f"model size in GiB (default {DEFAULT_SIZE_GB:g}, or the largest size that fits in the memory "
+        "available now)",
+    )
     bench.add_argument("--bucket-mb", type=bucket_mb, default=None, help="bucket size in MiB, or auto (default)")
     bench.add_argument("--receivers", type=counts, default=(1,), help="receiver counts, e.g. 1 or 1,4 (default 1)")
     bench.add_argument("--repeat", type=at_least(1), default=3, help="syncs per configuration (default 3)")
@@ -104,16 +121,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from weightsync.bench import BenchConfig, format_table
+    from weightsync.bench import BenchConfig, fitting_size_bytes, format_table
     from weightsync.bench import run as run_bench
 
+    size_gb = DEFAULT_SIZE_GB if args.size_gb is None else args.size_gb
     if args.quick:
-        args.size_gb, args.repeat, args.memcpy_mb = min(args.size_gb, 0.25), min(args.repeat, 2), 256.0
+        size_gb, args.repeat, args.memcpy_mb = min(size_gb, 0.25), min(args.repeat, 2), 256.0
     if args.delta_lr is not None:
+        args.size_gb = size_gb
         return run_delta_bench(args)
     config = BenchConfig(
         transports=args.transport if isinstance(args.transport, tuple) else transport_names(args.transport),
-        size_bytes=int(args.size_gb * GIB),
+        size_bytes=int(size_gb * GIB),
         bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * MIB),
         receivers=args.receivers,
         repeat=args.repeat,
@@ -127,6 +146,15 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         sinks=args.sink,
     )
+    if args.size_gb is None and not args.quick:  # the default: as large as fits, up to 4 GiB
+        fits = fitting_size_bytes(config)
+        if 0 < fits < config.size_bytes:
+            print(
+                f"weightsync bench: {size_gb:g} GiB does not fit in the memory available now; measuring "
+                f"{fits / GIB:g} GiB (--size-gb sets it)",
+                file=sys.stderr,
+            )
+            config = dataclasses.replace(config, size_bytes=fits)
     report = run_bench(config)
     table = format_table(report)
     if args.json:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
 from weightsync.cli.args import at_least, positive_seconds
+from weightsync.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
 
@@ -43,14 +45,36 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.set_defaults(handler=run)
 
 
+def choose_engine(engine: str, mode: str) -> str:
+    """The rollout servers' engine: auto is vLLM where it is installed, else hf (said on stderr).
+
+    Raises:
+        ConfigError: --engine vllm where vLLM is not installed.
+    """
+    installed = importlib.util.find_spec("vllm") is not None
+    if engine == "vllm" and not installed:
+        raise ConfigError("--engine vllm: vLLM is not installed here; run scripts/install-vllm.sh, or use --engine hf")
+    if engine == "auto":
+        engine = "vllm" if installed else "hf"
+        if not installed and mode == "disaggregated":
+            print(
+                "weightsync demo: vLLM is not installed here (scripts/install-vllm.sh installs it): hf engine",
+                file=sys.stderr,
+            )
+    return engine
+
+
+STARTUP_S = {"hf": "10 s", "vllm": "10-20 s"}
+"""How long starting the rollout servers took on the 2-core dev machine (imports, engine, warm-up)."""
+
+
 def run(args: argparse.Namespace) -> int:
     from weightsync.demo.loop import DemoConfig
     from weightsync.demo.loop import run as run_loop
     from weightsync.demo.report import plot, summary
 
-    engine = args.engine
-    if engine == "auto":
-        engine = "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+    engine = choose_engine(args.engine, args.mode)
+    served_by = engine if args.mode == "disaggregated" else "hf"  # colocated: an hf engine in this process
     config = DemoConfig(
         mode=args.mode,
         servers=args.servers,
@@ -67,13 +91,20 @@ def run(args: argparse.Namespace) -> int:
         kill_server_at=args.kill_server_at,
         progress=args.progress,
     )
+    if args.mode == "disaggregated":
+        print(
+            f"weightsync demo: starting {args.servers} rollout servers on the {engine} engine "
+            f"(about {STARTUP_S[engine]}), then {args.steps} GRPO steps",
+            file=sys.stderr,
+            flush=True,
+        )
     started = time.perf_counter()
     records = run_loop(config)
-    plot(records, args.out / "reward_and_sync.png")
-    result = summary(records) | {"seconds": time.perf_counter() - started, "mode": args.mode, "engine": engine}
+    plot(records, args.out / "reward_and_sync.png", engine=served_by, mode=args.mode)
+    result = summary(records) | {"seconds": time.perf_counter() - started, "mode": args.mode, "engine": served_by}
     (args.out / "summary.json").write_text(json.dumps(result, indent=1))
     print(
-        f"weightsync demo ({args.mode}, {engine if args.mode == 'disaggregated' else 'hf'} engine): {result['steps']} steps in {result['seconds']:.0f} s; "
+        f"weightsync demo ({args.mode}, {served_by} engine): {result['steps']} steps in {result['seconds']:.0f} s; "
         f"reward {result['reward_first_10pct']:.2f} (first 10% of steps) -> {result['reward_last_10pct']:.2f} "
         f"(last 10%); {result['syncs']} syncs, mean {result['mean_sync_seconds'] * 1e3:.1f} ms "
         f"({result['mean_sync_gbps']:.2f} GB/s); max version lag {result['max_version_lag']}, "
@@ -82,4 +113,5 @@ def run(args: argparse.Namespace) -> int:
     for event in result["events"]:
         print(f"  {event}")
     print(f"  run directory: {args.out} (steps.jsonl, reward_and_sync.png, summary.json)")
+    print(f"  trained policy: {args.out / 'policy'} (serve it, push it, check it: see README, 'Next')")
     return 0

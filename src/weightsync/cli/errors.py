@@ -3,6 +3,7 @@ status, never a traceback (`weightsync --traceback COMMAND ...` shows it instead
 
     2    usage: a bad flag (argparse) or a ConfigError (bad arguments or configuration)
     130  interrupted (Ctrl-C)
+    143  terminated (SIGTERM; `weightsync serve` stops cleanly and exits 0: that is how a server is stopped)
     1    anything else: a server that refused or is not there, a failed sync, a missing package
 """
 
@@ -11,11 +12,15 @@ from __future__ import annotations
 from weightsync.auth import TOKEN_ENV
 from weightsync.errors import AuthError, ConfigError, ServerError, WeightSyncError
 
-__all__ = ["FAILED", "INTERRUPTED", "USAGE", "describe"]
+__all__ = ["FAILED", "INTERRUPTED", "TERMINATED", "USAGE", "describe"]
 
 FAILED = 1
 USAGE = 2
 INTERRUPTED = 130
+TERMINATED = 143
+"""SIGTERM: the command's handler raises SystemExit(TERMINATED) in the main thread, so that every
+`finally` runs (a parent stops its children) before the process exits."""
+
 
 EXTRAS = {"serve": "server", "push": "server", "digest": "server", "demo": "demo", "bench": "hf"}
 """The pip extra each command's optional packages come with."""
@@ -48,9 +53,8 @@ def missing_package(exc: ImportError, command: str) -> str:
     root = (exc.name or "").partition(".")[0]
     if root == "vllm":
         return f"vLLM does not import here ({one_line(exc)}): run scripts/install-vllm.sh"
-    return (
-        f"{one_line(exc)}: install what `{command}` needs with pip install 'weightsync[{EXTRAS.get(command, 'dev')}]'"
-    )
+    extra = EXTRAS.get(command, "dev")
+    return f"{one_line(exc)}: install what `{command}` needs from your weightsync checkout: pip install -e '.[{extra}]'"
 
 
 def one_line(exc: BaseException) -> str:

@@ -1,31 +1,56 @@
 """`weightsync push`: push a safetensors checkpoint to running rollout servers.
 
-weightsync push --model DIR --to http://127.0.0.1:8000 [URL ...] [--version N] [--verify bucket]
+weightsync push --model DIR --to http://127.0.0.1:8000 [URL ...] [--version N] [--verify bucket] [--cast bfloat16]
+
+Like `WeightSender.push`, it reports per server and goes on with the others: a server that does
+not answer, refuses or fails is one line on stderr, the servers that answered are pushed to,
+and the exit status is 1 when any server did not commit. The summary comes last, and says how
+many committed.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from weightsync.checksum import VERIFY_MODES
 from weightsync.cli.args import add_auth_token, at_least, auth_token, positive_seconds
+from weightsync.cli.errors import FAILED, describe
+from weightsync.errors import ConfigError
 
-__all__ = ["add_parser", "run"]
+__all__ = ["CAST_DTYPES", "add_parser", "run"]
+
+CAST_DTYPES = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2")
+"""What --cast accepts: the dtype every floating-point tensor is sent as."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     push = subparsers.add_parser(
         "push",
         help="push a safetensors checkpoint to running servers",
-        description="Read DIR's safetensors checkpoint one tensor at a time and push it to every server.",
+        description="Read DIR's safetensors checkpoint one tensor at a time and push it to every server "
+        "that answers; each server's outcome is reported, and the exit status is 1 if any did not commit.",
     )
     push.add_argument("--model", required=True, help="model directory with *.safetensors")
     push.add_argument("--to", nargs="+", required=True, metavar="URL", help="server URLs (http://HOST:PORT)")
     push.add_argument("--version", type=at_least(0), default=None, help="weight version (default: highest served + 1)")
+    push.add_argument(
+        "--allow-older-version",
+        action="store_true",
+        help="push a --version lower than one a server already serves (it moves that server back)",
+    )
     push.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any wait may last (default 60)")
     push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="bucket or full checksums (default off)")
+    push.add_argument(
+        "--cast",
+        choices=CAST_DTYPES,
+        default=None,
+        metavar="DTYPE",
+        help=f"send every floating-point tensor as DTYPE ({', '.join(CAST_DTYPES)}), e.g. a bfloat16 "
+        "checkpoint into a float32 server (default: as stored)",
+    )
     add_auth_token(push, "the servers' shared secret")
     push.add_argument("--json", action="store_true", help="print the report as JSON")
     push.set_defaults(handler=run)
@@ -33,36 +58,78 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     from weightsync.checkpoint import SafetensorsSource
+    from weightsync.dtypes import dtype_from_name
     from weightsync.sender import WeightSender
-    from weightsync.server.client import RolloutClient
 
     token = auth_token(args)
-    infos = []
-    for url in args.to:
-        with RolloutClient(url, timeout=args.timeout, auth_token=token) as client:
-            infos.append(client.weight_info())
-    addresses = [address for info in infos for address in info["addresses"]]
-    version = args.version
-    if version is None:
-        version = max((info["version"] for info in infos if info["version"] is not None), default=0) + 1
+    infos, unreachable = ask_servers(args.to, args.timeout, token)
+    for url, message in unreachable.items():
+        print(f"weightsync push: {url}: {message}", file=sys.stderr)
+    if not infos:
+        if args.json:
+            print(json.dumps({"ok": False, "version": None, "outcomes": unreachable_json(unreachable)}))
+        return FAILED
+    version = choose_version(args.version, infos, args.allow_older_version)
     source = SafetensorsSource(args.model)
-    with WeightSender(addresses, timeout=args.timeout, verify=args.verify, auth_token=token) as sender:
+    cast = dtype_from_name(args.cast) if args.cast else None
+    urls = {address: url for url, info in infos.items() for address in info["addresses"]}
+    with WeightSender(list(urls), timeout=args.timeout, verify=args.verify, auth_token=token, cast=cast) as sender:
         report = sender.push(source, version)
+    for outcome in report.failed:
+        print(f"weightsync push: {urls[outcome.address]}: {outcome.kind}: {outcome.error}", file=sys.stderr)
     if args.json:
-        print(json.dumps(report_json(report, args.to, addresses)))
+        outcomes = outcomes_json(report, urls, unreachable)
+        print(json.dumps(report_json(report) | {"ok": report.ok and not unreachable, "outcomes": outcomes}))
     else:
+        for outcome in report.outcomes:
+            if outcome.committed:
+                print(f"{urls[outcome.address]}: committed version {report.version}")
+        committed = len(report.outcomes) - len(report.failed)
         print(
-            f"version {report.version}: {report.total_bytes} bytes, {report.num_tensors} tensors in "
-            f"{report.seconds:.3f} s ({report.gbps:.2f} GB/s)"
+            f"version {report.version}: committed on {committed} of {len(infos) + len(unreachable)} servers; "
+            f"{report.total_bytes} "
+            f"bytes, {report.num_tensors} tensors in {report.seconds:.3f} s ({report.gbps:.2f} GB/s)"
         )
-        for url, outcome in zip(args.to, report.outcomes, strict=False):
-            status = "committed" if outcome.committed else f"FAILED {outcome.kind}: {outcome.error}"
-            print(f"  {url} ({outcome.address}): {status}")
-    return 0 if report.ok else 1
+    return 0 if report.ok and not unreachable else FAILED
 
 
-def report_json(report: Any, urls: list[str], addresses: list[str]) -> dict[str, Any]:
-    by_address = dict(zip(addresses, urls, strict=False))
+def ask_servers(urls: list[str], timeout: float, token: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Each server's /weight_info; the ones that did not give one, with why (one line each)."""
+    from weightsync.server.client import RolloutClient
+
+    infos: dict[str, dict[str, Any]] = {}
+    unreachable: dict[str, str] = {}
+    for url in dict.fromkeys(urls):
+        try:
+            with RolloutClient(url, timeout=timeout, auth_token=token) as client:
+                infos[url] = client.weight_info()
+        except ConfigError:  # a malformed URL: a usage error, before any byte moves
+            raise
+        except Exception as exc:
+            unreachable[url] = describe(exc, "push")[1]
+    return infos, unreachable
+
+
+def choose_version(asked: int | None, infos: dict[str, dict[str, Any]], allow_older: bool) -> int:
+    """--version, or the highest version any server serves, plus one.
+
+    Raises:
+        ConfigError: --version is lower than what a server serves, without --allow-older-version.
+    """
+    served = {url: info["version"] for url, info in infos.items() if info["version"] is not None}
+    if asked is None:
+        return max(served.values(), default=0) + 1
+    newer = {url: version for url, version in served.items() if version > asked}
+    if newer and not allow_older:
+        url, version = max(newer.items(), key=lambda item: item[1])
+        raise ConfigError(
+            f"--version {asked} is lower than version {version}, which {url} serves: that would move it back; "
+            "give --allow-older-version to push it anyway, or leave --version out (highest served + 1)"
+        )
+    return asked
+
+
+def report_json(report: Any) -> dict[str, Any]:
     return {
         "version": report.version,
         "bytes": report.total_bytes,
@@ -71,14 +138,19 @@ def report_json(report: Any, urls: list[str], addresses: list[str]) -> dict[str,
         "gbps": report.gbps,
         "ok": report.ok,
         "content_digest": report.content_digest,
-        "outcomes": [
-            {
-                "url": by_address.get(o.address),
-                "address": o.address,
-                "committed": o.committed,
-                "kind": o.kind,
-                "error": o.error,
-            }
-            for o in report.outcomes
-        ],
     }
+
+
+def outcomes_json(report: Any, urls: dict[str, str], unreachable: dict[str, str]) -> list[dict[str, Any]]:
+    pushed = [
+        {"url": urls[o.address], "address": o.address, "committed": o.committed, "kind": o.kind, "error": o.error}
+        for o in report.outcomes
+    ]
+    return pushed + unreachable_json(unreachable)
+
+
+def unreachable_json(unreachable: dict[str, str]) -> list[dict[str, Any]]:
+    return [
+        {"url": url, "address": None, "committed": False, "kind": "ServerError", "error": message}
+        for url, message in unreachable.items()
+    ]

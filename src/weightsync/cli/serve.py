@@ -6,12 +6,20 @@ weightsync serve --engine hf --model DIR --load-format dummy --port 8000 --trans
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 
 from weightsync.checksum import VERIFY_MODES
-from weightsync.cli.args import add_auth_token, auth_token, port, seconds
+from weightsync.cli.args import add_auth_token, at_least, auth_token, port, seconds
+from weightsync.cli.errors import TERMINATED
 from weightsync.transports import serving_transports
 
 __all__ = ["add_parser", "run"]
+
+log = logging.getLogger("weightsync.serve")
+
+GRACEFUL_SHUTDOWN_S = 5
+"""Seconds requests in flight get to finish when the server is stopped."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -57,7 +65,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="land syncs in a standby copy, made live only at commit: a failed sync never touches the "
         "served weights, and the engine serves during the transfer (one more copy of the weights in memory)",
     )
-    serve.add_argument("--log-level", default="warning", help="uvicorn log level (default warning)")
+    serve.add_argument(
+        "--max-request-bytes",
+        type=at_least(1024),
+        default=None,
+        help="largest request body, refused before it is parsed (default: 256 bytes per token of the "
+        "model's context, at least 1 MiB)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        default="info",
+        help="log level: info (default) logs start-up, every sync and every refused push; debug adds "
+        "every HTTP request",
+    )
     serve.set_defaults(handler=run)
 
 
@@ -66,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
 
     from weightsync.server.app import create_app
     from weightsync.server.background import bind
-    from weightsync.server.runtime import RolloutServer, ServeConfig, engine_class
+    from weightsync.server.runtime import ServeConfig
+    from weightsync.server.startup import Startup
 
     config = ServeConfig(
         model=args.model,
@@ -85,20 +107,49 @@ def run(args: argparse.Namespace) -> int:
         allow_unauthenticated_generation=args.allow_unauthenticated_generation,
         host=args.host,
         staged=args.staged,
+        max_request_bytes=args.max_request_bytes,
     )
-    engine_class(config.engine)  # a missing engine fails here, before the port is taken and the model loaded
+    startup = Startup(config)
+    # The engine's imports now (a missing engine fails before the port is taken), so that the
+    # engine builds on a thread after it, and the API answers within milliseconds all along.
+    startup.preload()
+    configure_logging(args.log_level)
     sock = bind(args.host, args.port)
+    host, bound_port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
+    http = uvicorn.Server(
+        uvicorn.Config(
+            create_app(startup),
+            log_level=max(logging.WARNING, logging.getLevelName(args.log_level.upper())),
+            access_log=args.log_level == "debug",
+            lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+
+    def started() -> None:
+        if startup.server is None:  # could not start: stop serving, and say why below
+            http.should_exit = True
+            return
+        print(f"weightsync serve: {url} receiver {startup.server.receiver.address}", flush=True)
+
     try:
-        server = RolloutServer(config)
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        host, bound_port = sock.getsockname()[:2]
-        print(f"weightsync serve: http://{host}:{bound_port} receiver {server.receiver.address}", flush=True)
-        http = uvicorn.Server(uvicorn.Config(create_app(server), log_level=args.log_level, lifespan="off"))
+        log.info("listening on %s (503 until the %s engine is up)", url, args.engine)
+        startup.start(started)  # the engine loads on a thread; the API answers 503 meanwhile
         http.run(sockets=[sock])
+    except SystemExit as exc:  # SIGTERM is how a server is stopped: uvicorn has shut down cleanly
+        if exc.code != TERMINATED:
+            raise
     finally:
-        server.close()
+        startup.close()
         sock.close()
+    if startup.error is not None:
+        raise startup.error
     return 0
+
+
+def configure_logging(level: str) -> None:
+    """weightsync's own log lines (syncs, refused pushes, start-up) on stderr at `level`."""
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )

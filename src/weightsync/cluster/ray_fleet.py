@@ -10,7 +10,7 @@ and reported; one that Ray restarted (a new process) counts as a new member. New
 on dummy weights and are ready only once they hold the fleet's version: the next `push`
 brings them there, or `catch_up` does at once when the trainer still holds that version.
 
-Needs `pip install 'weightsync[ray]'`; Ray is imported only when a fleet is built.
+Needs `pip install -e '.[ray]'` (from a weightsync checkout); Ray is imported only when a fleet is built.
 """
 
 from __future__ import annotations

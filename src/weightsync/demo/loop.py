@@ -11,6 +11,7 @@ push in turn, through `inproc`, in one process.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import random
@@ -67,20 +68,17 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     config.out.mkdir(parents=True, exist_ok=True)
     model_dir = config.out / "policy"
     model = task.build_policy(model_dir, seed=config.seed)
-    reference = task.build_policy(config.out / "reference", seed=config.seed) if config.kl_coef > 0 else None
+    reference = copy.deepcopy(model).requires_grad_(False) if config.kl_coef > 0 else None  # the initial policy
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed)
-    if config.mode == "colocated":
-        rollouts: Rollouts = LocalRollouts(model_dir, config.timeout)
-    elif config.mode == "disaggregated":
-        rollouts = ServerFleet(model_dir, config.servers, config.engine, config.timeout)
-    else:
-        raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
-    steps = StepLog(config.out / "steps.jsonl")
-    sender = WeightSender(rollouts.addresses(), timeout=config.timeout)
+    steps: StepLog | None = None
+    sender: WeightSender | None = None
+    rollouts = start_rollouts(config, model_dir)  # stops what it started if it fails
     pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-demo-rollouts")
     bar = tqdm(total=config.steps, disable=not config.progress, unit="step", file=None)
     try:
+        steps = StepLog(config.out / "steps.jsonl")
+        sender = WeightSender(rollouts.addresses(), timeout=config.timeout)
         sender, _ = push(sender, rollouts, model, 0, config.timeout)  # version 0: the initial weights
         samples = rollouts.generate(new_request(config, rng, 0))
         for step in range(config.steps):
@@ -125,13 +123,24 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             bar.update(1)
             if on_step is not None:
                 on_step(record, model, rollouts)
+        task.save_policy(model, model_dir)  # the trained policy, next to the config the servers read
         return steps.records
-    finally:
+    finally:  # the servers first: requests in flight then fail at once, and no thread waits on them
         bar.close()
-        pool.shutdown(wait=True, cancel_futures=True)
-        sender.close()
         rollouts.close()
-        steps.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+        if sender is not None:
+            sender.close()
+        if steps is not None:
+            steps.close()
+
+
+def start_rollouts(config: DemoConfig, model_dir: Path) -> Rollouts:
+    if config.mode == "colocated":
+        return LocalRollouts(model_dir, config.timeout)
+    if config.mode == "disaggregated":
+        return ServerFleet(model_dir, config.servers, config.engine, config.timeout)
+    raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
 
 
 def new_request(config: DemoConfig, rng: random.Random, step: int) -> Request:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["StepLog", "plot", "summary"]
+__all__ = ["StepLog", "event_marks", "plot", "summary", "title"]
 
 
 class StepLog:
@@ -26,8 +26,19 @@ class StepLog:
         self._file.close()
 
 
-def plot(records: list[dict[str, Any]], path: Path) -> None:
-    """Mean reward and weight-sync seconds per step, one PNG."""
+EVENT_COLORS = {
+    "killed": "tab:red",
+    "died": "tab:red",
+    "stopped": "tab:red",
+    "failed": "tab:red",
+    "restarted": "tab:orange",
+}
+"""Colour of an event's line by its verb; anything else (a server rejoining) is green."""
+
+
+def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: str = "") -> None:
+    """Mean reward and weight-sync milliseconds per step, one PNG. The title names the mode, the
+    engine and what each sync moves; a server killed, restarted or rejoining is a labelled line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,10 +52,34 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     sync_axis.plot(steps, [r["sync_seconds"] * 1e3 for r in records], color="tab:blue")
     sync_axis.set_ylabel("weight sync (ms)")
     sync_axis.set_xlabel("training step")
-    figure.suptitle("weightsync demo: GRPO, weights pushed after every step")
+    counts: dict[int, int] = {}
+    for step, label, color in event_marks(records):
+        for axis in (reward_axis, sync_axis):
+            axis.axvline(step, color=color, linestyle="--", linewidth=1)
+        row = counts[step] = counts.get(step, -1) + 1
+        box = {"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1}
+        reward_axis.text(step, 1.0 - 0.12 * row, f" {label}", color=color, fontsize=7, va="top", bbox=box)
+    figure.suptitle(title(records, engine, mode), fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def title(records: list[dict[str, Any]], engine: str, mode: str) -> str:
+    """The plot's title: the mode, the engine and how much each sync moves."""
+    payload = records[0]["sync_bytes"] if records else 0
+    setup = ", ".join(part for part in (mode, f"{engine} engine" if engine else "") if part)
+    return f"weightsync demo: GRPO{f' ({setup})' if setup else ''}, {payload / 1024:.0f} KiB pushed after every step"
+
+
+def event_marks(records: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
+    """(step, label, colour) of every event: a server killed or failing, restarted, rejoining."""
+    marks = []
+    for record in records:
+        for event in record["events"]:
+            color = next((c for verb, c in EVENT_COLORS.items() if verb in event), "tab:green")
+            marks.append((record["step"], event.split(";")[0], color))
+    return marks
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:

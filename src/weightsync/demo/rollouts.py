@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -26,7 +24,7 @@ from weightsync.auth import resolve_token
 from weightsync.engines.base import SamplingParams
 from weightsync.errors import ResourceError
 from weightsync.receiver import WeightReceiver
-from weightsync.server.process import first_line_with
+from weightsync.server.process import ChildProcess
 
 __all__ = ["LocalRollouts", "Sample", "ServerFleet"]
 
@@ -103,26 +101,40 @@ class LocalRollouts:
 
 
 class _Server:
-    """One `weightsync serve` process."""
+    """One `weightsync serve` process, tied to this one (it stops when we do, however we end)."""
+
+    ANNOUNCEMENT = "weightsync serve: http://"
 
     def __init__(self, index: int, model_dir: Path, engine: str, timeout: float) -> None:
         self.index = index
+        self.timeout = timeout
         command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model_dir)]
-        command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout)]
-        env = os.environ | {"OMP_NUM_THREADS": "1"}
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-        line = first_line_with(self.process, "weightsync serve: http://", timeout)
+        command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout), "--log-level", "warning"]
+        quiet = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
+        self.child = ChildProcess(command, env=quiet | os.environ | {"OMP_NUM_THREADS": "1"})
+        self.url = self.address = ""
+        self.client: httpx.Client | None = None
+
+    def wait_ready(self) -> None:
+        """Wait for the server's announcement (its URL and receiver address).
+
+        Raises:
+            ResourceError: it exited or did not announce itself within the timeout.
+        """
+        if self.client is not None:
+            return
+        line = self.child.wait_for_line(self.ANNOUNCEMENT, self.timeout)
         if line is None:
-            self.process.kill()
-            self.process.wait(10)
-            raise ResourceError(f"rollout server {index} did not start listening within {timeout} s")
+            raise ResourceError(self.child.why_not_started(f"rollout server {self.index}", self.timeout))
         fields = line.split()
         self.url, self.address = fields[2], fields[4]
         token = resolve_token(None)  # the servers inherit $WEIGHTSYNC_AUTH_TOKEN, if set
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.client = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+        self.client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=headers)
 
     def complete(self, request: Request, prompts: list[tuple[int, list[int]]]) -> list[Sample]:
+        if self.client is None:
+            raise ResourceError(f"rollout server {self.index} has not started")
         body = {
             "prompt": [p for _, p in prompts],
             "n": request.group,
@@ -142,21 +154,15 @@ class _Server:
         return samples
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.child.alive()
 
     def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
+        self.child.kill()
 
     def close(self) -> None:
-        self.client.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.process.stdout.close()  # type: ignore[union-attr]
+        if self.client is not None:
+            self.client.close()
+        self.child.close()
 
 
 class ServerFleet:
@@ -172,16 +178,28 @@ class ServerFleet:
 
     def __init__(self, model_dir: Path, size: int, engine: str, timeout: float, restart: bool = True) -> None:
         self._model_dir, self._engine, self._timeout, self._restart = model_dir, engine, timeout, restart
-        with ThreadPoolExecutor(size) as pool:
-            self.servers = list(pool.map(lambda i: _Server(i, model_dir, engine, timeout), range(size)))
+        self._lock = threading.RLock()  # generation (a background thread) and pushes both drop servers
+        self._closed = False
         self.joining: list[_Server] = []
         """Restarted servers: they get the current weights at the next push, then serve."""
         self.events: list[str] = []
-        self._lock = threading.RLock()  # generation (a background thread) and pushes both drop servers
+        self.servers: list[_Server] = []
+        try:
+            for index in range(size):  # every server starts at once; then wait for each
+                self.servers.append(_Server(index, model_dir, engine, timeout))
+            for server in self.servers:
+                server.wait_ready()
+        except BaseException:
+            self.close()
+            raise
 
     def addresses(self) -> list[str]:
+        """Every server's receiver address; waits for restarted servers to announce theirs."""
         with self._lock:
-            return [server.address for server in self.servers + self.joining]
+            servers = self.servers + self.joining
+        for server in servers:  # outside the lock: a start-up wait must not hold up close()
+            server.wait_ready()
+        return [server.address for server in servers]
 
     def generate(self, request: Request) -> list[Sample]:
         """Spread the prompts over the live servers; a server that fails is dropped and its
@@ -190,6 +208,8 @@ class ServerFleet:
         samples: list[Sample] = []
         while todo:
             with self._lock:
+                if self._closed:
+                    raise ResourceError("the rollout servers were stopped")
                 live = [server for server in self.servers if server.alive()]
             if not live:
                 raise ResourceError("every rollout server is down")
@@ -213,13 +233,14 @@ class ServerFleet:
         try:
             return server.complete(request, share)
         except httpx.HTTPError as exc:
-            log.warning("rollout server %d failed: %s", server.index, exc)
+            if not self._closed:  # stopping the fleet fails requests in flight: not news
+                log.warning("rollout server %d failed: %s", server.index, exc)
             return None
 
     def drop(self, server: _Server, why: str) -> None:
         """Take `server` out of the fleet; start a replacement if restarting is on."""
         with self._lock:
-            if server not in self.servers:
+            if self._closed or server not in self.servers:
                 return
             self.servers.remove(server)
             server.close()
@@ -252,12 +273,18 @@ class ServerFleet:
         for server in self.servers:
             if server.index == index:
                 server.kill()
+                self.events.append(f"server {index} killed (SIGKILL)")
 
     def __iter__(self) -> Iterator[_Server]:
         with self._lock:
             return iter(list(self.servers))
 
     def close(self) -> None:
+        """Stop every server (each waits at most `STOP_TIMEOUT_S`, then is killed)."""
         with self._lock:
-            for server in self.servers + self.joining:
-                server.close()
+            self._closed = True
+            servers = self.servers + self.joining
+        for server in servers:  # all at once, then reap each
+            server.child.stop()
+        for server in servers:
+            server.close()

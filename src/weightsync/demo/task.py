@@ -66,9 +66,11 @@ def save_char_tokenizer(path: Path, vocab: dict[str, int]) -> None:
 
 
 def build_policy(path: Path, seed: int = 0) -> PreTrainedModel:
-    """A tiny Qwen2-shaped causal LM from a config (no download), saved with its tokenizer.
+    """A tiny Qwen2-shaped causal LM from a config (no download), random weights from `seed`.
 
-    head_dim 32 keeps it loadable by vLLM's CPU backend too.
+    `path` gets its config and tokenizer, what a rollout server starting on dummy weights needs;
+    no weights: `save_policy` writes the trained ones at the end of a run. head_dim 32 keeps it
+    loadable by vLLM's CPU backend too (it has no kernel for 16).
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -85,9 +87,28 @@ def build_policy(path: Path, seed: int = 0) -> PreTrainedModel:
         eos_token_id=EOS_ID,
         pad_token_id=VOCAB["<pad>"],
         bos_token_id=None,
+        dtype="float32",  # named in config.json: the servers build this dtype, the one the trainer pushes
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "model.safetensors").unlink(missing_ok=True)  # an earlier run's weights are not this policy's
+    model.config.save_pretrained(path)
+    model.generation_config.save_pretrained(path)
     save_tokenizer(path)
     return model
+
+
+def save_policy(model: PreTrainedModel, path: Path) -> None:
+    """The policy's weights (safetensors), config and tokenizer at `path`: a checkpoint that
+    `weightsync serve`, `push` and `digest` take as they are."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one tiny shard: a progress bar is only noise
+    try:
+        model.save_pretrained(path)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    save_tokenizer(path)

@@ -62,6 +62,15 @@ class Engine(ABC):
 
     name: str = ""
 
+    @classmethod  # noqa: B027 (optional hook: an engine that imports nothing late need not override)
+    def preload(cls, model_dir: str) -> None:
+        """Import what building this engine for `model_dir` will import, without building it.
+
+        `weightsync serve` calls it before its port listens and builds the engine on a thread
+        afterwards: an import holds the interpreter for long stretches, and /health must answer
+        meanwhile.
+        """
+
     @abstractmethod
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Start generating for a request; tokens come out of later `step()` calls."""

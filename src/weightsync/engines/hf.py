@@ -7,6 +7,7 @@ which the sink writes in place (the server holds no second copy).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from pathlib import Path
@@ -76,6 +77,16 @@ class HFEngine(Engine):
         """Longest prompt + completion: the model's context (its max_position_embeddings)."""
         self._requests: dict[str, _Request] = {}
         self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True), staged=staged)
+
+    @classmethod
+    def preload(cls, model_dir: str) -> None:
+        from transformers import AutoConfig
+        from transformers.initialization import no_init_weights  # noqa: F401
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = AutoConfig.from_pretrained(model_dir)
+        with contextlib.suppress(KeyError, ValueError):  # an unknown model fails in the build, with its reason
+            MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the model's modeling module
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         check_request(

@@ -13,6 +13,7 @@ that thread is parked, with no RPC and no second copy of any tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,6 +35,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 """KV cache the engine reserves unless told otherwise (vLLM on CPU would take most of RAM)."""
+
+PRELOADED_MODULES = (
+    "vllm.engine.arg_utils",
+    "vllm.v1.engine.llm_engine",
+    "vllm.v1.engine.core",
+    "vllm.v1.executor.uniproc_executor",
+    "vllm.model_executor.model_loader",
+)
+"""What building the engine imports on its way, imported by `preload` before the server listens."""
 
 
 class VLLMEngine(Engine):
@@ -101,6 +111,22 @@ class VLLMEngine(Engine):
         self._threads_set_for: int | None = None
         self._loader = ReloadSink(self.layout, self._reload, self._after_reload, self._set_dirty, load_timeout)
         self._sink: WeightSink = StagedSink(self._loader) if staged else self._loader
+
+    @classmethod
+    def preload(cls, model_dir: str) -> None:
+        import importlib
+        import importlib.metadata
+
+        from vllm.model_executor.models import ModelRegistry
+
+        for name in PRELOADED_MODULES:
+            importlib.import_module(name)
+        importlib.metadata.entry_points()  # vLLM scans them for plugins; cached from now on
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        for architecture in config.get("architectures") or []:  # the model's module, as the build imports it
+            model_module = getattr(ModelRegistry.models.get(architecture), "module_name", None)
+            with contextlib.suppress(Exception):  # an unsupported model fails in the build, with vLLM's reason
+                importlib.import_module(model_module or "")
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
@@ -25,17 +26,28 @@ from fastapi.responses import JSONResponse, Response
 
 from weightsync.engines.base import SamplingParams
 from weightsync.errors import RequestError
+from weightsync.server.body_limit import BodyLimit
 from weightsync.server.loop import PAUSE_MODES, TokenEvent
 from weightsync.server.runtime import RolloutServer
 from weightsync.server.schemas import Choice, CompletionRequest, CompletionResponse, Logprobs, Usage
+from weightsync.server.startup import Startup
 
 __all__ = ["create_app"]
 
 GATE_POLL_S = 0.02
 
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+"""OpenAI-style error types by HTTP status; anything else is a "server_error"."""
 
-def error(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+log = logging.getLogger(__name__)
+
+
+def error(status: int, message: str, kind: str, state: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body (plain message, type, code); a 503 also names the server's state."""
+    body: dict[str, Any] = {"error": {"message": message, "type": kind, "code": status}}
+    if state is not None:
+        body["state"] = state
+    return JSONResponse(body, status_code=status)
 
 
 def bearer(token: str | None) -> Callable[[Request], None]:
@@ -52,62 +64,95 @@ def bearer(token: str | None) -> Callable[[Request], None]:
     return check
 
 
-def create_app(server: RolloutServer) -> FastAPI:
-    """The FastAPI app serving `server`."""
-    token = server.config.auth_token
-    control = [Depends(bearer(token))]
-    generation = [] if server.config.allow_unauthenticated_generation else control
+def create_app(target: RolloutServer | Startup) -> FastAPI:
+    """The FastAPI app serving `target`: a server that is up, or one starting (then every
+    endpoint answers 503 naming the state until it is up)."""
+    startup = target if isinstance(target, Startup) else Startup.of(target)
+    config = startup.config
+    control = [Depends(bearer(config.auth_token))]
+    generation = [] if config.allow_unauthenticated_generation else control
     app = FastAPI(title="weightsync rollout server")
+    app.add_middleware(BodyLimit, limit=config.request_limit, hint=" (weightsync serve --max-request-bytes)")
     counter = itertools.count()
+
+    def serving() -> RolloutServer:
+        server = startup.server
+        if server is None:  # starting, or could not start: say which
+            now = startup.health()
+            raise HTTPException(503, {"message": now.reason, "state": now.state})
+        return server
+
+    ready = Depends(serving)
 
     @app.exception_handler(HTTPException)
     async def refused(request: Request, exc: HTTPException) -> JSONResponse:
+        if isinstance(exc.detail, dict):  # 503 from `serving`
+            detail: dict[str, str] = exc.detail
+            return error(exc.status_code, detail["message"], "service_unavailable", state=detail["state"])
         return error(exc.status_code, str(exc.detail), "authentication_error")
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(400, str(exc.errors()), "invalid_request_error")
+        return error(400, plain(exc.errors()), "invalid_request_error")
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        ok, reason = server.health()
-        body = {"status": "ok" if ok else "unavailable", "version": server.version, "state": server.state()}
-        if not ok:
-            body["reason"] = reason
-        return JSONResponse(body, status_code=200 if ok else 503)
+        now = startup.health()
+        version = startup.server.version if startup.server is not None else None
+        body = {"status": "ok" if now.ok else "unavailable", "version": version, "state": now.state}
+        if not now.ok:
+            body["reason"] = now.reason
+        return JSONResponse(body, status_code=200 if now.ok else 503)
 
     @app.get("/weight_info", dependencies=control)
-    async def weight_info() -> dict[str, Any]:
+    async def weight_info(server: RolloutServer = ready) -> dict[str, Any]:
         return server.weight_info()
 
     @app.get("/v1/models", dependencies=generation)
-    async def models() -> dict[str, Any]:
-        card = {"id": server.config.model_name, "object": "model", "owned_by": "weightsync"}
+    async def models(server: RolloutServer = ready) -> dict[str, Any]:
+        card = {"id": config.model_name, "object": "model", "owned_by": "weightsync"}
         return {"object": "list", "data": [card | {"weight_version": server.version}]}
 
     @app.post("/pause", dependencies=control)
-    async def pause(mode: str = Query("wait"), timeout: float = Query(60.0, gt=0, le=86400)) -> JSONResponse:
+    async def pause(
+        server: RolloutServer = ready, mode: str = Query("wait"), timeout: float = Query(60.0, gt=0, le=86400)
+    ) -> JSONResponse:
         if mode not in PAUSE_MODES:
             return error(400, f"mode must be wait, abort or keep; got {mode!r}", "invalid_request_error")
         parked = await asyncio.to_thread(server.pause, mode, timeout)
         return JSONResponse({"paused": True, "parked": parked, "mode": mode})
 
     @app.post("/resume", dependencies=control)
-    async def resume() -> dict[str, Any]:
+    async def resume(server: RolloutServer = ready) -> dict[str, Any]:
         server.resume()
         return {"paused": bool(server.loop.paused_by)}
 
     @app.get("/metrics", dependencies=control)
-    async def metrics() -> Response:
+    async def metrics(server: RolloutServer = ready) -> Response:
         return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions", dependencies=generation)
-    async def completions(body: CompletionRequest) -> JSONResponse:
-        response = await complete(server, body, f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}")
+    async def completions(body: CompletionRequest, server: RolloutServer = ready) -> JSONResponse:
+        try:
+            response = await complete(server, body, f"cmpl-{uuid.uuid4().hex[:12]}-{next(counter)}")
+        except Exception as exc:  # never a bare "Internal Server Error": say what failed, and count it
+            log.exception("completion request failed")
+            response = error(500, f"the server failed: {type(exc).__name__}: {exc}", "server_error")
         server.metrics.requests.labels(str(response.status_code)).inc()
         return response
 
     return app
+
+
+def plain(errors: Sequence[Any]) -> str:
+    """pydantic's validation errors as one plain message: "field: what is wrong; ...", one
+    message per field (a union type reports every alternative; the first says enough)."""
+    messages: dict[str, str] = {}
+    for item in errors:
+        location = [str(part) for part in item.get("loc", ()) if part != "body"]
+        field = location[0] if location else "body"
+        messages.setdefault(field, str(item.get("msg", "invalid")).removeprefix("Value error, "))
+    return "; ".join(f"{field}: {message}" for field, message in messages.items()) or "invalid request"
 
 
 async def complete(server: RolloutServer, body: CompletionRequest, request_id: str) -> JSONResponse:
@@ -117,13 +162,20 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
         return error(400, "top_p other than 1 is not supported", "invalid_request_error")
     if body.model is not None and body.model != server.config.model_name:
         return error(404, f"model {body.model!r} is not served here; this is {server.config.model_name!r}", "not_found")
-    try:
-        prompts = tokenize(server, body.prompt)
+    if server.tokenizer is None and (body.stop or has_text(body.prompt)):
+        return error(
+            400,
+            f"text prompts and stop strings need a tokenizer: {server.no_tokenizer}; send prompts as token ids",
+            "invalid_request_error",
+        )
+    try:  # off the event loop: a long text takes a while, and /health must answer meanwhile
+        prompts = await asyncio.to_thread(tokenize, server, body.prompt)
     except ValueError as exc:  # a RequestError, or the tokenizer refusing the text
         return error(400, str(exc), "invalid_request_error")
     if not await wait_at_gate(server):
-        _, reason = server.health()
-        return error(503, f"not serving after {server.config.ready_timeout} s: {reason}", "service_unavailable")
+        now = server.health()
+        message = f"not serving after {server.config.ready_timeout} s: {now.reason}"
+        return error(503, message, "service_unavailable", state=now.state)
     queues = submit(server, body, prompts, request_id)
     stop = cast(list[str] | None, body.stop)  # the request's validator made a lone string a list
     try:
@@ -133,11 +185,15 @@ async def complete(server: RolloutServer, body: CompletionRequest, request_id: s
     finally:  # the client went away or we failed: stop generating for it
         for index in range(len(queues)):
             server.loop.cancel(f"{request_id}-{index}")
-    failed = [c.finish_reason for c in collected if (c.finish_reason or "").startswith("error")]
-    if failed:
-        return error(400, failed[0] or "", "invalid_request_error")
+    failed = next((c for c in collected if c.error is not None), None)
+    if failed is not None:  # never a 200 without output: the engine's error, with its status
+        return error(failed.error_status, failed.error or "", ERROR_TYPES.get(failed.error_status, "server_error"))
     choices = [c.choice(index, body.logprobs is not None) for index, c in enumerate(collected)]
     return JSONResponse(response(server, request_id, choices, prompts, body.n).model_dump(exclude_none=True))
+
+
+def has_text(prompt: Any) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and any(isinstance(p, str) for p in prompt))
 
 
 def tokenize(server: RolloutServer, prompt: Any) -> list[list[int]]:
@@ -215,6 +271,8 @@ class Collected:
         self.last_version: int | None = None
         self.text_end: int | None = None
         """Where a stop string cut the text, once one was generated."""
+        self.error: str | None = None
+        self.error_status = 500
 
     @property
     def done(self) -> bool:
@@ -228,6 +286,8 @@ class Collected:
         self.top_logprobs += event.top_logprobs or []
         self.last_version = event.version
         self.finish_reason = event.finish_reason
+        if event.error is not None:
+            self.error, self.error_status = event.error, event.error_status
         if self.stop and event.token_ids:
             text = self.text()
             found = [at for at in (text.find(stop) for stop in self.stop) if at >= 0]
@@ -235,14 +295,19 @@ class Collected:
                 self.text_end, self.finish_reason = min(found), "stop"
 
     def text(self) -> str:
+        if self.tokenizer is None:  # a model without a tokenizer: token ids only
+            return ""
         return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)[: self.text_end]
+
+    def piece(self, token: int) -> str:
+        return str(token) if self.tokenizer is None else str(self.tokenizer.decode([token]))
 
     def choice(self, index: int, with_logprobs: bool) -> Choice:
         logprobs = None
         if with_logprobs:
-            pieces = [self.tokenizer.decode([t]) for t in self.token_ids]
+            pieces = [self.piece(t) for t in self.token_ids]
             offsets = list(itertools.accumulate((len(p) for p in pieces), initial=0))[:-1]
-            top = [{self.tokenizer.decode([t]): lp for t, lp in one.items()} for one in self.top_logprobs]
+            top = [{self.piece(t): lp for t, lp in one.items()} for one in self.top_logprobs]
             logprobs = Logprobs(
                 tokens=pieces, token_logprobs=self.logprobs, top_logprobs=top or None, text_offset=offsets
             )

@@ -11,10 +11,16 @@ same for every engine, in three modes (as vLLM's `pause_generation`):
 
 A pause has an owner ("user" for /pause, "sync" for a weight sync); the loop steps again only
 when every owner has resumed. Every token event carries the weight version it was produced with.
+
+A request that fails ends with an event that says so (`error`, and the HTTP status it maps to:
+400 for a request the engine refuses, 503 while the weights are not servable, 500 for an engine
+that failed). A step that raises ends every request in it that way and counts as a failure;
+`failed_steps` (consecutive) turns the server unhealthy, and the next good step clears it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -24,7 +30,7 @@ from types import EllipsisType
 from typing import Literal
 
 from weightsync.engines.base import Engine, SamplingParams, StepOutput
-from weightsync.errors import ConfigError, ResourceError
+from weightsync.errors import ConfigError, RequestError, ResourceError, SinkError
 
 __all__ = ["PAUSE_MODES", "EngineLoop", "PauseMode", "TokenEvent"]
 
@@ -45,6 +51,17 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     top_logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    """Why the request failed (it is finished, with no output): never a finish_reason."""
+    error_status: int = 500
+    """The HTTP status `error` maps to: 400 refused, 503 weights not servable, 500 engine failure."""
+
+
+def failure(exc: BaseException, version: int | None) -> TokenEvent:
+    """The event that ends a request the engine refused or failed on."""
+    status = 400 if isinstance(exc, RequestError) else 503 if isinstance(exc, SinkError) else 500
+    message = str(exc) if status == 400 else f"the engine failed: {exc}"
+    return TokenEvent([], None, version, True, "error", error=message, error_status=status)
 
 
 Deliver = Callable[[TokenEvent], None]
@@ -64,11 +81,22 @@ class EngineLoop:
     Args:
         engine: the engine; nothing else may call it once the loop is started.
         version: the weight version the engine holds at start (None: nothing servable yet).
+        on_failure: called from the loop thread with each exception a step raised.
     """
 
-    def __init__(self, engine: Engine, version: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        version: int | None = None,
+        on_failure: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.engine = engine
         self._version = version
+        self._on_failure = on_failure
+        self.failed_steps = 0
+        """Steps that raised since the last one that did not."""
+        self.last_failure = ""
+        """The last step's error, while `failed_steps` > 0."""
         self._cond = threading.Condition()
         self._pending: deque[_Submission] = deque()
         self._active: dict[str, _Submission] = {}
@@ -179,11 +207,10 @@ class EngineLoop:
                 version = self._version
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # a failing step must not kill the server: end its requests
-                log.exception("engine step failed")
-                with self._cond:
-                    self._abort_active(f"engine step failed: {exc}")
+            except Exception as exc:  # a failing step must not kill the server: fail its requests
+                self._step_failed(exc)
                 continue
+            self.failed_steps, self.last_failure = 0, ""
             for output in outputs:
                 self._dispatch(output, version)
 
@@ -210,9 +237,22 @@ class EngineLoop:
             self.engine.add_request(submission.request_id, submission.prompt_token_ids, submission.params)
         except Exception as exc:
             log.warning("engine refused request %s: %s", submission.request_id, exc)
-            submission.deliver(TokenEvent([], None, self._version, True, f"error: {exc}"))
+            submission.deliver(failure(exc, self._version))
             return
         self._active[submission.request_id] = submission
+
+    def _step_failed(self, exc: Exception) -> None:
+        log.error("engine step failed: %s", exc, exc_info=exc)
+        self.failed_steps += 1
+        self.last_failure = str(exc)
+        if self._on_failure is not None:
+            self._on_failure(exc)
+        with self._cond:
+            for request_id, submission in list(self._active.items()):
+                del self._active[request_id]
+                with contextlib.suppress(Exception):  # a failing engine: its requests end here either way
+                    self.engine.abort(request_id)
+                submission.deliver(failure(exc, self._version))
 
     def _apply_cancels(self) -> None:
         for request_id in list(self._cancelled):

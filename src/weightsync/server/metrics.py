@@ -36,6 +36,9 @@ class ServerMetrics:
             "weightsync_requests_waiting_at_gate", "Requests waiting for the first committed version", registry=r
         )
         self.requests = Counter("weightsync_requests", "Completion requests, by HTTP status", ["status"], registry=r)
+        self.engine_failures = Counter(
+            "weightsync_engine_failures", "Engine steps that raised (their requests got a 500)", registry=r
+        )
         self.version.set(-1)
 
     def observe_times(self, times: SyncTimes) -> None:

@@ -1,42 +1,158 @@
-"""Child processes that announce themselves on stdout (`weightsync serve` prints its URL): read
-that line with a deadline, and keep draining the pipe after it so the child never blocks."""
+"""Child `weightsync` processes (the demo's rollout servers) that never outlive their parent.
+
+However the parent ends (it returns, crashes, is sent SIGTERM or SIGINT, or is killed with
+SIGKILL), no child is left behind:
+
+- the parent stops its children itself on every way out it sees (`ChildProcess.close`);
+- for the ways it cannot see (SIGKILL, an interpreter crash), each child holds the read end of a
+  pipe whose only write end is the parent's (its number is in $WEIGHTSYNC_PARENT_FD). When the
+  parent is gone, the kernel closes that end, the child reads EOF and stops itself
+  (`exit_with_parent`, armed by the `weightsync` command);
+- each child runs in its own session, so a terminal's Ctrl-C reaches the parent only, which
+  then stops its children quietly instead of every process printing its own interruption.
+
+Linux's PR_SET_PDEATHSIG would not do: it fires when the *thread* that forked the child exits,
+not the process, and parents start children from pool threads.
+
+A child announces itself on stdout (`weightsync serve` prints its URL): `wait_for_line` reads
+that line with a deadline, and a reader thread keeps draining the pipe after it so the child
+never blocks on a full pipe.
+"""
 
 from __future__ import annotations
 
+import logging
+import os
 import queue
+import signal
 import subprocess
 import threading
 import time
 
-__all__ = ["first_line_with"]
+__all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent"]
+
+log = logging.getLogger(__name__)
+
+PARENT_FD_ENV = "WEIGHTSYNC_PARENT_FD"
+"""The pipe end a child watches for its parent's death (set by `ChildProcess`)."""
+
+PARENT_GONE_GRACE_S = 5.0
+"""Seconds a child whose parent died has to stop cleanly after SIGTERM before it exits anyway."""
+
+STOP_TIMEOUT_S = 10.0
+"""Seconds `ChildProcess.close` waits for the child to stop, before SIGKILL."""
 
 
-def first_line_with(process: subprocess.Popen[str], prefix: str, timeout: float) -> str | None:
-    """The first stdout line of `process` starting with `prefix`, or None if none comes within
-    `timeout` s or the process exits. The reader thread keeps draining stdout afterwards (engines
-    may log there), so the pipe never fills."""
-    lines: queue.Queue[str | None] = queue.Queue()
+class ChildProcess:
+    """`command` (a `weightsync` command line) in a child process tied to this one.
 
-    def read() -> None:
-        found = False
+    Args:
+        command: the argv to run.
+        env: its environment (default: this process's).
+    """
+
+    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+        read_fd, self._lifeline = os.pipe()  # both ends non-inheritable: only the child gets read_fd
         try:
-            for line in process.stdout:  # type: ignore[union-attr]
-                if not found:  # after our line, only drain
-                    lines.put(line)
-                    found = line.startswith(prefix)
+            self.process = subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=(os.environ if env is None else env) | {PARENT_FD_ENV: str(read_fd)},
+                pass_fds=(read_fd,),
+                start_new_session=True,
+            )
+        except BaseException:
+            os.close(self._lifeline)
+            raise
+        finally:
+            os.close(read_fd)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._found = threading.Event()
+        threading.Thread(target=self._read, daemon=True, name="weightsync-child-stdout").start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def wait_for_line(self, prefix: str, timeout: float) -> str | None:
+        """The first stdout line starting with `prefix`, or None if none comes within `timeout`
+        seconds or the process exits first."""
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                return None
+            if line is None:
+                self._lines.put(None)  # later calls see the end too
+                return None
+            if line.startswith(prefix):
+                self._found.set()
+                return line
+        return None
+
+    def why_not_started(self, what: str, timeout: float) -> str:
+        """Why no announcement came: the child's exit status (its own message is on stderr,
+        above), or the wait that ran out."""
+        status = self.process.poll()
+        if status is None:
+            return f"{what} did not start within {timeout} s"
+        return f"{what} exited with status {status} before it started (its error is above)"
+
+    def kill(self) -> None:
+        """SIGKILL, then reap."""
+        if self.alive():
+            self.process.kill()
+        self.process.wait(STOP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """Tell the child to stop, without waiting: its lifeline closes and it gets SIGTERM."""
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        if self.alive():
+            self.process.terminate()
+
+    def close(self) -> None:
+        """Stop the child and reap it; SIGKILL if it is still there after `STOP_TIMEOUT_S`."""
+        self.stop()
+        if self.alive():
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+    def _read(self) -> None:
+        stdout = self.process.stdout
+        try:
+            for line in stdout or ():
+                if not self._found.is_set():  # after the announcement, only drain
+                    self._lines.put(line)
         except (OSError, ValueError):  # stdout closed by `close()` while we read: we are done
             pass
-        lines.put(None)
+        self._lines.put(None)
 
-    threading.Thread(target=read, daemon=True, name="weightsync-child-stdout").start()
-    deadline = time.monotonic() + timeout
-    while (left := deadline - time.monotonic()) > 0:
+
+def exit_with_parent(fd: int, grace_s: float = PARENT_GONE_GRACE_S) -> None:
+    """Stop this process once the parent that holds the other end of pipe `fd` is gone: SIGTERM
+    to ourselves (a server shuts down cleanly), then a hard exit `grace_s` seconds later."""
+
+    def watch() -> None:
         try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            return None
-        if line is None:
-            return None
-        if line.startswith(prefix):
-            return line
-    return None
+            while os.read(fd, 4096):
+                pass
+        except OSError:
+            pass
+        log.info("the parent process is gone (its pipe closed): stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="weightsync-parent-watch").start()

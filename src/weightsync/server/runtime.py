@@ -10,7 +10,7 @@ import dataclasses
 import importlib
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES, Verify
@@ -18,13 +18,25 @@ from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
 from weightsync.options import ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
+from weightsync.server.body_limit import default_max_request_bytes
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
+from weightsync.server.warmup import load_tokenizer, warm_up
 from weightsync.transports import get_transport, serving_transports
 from weightsync.types import SyncTimes
 
-__all__ = ["ENGINES", "EngineName", "RolloutServer", "ServeConfig", "build_engine", "engine_class"]
+__all__ = [
+    "ENGINES",
+    "FAILED_STEPS_UNHEALTHY",
+    "EngineName",
+    "Health",
+    "RolloutServer",
+    "ServeConfig",
+    "ServerState",
+    "build_engine",
+    "engine_class",
+]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +49,23 @@ ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm"}
 
 AUTO_VERSION = 0
 """The version a server started with --load-format auto serves: the checkpoint on disk."""
+
+FAILED_STEPS_UNHEALTHY = 3
+"""Engine steps failing in a row that make /health answer 503 ("failed"), until one succeeds."""
+
+ServerState = Literal["starting", "loading engine", "waiting for weights", "syncing", "ready", "dirty", "failed"]
+"""What /health names: the first two before the engine is up (`weightsync serve` answers from the
+moment its port listens), then the weights' state, or "failed" (the engine fails its steps, or
+failed to start)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Health:
+    """GET /health: 200 when `ok`, else 503 with `reason`."""
+
+    ok: bool
+    state: ServerState
+    reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +92,8 @@ class ServeConfig:
         host: the HTTP interface (checked here; `weightsync serve` binds it).
         staged: land syncs in a standby copy of the weights, and make it live only at commit (hf:
             a storage swap; vLLM: a reload from host memory); the engine serves during the transfer.
+        max_request_bytes: the largest HTTP request body accepted, checked before it is parsed
+            (None: 256 bytes per token of the model's context, at least 1 MiB).
     """
 
     model: str
@@ -81,6 +112,7 @@ class ServeConfig:
     allow_unauthenticated_generation: bool = False
     host: str = "127.0.0.1"
     staged: bool = False
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
@@ -103,6 +135,9 @@ class ServeConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{field} must be a non-negative number of seconds, got {value!r}")
+        limit = self.max_request_bytes
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1024):
+            raise ConfigError(f"max_request_bytes must be an integer of at least 1024, got {limit!r}")
 
     @property
     def receiver_options(self) -> ReceiverOptions:
@@ -118,6 +153,13 @@ class ServeConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
+
+    @property
+    def request_limit(self) -> int:
+        """The largest request body accepted, in bytes."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return default_max_request_bytes(self.model)
 
 
 def engine_class(name: str) -> type[Engine]:
@@ -135,7 +177,7 @@ def engine_class(name: str) -> type[Engine]:
     except (ImportError, RuntimeError) as exc:  # RuntimeError: a vLLM build that does not match torch
         hint = "run scripts/install-vllm.sh (vLLM's CPU build; pip install vllm on a GPU host)"
         if name != "vllm":
-            hint = "pip install 'weightsync[hf]'"
+            hint = "pip install -e '.[hf]' in your weightsync checkout"
         raise ConfigError(f"engine {name!r} is not available here ({exc}); {hint}") from exc
     cls: type[Engine] = getattr(module, class_name)
     return cls
@@ -152,14 +194,20 @@ class RolloutServer:
     """Engine + loop + receiver of one server; the HTTP app (`create_app`) reads from it."""
 
     def __init__(self, config: ServeConfig, engine: Engine | None = None) -> None:
-        from transformers import AutoTokenizer
-
         self.config = config
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer, self.no_tokenizer = load_tokenizer(config.model)
+        """The model's tokenizer, or None and why: then text prompts are refused (token ids work)."""
+        if self.tokenizer is None:
+            log.warning("%s: text prompts will be refused; prompts of token ids are served", self.no_tokenizer)
         self.engine = engine or build_engine(config.engine, config.model, config.load_format, config.staged)
+        try:
+            warm_up(self.engine, config.model)
+        except BaseException:
+            self.engine.close()
+            raise
         self.metrics = ServerMetrics()
         initial = AUTO_VERSION if config.load_format == "auto" else None
-        self.loop = EngineLoop(self.engine, version=initial)
+        self.loop = EngineLoop(self.engine, version=initial, on_failure=self._engine_failed)
         if initial is not None:
             self.metrics.version.set(initial)
         self.sink = ServerSink(
@@ -189,16 +237,24 @@ class RolloutServer:
             return "ready"
         return state
 
-    def health(self) -> tuple[bool, str]:
-        """(serving?, why not): ready once a version is committed and intact."""
+    def health(self) -> Health:
+        """Serving or not, in which state, and why not: serving once a version is committed and
+        intact, and while the engine does not fail step after step."""
         state = self.state()
+        if self.loop.failed_steps >= FAILED_STEPS_UNHEALTHY:
+            reason = f"the engine failed its last {self.loop.failed_steps} steps: {self.loop.last_failure}"
+            return Health(False, "failed", reason)
         if state == "dirty":
-            return False, f"weights are dirty: {self.receiver.last_error}; push a new version"
+            return Health(False, "dirty", f"weights are dirty: {self.receiver.last_error}; push a new version")
         if self.loop.version is None:
             if state == "syncing":
-                return False, "the first weight sync is in progress"
-            return False, "no weights committed yet (started with --load-format dummy): push weights first"
-        return True, ""
+                return Health(False, "syncing", "the first weight sync is in progress")
+            reason = "no weights committed yet (started with --load-format dummy): push weights first"
+            return Health(False, "waiting for weights", reason)
+        return Health(True, "syncing" if state == "syncing" else "ready")
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        self.metrics.engine_failures.inc()
 
     def weight_info(self) -> dict[str, object]:
         return {

@@ -7,11 +7,15 @@ commit  the engine's sink commits, the loop switches to the new version and resu
 abort   told by the receiver whether the served weights are intact: intact weights resume the
         previous version; dirty ones (live weights partly written) stop serving until the next
         good sync
+
+Every sync is one line in the server's log (version, bytes, seconds, outcome), and so is every
+push the engine refuses, with its reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import torch
@@ -23,6 +27,8 @@ from weightsync.sink import WeightSink
 from weightsync.types import Plan
 
 __all__ = ["ServerSink", "SyncStats"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -128,9 +134,19 @@ class ServerSink(WeightSink):
 
     def begin(self, plan: Plan, version: int) -> None:
         self._paused_s = 0.0
-        self.inner.begin(plan, version)
-        if not self.staged:
-            self._park(version)
+        try:
+            self.inner.begin(plan, version)
+            if not self.staged:
+                self._park(version)
+        except Exception as exc:
+            log.warning(
+                "push of version %d refused (%d bytes, %d tensors): %s",
+                version,
+                plan.total_bytes,
+                len(plan.tensors),
+                exc,
+            )
+            raise
         self._started = time.perf_counter()
         self.stats = SyncStats(
             version,
@@ -161,6 +177,13 @@ class ServerSink(WeightSink):
         self.metrics.version.set(version)
         self.metrics.sync_in_progress.set(0)
         self.loop.resume("sync", version)
+        log.info(
+            "sync of version %d committed: %d bytes in %.3f s (%.2f GB/s)",
+            version,
+            self.stats.total_bytes,
+            self.stats.seconds,
+            self.stats.gbps,
+        )
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         try:
@@ -178,3 +201,11 @@ class ServerSink(WeightSink):
                 self.loop.invalidate("sync")
             else:
                 self.loop.resume("sync")
+            log.warning(
+                "sync of version %d failed after %.3f s (%d bytes planned); %s: %s",
+                version,
+                self.stats.seconds,
+                self.stats.total_bytes,
+                "the served weights are dirty until the next good sync" if self._dirty else "still serving",
+                error,
+            )

@@ -78,6 +78,8 @@ class ShmRing:
         self.slot_bytes = slot_bytes
         self._maps: list[mmap.mmap] = []
         self._unlinker = weakref.finalize(self, _unlink, list(self.names))
+        self.pinned: bool | None = None
+        """Page-locked for CUDA: None until CUDA tensors are packed, then whether it worked."""
         try:
             for name in self.names:
                 self._maps.append(self._create(name, slot_bytes))
@@ -85,8 +87,6 @@ class ShmRing:
             self.close()
             raise
         self.slots = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
-        self.pinned: bool | None = None
-        """Page-locked for CUDA: None until CUDA tensors are packed, then whether it worked."""
 
     def pin(self) -> None:
         """Page-lock the slots, so that CUDA tensors are packed into them by DMA."""

@@ -1,0 +1,153 @@
+"""What a demo run leaves: the trained policy (not the initial one) as a checkpoint that the
+README's next exercise serves, pushes and checks, run here as the README writes it; a plot that
+names the engine, the mode and the payload and marks kill and restart events."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from weightsync.demo import task
+from weightsync.demo.loop import DemoConfig, run
+from weightsync.demo.report import event_marks, plot, title
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A short colocated run: its directory, and the trainer's weights after the last step."""
+    out = tmp_path_factory.mktemp("demo")
+    final: dict[str, torch.Tensor] = {}
+
+    def keep(record: dict[str, Any], model: torch.nn.Module, rollouts: Any) -> None:
+        final.update({name: t.detach().clone() for name, t in model.state_dict().items()})
+
+    run(DemoConfig(mode="colocated", steps=4, out=out, progress=False), on_step=keep)
+    return out, final
+
+
+def test_the_run_saves_the_trained_policy(trained) -> None:
+    out, final = trained
+    saved = load_file(out / "policy" / "model.safetensors")
+    initial = task.build_policy(out / "initial", seed=0).state_dict()
+    assert saved and set(saved) <= set(final)
+    assert all(torch.equal(saved[name], final[name]) for name in saved)
+    assert any(not torch.equal(saved[name], initial[name]) for name in saved), "the initial weights were saved"
+
+
+def readme_exercise() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Next: serve the policy you trained") :]
+    block = section[section.index("```\n") + 4 :]
+    return block[: block.index("```")].strip().splitlines()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_the_readme_exercise_serves_pushes_and_checks_the_trained_policy(trained, tmp_path) -> None:
+    out, _ = trained
+    port = free_port()
+    command = tmp_path / "bin" / "weightsync"  # this test's interpreter stands in for .venv's
+    command.parent.mkdir()
+    command.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m weightsync "$@"\n')
+    command.chmod(0o755)
+    lines = ["trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]  # a failing step leaves no server behind
+    for line in readme_exercise():
+        if line.startswith("source .venv/bin/activate"):
+            line = f'export PATH="{command.parent}:$PATH"'
+        line = line.replace("runs/demo/policy", str(out / "policy")).replace("8000", str(port))
+        lines.append(line)
+        if line.startswith("weightsync serve"):  # the README says: wait for its announcement
+            lines.append(
+                f"until curl -s http://127.0.0.1:{port}/health | grep -q 'waiting for weights'; do sleep 0.2; done"
+            )
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", "\n".join(lines)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=os.environ | {"PYTHONPATH": str(ROOT / "src")},
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr[-2000:])
+    assert "version 1: committed on 1 of 1 servers" in done.stdout, done.stdout
+    assert re.search(r"version 1 [0-9a-f]{32} match", done.stdout), done.stdout
+    assert re.search(r'"token_ids":\[\d+,\d+,\d+,\d+\]', done.stdout), done.stdout
+
+
+RECORDS = [
+    {"step": 0, "reward_mean": 0.1, "sync_seconds": 0.01, "sync_bytes": 300800, "events": []},
+    {
+        "step": 1,
+        "reward_mean": 0.2,
+        "sync_seconds": 0.01,
+        "sync_bytes": 300800,
+        "events": [
+            "server 0 killed (SIGKILL)",
+            "server 0 died; continuing on 1",
+            "server 0 restarted; it serves after the next push",
+        ],
+    },
+    {
+        "step": 2,
+        "reward_mean": 0.3,
+        "sync_seconds": 0.01,
+        "sync_bytes": 300800,
+        "events": ["server 0 rejoined with the current weights"],
+    },
+]
+
+
+def test_the_plot_names_engine_mode_and_payload_and_marks_events(tmp_path) -> None:
+    assert title(RECORDS, "vllm", "disaggregated") == (
+        "weightsync demo: GRPO (disaggregated, vllm engine), 294 KiB pushed after every step"
+    )
+    assert event_marks(RECORDS) == [
+        (1, "server 0 killed (SIGKILL)", "tab:red"),
+        (1, "server 0 died", "tab:red"),
+        (1, "server 0 restarted", "tab:orange"),
+        (2, "server 0 rejoined with the current weights", "tab:green"),
+    ]
+    plot(RECORDS, tmp_path / "plot.png", engine="vllm", mode="disaggregated")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_the_demo_marks_a_killed_server(tmp_path) -> None:
+    """The kill itself is an event of its step (the plot draws it), before the loop notices."""
+    from weightsync.demo.rollouts import ServerFleet
+
+    fleet = ServerFleet.__new__(ServerFleet)
+    fleet.events, fleet.servers = [], []
+
+    class Dead:
+        index = 0
+
+        def kill(self) -> None:
+            pass
+
+    fleet.servers.append(Dead())  # type: ignore[arg-type]
+    fleet.kill(0)
+    assert fleet.events == ["server 0 killed (SIGKILL)"]
+
+
+def test_serve_offers_every_serving_transport() -> None:
+    from weightsync.cli import build_parser
+    from weightsync.transports import serving_transports
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    choices = next(a.choices for a in serve._actions if "--transport" in a.option_strings)
+    assert list(choices) == serving_transports() and "cudaipc" in choices and "inproc" not in choices

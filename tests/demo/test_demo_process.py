@@ -1,0 +1,82 @@
+"""`weightsync demo` as a process: however it ends, its rollout servers end with it.
+
+The signal goes to the demo process alone, not to its process group (a terminal's Ctrl-C
+reaches the whole group, which hid the bug: servers outlived a demo sent SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import wait_until
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+START_S = 180.0
+"""The demo's start-up: imports and two hf servers, on a busy 2-core host."""
+
+GONE_S = 10.0
+
+
+def start_demo(out: Path) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "weightsync", "demo", "--engine", "hf", "--steps", "10000", "--out", str(out)]
+    return subprocess.Popen(
+        [*command, "--no-progress", "--prompts-per-step", "2", "--group", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ | {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def training(out: Path) -> bool:
+    steps = out / "steps.jsonl"
+    return steps.is_file() and steps.read_text().count("\n") >= 1
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.fault(
+    "parent killed: the demo (parent of two `weightsync serve` processes) is signalled alone, mid-run",
+    expected="no server left within 10 s: on SIGTERM/SIGINT the demo stops them and exits quietly (143/130); "
+    "on SIGKILL each server sees its parent's pipe close and stops itself",
+)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["term", "int", "kill"])
+def test_killing_the_demo_alone_leaves_no_server(tmp_path, signum, observe) -> None:
+    demo = start_demo(tmp_path)
+    try:
+        assert wait_until(lambda: training(tmp_path) or demo.poll() is not None, timeout=START_S)
+        assert demo.poll() is None, demo.communicate()[1]
+        servers = psutil.Process(demo.pid).children()
+        assert len(servers) == 2, servers
+        killed = time.monotonic()
+        demo.send_signal(signum)
+        gone = wait_until(lambda: not any(running(s) for s in servers), timeout=GONE_S)
+        seconds = time.monotonic() - killed
+        _, stderr = demo.communicate(timeout=GONE_S)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate()
+    assert gone, f"servers still running {GONE_S} s after {signum.name}: {[s.pid for s in servers if running(s)]}"
+    assert "Traceback" not in stderr, stderr
+    expected = {signal.SIGTERM: 143, signal.SIGINT: 130, signal.SIGKILL: -signal.SIGKILL}[signum]
+    assert demo.returncode == expected, (demo.returncode, stderr)
+    if signum != signal.SIGKILL:
+        assert stderr.strip().splitlines()[-1:] == [
+            "weightsync demo: " + ("terminated" if signum == signal.SIGTERM else "interrupted")
+        ], stderr
+    observe(f"{signum.name}: both servers gone {seconds:.1f} s after the signal; demo exit status {demo.returncode}")

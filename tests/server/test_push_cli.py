@@ -1,0 +1,105 @@
+"""`weightsync push` behaves like `WeightSender.push`: per-server results, the reachable servers
+pushed to, a non-zero status when any failed, each error once and no success line before it;
+`--cast`; and no silent move back to an older version."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.server.conftest import live_server
+from weightsync import cli
+
+DEAD = "http://127.0.0.1:9"
+
+
+def push(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    try:
+        status = cli.main(["push", *argv, "--timeout", "10"])
+    except SystemExit as exc:
+        status = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.fault(
+    "unreachable server in a multi-server push (`weightsync push --to LIVE DEAD`)",
+    expected="the live server commits; the dead one is one line on stderr; the summary comes last and says "
+    "1 of 2; exit status 1; no traceback",
+)
+def test_a_dead_server_does_not_stop_the_push_to_the_others(tiny_models, capsys, observe) -> None:
+    model = tiny_models["qwen2"]
+    with live_server(model) as server:
+        status, out, err = push(capsys, "--model", str(model), "--to", server.url, DEAD)
+        assert status == 1, (out, err)
+        assert server.client.weight_info()["version"] == 1
+        assert len(err.strip().splitlines()) == 1 and err.startswith(f"weightsync push: {DEAD}: "), err
+        assert "Connection refused" in err and "Traceback" not in err
+        lines = out.strip().splitlines()
+        assert lines[0] == f"{server.url}: committed version 1", out
+        assert lines[-1].startswith("version 1: committed on 1 of 2 servers; "), out
+    observe(f"exit 1; stdout `{lines[0]}` then `{lines[-1][:40]}...`; stderr `{err.strip()[:90]}`")
+
+
+def test_a_failed_push_reports_each_server_once_and_fails(tiny_models, capsys) -> None:
+    qwen, llama = tiny_models["qwen2"], tiny_models["llama"]
+    with live_server(qwen) as good, live_server(llama) as other:  # llama's weights do not fit a qwen2 server
+        status, out, err = push(capsys, "--model", str(qwen), "--to", good.url, other.url)
+    assert status == 1
+    failed = err.strip().splitlines()
+    assert len(failed) == 1 and failed[0].startswith(f"weightsync push: {other.url}: PlanError: "), err
+    lines = out.strip().splitlines()
+    assert lines[0] == f"{good.url}: committed version 1" and len(lines) == 2, out
+    assert lines[1].startswith("version 1: committed on 1 of 2 servers"), out
+
+
+def test_an_older_version_needs_allow_older_version(tiny_models, capsys) -> None:
+    model = tiny_models["qwen2"]
+    with live_server(model) as server:
+        assert push(capsys, "--model", str(model), "--to", server.url, "--version", "11")[0] == 0
+        status, out, err = push(capsys, "--model", str(model), "--to", server.url, "--version", "3")
+        assert status == 2 and out == "", (out, err)
+        assert "--version 3 is lower than version 11" in err and "--allow-older-version" in err
+        assert len(err.strip().splitlines()) == 1
+        assert server.client.weight_info()["version"] == 11
+        flags = ("--version", "3", "--allow-older-version")
+        assert push(capsys, "--model", str(model), "--to", server.url, *flags)[0] == 0
+        assert server.client.weight_info()["version"] == 3
+
+
+def test_cast_pushes_a_bfloat16_checkpoint_into_a_float32_server(tiny_models, tmp_path, capsys) -> None:
+    served = tiny_models["qwen2"]  # float32
+    checkpoint = tmp_path / "bf16"
+    checkpoint.mkdir()
+    tensors = load_file(served / "model.safetensors")
+    save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, checkpoint / "model.safetensors")
+    shutil.copy(served / "config.json", checkpoint / "config.json")
+    with live_server(served) as server:
+        status, _, err = push(capsys, "--model", str(checkpoint), "--to", server.url)
+        assert status == 1 and "PlanError" in err and "bfloat16" in err, err
+        status, out, err = push(capsys, "--model", str(checkpoint), "--to", server.url, "--cast", "float32")
+        assert status == 0, err
+        assert server.client.weight_info()["version"] == 1 and "committed on 1 of 1" in out
+
+
+def test_json_lists_unreachable_servers_too(tiny_models, capsys) -> None:
+    import json
+
+    model = tiny_models["qwen2"]
+    with live_server(model) as server:
+        status, out, _ = push(capsys, "--model", str(model), "--to", server.url, DEAD, "--json")
+    report = json.loads(out)
+    assert status == 1 and report["ok"] is False and report["version"] == 1
+    by_url = {o["url"]: o for o in report["outcomes"]}
+    assert by_url[server.url]["committed"] and not by_url[DEAD]["committed"]
+    assert by_url[DEAD]["kind"] == "ServerError" and "Connection refused" in by_url[DEAD]["error"]
+
+
+def test_every_server_unreachable(capsys, tmp_path: Path) -> None:
+    status, out, err = push(capsys, "--model", str(tmp_path), "--to", DEAD, "http://127.0.0.1:1")
+    assert status == 1 and out == ""
+    assert [line.split(": ")[1] for line in err.strip().splitlines()] == [DEAD, "http://127.0.0.1:1"]
