@@ -291,11 +291,13 @@ class WeightReceiver:
     def begin(self, offer: Offer) -> Landing:
         """Check an offered plan and start its sync; the landing site it will go to."""
         if not self._busy.acquire(blocking=False):
+            log.warning("push of version %d refused: busy with another sync", offer.version)
             raise NegotiationError(f"receiver is busy with another sync; version {offer.version} refused")
         try:
             landing = self._begin(offer)
         except BaseException as exc:
             # A refused plan is a failed sync too: say why (state and version stay as they were).
+            log.warning("push of version %d refused: %s", offer.version, exc)
             self._set(last_error=f"sync of version {offer.version} failed: {exc}")
             self._busy.release()
             raise
