@@ -1,0 +1,601 @@
+"""NIXL transport: one-sided writes into each receiver's memory, across hosts (RDMA where the
+hosts have it: InfiniBand, RoCE or EFA, through NIXL's UCX backend).
+
+The conversation travels on a TCP link, as tcp's does; bucket bytes move by NIXL::
+
+    receiver, after Accept:  NixlTarget(agent metadata, in-place sites, ring slots)  ->  loaded
+    sender, bucket k:        WRITE every piece: source bytes -> its site, or slot k % num_slots
+                             wait until the writes completed (NIXL flushes the endpoint: the
+                             bytes are in the receiver's memory), then BucketReady(k, slot, checksum)
+    receiver:                copy the slot's pieces into place, finish bucket k  <-  BucketDone(k)
+
+A piece whose source is a plain host tensor of its wire dtype is written straight from the
+tensor (registered for the bucket, then released); any other (a cast, a non-contiguous or GPU
+tensor) is packed into a registered scratch bucket first. A tensor whose destination is
+contiguous host memory is written in place: the receiver exposes it and never copies its bytes.
+A staged tensor, or one bound for a device, lands through a ring of slots the receiver owns. So a
+plain tensor into an in-place destination costs one copy end to end: the write.
+
+Agents: one per send plane and one per receiving connection, made on first use with NIXL's
+progress thread off (it busy-spins a core) and reused across syncs; each side drives progress
+while it waits, every wait bounded by the sync's timeout. What a receiving agent exposes never
+changes: NIXL refuses to update the keys of memory a peer has loaded, so when the memory to
+expose changes (a new bucket size, a destination replaced), the receiver makes a new agent and
+the sender loads that one instead. Registered memory is released on every path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+import os
+import secrets
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from weightsync.checksum import SyncHashes
+from weightsync.errors import (
+    ConfigError,
+    PeerClosedError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+    WeightSyncError,
+)
+from weightsync.landing import Landing
+from weightsync.pack import BucketItem, pack_bucket, piece_bytes
+from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec, fail_all
+from weightsync.transports.control import SenderChannel, next_message
+from weightsync.transports.links import socket_link
+from weightsync.transports.ring import MAX_SLOTS
+from weightsync.types import BucketDone, BucketReady, NixlTarget, NixlWrites, Plan
+
+__all__ = ["SPEC", "NixlAgent", "NixlReceivePlane", "NixlSendPlane", "live_registrations", "require_nixl"]
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'weightsync[nixl]'"
+
+UCX_PARAMS = {"ucx_error_handling_mode": "none"}
+"""The UCX backend's settings. NIXL's default error handling mode ("peer") has no shared-memory
+transport, so `UCX_TLS=sm,self` fails at agent creation; "none" allows every transport. A dead
+peer still fails its transfer (NIXL reports the disconnect), in either mode."""
+
+PROGRESS_S = 0.0002
+"""How long a waiting receiver sleeps on its control socket between two rounds of NIXL progress:
+writes over UCX's tcp transport land only while the receiver progresses (shared memory and RDMA
+need nothing from it)."""
+
+Region = tuple[int, int]
+"""(address, nbytes) of host memory."""
+
+
+def load_nixl() -> Any:
+    """NIXL's Python API (`nixl._api`), imported on first use; ConfigError when not installed."""
+    try:
+        api = importlib.import_module("nixl._api")
+    except ImportError as exc:
+        raise ConfigError(f"the nixl transport needs NIXL ({exc}): {INSTALL_HINT}") from None
+    # NIXL logs every agent it makes at INFO on stdout, the command line's output stream.
+    nixl_log = logging.getLogger("nixl")
+    if nixl_log.level == logging.INFO:
+        nixl_log.setLevel(logging.WARNING)
+    return api
+
+
+def require_nixl(role: str) -> None:
+    """ConfigError (one line, naming the install command) when NIXL cannot be imported here."""
+    load_nixl()
+
+
+@contextlib.contextmanager
+def nixl_errors(what: str) -> Iterator[None]:
+    """Translate NIXL's exceptions (bindings classes with no common base) at the boundary."""
+    try:
+        yield
+    except WeightSyncError:
+        raise
+    except Exception as exc:
+        cls = PeerClosedError if type(exc).__name__ == "nixlRemoteDisconnectError" else TransportError
+        raise cls(f"nixl could not {what}: {type(exc).__name__}: {exc}"[:300], transport="nixl") from exc
+
+
+def _address(view: np.ndarray) -> int:
+    return int(view.ctypes.data)
+
+
+def _merged(regions: Sequence[Region]) -> list[Region]:
+    """`regions` with overlapping or touching ones merged (tensors may share a storage)."""
+    merged: list[list[int]] = []
+    for start, nbytes in sorted(regions):
+        if merged and start <= merged[-1][0] + merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], start + nbytes - merged[-1][0])
+        else:
+            merged.append([start, nbytes])
+    return [(start, nbytes) for start, nbytes in merged]
+
+
+_registrations = [0]
+"""Registrations made in this process and not yet released (one per `register` call)."""
+_registrations_lock = threading.Lock()
+
+
+def live_registrations() -> int:
+    """How many registrations of host memory this process holds now: 0 once every sender and
+    receiver over nixl has closed, on every path (the tests check it)."""
+    return _registrations[0]
+
+
+def _count_registrations(change: int) -> None:
+    with _registrations_lock:
+        _registrations[0] += change
+
+
+class NixlAgent:
+    """One NIXL agent with the UCX backend, its progress driven by the caller (never by a thread
+    of its own). Host memory only. Every call's error is a TransportError."""
+
+    def __init__(self, role: str) -> None:
+        api = load_nixl()
+        self.name = f"weightsync-{role}-{os.getpid()}-{secrets.token_hex(6)}"
+        with nixl_errors("create an agent"):
+            config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
+            self._agent: Any = api.nixl_agent(self.name, config)
+            self._agent.create_backend("UCX", dict(UCX_PARAMS))
+
+    def register(self, regions: Sequence[Region]) -> Any:
+        """Register host memory; returns what `deregister` takes (None for no regions)."""
+        if not regions:
+            return None
+        with nixl_errors("register memory"):
+            registration = self._agent.register_memory([(start, nbytes, 0, "") for start, nbytes in regions], "DRAM")
+        _count_registrations(1)
+        return registration
+
+    def deregister(self, registration: Any) -> None:
+        if registration is not None:
+            _count_registrations(-1)  # NIXL frees what it can even when it reports an error
+            with nixl_errors("deregister memory"):
+                self._agent.deregister_memory(registration)
+
+    def metadata(self) -> bytes:
+        with nixl_errors("export its metadata"):
+            return bytes(self._agent.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata (connection and memory keys); returns the peer's agent name."""
+        with nixl_errors("load a receiver's metadata"):
+            name = self._agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        with nixl_errors("forget a receiver"):
+            self._agent.remove_remote_agent(name)
+
+    def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> tuple[Any, str]:
+        """Post the WRITE of every (address, nbytes, 0) row of `local` to the same row of
+        `remote` in `peer`; returns the transfer and its state ("DONE", "PROC" or "ERR")."""
+        with nixl_errors(f"post a write to {peer}"):
+            local_descs = self._agent.get_xfer_descs(local, "DRAM")
+            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
+            transfer = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer)
+            return transfer, str(self._agent.transfer(transfer))
+
+    def state(self, transfer: Any) -> str:
+        """Progress, then the transfer's state: "DONE", "PROC" or "ERR"."""
+        with nixl_errors("complete a write"):
+            return str(self._agent.check_xfer_state(transfer))
+
+    def release(self, transfer: Any) -> None:
+        """Free a transfer; one still in flight is cancelled (best effort: never raises)."""
+        try:
+            transfer.release()
+        except Exception as exc:  # NIXL keeps a handle it cannot free and retries at agent teardown
+            log.warning("nixl could not release a transfer: %s", exc)
+
+    def progress(self) -> None:
+        with nixl_errors("make progress"):
+            self._agent.get_new_notifs()
+
+
+class _Registered:
+    """Host memory registered with an agent, kept alive as long as it is registered."""
+
+    def __init__(self, agent: NixlAgent, views: Sequence[np.ndarray]) -> None:
+        self.agent = agent
+        self._views = list(views)  # the memory must outlive its registration
+        self._registration = agent.register(_merged([(_address(v), v.nbytes) for v in self._views if v.nbytes]))
+
+    def close(self) -> None:
+        registration, self._registration, self._views = self._registration, None, []
+        self.agent.deregister(registration)
+
+
+# --- the sending side ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Peer:
+    """A receiver as the sender's agent knows it, and where it takes this sync's buckets."""
+
+    link: Link
+    agent: str
+    target: NixlTarget
+    sites: np.ndarray
+    """`target.sites` as uint64, indexed by tensor."""
+
+    def remote_rows(self, index: int, pieces: _Pieces) -> tuple[np.ndarray, int]:
+        """Where each piece goes in this receiver (rows of address, nbytes, 0), and the slot."""
+        slots = self.target.slots
+        slot = index % len(slots) if slots else 0
+        sites = self.sites[pieces.tensor]
+        through_slot = np.uint64(slots[slot]) + pieces.bucket_offset if slots else np.zeros_like(sites)
+        addresses = np.where(sites != 0, sites + pieces.tensor_offset, through_slot)
+        return np.stack([addresses, pieces.nbytes, np.zeros_like(addresses)], axis=1), slot
+
+    def in_place(self, pieces: _Pieces) -> bool:
+        """Whether any of `pieces` is written into one of this receiver's live destinations."""
+        return bool(self.sites[pieces.tensor].any())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pieces:
+    """One bucket's non-empty pieces as columns (uint64), with their local bytes' rows."""
+
+    tensor: np.ndarray
+    tensor_offset: np.ndarray
+    bucket_offset: np.ndarray
+    nbytes: np.ndarray
+    local: np.ndarray
+    """Rows of (address, nbytes, 0) of each piece's bytes on the sender."""
+
+    @classmethod
+    def of(cls, items: Sequence[BucketItem], views: Sequence[np.ndarray]) -> _Pieces:
+        rows = [(item.piece, view) for item, view in zip(items, views, strict=True) if item.piece.nbytes]
+
+        def column(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.uint64)
+
+        return cls(
+            tensor=np.array([piece.tensor for piece, _ in rows], dtype=np.intp),
+            tensor_offset=column([piece.tensor_offset for piece, _ in rows]),
+            bucket_offset=column([piece.bucket_offset for piece, _ in rows]),
+            nbytes=column([piece.nbytes for piece, _ in rows]),
+            local=np.array([(_address(view), view.nbytes, 0) for _, view in rows], dtype=np.uint64).reshape(-1, 3),
+        )
+
+
+def check_target(target: NixlTarget, plan: Plan, transport: str = "nixl") -> None:
+    """Refuse a target that does not fit the plan, before anything is written to it."""
+    fits = len(target.sites) == len(plan.tensors) and len(target.slots) <= MAX_SLOTS and bool(target.metadata)
+    if fits:
+        through_slots = any(
+            piece.nbytes and not target.sites[piece.tensor] for bucket in plan.buckets for piece in bucket
+        )
+        fits = not through_slots or (bool(target.slots) and target.slot_bytes >= plan.bucket_bytes)
+    if not fits or any(not 0 <= address < 1 << 64 for address in (*target.sites, *target.slots)):
+        raise ProtocolError(
+            f"the receiver's NIXL target ({len(target.sites)} sites, {len(target.slots)} slots of "
+            f"{target.slot_bytes} bytes) does not fit the plan",
+            transport=transport,
+        )
+
+
+class NixlSendPlane(SendPlane):
+    """WRITEs every bucket into each receiver's memory through one agent, reused across pushes."""
+
+    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+        super().__init__(channel, options)
+        self._agent: NixlAgent | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._acked: dict[str, int] = {}
+        self._writing: set[str] = set()
+        """Receivers told (`NixlWrites`) that this sync writes into their live destinations."""
+        self._scratch: np.ndarray | None = None
+        """Where pieces that are not plain host bytes are packed; registered with the agent."""
+        self._scratch_registered: _Registered | None = None
+
+    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
+        try:
+            if self._agent is None:
+                self._agent = NixlAgent("sender")  # before the offer: its start-up is not the receivers' wait
+        except WeightSyncError as exc:
+            return fail_all(live, exc)
+        self._forget_gone()
+        failures = offer()
+        accepted = [address for address in live if address not in failures]
+        self._acked = dict.fromkeys(accepted, -1)
+        self._writing = set()
+        if not plan.buckets:
+            return failures  # receivers answer a plan of no buckets with no target
+        deadline = time.monotonic() + self.options.timeout
+        return failures | self.channel.each(accepted, lambda a, link: self._load_target(a, link, plan, deadline))
+
+    def _load_target(self, address: str, link: Link, plan: Plan, deadline: float) -> None:
+        """Take the receiver's `NixlTarget` and load its agent (the same agent again is a no-op)."""
+        target = self.channel.expect(address, NixlTarget, deadline)
+        check_target(target, plan, self.channel.scheme)
+        agent = self._require_agent()
+        name = agent.add_remote(target.metadata)
+        if any(peer.agent == name for other, peer in self._peers.items() if other != address):
+            raise ProtocolError(f"receiver {address} names another receiver's NIXL agent", transport="nixl")
+        previous = self._peers.get(address)
+        if previous is not None and previous.agent != name:
+            agent.remove_remote(previous.agent)  # it exposes new memory under a new agent
+        self._peers[address] = _Peer(link, name, target, np.array(target.sites, dtype=np.uint64))
+
+    def _forget_gone(self) -> None:
+        """Unload the agents of receivers whose links were dropped or replaced since."""
+        for address, peer in list(self._peers.items()):
+            try:
+                current: Link | None = self.channel.link(address)
+            except KeyError:
+                current = None
+            if current is not peer.link:
+                self._forget(address)
+
+    def _forget(self, address: str) -> None:
+        peer = self._peers.pop(address, None)
+        if peer is not None and self._agent is not None:
+            try:
+                self._agent.remove_remote(peer.agent)
+            except TransportError as exc:
+                log.warning("%s", exc)
+
+    def _require_agent(self) -> NixlAgent:
+        if self._agent is None:
+            raise ProtocolError("bucket sent before the NIXL agent was set up", transport="nixl")
+        return self._agent
+
+    def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
+        deadline = time.monotonic() + self.options.timeout
+        failures = self.channel.each(live, lambda address, link: self._wait_slot(address, index, deadline))
+        views, registered = self._local_bytes(items)
+        try:
+            checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
+            ready = [address for address in live if address not in failures]
+            return failures | self._write(index, _Pieces.of(items, views), ready, checksum, deadline)
+        finally:
+            if registered is not None:
+                registered.close()
+
+    def _wait_slot(self, address: str, index: int, deadline: float) -> None:
+        """Wait until the receiver freed the slot bucket `index` writes into."""
+        peer = self._peers.get(address)
+        if peer is None:
+            raise ProtocolError(f"no NIXL target from receiver {address}", transport="nixl")
+        done = index - (len(peer.target.slots) or 2)  # in place only: two buckets in flight
+        while self._acked.get(address, -1) < done:
+            self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
+
+    def _local_bytes(self, items: Sequence[BucketItem]) -> tuple[list[np.ndarray], _Registered | None]:
+        """Each piece's bytes in registered host memory: the source's own, or packed in scratch."""
+        agent = self._require_agent()
+        views: list[np.ndarray | None] = [
+            piece_bytes(item.tensor, item.wire_dtype, item.piece.tensor_offset, item.piece.nbytes) for item in items
+        ]
+        registered = None
+        try:
+            registered = _Registered(agent, [view for view in views if view is not None])
+        except TransportError as exc:  # memory the NIC cannot register (a read-only file mapping): pack it
+            log.debug("packing sources NIXL could not register: %s", exc)
+            views = [None] * len(items)
+        packed = [item for item, view in zip(items, views, strict=True) if view is None]
+        if packed:
+            scratch = self._scratch_for(max(item.piece.bucket_offset + item.piece.nbytes for item in packed))
+            bytes_of = iter(pack_bucket(packed, scratch))
+            views = [view if view is not None else np.asarray(next(bytes_of)) for view in views]
+        return [view for view in views if view is not None], registered
+
+    def _scratch_for(self, nbytes: int) -> np.ndarray:
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            self._close_scratch()
+            scratch = torch.zeros(nbytes, dtype=torch.uint8).numpy()  # zeros: pre-faulted
+            self._scratch_registered = _Registered(self._require_agent(), [scratch])
+            self._scratch = scratch
+        return self._scratch
+
+    def _write(self, index: int, pieces: _Pieces, live: Sequence[str], checksum: int, deadline: float) -> Failures:
+        """Post the bucket's writes to every receiver at once (NICs run them side by side), wait
+        for each, then tell it the bucket is there."""
+        agent = self._require_agent()
+        posted: dict[str, tuple[Any, str]] = {}
+        slots: dict[str, int] = {}
+
+        def post(address: str, link: Link) -> None:
+            peer = self._peers[address]
+            remote, slots[address] = peer.remote_rows(index, pieces)
+            if not len(pieces.local):
+                return
+            if address not in self._writing and peer.in_place(pieces):
+                link.send(
+                    NixlWrites(index), self.options.timeout
+                )  # before the write: a sync ending sooner left them intact
+                self._writing.add(address)
+            posted[address] = agent.post_write(pieces.local, remote, peer.agent)
+
+        def announce(address: str, link: Link) -> None:
+            if address in posted:
+                self._complete(posted[address], deadline, address, index)
+            link.bucket = index
+            link.send(BucketReady(index, slots[address], checksum), self.options.timeout)
+
+        try:
+            failures = self.channel.each(live, post)
+            return failures | self.channel.each([a for a in live if a not in failures], announce)
+        finally:
+            for transfer, _ in posted.values():
+                agent.release(transfer)
+
+    def _complete(self, posted: tuple[Any, str], deadline: float, address: str, index: int) -> None:
+        transfer, state = posted
+        agent = self._require_agent()
+        while state == "PROC" and time.monotonic() < deadline:
+            state = agent.state(transfer)
+        if state == "PROC":
+            raise TransferTimeout(
+                f"the write of bucket {index} to {address} did not complete within {self.options.timeout} s",
+                transport="nixl",
+                bucket=index,
+            )
+        if state != "DONE":
+            raise TransportError(f"the write of bucket {index} to {address} failed", transport="nixl", bucket=index)
+
+    def close(self) -> None:
+        for address in list(self._peers):
+            self._forget(address)
+        self._close_scratch()
+        self._agent = None
+
+    def _close_scratch(self) -> None:
+        registered, self._scratch_registered, self._scratch = self._scratch_registered, None, None
+        if registered is not None:
+            try:
+                registered.close()
+            except TransportError as exc:
+                log.warning("%s", exc)
+
+
+# --- the receiving side -------------------------------------------------------------------------
+
+
+class _Exposure:
+    """What one receiving agent exposes, fixed for the agent's life: destinations written in
+    place (`sites`: address -> nbytes) and a ring of `num_slots` slots of `slot_bytes`."""
+
+    def __init__(self, views: Sequence[np.ndarray], num_slots: int, slot_bytes: int) -> None:
+        self.agent = NixlAgent("receiver")
+        self.sites = {_address(view): view.nbytes for view in views}
+        self.slot_bytes = slot_bytes
+        ring = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8).numpy() if slot_bytes else None  # pre-faulted
+        self.ring = ring
+        self.slots = tuple(_address(ring) + i * slot_bytes for i in range(num_slots)) if ring is not None else ()
+        self._registered = _Registered(self.agent, [*views, *([ring] if ring is not None else [])])
+        try:
+            self.metadata = self.agent.metadata()
+        except BaseException:
+            self.close()
+            raise
+
+    def covers(self, sites: Mapping[int, int], slot_bytes: int) -> bool:
+        """Whether this exposure already holds `sites` and slots of at least `slot_bytes`."""
+        has_slots = slot_bytes == 0 or (bool(self.slots) and self.slot_bytes >= slot_bytes)
+        return has_slots and all(self.sites.get(address, -1) >= nbytes for address, nbytes in sites.items())
+
+    def slot(self, slot: int) -> np.ndarray | None:
+        if self.ring is None or not 0 <= slot < len(self.slots):
+            return None
+        return self.ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+
+    def close(self) -> None:
+        self._registered.close()
+        self.ring = None
+
+
+class NixlReceivePlane(ReceivePlane):
+    """Exposes this connection's landing sites to the sender's writes, and lands what comes
+    through a slot."""
+
+    def __init__(self, link: Link, options: PlaneOptions) -> None:
+        super().__init__(link, options)
+        self._exposure: _Exposure | None = None
+        self._sites: tuple[int, ...] = ()
+        """This sync's target: per tensor, the address it lands at in place, or 0."""
+
+    def receive(self, index: int, landing: Landing) -> None:
+        if index == 0:
+            self._offer_target(landing)
+        message = self._await_ready(index, landing)
+        pieces = [piece for piece in landing.plan.buckets[index] if piece.nbytes and not self._sites[piece.tensor]]
+        if pieces:
+            slot = self._exposure.slot(message.slot) if self._exposure is not None else None
+            if slot is None:
+                raise ProtocolError(
+                    f"bucket {index} names slot {message.slot}, which this receiver does not have",
+                    transport=self.link.transport,
+                    version=self.link.version,
+                    bucket=index,
+                )
+            for piece in pieces:
+                landing.copy_in(piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+        landing.finish_bucket(index, message.checksum)
+        self.link.send(BucketDone(index), self.options.timeout)
+
+    def _offer_target(self, landing: Landing) -> None:
+        """Expose this sync's landing sites (a new agent when they changed) and send the target."""
+        plan = landing.plan
+        views: dict[int, np.ndarray] = {}
+        for tensor in range(len(plan.tensors)):
+            site = landing.host_site(tensor)
+            if site is not None and site.nbytes:
+                views[tensor] = site
+        through_slots = any(piece.nbytes and piece.tensor not in views for bucket in plan.buckets for piece in bucket)
+        slot_bytes = plan.bucket_bytes if through_slots else 0
+        wanted = {_address(view): view.nbytes for view in views.values()}
+        if self._exposure is None or not self._exposure.covers(wanted, slot_bytes):
+            exposure = _Exposure(list(views.values()), self.options.num_slots, slot_bytes)
+            self.close()
+            self._exposure = exposure
+        exposure = self._exposure
+        self._sites = tuple(_address(views[t]) if t in views else 0 for t in range(len(plan.tensors)))
+        target = NixlTarget(exposure.metadata, self._sites, exposure.slots, exposure.slot_bytes)
+        self.link.send(target, self.options.timeout)
+
+    def _await_ready(self, index: int, landing: Landing) -> BucketReady:
+        """The sender's BucketReady for bucket `index`, progressing the agent while it comes."""
+        conn = socket_link(self.link)
+        agent = self._exposure.agent if self._exposure is not None else None
+        deadline = time.monotonic() + self.options.timeout
+        while True:
+            while not _readable(conn.sock, PROGRESS_S):
+                if agent is not None:
+                    agent.progress()
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(
+                        f"bucket {index} was not written within {self.options.timeout} s",
+                        transport=conn.transport,
+                        version=conn.version,
+                        bucket=index,
+                    )
+            message = next_message(conn, self.options.timeout)
+            if isinstance(message, BucketReady) and message.index == index:
+                return message
+            if not isinstance(message, NixlWrites) or message.index != index:
+                raise ProtocolError(
+                    f"expected BucketReady for bucket {index}, got {message!r}"[:200],
+                    transport=conn.transport,
+                    version=conn.version,
+                    bucket=index,
+                )
+            landing.mark_live_written()
+
+    def close(self) -> None:
+        exposure, self._exposure = self._exposure, None
+        if exposure is not None:
+            exposure.close()
+
+
+def _readable(sock: Any, timeout: float) -> bool:
+    """Whether a read would not block within `timeout` (a closed socket reads at once: its EOF)."""
+    try:
+        return bool(select.select([sock], [], [], timeout)[0])
+    except (OSError, ValueError):
+        return True
+
+
+SPEC = TransportSpec(
+    name="nixl",
+    link="tcp",
+    send_plane=NixlSendPlane,
+    receive_plane=NixlReceivePlane,
+    summary="any hosts: NIXL writes into receiver memory (RDMA where the hosts have it)",
+    check=require_nixl,
+)
