@@ -35,6 +35,7 @@ import secrets
 import select
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -97,7 +98,7 @@ def require_nixl(role: str) -> None:
 
 
 @contextlib.contextmanager
-def nixl_errors(what: str) -> Iterator[None]:
+def nixl_errors(what: str, version: int | None = None, bucket: int | None = None) -> Iterator[None]:
     """Translate NIXL's exceptions (bindings classes with no common base) at the boundary."""
     try:
         yield
@@ -105,7 +106,11 @@ def nixl_errors(what: str) -> Iterator[None]:
         raise
     except Exception as exc:
         cls = PeerClosedError if type(exc).__name__ == "nixlRemoteDisconnectError" else TransportError
-        raise cls(f"nixl could not {what}: {type(exc).__name__}: {exc}"[:300], transport="nixl") from exc
+        message = f"nixl could not {what}: {type(exc).__name__}: {exc}"[:300]
+        # NIXL's own frames hold its agent, which must not outlive `close` in an error that a
+        # sink or a log record keeps: empty them (they have returned; the traceback stays).
+        traceback.clear_frames(exc.__traceback__)
+        raise cls(message, transport="nixl", version=version, bucket=bucket) from exc
 
 
 def _address(view: np.ndarray) -> int:
@@ -141,15 +146,32 @@ def _count_registrations(change: int) -> None:
 
 class NixlAgent:
     """One NIXL agent with the UCX backend, its progress driven by the caller (never by a thread
-    of its own). Host memory only. Every call's error is a TransportError."""
+    of its own). Host memory only. Every call's error is a TransportError.
+
+    NIXL has no call that destroys an agent: it goes (with its UCX worker and listening socket)
+    when the last reference to it does. `close` drops this wrapper's, and `release` the one each
+    transfer handle keeps, so that a traceback holding this wrapper or a handle (a sink may keep
+    the error that ended a sync) does not keep the agent alive.
+    """
 
     def __init__(self, role: str) -> None:
         api = load_nixl()
         self.name = f"weightsync-{role}-{os.getpid()}-{secrets.token_hex(6)}"
         with nixl_errors("create an agent"):
             config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
-            self._agent: Any = api.nixl_agent(self.name, config)
-            self._agent.create_backend("UCX", dict(UCX_PARAMS))
+            agent = api.nixl_agent(self.name, config)
+            agent.create_backend("UCX", dict(UCX_PARAMS))
+        self._nixl: Any = agent
+
+    @property
+    def _agent(self) -> Any:
+        if self._nixl is None:
+            raise TransportError("the NIXL agent is closed", transport="nixl")
+        return self._nixl
+
+    def close(self) -> None:
+        """Let go of the agent (registrations must have been released first)."""
+        self._nixl = None
 
     def register(self, regions: Sequence[Region]) -> Any:
         """Register host memory; returns what `deregister` takes (None for no regions)."""
@@ -180,18 +202,24 @@ class NixlAgent:
         with nixl_errors("forget a receiver"):
             self._agent.remove_remote_agent(name)
 
-    def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> tuple[Any, str]:
+    def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str, where: Link) -> tuple[Any, str]:
         """Post the WRITE of every (address, nbytes, 0) row of `local` to the same row of
-        `remote` in `peer`; returns the transfer and its state ("DONE", "PROC" or "ERR")."""
-        with nixl_errors(f"post a write to {peer}"):
+        `remote` in `peer`; returns the transfer and its state ("DONE", "PROC" or "ERR").
+        Errors name `where`'s version and bucket."""
+        with nixl_errors(f"post a write to {peer}", where.version, where.bucket):
             local_descs = self._agent.get_xfer_descs(local, "DRAM")
             remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
             transfer = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer)
-            return transfer, str(self._agent.transfer(transfer))
+        try:
+            with nixl_errors(f"write to {peer}", where.version, where.bucket):
+                return transfer, str(self._agent.transfer(transfer))
+        except BaseException:
+            self.release(transfer)
+            raise
 
-    def state(self, transfer: Any) -> str:
+    def state(self, transfer: Any, where: Link) -> str:
         """Progress, then the transfer's state: "DONE", "PROC" or "ERR"."""
-        with nixl_errors("complete a write"):
+        with nixl_errors("complete a write", where.version, where.bucket):
             return str(self._agent.check_xfer_state(transfer))
 
     def release(self, transfer: Any) -> None:
@@ -200,9 +228,11 @@ class NixlAgent:
             transfer.release()
         except Exception as exc:  # NIXL keeps a handle it cannot free and retries at agent teardown
             log.warning("nixl could not release a transfer: %s", exc)
+        else:
+            transfer._agent = None  # a released handle needs no agent (see the class docstring)
 
-    def progress(self) -> None:
-        with nixl_errors("make progress"):
+    def progress(self, where: Link) -> None:
+        with nixl_errors("make progress", where.version, where.bucket):
             self._agent.get_new_notifs()
 
 
@@ -411,6 +441,7 @@ class NixlSendPlane(SendPlane):
         slots: dict[str, int] = {}
 
         def post(address: str, link: Link) -> None:
+            link.bucket = index
             peer = self._peers[address]
             remote, slots[address] = peer.remote_rows(index, pieces)
             if not len(pieces.local):
@@ -420,12 +451,11 @@ class NixlSendPlane(SendPlane):
                     NixlWrites(index), self.options.timeout
                 )  # before the write: a sync ending sooner left them intact
                 self._writing.add(address)
-            posted[address] = agent.post_write(pieces.local, remote, peer.agent)
+            posted[address] = agent.post_write(pieces.local, remote, peer.agent, link)
 
         def announce(address: str, link: Link) -> None:
             if address in posted:
-                self._complete(posted[address], deadline, address, index)
-            link.bucket = index
+                self._complete(posted[address], deadline, link)
             link.send(BucketReady(index, slots[address], checksum), self.options.timeout)
 
         try:
@@ -435,25 +465,28 @@ class NixlSendPlane(SendPlane):
             for transfer, _ in posted.values():
                 agent.release(transfer)
 
-    def _complete(self, posted: tuple[Any, str], deadline: float, address: str, index: int) -> None:
+    def _complete(self, posted: tuple[Any, str], deadline: float, link: Link) -> None:
         transfer, state = posted
         agent = self._require_agent()
         while state == "PROC" and time.monotonic() < deadline:
-            state = agent.state(transfer)
-        if state == "PROC":
-            raise TransferTimeout(
-                f"the write of bucket {index} to {address} did not complete within {self.options.timeout} s",
-                transport="nixl",
-                bucket=index,
-            )
+            state = agent.state(transfer, link)
         if state != "DONE":
-            raise TransportError(f"the write of bucket {index} to {address} failed", transport="nixl", bucket=index)
+            raise (TransferTimeout if state == "PROC" else TransportError)(
+                f"the write did not complete within {self.options.timeout} s"
+                if state == "PROC"
+                else "the write failed",
+                transport="nixl",
+                version=link.version,
+                bucket=link.bucket,
+            )
 
     def close(self) -> None:
         for address in list(self._peers):
             self._forget(address)
         self._close_scratch()
-        self._agent = None
+        agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.close()
 
     def _close_scratch(self) -> None:
         registered, self._scratch_registered, self._scratch = self._scratch_registered, None, None
@@ -472,13 +505,17 @@ class _Exposure:
     place (`sites`: address -> nbytes) and a ring of `num_slots` slots of `slot_bytes`."""
 
     def __init__(self, views: Sequence[np.ndarray], num_slots: int, slot_bytes: int) -> None:
-        self.agent = NixlAgent("receiver")
         self.sites = {_address(view): view.nbytes for view in views}
         self.slot_bytes = slot_bytes
         ring = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8).numpy() if slot_bytes else None  # pre-faulted
         self.ring = ring
         self.slots = tuple(_address(ring) + i * slot_bytes for i in range(num_slots)) if ring is not None else ()
-        self._registered = _Registered(self.agent, [*views, *([ring] if ring is not None else [])])
+        self.agent = NixlAgent("receiver")
+        try:
+            self._registered = _Registered(self.agent, [*views, *([ring] if ring is not None else [])])
+        except BaseException:
+            self.agent.close()
+            raise
         try:
             self.metadata = self.agent.metadata()
         except BaseException:
@@ -496,8 +533,11 @@ class _Exposure:
         return self.ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
     def close(self) -> None:
-        self._registered.close()
-        self.ring = None
+        try:
+            self._registered.close()
+        finally:
+            self.agent.close()
+            self.ring = None
 
 
 class NixlReceivePlane(ReceivePlane):
@@ -552,12 +592,11 @@ class NixlReceivePlane(ReceivePlane):
     def _await_ready(self, index: int, landing: Landing) -> BucketReady:
         """The sender's BucketReady for bucket `index`, progressing the agent while it comes."""
         conn = socket_link(self.link)
-        agent = self._exposure.agent if self._exposure is not None else None
         deadline = time.monotonic() + self.options.timeout
         while True:
             while not _readable(conn.sock, PROGRESS_S):
-                if agent is not None:
-                    agent.progress()
+                if self._exposure is not None:
+                    self._exposure.agent.progress(conn)
                 if time.monotonic() > deadline:
                     raise TransferTimeout(
                         f"bucket {index} was not written within {self.options.timeout} s",
