@@ -217,10 +217,17 @@ class NixlAgent:
             self.release(transfer)
             raise
 
-    def state(self, transfer: Any, where: Link) -> str:
+    def state(self, transfer: Any, where: Link | None) -> str:
         """Progress, then the transfer's state: "DONE", "PROC" or "ERR"."""
-        with nixl_errors("complete a write", where.version, where.bucket):
+        with nixl_errors("complete a write", *((where.version, where.bucket) if where is not None else ())):
             return str(self._agent.check_xfer_state(transfer))
+
+    def ended(self, transfer: Any) -> bool:
+        """Progress, then whether a transfer is over, done or failed (never raises)."""
+        try:
+            return self.state(transfer, None) != "PROC"
+        except TransportError:
+            return True
 
     def release(self, transfer: Any) -> None:
         """Free a transfer; one still in flight is cancelled (best effort: never raises)."""
@@ -319,6 +326,22 @@ def check_target(target: NixlTarget, plan: Plan, transport: str = "nixl") -> Non
         )
 
 
+@dataclasses.dataclass(slots=True)
+class _Stranded:
+    """Writes still in flight when their receivers were failed, and the memory they read. NIXL
+    cannot free a write in flight (UCX touches it when it ends: a double free), so both are
+    released only once the writes ended: the receiver caught up, or its connection broke."""
+
+    transfers: dict[str, Any]
+    """Receiver agent name -> its unfinished transfer."""
+    memory: list[_Registered]
+
+
+_ABANDONED: list[tuple[NixlAgent, list[_Stranded]]] = []
+"""Agents closed with writes that never ended (a receiver stopped dead, alive): kept, with the
+memory those writes read, for the life of the process rather than freed under UCX."""
+
+
 class NixlSendPlane(SendPlane):
     """WRITEs every bucket into each receiver's memory through one agent, reused across pushes."""
 
@@ -332,6 +355,11 @@ class NixlSendPlane(SendPlane):
         self._scratch: np.ndarray | None = None
         """Where pieces that are not plain host bytes are packed; registered with the agent."""
         self._scratch_registered: _Registered | None = None
+        self._unfinished: dict[str, Any] = {}
+        """The bucket being sent: receiver agent -> its write, when it did not complete."""
+        self._stranded: list[_Stranded] = []
+        self._to_remove: set[str] = set()
+        """Receiver agents to unload once no stranded write goes to them."""
 
     def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
         try:
@@ -340,6 +368,7 @@ class NixlSendPlane(SendPlane):
         except WeightSyncError as exc:
             return fail_all(live, exc)
         self._forget_gone()
+        self._release_stranded(0.0)
         failures = offer()
         accepted = [address for address in live if address not in failures]
         self._acked = dict.fromkeys(accepted, -1)
@@ -353,13 +382,12 @@ class NixlSendPlane(SendPlane):
         """Take the receiver's `NixlTarget` and load its agent (the same agent again is a no-op)."""
         target = self.channel.expect(address, NixlTarget, deadline)
         check_target(target, plan, self.channel.scheme)
-        agent = self._require_agent()
-        name = agent.add_remote(target.metadata)
+        name = self._require_agent().add_remote(target.metadata)
         if any(peer.agent == name for other, peer in self._peers.items() if other != address):
             raise ProtocolError(f"receiver {address} names another receiver's NIXL agent", transport="nixl")
         previous = self._peers.get(address)
         if previous is not None and previous.agent != name:
-            agent.remove_remote(previous.agent)  # it exposes new memory under a new agent
+            self._unload(previous.agent)  # it exposes new memory under a new agent
         self._peers[address] = _Peer(link, name, target, np.array(target.sites, dtype=np.uint64))
 
     def _forget_gone(self) -> None:
@@ -370,13 +398,16 @@ class NixlSendPlane(SendPlane):
             except KeyError:
                 current = None
             if current is not peer.link:
-                self._forget(address)
+                del self._peers[address]
+                self._unload(peer.agent)
 
-    def _forget(self, address: str) -> None:
-        peer = self._peers.pop(address, None)
-        if peer is not None and self._agent is not None:
+    def _unload(self, name: str) -> None:
+        """Disconnect from a receiver's agent, once no stranded write goes to it."""
+        if any(name in stranded.transfers for stranded in self._stranded):
+            self._to_remove.add(name)
+        elif self._agent is not None:
             try:
-                self._agent.remove_remote(peer.agent)
+                self._agent.remove_remote(name)
             except TransportError as exc:
                 log.warning("%s", exc)
 
@@ -388,14 +419,21 @@ class NixlSendPlane(SendPlane):
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
         deadline = time.monotonic() + self.options.timeout
         failures = self.channel.each(live, lambda address, link: self._wait_slot(address, index, deadline))
-        views, registered = self._local_bytes(items)
+        views, registered, packed = self._local_bytes(items)
         try:
             checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
             ready = [address for address in live if address not in failures]
             return failures | self._write(index, _Pieces.of(items, views), ready, checksum, deadline)
         finally:
-            if registered is not None:
-                registered.close()
+            memory = [registered] if registered is not None else []
+            if self._unfinished:  # what those writes read stays registered, and out of reuse
+                if packed and self._scratch_registered is not None:
+                    memory.append(self._scratch_registered)
+                    self._scratch, self._scratch_registered = None, None
+                self._stranded.append(_Stranded(self._unfinished, memory))
+                self._unfinished = {}
+            else:
+                _close_all(memory)
 
     def _wait_slot(self, address: str, index: int, deadline: float) -> None:
         """Wait until the receiver freed the slot bucket `index` writes into."""
@@ -406,8 +444,9 @@ class NixlSendPlane(SendPlane):
         while self._acked.get(address, -1) < done:
             self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
 
-    def _local_bytes(self, items: Sequence[BucketItem]) -> tuple[list[np.ndarray], _Registered | None]:
-        """Each piece's bytes in registered host memory: the source's own, or packed in scratch."""
+    def _local_bytes(self, items: Sequence[BucketItem]) -> tuple[list[np.ndarray], _Registered | None, bool]:
+        """Each piece's bytes in registered host memory: the source's own, or packed in scratch;
+        with the sources' registration, and whether any piece was packed."""
         agent = self._require_agent()
         views: list[np.ndarray | None] = [
             piece_bytes(item.tensor, item.wire_dtype, item.piece.tensor_offset, item.piece.nbytes) for item in items
@@ -423,7 +462,7 @@ class NixlSendPlane(SendPlane):
             scratch = self._scratch_for(max(item.piece.bucket_offset + item.piece.nbytes for item in packed))
             bytes_of = iter(pack_bucket(packed, scratch))
             views = [view if view is not None else np.asarray(next(bytes_of)) for view in views]
-        return [view for view in views if view is not None], registered
+        return [view for view in views if view is not None], registered, bool(packed)
 
     def _scratch_for(self, nbytes: int) -> np.ndarray:
         if self._scratch is None or self._scratch.nbytes < nbytes:
@@ -434,10 +473,11 @@ class NixlSendPlane(SendPlane):
         return self._scratch
 
     def _write(self, index: int, pieces: _Pieces, live: Sequence[str], checksum: int, deadline: float) -> Failures:
-        """Post the bucket's writes to every receiver at once (NICs run them side by side), wait
-        for each, then tell it the bucket is there."""
+        """Post the bucket's writes to every receiver at once (NICs run them side by side), then
+        tell each receiver its bucket is there as soon as its write completed."""
         agent = self._require_agent()
-        posted: dict[str, tuple[Any, str]] = {}
+        transfers: dict[str, Any] = {}
+        states: dict[str, str] = {}
         slots: dict[str, int] = {}
 
         def post(address: str, link: Link) -> None:
@@ -447,54 +487,100 @@ class NixlSendPlane(SendPlane):
             if not len(pieces.local):
                 return
             if address not in self._writing and peer.in_place(pieces):
-                link.send(
-                    NixlWrites(index), self.options.timeout
-                )  # before the write: a sync ending sooner left them intact
+                # before the first write into live memory: a sync that ends sooner left it intact
+                link.send(NixlWrites(index), self.options.timeout)
                 self._writing.add(address)
-            posted[address] = agent.post_write(pieces.local, remote, peer.agent, link)
+            transfers[address], states[address] = agent.post_write(pieces.local, remote, peer.agent, link)
 
-        def announce(address: str, link: Link) -> None:
-            if address in posted:
-                self._complete(posted[address], deadline, link)
+        def announce_if_done(address: str, link: Link) -> None:
+            if address in transfers and not self._done(transfers[address], states, address, link, deadline):
+                return
             link.send(BucketReady(index, slots[address], checksum), self.options.timeout)
+            waiting.remove(address)
 
         try:
             failures = self.channel.each(live, post)
-            return failures | self.channel.each([a for a in live if a not in failures], announce)
+            waiting = [address for address in live if address not in failures]
+            while waiting:  # round robin: a slow receiver does not hold up the others' buckets
+                failures |= self.channel.each(list(waiting), announce_if_done)
+                waiting = [address for address in waiting if address not in failures]
+            return failures
         finally:
-            for transfer, _ in posted.values():
-                agent.release(transfer)
+            for address, transfer in transfers.items():
+                if states[address] == "PROC":
+                    self._unfinished[self._peers[address].agent] = transfer
+                else:
+                    agent.release(transfer)
 
-    def _complete(self, posted: tuple[Any, str], deadline: float, link: Link) -> None:
-        transfer, state = posted
-        agent = self._require_agent()
-        while state == "PROC" and time.monotonic() < deadline:
-            state = agent.state(transfer, link)
-        if state != "DONE":
-            raise (TransferTimeout if state == "PROC" else TransportError)(
-                f"the write did not complete within {self.options.timeout} s"
-                if state == "PROC"
-                else "the write failed",
-                transport="nixl",
-                version=link.version,
-                bucket=link.bucket,
-            )
+    def _done(self, transfer: Any, states: dict[str, str], address: str, link: Link, deadline: float) -> bool:
+        """Whether the write to `address` completed; raises when it failed or ran past `deadline`."""
+        if states[address] == "PROC":
+            try:
+                states[address] = self._require_agent().state(transfer, link)
+            except TransportError:
+                states[address] = "ERR"
+                raise
+        if states[address] == "DONE":
+            return True
+        if states[address] == "PROC" and time.monotonic() < deadline:
+            return False
+        raise (TransferTimeout if states[address] == "PROC" else TransportError)(
+            f"the write did not complete within {self.options.timeout} s"
+            if states[address] == "PROC"
+            else "the write failed",
+            transport="nixl",
+            version=link.version,
+            bucket=link.bucket,
+        )
+
+    def _release_stranded(self, wait_s: float) -> None:
+        """Release the stranded writes that ended (waiting up to `wait_s` for the rest), then
+        unload the receiver agents no stranded write goes to any more."""
+        agent = self._agent
+        deadline = time.monotonic() + wait_s
+        while agent is not None and self._stranded:
+            for stranded in list(self._stranded):
+                if all(agent.ended(transfer) for transfer in stranded.transfers.values()):
+                    for transfer in stranded.transfers.values():
+                        agent.release(transfer)
+                    _close_all(stranded.memory)
+                    self._stranded.remove(stranded)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(PROGRESS_S)
+        for name in list(self._to_remove):
+            if not any(name in stranded.transfers for stranded in self._stranded):
+                self._to_remove.discard(name)
+                self._unload(name)
 
     def close(self) -> None:
         for address in list(self._peers):
-            self._forget(address)
+            self._unload(self._peers.pop(address).agent)
+        self._release_stranded(self.options.timeout if self._stranded else 0.0)
         self._close_scratch()
         agent, self._agent = self._agent, None
-        if agent is not None:
+        if agent is not None and self._stranded:
+            log.warning(
+                "nixl: %d write(s) to stalled receivers never ended; their agent and memory are kept for good",
+                len(self._stranded),
+            )
+            _ABANDONED.append((agent, self._stranded))
+            self._stranded = []
+        elif agent is not None:
             agent.close()
 
     def _close_scratch(self) -> None:
         registered, self._scratch_registered, self._scratch = self._scratch_registered, None, None
-        if registered is not None:
-            try:
-                registered.close()
-            except TransportError as exc:
-                log.warning("%s", exc)
+        _close_all([registered] if registered is not None else [])
+
+
+def _close_all(memory: Sequence[_Registered]) -> None:
+    """Deregister each; a failure is logged, never raised (this runs on error paths)."""
+    for registered in memory:
+        try:
+            registered.close()
+        except TransportError as exc:
+            log.warning("%s", exc)
 
 
 # --- the receiving side -------------------------------------------------------------------------
