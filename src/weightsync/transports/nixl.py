@@ -1,5 +1,5 @@
 """NIXL transport: one-sided writes into each receiver's memory, across hosts (RDMA where the
-hosts have it: InfiniBand, RoCE or EFA, through NIXL's UCX backend).
+hosts have it: InfiniBand or RoCE, through NIXL's UCX backend).
 
 The conversation travels on a TCP link, as tcp's does; bucket bytes move by NIXL::
 
@@ -26,36 +26,31 @@ the sender loads that one instead. Registered memory is released on every path.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib
 import logging
-import os
-import secrets
 import select
-import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from weightsync.checksum import SyncHashes
-from weightsync.errors import (
-    ConfigError,
-    PeerClosedError,
-    ProtocolError,
-    TransferTimeout,
-    TransportError,
-    WeightSyncError,
-)
+from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
 from weightsync.landing import Landing
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec, fail_all
 from weightsync.transports.control import SenderChannel, next_message
 from weightsync.transports.links import socket_link
+from weightsync.transports.nixl_agent import (
+    NixlAgent,
+    Registered,
+    address_of,
+    close_all,
+    live_registrations,
+    require_nixl,
+)
 from weightsync.transports.ring import MAX_SLOTS
 from weightsync.types import BucketDone, BucketReady, NixlTarget, NixlWrites, Plan
 
@@ -63,198 +58,10 @@ __all__ = ["SPEC", "NixlAgent", "NixlReceivePlane", "NixlSendPlane", "live_regis
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'weightsync[nixl]'"
-
-UCX_PARAMS = {"ucx_error_handling_mode": "none"}
-"""The UCX backend's settings. NIXL's default error handling mode ("peer") has no shared-memory
-transport, so `UCX_TLS=sm,self` fails at agent creation; "none" allows every transport. A dead
-peer still fails its transfer (NIXL reports the disconnect), in either mode."""
-
 PROGRESS_S = 0.0002
 """How long a waiting receiver sleeps on its control socket between two rounds of NIXL progress:
 writes over UCX's tcp transport land only while the receiver progresses (shared memory and RDMA
 need nothing from it)."""
-
-Region = tuple[int, int]
-"""(address, nbytes) of host memory."""
-
-
-def load_nixl() -> Any:
-    """NIXL's Python API (`nixl._api`), imported on first use; ConfigError when not installed."""
-    try:
-        api = importlib.import_module("nixl._api")
-    except ImportError as exc:
-        raise ConfigError(f"the nixl transport needs NIXL ({exc}): {INSTALL_HINT}") from None
-    # NIXL logs every agent it makes at INFO on stdout, the command line's output stream.
-    nixl_log = logging.getLogger("nixl")
-    if nixl_log.level == logging.INFO:
-        nixl_log.setLevel(logging.WARNING)
-    return api
-
-
-def require_nixl(role: str) -> None:
-    """ConfigError (one line, naming the install command) when NIXL cannot be imported here."""
-    load_nixl()
-
-
-@contextlib.contextmanager
-def nixl_errors(what: str, version: int | None = None, bucket: int | None = None) -> Iterator[None]:
-    """Translate NIXL's exceptions (bindings classes with no common base) at the boundary."""
-    try:
-        yield
-    except WeightSyncError:
-        raise
-    except Exception as exc:
-        cls = PeerClosedError if type(exc).__name__ == "nixlRemoteDisconnectError" else TransportError
-        message = f"nixl could not {what}: {type(exc).__name__}: {exc}"[:300]
-        # NIXL's own frames hold its agent, which must not outlive `close` in an error that a
-        # sink or a log record keeps: empty them (they have returned; the traceback stays).
-        traceback.clear_frames(exc.__traceback__)
-        raise cls(message, transport="nixl", version=version, bucket=bucket) from exc
-
-
-def _address(view: np.ndarray) -> int:
-    return int(view.ctypes.data)
-
-
-def _merged(regions: Sequence[Region]) -> list[Region]:
-    """`regions` with overlapping or touching ones merged (tensors may share a storage)."""
-    merged: list[list[int]] = []
-    for start, nbytes in sorted(regions):
-        if merged and start <= merged[-1][0] + merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], start + nbytes - merged[-1][0])
-        else:
-            merged.append([start, nbytes])
-    return [(start, nbytes) for start, nbytes in merged]
-
-
-_registrations = [0]
-"""Registrations made in this process and not yet released (one per `register` call)."""
-_registrations_lock = threading.Lock()
-
-
-def live_registrations() -> int:
-    """How many registrations of host memory this process holds now: 0 once every sender and
-    receiver over nixl has closed, on every path (the tests check it)."""
-    return _registrations[0]
-
-
-def _count_registrations(change: int) -> None:
-    with _registrations_lock:
-        _registrations[0] += change
-
-
-class NixlAgent:
-    """One NIXL agent with the UCX backend, its progress driven by the caller (never by a thread
-    of its own). Host memory only. Every call's error is a TransportError.
-
-    NIXL has no call that destroys an agent: it goes (with its UCX worker and listening socket)
-    when the last reference to it does. `close` drops this wrapper's, and `release` the one each
-    transfer handle keeps, so that a traceback holding this wrapper or a handle (a sink may keep
-    the error that ended a sync) does not keep the agent alive.
-    """
-
-    def __init__(self, role: str) -> None:
-        api = load_nixl()
-        self.name = f"weightsync-{role}-{os.getpid()}-{secrets.token_hex(6)}"
-        with nixl_errors("create an agent"):
-            config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[])
-            agent = api.nixl_agent(self.name, config)
-            agent.create_backend("UCX", dict(UCX_PARAMS))
-        self._nixl: Any = agent
-
-    @property
-    def _agent(self) -> Any:
-        if self._nixl is None:
-            raise TransportError("the NIXL agent is closed", transport="nixl")
-        return self._nixl
-
-    def close(self) -> None:
-        """Let go of the agent (registrations must have been released first)."""
-        self._nixl = None
-
-    def register(self, regions: Sequence[Region]) -> Any:
-        """Register host memory; returns what `deregister` takes (None for no regions)."""
-        if not regions:
-            return None
-        with nixl_errors("register memory"):
-            registration = self._agent.register_memory([(start, nbytes, 0, "") for start, nbytes in regions], "DRAM")
-        _count_registrations(1)
-        return registration
-
-    def deregister(self, registration: Any) -> None:
-        if registration is not None:
-            _count_registrations(-1)  # NIXL frees what it can even when it reports an error
-            with nixl_errors("deregister memory"):
-                self._agent.deregister_memory(registration)
-
-    def metadata(self) -> bytes:
-        with nixl_errors("export its metadata"):
-            return bytes(self._agent.get_agent_metadata())
-
-    def add_remote(self, metadata: bytes) -> str:
-        """Load a peer's metadata (connection and memory keys); returns the peer's agent name."""
-        with nixl_errors("load a receiver's metadata"):
-            name = self._agent.add_remote_agent(metadata)
-        return name.decode() if isinstance(name, bytes) else str(name)
-
-    def remove_remote(self, name: str) -> None:
-        with nixl_errors("forget a receiver"):
-            self._agent.remove_remote_agent(name)
-
-    def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str, where: Link) -> tuple[Any, str]:
-        """Post the WRITE of every (address, nbytes, 0) row of `local` to the same row of
-        `remote` in `peer`; returns the transfer and its state ("DONE", "PROC" or "ERR").
-        Errors name `where`'s version and bucket."""
-        with nixl_errors(f"post a write to {peer}", where.version, where.bucket):
-            local_descs = self._agent.get_xfer_descs(local, "DRAM")
-            remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
-            transfer = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer)
-        try:
-            with nixl_errors(f"write to {peer}", where.version, where.bucket):
-                return transfer, str(self._agent.transfer(transfer))
-        except BaseException:
-            self.release(transfer)
-            raise
-
-    def state(self, transfer: Any, where: Link | None) -> str:
-        """Progress, then the transfer's state: "DONE", "PROC" or "ERR"."""
-        with nixl_errors("complete a write", *((where.version, where.bucket) if where is not None else ())):
-            return str(self._agent.check_xfer_state(transfer))
-
-    def ended(self, transfer: Any) -> bool:
-        """Progress, then whether a transfer is over, done or failed (never raises)."""
-        try:
-            return self.state(transfer, None) != "PROC"
-        except TransportError:
-            return True
-
-    def release(self, transfer: Any) -> None:
-        """Free a transfer; one still in flight is cancelled (best effort: never raises)."""
-        try:
-            transfer.release()
-        except Exception as exc:  # NIXL keeps a handle it cannot free and retries at agent teardown
-            log.warning("nixl could not release a transfer: %s", exc)
-        else:
-            transfer._agent = None  # a released handle needs no agent (see the class docstring)
-
-    def progress(self, where: Link) -> None:
-        with nixl_errors("make progress", where.version, where.bucket):
-            self._agent.get_new_notifs()
-
-
-class _Registered:
-    """Host memory registered with an agent, kept alive as long as it is registered."""
-
-    def __init__(self, agent: NixlAgent, views: Sequence[np.ndarray]) -> None:
-        self.agent = agent
-        self._views = list(views)  # the memory must outlive its registration
-        self._registration = agent.register(_merged([(_address(v), v.nbytes) for v in self._views if v.nbytes]))
-
-    def close(self) -> None:
-        registration, self._registration, self._views = self._registration, None, []
-        self.agent.deregister(registration)
-
 
 # --- the sending side ---------------------------------------------------------------------------
 
@@ -306,7 +113,7 @@ class _Pieces:
             tensor_offset=column([piece.tensor_offset for piece, _ in rows]),
             bucket_offset=column([piece.bucket_offset for piece, _ in rows]),
             nbytes=column([piece.nbytes for piece, _ in rows]),
-            local=np.array([(_address(view), view.nbytes, 0) for _, view in rows], dtype=np.uint64).reshape(-1, 3),
+            local=np.array([(address_of(view), view.nbytes, 0) for _, view in rows], dtype=np.uint64).reshape(-1, 3),
         )
 
 
@@ -334,7 +141,7 @@ class _Stranded:
 
     transfers: dict[str, Any]
     """Receiver agent name -> its unfinished transfer."""
-    memory: list[_Registered]
+    memory: list[Registered]
 
 
 _ABANDONED: list[tuple[NixlAgent, list[_Stranded]]] = []
@@ -354,7 +161,7 @@ class NixlSendPlane(SendPlane):
         """Receivers told (`NixlWrites`) that this sync writes into their live destinations."""
         self._scratch: np.ndarray | None = None
         """Where pieces that are not plain host bytes are packed; registered with the agent."""
-        self._scratch_registered: _Registered | None = None
+        self._scratch_registered: Registered | None = None
         self._unfinished: dict[str, Any] = {}
         """The bucket being sent: receiver agent -> its write, when it did not complete."""
         self._stranded: list[_Stranded] = []
@@ -433,7 +240,7 @@ class NixlSendPlane(SendPlane):
                 self._stranded.append(_Stranded(self._unfinished, memory))
                 self._unfinished = {}
             else:
-                _close_all(memory)
+                close_all(memory)
 
     def _wait_slot(self, address: str, index: int, deadline: float) -> None:
         """Wait until the receiver freed the slot bucket `index` writes into."""
@@ -444,7 +251,7 @@ class NixlSendPlane(SendPlane):
         while self._acked.get(address, -1) < done:
             self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
 
-    def _local_bytes(self, items: Sequence[BucketItem]) -> tuple[list[np.ndarray], _Registered | None, bool]:
+    def _local_bytes(self, items: Sequence[BucketItem]) -> tuple[list[np.ndarray], Registered | None, bool]:
         """Each piece's bytes in registered host memory: the source's own, or packed in scratch;
         with the sources' registration, and whether any piece was packed."""
         agent = self._require_agent()
@@ -453,7 +260,7 @@ class NixlSendPlane(SendPlane):
         ]
         registered = None
         try:
-            registered = _Registered(agent, [view for view in views if view is not None])
+            registered = Registered(agent, [view for view in views if view is not None])
         except TransportError as exc:  # memory the NIC cannot register (a read-only file mapping): pack it
             log.debug("packing sources NIXL could not register: %s", exc)
             views = [None] * len(items)
@@ -468,7 +275,7 @@ class NixlSendPlane(SendPlane):
         if self._scratch is None or self._scratch.nbytes < nbytes:
             self._close_scratch()
             scratch = torch.zeros(nbytes, dtype=torch.uint8).numpy()  # zeros: pre-faulted
-            self._scratch_registered = _Registered(self._require_agent(), [scratch])
+            self._scratch_registered = Registered(self._require_agent(), [scratch])
             self._scratch = scratch
         return self._scratch
 
@@ -543,7 +350,7 @@ class NixlSendPlane(SendPlane):
                 if all(agent.ended(transfer) for transfer in stranded.transfers.values()):
                     for transfer in stranded.transfers.values():
                         agent.release(transfer)
-                    _close_all(stranded.memory)
+                    close_all(stranded.memory)
                     self._stranded.remove(stranded)
             if time.monotonic() >= deadline:
                 break
@@ -571,16 +378,7 @@ class NixlSendPlane(SendPlane):
 
     def _close_scratch(self) -> None:
         registered, self._scratch_registered, self._scratch = self._scratch_registered, None, None
-        _close_all([registered] if registered is not None else [])
-
-
-def _close_all(memory: Sequence[_Registered]) -> None:
-    """Deregister each; a failure is logged, never raised (this runs on error paths)."""
-    for registered in memory:
-        try:
-            registered.close()
-        except TransportError as exc:
-            log.warning("%s", exc)
+        close_all([registered] if registered is not None else [])
 
 
 # --- the receiving side -------------------------------------------------------------------------
@@ -591,14 +389,14 @@ class _Exposure:
     place (`sites`: address -> nbytes) and a ring of `num_slots` slots of `slot_bytes`."""
 
     def __init__(self, views: Sequence[np.ndarray], num_slots: int, slot_bytes: int) -> None:
-        self.sites = {_address(view): view.nbytes for view in views}
+        self.sites = {address_of(view): view.nbytes for view in views}
         self.slot_bytes = slot_bytes
         ring = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8).numpy() if slot_bytes else None  # pre-faulted
         self.ring = ring
-        self.slots = tuple(_address(ring) + i * slot_bytes for i in range(num_slots)) if ring is not None else ()
+        self.slots = tuple(address_of(ring) + i * slot_bytes for i in range(num_slots)) if ring is not None else ()
         self.agent = NixlAgent("receiver")
         try:
-            self._registered = _Registered(self.agent, [*views, *([ring] if ring is not None else [])])
+            self._registered = Registered(self.agent, [*views, *([ring] if ring is not None else [])])
         except BaseException:
             self.agent.close()
             raise
@@ -665,13 +463,13 @@ class NixlReceivePlane(ReceivePlane):
                 views[tensor] = site
         through_slots = any(piece.nbytes and piece.tensor not in views for bucket in plan.buckets for piece in bucket)
         slot_bytes = plan.bucket_bytes if through_slots else 0
-        wanted = {_address(view): view.nbytes for view in views.values()}
+        wanted = {address_of(view): view.nbytes for view in views.values()}
         if self._exposure is None or not self._exposure.covers(wanted, slot_bytes):
             exposure = _Exposure(list(views.values()), self.options.num_slots, slot_bytes)
             self.close()
             self._exposure = exposure
         exposure = self._exposure
-        self._sites = tuple(_address(views[t]) if t in views else 0 for t in range(len(plan.tensors)))
+        self._sites = tuple(address_of(views[t]) if t in views else 0 for t in range(len(plan.tensors)))
         target = NixlTarget(exposure.metadata, self._sites, exposure.slots, exposure.slot_bytes)
         self.link.send(target, self.options.timeout)
 
