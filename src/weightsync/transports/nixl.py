@@ -34,7 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
@@ -45,9 +44,12 @@ from weightsync.transports.control import SenderChannel, next_message
 from weightsync.transports.links import socket_link
 from weightsync.transports.nixl_agent import (
     NixlAgent,
+    Region,
     Registered,
     address_of,
     close_all,
+    collapse_huge_pages,
+    huge_buffer,
     live_registrations,
     require_nixl,
 )
@@ -167,6 +169,10 @@ class NixlSendPlane(SendPlane):
         self._stranded: list[_Stranded] = []
         self._to_remove: set[str] = set()
         """Receiver agents to unload once no stranded write goes to them."""
+        self._sources: tuple[set[Region], set[Region]] = (set(), set())
+        """The plain source regions written in the previous push and in this one."""
+        self._collapsed: set[Region] = set()
+        self._collapse_left_s = 0.0
 
     def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
         try:
@@ -176,6 +182,9 @@ class NixlSendPlane(SendPlane):
             return fail_all(live, exc)
         self._forget_gone()
         self._release_stranded(0.0)
+        previous, current = self._sources
+        self._collapsed &= previous | current
+        self._sources, self._collapse_left_s = (current, set()), self.options.timeout / 4
         failures = offer()
         accepted = [address for address in live if address not in failures]
         self._acked = dict.fromkeys(accepted, -1)
@@ -258,9 +267,11 @@ class NixlSendPlane(SendPlane):
         views: list[np.ndarray | None] = [
             piece_bytes(item.tensor, item.wire_dtype, item.piece.tensor_offset, item.piece.nbytes) for item in items
         ]
+        plain = [view for view in views if view is not None]
+        self._collapse_recurring(plain)
         registered = None
         try:
-            registered = Registered(agent, [view for view in views if view is not None])
+            registered = Registered(agent, plain)
         except TransportError as exc:  # memory the NIC cannot register (a read-only file mapping): pack it
             log.debug("packing sources NIXL could not register: %s", exc)
             views = [None] * len(items)
@@ -271,10 +282,23 @@ class NixlSendPlane(SendPlane):
             views = [view if view is not None else np.asarray(next(bytes_of)) for view in views]
         return [view for view in views if view is not None], registered, bool(packed)
 
+    def _collapse_recurring(self, views: Sequence[np.ndarray]) -> None:
+        """Back the source bytes that recur push after push (a trainer's own tensors) with huge
+        pages, once each, within a time budget per push: writes from them run about 2.5x faster
+        (`collapse_huge_pages`). Memory seen for the first time is left alone: a collapse copies
+        it, which a buffer gathered afresh for every push would pay every time."""
+        previous, current = self._sources
+        for view in views:
+            region = (address_of(view), view.nbytes)
+            current.add(region)
+            if region in previous and region not in self._collapsed and self._collapse_left_s > 0:
+                self._collapsed.add(region)
+                self._collapse_left_s -= collapse_huge_pages(*region)
+
     def _scratch_for(self, nbytes: int) -> np.ndarray:
         if self._scratch is None or self._scratch.nbytes < nbytes:
             self._close_scratch()
-            scratch = torch.zeros(nbytes, dtype=torch.uint8).numpy()  # zeros: pre-faulted
+            scratch = huge_buffer(nbytes)
             self._scratch_registered = Registered(self._require_agent(), [scratch])
             self._scratch = scratch
         return self._scratch
@@ -388,12 +412,14 @@ class _Exposure:
     """What one receiving agent exposes, fixed for the agent's life: destinations written in
     place (`sites`: address -> nbytes) and a ring of `num_slots` slots of `slot_bytes`."""
 
-    def __init__(self, views: Sequence[np.ndarray], num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, views: Sequence[np.ndarray], num_slots: int, slot_bytes: int, collapse_s: float) -> None:
         self.sites = {address_of(view): view.nbytes for view in views}
         self.slot_bytes = slot_bytes
-        ring = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8).numpy() if slot_bytes else None  # pre-faulted
+        ring = huge_buffer(num_slots * slot_bytes) if slot_bytes else None
         self.ring = ring
         self.slots = tuple(address_of(ring) + i * slot_bytes for i in range(num_slots)) if ring is not None else ()
+        self._uncollapsed = list(views)
+        self.collapse(collapse_s)  # before registering: a NIC pins what is registered
         self.agent = NixlAgent("receiver")
         try:
             self._registered = Registered(self.agent, [*views, *([ring] if ring is not None else [])])
@@ -405,6 +431,15 @@ class _Exposure:
         except BaseException:
             self.close()
             raise
+
+    def collapse(self, budget_s: float) -> None:
+        """Back the exposed destinations with huge pages, for at most about `budget_s` (the rest
+        at the next sync): the sender's writes into them run about 2.5x faster
+        (`collapse_huge_pages`). Done once: they are the engine's, and stay."""
+        spent = 0.0
+        while self._uncollapsed and spent < budget_s:
+            view = self._uncollapsed.pop()
+            spent += collapse_huge_pages(address_of(view), view.nbytes)
 
     def covers(self, sites: Mapping[int, int], slot_bytes: int) -> bool:
         """Whether this exposure already holds `sites` and slots of at least `slot_bytes`."""
@@ -464,8 +499,11 @@ class NixlReceivePlane(ReceivePlane):
         through_slots = any(piece.nbytes and piece.tensor not in views for bucket in plan.buckets for piece in bucket)
         slot_bytes = plan.bucket_bytes if through_slots else 0
         wanted = {address_of(view): view.nbytes for view in views.values()}
-        if self._exposure is None or not self._exposure.covers(wanted, slot_bytes):
-            exposure = _Exposure(list(views.values()), self.options.num_slots, slot_bytes)
+        collapse_s = self.options.timeout / 4  # the sender waits for the target within its timeout
+        if self._exposure is not None and self._exposure.covers(wanted, slot_bytes):
+            self._exposure.collapse(collapse_s)  # what an earlier sync left to do
+        else:
+            exposure = _Exposure(list(views.values()), self.options.num_slots, slot_bytes, collapse_s)
             self.close()
             self._exposure = exposure
         exposure = self._exposure
