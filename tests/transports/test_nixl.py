@@ -127,3 +127,16 @@ def test_a_receiver_keeps_its_agent_until_what_it_exposes_changes(agents):
         assert sender.push({"w": torch.full((1000,), 4.0)}, version=4).ok
         assert agents.count("receiver") == 2 and agents.count("sender") == 1
     assert bool((dest["w"] == 4.0).all())
+
+
+def test_collapsing_into_huge_pages_keeps_the_bytes():
+    """Best effort everywhere (no huge pages, an old kernel): the contents never change."""
+    from weightsync.transports.nixl_agent import address_of, collapse_huge_pages, huge_buffer
+
+    tensor = random_tensor(torch.uint8, (9 << 20,), seed=5)
+    before = tensor.clone()
+    view = tensor.numpy()[12345:]
+    assert collapse_huge_pages(address_of(view), view.nbytes) >= 0.0
+    assert torch.equal(tensor, before)
+    buffer = huge_buffer(5 << 20)
+    assert buffer.nbytes == 5 << 20 and not buffer.any()
