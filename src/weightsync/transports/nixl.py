@@ -65,6 +65,10 @@ PROGRESS_S = 0.0002
 writes over UCX's tcp transport land only while the receiver progresses (shared memory and RDMA
 need nothing from it)."""
 
+IN_PLACE_AHEAD = 8
+"""Buckets a sender may write in place ahead of a receiver's last ack: no slot to free, only a
+bound on how far it runs ahead (the acks pay a round trip each)."""
+
 # --- the sending side ---------------------------------------------------------------------------
 
 
@@ -234,7 +238,8 @@ class NixlSendPlane(SendPlane):
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
         deadline = time.monotonic() + self.options.timeout
-        failures = self.channel.each(live, lambda address, link: self._wait_slot(address, index, deadline))
+        tensors = [item.piece.tensor for item in items if item.piece.nbytes]
+        failures = self.channel.each(live, lambda address, link: self._wait_slot(address, index, tensors, deadline))
         views, registered, packed = self._local_bytes(items)
         try:
             checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
@@ -251,12 +256,14 @@ class NixlSendPlane(SendPlane):
             else:
                 close_all(memory)
 
-    def _wait_slot(self, address: str, index: int, deadline: float) -> None:
-        """Wait until the receiver freed the slot bucket `index` writes into."""
+    def _wait_slot(self, address: str, index: int, tensors: Sequence[int], deadline: float) -> None:
+        """Wait until the receiver freed the slot bucket `index` writes into (a bucket written
+        all in place needs none: it only waits not to run more than `IN_PLACE_AHEAD` ahead)."""
         peer = self._peers.get(address)
         if peer is None:
             raise ProtocolError(f"no NIXL target from receiver {address}", transport="nixl")
-        done = index - (len(peer.target.slots) or 2)  # in place only: two buckets in flight
+        through_slot = bool(peer.target.slots) and not peer.sites[tensors].all()
+        done = index - (len(peer.target.slots) if through_slot else IN_PLACE_AHEAD)
         while self._acked.get(address, -1) < done:
             self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
 
