@@ -1,5 +1,6 @@
 """Fixtures every test shares: the transport parameter, and checks that no test leaves shared
-memory or weightsync threads behind. Tests marked `gpu` are skipped where torch sees no CUDA."""
+memory or weightsync threads behind. Tests marked `gpu` are skipped where torch sees no CUDA, and
+cases of a transport whose optional package is not installed (nixl) are skipped too."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from tests.helpers import TRANSPORTS, shm_segments, wait_until
+from tests.helpers import TRANSPORTS, missing_package, shm_segments, wait_until
+
+# NIXL's UCX stays on loopback in tests (read by UCX when the first agent starts).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 # Deterministic by default (same examples every run, nothing written to disk); set
 # HYPOTHESIS_PROFILE=explore for fresh random examples and more of them.
@@ -128,6 +132,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             cuda = torch.cuda.is_available() if cuda is None else cuda
             if not cuda:
                 item.add_marker(pytest.mark.skip(reason=GPU_ONLY))
+        case = getattr(item, "callspec", None)
+        for value in case.params.values() if case is not None else ():
+            package = missing_package(value) if isinstance(value, str) else None
+            if package is not None:
+                item.add_marker(
+                    pytest.mark.skip(reason=f"{package} is not installed: pip install 'weightsync[{value}]'")
+                )
         marker = item.get_closest_marker("fault")
         if marker is not None:
             case = getattr(item, "callspec", None)

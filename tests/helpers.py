@@ -4,6 +4,7 @@ hypothesis strategies the contract suite draws tensor sets from."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import threading
@@ -15,11 +16,27 @@ from hypothesis import strategies as st
 
 from weightsync import WeightReceiver, WeightSender, WeightSink
 
-TRANSPORTS = ["inproc", "shm", "tcp", "collective"]
-"""Every transport; inproc first, as the reference."""
+TRANSPORTS = ["inproc", "shm", "tcp", "collective", "nixl"]
+"""Every transport; inproc first, as the reference. (cudaipc needs CUDA: tests add it with the
+`gpu` marker.) A case of a transport whose optional package is missing is skipped (conftest)."""
 
-PROCESS_TRANSPORTS = ["shm", "tcp", "collective"]
+PROCESS_TRANSPORTS = ["shm", "tcp", "collective", "nixl"]
 """The transports whose peers can live in other processes."""
+
+OPTIONAL_TRANSPORTS = {"nixl": "nixl"}
+"""Transport -> the optional package it needs (`pip install 'weightsync[nixl]'`)."""
+
+
+def missing_package(transport: str) -> str | None:
+    """The optional package `transport` needs and this environment lacks, or None."""
+    package = OPTIONAL_TRANSPORTS.get(transport)
+    return package if package is not None and importlib.util.find_spec(package) is None else None
+
+
+def installed(transports: list[str]) -> list[str]:
+    """`transports` less those whose optional package is missing here."""
+    return [transport for transport in transports if missing_package(transport) is None]
+
 
 DTYPES = [
     torch.bool,

@@ -47,7 +47,7 @@ from weightsync import (
 
 pytestmark = pytest.mark.slow
 
-ONE_TO_ONE = ["shm", "tcp", pytest.param("cudaipc", marks=pytest.mark.gpu)]
+ONE_TO_ONE = ["shm", "tcp", "nixl", pytest.param("cudaipc", marks=pytest.mark.gpu)]
 """Transports where each receiver has its own stream, so one receiver's fault is its alone.
 The collective transport fails its whole group instead: its cases are at the end."""
 
@@ -391,6 +391,73 @@ def test_receiver_stalling_is_timed_out_and_the_others_complete(transport, obser
             f"{first.failed[0].kind}, the other committed; once unstuck the stalled one "
             f"{'aborted' if slow.aborts else 'committed the intact version (tcp)'}; version 2 committed on both"
         )
+
+
+# --- nixl: a receiver gone between its target and the first write --------------------------------
+
+NIXL_RECEIVER_CHILD = f"""
+import sys, time, torch
+from weightsync import WeightReceiver
+
+dest = {{f"t{{i}}": torch.zeros({N}) for i in range(4)}}
+receiver = WeightReceiver(dest, transport="nixl", timeout=120)
+print("ADDRESS", receiver.address, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.fault(
+    "a receiver dies between the handshake and the first write (nixl)",
+    expected="the sender's first write to it fails (PeerClosedError, naming version and bucket 0) within the timeout, the other receiver commits; no registered memory left; next push: ConnectError for the dead one, the other commits",
+)
+def test_nixl_receiver_gone_before_the_first_write(observe):
+    from weightsync.transports.nixl import live_registrations
+
+    dest = {f"t{i}": torch.zeros(N) for i in range(4)}
+    source = {f"t{i}": torch.full((N,), float(i)) for i in range(4)}
+    targets_loaded, victim_dead = threading.Event(), threading.Event()
+
+    class AfterTheHandshake:
+        """Yields nothing until the victim is dead: by then its target (agent metadata, sites)
+        was loaded by the sender, which next writes bucket 0 into the dead process."""
+
+        def metas(self):  # type: ignore[no-untyped-def]
+            from weightsync import TensorMeta
+
+            return [TensorMeta(name, (N,), torch.float32) for name in source]
+
+        def tensors(self):  # type: ignore[no-untyped-def]
+            targets_loaded.set()
+            assert victim_dead.wait(WAIT_S)
+            yield from source.items()
+
+    before = live_registrations()
+    with Child(NIXL_RECEIVER_CHILD) as victim, receiving(dest, "nixl") as healthy:
+        address = victim.expect("ADDRESS").split()[1]
+        killer = threading.Thread(target=lambda: (targets_loaded.wait(WAIT_S), victim.kill(), victim_dead.set()))
+        killer.start()
+        with sending([address, healthy.address], bucket_bytes=N * 4, timeout=WAIT_S) as sender:
+            try:
+                report = sender.push(AfterTheHandshake(), version=1)
+            finally:
+                killer.join(WAIT_S)
+            assert [o.address for o in report.failed] == [address]
+            assert report.failed[0].kind in ("PeerClosedError", "TransportError"), report.failed[0]
+            assert "version=1" in report.failed[0].error and "bucket=0" in report.failed[0].error
+            assert report.seconds < WAIT_S, "the dead receiver was noticed before the timeout"
+            assert healthy.version == 1
+            assert_all_bit_exact(dest, source)
+
+            first = report
+            report = sender.push(source, version=2)
+            assert [(o.address, o.kind) for o in report.failed] == [(address, "ConnectError")]
+            assert healthy.version == 2
+    assert wait_until(lambda: live_registrations() == before), "registered memory was released"
+    observe(
+        f"push took {first.seconds:.2f} s (timeout {WAIT_S:.0f} s): dead receiver {first.failed[0].kind} "
+        f"(`{first.failed[0].error[:70]}`), the other committed bit-exact; next push: dead one ConnectError, "
+        "other committed; no registration left"
+    )
 
 
 # --- shared memory: nothing left behind ----------------------------------------------------------

@@ -276,6 +276,19 @@ class Landing:
         to a sink that borrows them for the length of a `load`."""
         return piece.tensor in self._whole and self.sink.borrows and self._stageable(piece.tensor)
 
+    def host_site(self, tensor: int) -> np.ndarray | None:
+        """All the host bytes tensor `tensor` lands in, in place, or None when it has no such
+        destination (it is staged, or lands on a device). For a data plane that lets the sender
+        write there directly (one-sided writes): it calls `mark_live_written` once one may begin."""
+        dest = self._dest[tensor]
+        if dest is None or not self.direct(tensor) or self.on_device(tensor):
+            return None
+        return byte_view(dest)
+
+    def mark_live_written(self) -> None:
+        """A peer may be writing into the destinations `host_site` gave out, unseen by us."""
+        self.touched_live = self.touched_live or self.sink.destinations_live
+
     def device_view(self, piece: Piece) -> torch.Tensor | None:
         """The device bytes (a uint8 tensor) `piece` lands in, or None when it lands in host memory."""
         dest = self._dest[piece.tensor]

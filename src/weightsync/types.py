@@ -21,6 +21,8 @@ __all__ = [
     "Failed",
     "Hello",
     "Message",
+    "NixlTarget",
+    "NixlWrites",
     "Offer",
     "SyncTimes",
     "Piece",
@@ -34,9 +36,10 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a
-chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch)."""
+chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5: `NixlTarget`
+and `NixlWrites`, new messages in the union)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -169,9 +172,33 @@ class Accept(msgspec.Struct, frozen=True, tag=True):
     version: int
 
 
+class NixlTarget(msgspec.Struct, frozen=True, tag=True):
+    """Receiver -> sender (nixl), right after `Accept`: where the sender may write this sync's
+    buckets. Plain bytes and numbers; the sender checks every count against the plan."""
+
+    metadata: bytes
+    """The receiver's NIXL agent metadata (how to connect, and the remote keys of the memory it
+    registered), opaque bytes loaded by the sender's agent (`add_remote_agent`)."""
+    sites: tuple[int, ...]
+    """Per plan tensor: the address of its destination's first byte, written in place, or 0 when
+    the tensor lands through a slot (it is staged, or lives on a device)."""
+    slots: tuple[int, ...]
+    """Addresses of the receiver's ring slots of `slot_bytes` each, or () when no piece needs one."""
+    slot_bytes: int
+
+
+class NixlWrites(msgspec.Struct, frozen=True, tag=True):
+    """Sender -> receiver (nixl), just before the sync's first write into an in-place site: from
+    bucket `index` on, live destinations may change under the receiver (one-sided writes it does
+    not see). A sync that ends before this message leaves them intact."""
+
+    index: int
+
+
 class BucketReady(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (shm, collective): bucket `index` sits in ring slot `slot` (shm), or is
-    the next to come down the chain (collective)."""
+    """Sender -> receiver (shm, collective, nixl): bucket `index` sits in ring slot `slot` (shm;
+    nixl: its pieces that land through a slot, the rest is in place already), or is the next to
+    come down the chain (collective)."""
 
     index: int
     slot: int
@@ -253,6 +280,8 @@ Message = (
     | Group
     | Offer
     | Accept
+    | NixlTarget
+    | NixlWrites
     | BucketReady
     | BucketData
     | BucketDone

@@ -39,7 +39,7 @@ def test_503_until_the_first_sync(tiny_models) -> None:
 
 
 @pytest.mark.parametrize("kind", MODEL_KINDS)
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "nixl"])
 def test_pushed_weights_serve_like_the_checkpoint(tiny_models, kind, transport) -> None:
     model_dir = tiny_models[kind]
     with (

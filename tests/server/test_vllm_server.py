@@ -23,10 +23,11 @@ pytestmark = [
 ]
 
 
-def test_vllm_server_gates_then_serves_pushed_weights(tiny_models) -> None:
+@pytest.mark.parametrize("transport", ["shm", "nixl"])
+def test_vllm_server_gates_then_serves_pushed_weights(tiny_models, transport) -> None:
     model_dir = tiny_models["qwen2"]
     with (
-        live_server(model_dir, engine="vllm", transport="shm", ready_timeout=0.5) as dummy,
+        live_server(model_dir, engine="vllm", transport=transport, ready_timeout=0.5) as dummy,
         live_server(model_dir, engine="hf", load_format="auto") as reference,
     ):
         assert dummy.client.health()["status"] == "unavailable"

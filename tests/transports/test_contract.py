@@ -28,6 +28,7 @@ from tests.helpers import (
     WAIT_S,
     Recorder,
     assert_all_bit_exact,
+    installed,
     non_contiguous,
     random_tensor,
     random_values,
@@ -464,8 +465,8 @@ def test_multiple_receivers_same_transport(transport):
 
 def test_one_sender_mixing_every_transport():
     source = {"w": random_tensor(torch.float32, (100,), seed=1)}
-    dests = {t: {"w": torch.zeros(100)} for t in TRANSPORTS}
-    receivers = [WeightReceiver(dests[t], transport=t, timeout=WAIT_S) for t in TRANSPORTS]
+    dests = {t: {"w": torch.zeros(100)} for t in installed(TRANSPORTS)}
+    receivers = [WeightReceiver(dests[t], transport=t, timeout=WAIT_S) for t in dests]
     try:
         with sending([r.address for r in receivers], bucket_bytes=64) as sender:
             assert sender.push(source, version=1).ok

@@ -25,9 +25,22 @@ import weightsync
 
 PACKAGE = Path(weightsync.__file__).parent
 
-OPTIONAL = ("ray", "fastapi", "uvicorn", "transformers", "vllm", "httpx", "prometheus_client", "safetensors", "verl")
-"""Top-level packages of the optional extras ([server], [hf], [ray], [verl], vLLM): `import weightsync`
-needs only torch and the core dependencies."""
+OPTIONAL = (
+    "ray",
+    "fastapi",
+    "uvicorn",
+    "transformers",
+    "vllm",
+    "httpx",
+    "prometheus_client",
+    "safetensors",
+    "verl",
+    "nixl",
+    "nixl_cu12",
+    "nixl_cu13",
+)
+"""Top-level packages of the optional extras ([server], [hf], [ray], [verl], [nixl], vLLM): `import
+weightsync` needs only torch and the core dependencies."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@
 | tcp        | any host                 | source memory -> socket -> destination memory            |
 | collective | any hosts, a group       | source -> bucket -> rank 1 -> rank 2 ... (gloo chain)    |
 | cudaipc    | same GPU, other process  | source -> GPU ring slot -> each receiver (device copies) |
+| nixl       | any hosts (RDMA)         | source memory -> NIXL write -> destination memory        |
 
 A transport is a `TransportSpec` (base.py): a link kind for the conversation and two data
 planes. Adding one is a new file defining `SPEC` and a line in `REGISTRY`; no other module names
@@ -37,6 +38,7 @@ REGISTRY: dict[str, str] = {
     "tcp": "weightsync.transports.tcp",
     "collective": "weightsync.transports.collective",
     "cudaipc": "weightsync.transports.cudaipc",
+    "nixl": "weightsync.transports.nixl",
 }
 """Transport name -> the module that defines its `SPEC`."""
 

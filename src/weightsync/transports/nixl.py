@@ -1,0 +1,574 @@
+"""NIXL transport: one-sided writes into each receiver's memory, across hosts (RDMA where the
+hosts have it: InfiniBand or RoCE, through NIXL's UCX backend).
+
+The conversation travels on a TCP link, as tcp's does; bucket bytes move by NIXL::
+
+    receiver, after Accept:  NixlTarget(agent metadata, in-place sites, ring slots)  ->  loaded
+    sender, bucket k:        WRITE every piece: source bytes -> its site, or slot k % num_slots
+                             wait until the writes completed (NIXL flushes the endpoint: the
+                             bytes are in the receiver's memory), then BucketReady(k, slot, checksum)
+    receiver:                copy the slot's pieces into place, finish bucket k  <-  BucketDone(k)
+
+A piece whose source is a plain host tensor of its wire dtype is written straight from the
+tensor (registered for the bucket, then released); any other (a cast, a non-contiguous or GPU
+tensor) is packed into a registered scratch bucket first. A tensor whose destination is
+contiguous host memory is written in place: the receiver exposes it and never copies its bytes.
+A staged tensor, or one bound for a device, lands through a ring of slots the receiver owns. So a
+plain tensor into an in-place destination costs one copy end to end: the write.
+
+Agents: one per send plane and one per receiving connection, made on first use with NIXL's
+progress thread off (it busy-spins a core) and reused across syncs; each side drives progress
+while it waits, every wait bounded by the sync's timeout. What a receiving agent exposes never
+changes: NIXL refuses to update the keys of memory a peer has loaded, so when the memory to
+expose changes (a new bucket size, a destination replaced), the receiver makes a new agent and
+the sender loads that one instead. Registered memory is released on every path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import select
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from weightsync.checksum import SyncHashes
+from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
+from weightsync.landing import Landing
+from weightsync.pack import BucketItem, pack_bucket, piece_bytes
+from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec, fail_all
+from weightsync.transports.control import SenderChannel, next_message
+from weightsync.transports.links import socket_link
+from weightsync.transports.nixl_agent import (
+    NixlAgent,
+    Region,
+    Registered,
+    address_of,
+    close_all,
+    collapse_huge_pages,
+    huge_buffer,
+    live_registrations,
+    require_nixl,
+)
+from weightsync.transports.ring import MAX_SLOTS
+from weightsync.types import BucketDone, BucketReady, NixlTarget, NixlWrites, Plan
+
+__all__ = ["SPEC", "NixlAgent", "NixlReceivePlane", "NixlSendPlane", "live_registrations", "require_nixl"]
+
+log = logging.getLogger(__name__)
+
+PROGRESS_S = 0.0002
+"""How long a waiting receiver sleeps on its control socket between two rounds of NIXL progress:
+writes over UCX's tcp transport land only while the receiver progresses (shared memory and RDMA
+need nothing from it)."""
+
+COLLAPSE_BEFORE_TARGET_S = 5.0
+"""The most a receiver spends, per sync, backing its exposed destinations with huge pages before
+it answers with its target (the sender waits for that within its own timeout); what is left is
+done at the next syncs. Collapsing ran at about 1 GiB/s here, once per destination."""
+
+IN_PLACE_AHEAD = 8
+"""Buckets a sender may write in place ahead of a receiver's last ack: no slot to free, only a
+bound on how far it runs ahead (the acks pay a round trip each)."""
+
+# --- the sending side ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Peer:
+    """A receiver as the sender's agent knows it, and where it takes this sync's buckets."""
+
+    link: Link
+    agent: str
+    target: NixlTarget
+    sites: np.ndarray
+    """`target.sites` as uint64, indexed by tensor."""
+
+    def remote_rows(self, index: int, pieces: _Pieces) -> tuple[np.ndarray, int]:
+        """Where each piece goes in this receiver (rows of address, nbytes, 0), and the slot."""
+        slots = self.target.slots
+        slot = index % len(slots) if slots else 0
+        sites = self.sites[pieces.tensor]
+        through_slot = np.uint64(slots[slot]) + pieces.bucket_offset if slots else np.zeros_like(sites)
+        addresses = np.where(sites != 0, sites + pieces.tensor_offset, through_slot)
+        return np.stack([addresses, pieces.nbytes, np.zeros_like(addresses)], axis=1), slot
+
+    def in_place(self, pieces: _Pieces) -> bool:
+        """Whether any of `pieces` is written into one of this receiver's live destinations."""
+        return bool(self.sites[pieces.tensor].any())
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Pieces:
+    """One bucket's non-empty pieces as columns (uint64), with their local bytes' rows."""
+
+    tensor: np.ndarray
+    tensor_offset: np.ndarray
+    bucket_offset: np.ndarray
+    nbytes: np.ndarray
+    local: np.ndarray
+    """Rows of (address, nbytes, 0) of each piece's bytes on the sender."""
+
+    @classmethod
+    def of(cls, items: Sequence[BucketItem], views: Sequence[np.ndarray]) -> _Pieces:
+        rows = [(item.piece, view) for item, view in zip(items, views, strict=True) if item.piece.nbytes]
+
+        def column(values: list[int]) -> np.ndarray:
+            return np.array(values, dtype=np.uint64)
+
+        return cls(
+            tensor=np.array([piece.tensor for piece, _ in rows], dtype=np.intp),
+            tensor_offset=column([piece.tensor_offset for piece, _ in rows]),
+            bucket_offset=column([piece.bucket_offset for piece, _ in rows]),
+            nbytes=column([piece.nbytes for piece, _ in rows]),
+            local=np.array([(address_of(view), view.nbytes, 0) for _, view in rows], dtype=np.uint64).reshape(-1, 3),
+        )
+
+
+def check_target(target: NixlTarget, plan: Plan, transport: str = "nixl") -> None:
+    """Refuse a target that does not fit the plan, before anything is written to it."""
+    fits = len(target.sites) == len(plan.tensors) and len(target.slots) <= MAX_SLOTS and bool(target.metadata)
+    if fits:
+        through_slots = any(
+            piece.nbytes and not target.sites[piece.tensor] for bucket in plan.buckets for piece in bucket
+        )
+        fits = not through_slots or (bool(target.slots) and target.slot_bytes >= plan.bucket_bytes)
+    if not fits or any(not 0 <= address < 1 << 64 for address in (*target.sites, *target.slots)):
+        raise ProtocolError(
+            f"the receiver's NIXL target ({len(target.sites)} sites, {len(target.slots)} slots of "
+            f"{target.slot_bytes} bytes) does not fit the plan",
+            transport=transport,
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class _Stranded:
+    """Writes still in flight when their receivers were failed, and the memory they read. NIXL
+    cannot free a write in flight (UCX touches it when it ends: a double free), so both are
+    released only once the writes ended: the receiver caught up, or its connection broke."""
+
+    transfers: dict[str, Any]
+    """Receiver agent name -> its unfinished transfer."""
+    memory: list[Registered]
+
+
+_ABANDONED: list[tuple[NixlAgent, list[_Stranded]]] = []
+"""Agents closed with writes that never ended (a receiver stopped dead, alive): kept, with the
+memory those writes read, for the life of the process rather than freed under UCX."""
+
+
+class NixlSendPlane(SendPlane):
+    """WRITEs every bucket into each receiver's memory through one agent, reused across pushes."""
+
+    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+        super().__init__(channel, options)
+        self._agent: NixlAgent | None = None
+        self._peers: dict[str, _Peer] = {}
+        self._acked: dict[str, int] = {}
+        self._writing: set[str] = set()
+        """Receivers told (`NixlWrites`) that this sync writes into their live destinations."""
+        self._scratch: np.ndarray | None = None
+        """Where pieces that are not plain host bytes are packed; registered with the agent."""
+        self._scratch_registered: Registered | None = None
+        self._unfinished: dict[str, Any] = {}
+        """The bucket being sent: receiver agent -> its write, when it did not complete."""
+        self._stranded: list[_Stranded] = []
+        self._to_remove: set[str] = set()
+        """Receiver agents to unload once no stranded write goes to them."""
+        self._sources: tuple[set[Region], set[Region]] = (set(), set())
+        """The plain source regions written in the previous push and in this one."""
+        self._collapsed: set[Region] = set()
+        self._collapse_left_s = 0.0
+
+    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
+        try:
+            if self._agent is None:
+                self._agent = NixlAgent("sender")  # before the offer: its start-up is not the receivers' wait
+        except WeightSyncError as exc:
+            return fail_all(live, exc)
+        self._forget_gone()
+        self._release_stranded(0.0)
+        previous, current = self._sources
+        self._collapsed &= previous | current
+        self._sources, self._collapse_left_s = (current, set()), self.options.timeout / 4
+        failures = offer()
+        accepted = [address for address in live if address not in failures]
+        self._acked = dict.fromkeys(accepted, -1)
+        self._writing = set()
+        if not plan.buckets:
+            return failures  # receivers answer a plan of no buckets with no target
+        deadline = time.monotonic() + self.options.timeout
+        return failures | self.channel.each(accepted, lambda a, link: self._load_target(a, link, plan, deadline))
+
+    def _load_target(self, address: str, link: Link, plan: Plan, deadline: float) -> None:
+        """Take the receiver's `NixlTarget` and load its agent (the same agent again is a no-op)."""
+        target = self.channel.expect(address, NixlTarget, deadline)
+        check_target(target, plan, self.channel.scheme)
+        name = self._require_agent().add_remote(target.metadata)
+        if any(peer.agent == name for other, peer in self._peers.items() if other != address):
+            raise ProtocolError(f"receiver {address} names another receiver's NIXL agent", transport="nixl")
+        previous = self._peers.get(address)
+        if previous is not None and previous.agent != name:
+            self._unload(previous.agent)  # it exposes new memory under a new agent
+        self._peers[address] = _Peer(link, name, target, np.array(target.sites, dtype=np.uint64))
+
+    def _forget_gone(self) -> None:
+        """Unload the agents of receivers whose links were dropped or replaced since."""
+        for address, peer in list(self._peers.items()):
+            try:
+                current: Link | None = self.channel.link(address)
+            except KeyError:
+                current = None
+            if current is not peer.link:
+                del self._peers[address]
+                self._unload(peer.agent)
+
+    def _unload(self, name: str) -> None:
+        """Disconnect from a receiver's agent, once no stranded write goes to it."""
+        if any(name in stranded.transfers for stranded in self._stranded):
+            self._to_remove.add(name)
+        elif self._agent is not None:
+            try:
+                self._agent.remove_remote(name)
+            except TransportError as exc:
+                log.warning("%s", exc)
+
+    def _require_agent(self) -> NixlAgent:
+        if self._agent is None:
+            raise ProtocolError("bucket sent before the NIXL agent was set up", transport="nixl")
+        return self._agent
+
+    def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
+        deadline = time.monotonic() + self.options.timeout
+        tensors = [item.piece.tensor for item in items if item.piece.nbytes]
+        failures = self.channel.each(live, lambda address, link: self._wait_slot(address, index, tensors, deadline))
+        views, registered, packed = self._local_bytes(items)
+        try:
+            checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
+            ready = [address for address in live if address not in failures]
+            return failures | self._write(index, _Pieces.of(items, views), ready, checksum, deadline)
+        finally:
+            memory = [registered] if registered is not None else []
+            if self._unfinished:  # what those writes read stays registered, and out of reuse
+                if packed and self._scratch_registered is not None:
+                    memory.append(self._scratch_registered)
+                    self._scratch, self._scratch_registered = None, None
+                self._stranded.append(_Stranded(self._unfinished, memory))
+                self._unfinished = {}
+            else:
+                close_all(memory)
+
+    def _wait_slot(self, address: str, index: int, tensors: Sequence[int], deadline: float) -> None:
+        """Wait until the receiver freed the slot bucket `index` writes into (a bucket written
+        all in place needs none: it only waits not to run more than `IN_PLACE_AHEAD` ahead)."""
+        peer = self._peers.get(address)
+        if peer is None:
+            raise ProtocolError(f"no NIXL target from receiver {address}", transport="nixl")
+        through_slot = bool(peer.target.slots) and not peer.sites[tensors].all()
+        done = index - (len(peer.target.slots) if through_slot else IN_PLACE_AHEAD)
+        while self._acked.get(address, -1) < done:
+            self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
+
+    def _local_bytes(self, items: Sequence[BucketItem]) -> tuple[list[np.ndarray], Registered | None, bool]:
+        """Each piece's bytes in registered host memory: the source's own, or packed in scratch;
+        with the sources' registration, and whether any piece was packed."""
+        agent = self._require_agent()
+        views: list[np.ndarray | None] = [
+            piece_bytes(item.tensor, item.wire_dtype, item.piece.tensor_offset, item.piece.nbytes) for item in items
+        ]
+        plain = [view for view in views if view is not None]
+        self._collapse_recurring(plain)
+        registered = None
+        try:
+            registered = Registered(agent, plain)
+        except TransportError as exc:  # memory the NIC cannot register (a read-only file mapping): pack it
+            log.debug("packing sources NIXL could not register: %s", exc)
+            views = [None] * len(items)
+        packed = [item for item, view in zip(items, views, strict=True) if view is None]
+        if packed:
+            scratch = self._scratch_for(max(item.piece.bucket_offset + item.piece.nbytes for item in packed))
+            bytes_of = iter(pack_bucket(packed, scratch))
+            views = [view if view is not None else np.asarray(next(bytes_of)) for view in views]
+        return [view for view in views if view is not None], registered, bool(packed)
+
+    def _collapse_recurring(self, views: Sequence[np.ndarray]) -> None:
+        """Back the source bytes that recur push after push (a trainer's own tensors) with huge
+        pages, once each, within a time budget per push: writes from them run about 2.5x faster
+        (`collapse_huge_pages`). Memory seen for the first time is left alone: a collapse copies
+        it, which a buffer gathered afresh for every push would pay every time."""
+        previous, current = self._sources
+        for view in views:
+            region = (address_of(view), view.nbytes)
+            current.add(region)
+            if region in previous and region not in self._collapsed and self._collapse_left_s > 0:
+                self._collapsed.add(region)
+                self._collapse_left_s -= collapse_huge_pages(*region)
+
+    def _scratch_for(self, nbytes: int) -> np.ndarray:
+        if self._scratch is None or self._scratch.nbytes < nbytes:
+            self._close_scratch()
+            scratch = huge_buffer(nbytes)
+            self._scratch_registered = Registered(self._require_agent(), [scratch])
+            self._scratch = scratch
+        return self._scratch
+
+    def _write(self, index: int, pieces: _Pieces, live: Sequence[str], checksum: int, deadline: float) -> Failures:
+        """Post the bucket's writes to every receiver at once (NICs run them side by side), then
+        tell each receiver its bucket is there as soon as its write completed."""
+        agent = self._require_agent()
+        transfers: dict[str, Any] = {}
+        states: dict[str, str] = {}
+        slots: dict[str, int] = {}
+
+        def post(address: str, link: Link) -> None:
+            link.bucket = index
+            peer = self._peers[address]
+            remote, slots[address] = peer.remote_rows(index, pieces)
+            if not len(pieces.local):
+                return
+            if address not in self._writing and peer.in_place(pieces):
+                # before the first write into live memory: a sync that ends sooner left it intact
+                link.send(NixlWrites(index), self.options.timeout)
+                self._writing.add(address)
+            transfers[address], states[address] = agent.post_write(pieces.local, remote, peer.agent, link)
+
+        def announce_if_done(address: str, link: Link) -> None:
+            if address in transfers and not self._done(transfers[address], states, address, link, deadline):
+                return
+            link.send(BucketReady(index, slots[address], checksum), self.options.timeout)
+            waiting.remove(address)
+
+        try:
+            failures = self.channel.each(live, post)
+            waiting = [address for address in live if address not in failures]
+            while waiting:  # round robin: a slow receiver does not hold up the others' buckets
+                failures |= self.channel.each(list(waiting), announce_if_done)
+                waiting = [address for address in waiting if address not in failures]
+            return failures
+        finally:
+            for address, transfer in transfers.items():
+                if states[address] == "PROC":
+                    self._unfinished[self._peers[address].agent] = transfer
+                else:
+                    agent.release(transfer)
+
+    def _done(self, transfer: Any, states: dict[str, str], address: str, link: Link, deadline: float) -> bool:
+        """Whether the write to `address` completed; raises when it failed or ran past `deadline`."""
+        if states[address] == "PROC":
+            try:
+                states[address] = self._require_agent().state(transfer, link)
+            except TransportError:
+                states[address] = "ERR"
+                raise
+        if states[address] == "DONE":
+            return True
+        if states[address] == "PROC" and time.monotonic() < deadline:
+            return False
+        raise (TransferTimeout if states[address] == "PROC" else TransportError)(
+            f"the write did not complete within {self.options.timeout} s"
+            if states[address] == "PROC"
+            else "the write failed",
+            transport="nixl",
+            version=link.version,
+            bucket=link.bucket,
+        )
+
+    def _release_stranded(self, wait_s: float) -> None:
+        """Release the stranded writes that ended (waiting up to `wait_s` for the rest), then
+        unload the receiver agents no stranded write goes to any more."""
+        agent = self._agent
+        deadline = time.monotonic() + wait_s
+        while agent is not None and self._stranded:
+            for stranded in list(self._stranded):
+                if all(agent.ended(transfer) for transfer in stranded.transfers.values()):
+                    for transfer in stranded.transfers.values():
+                        agent.release(transfer)
+                    close_all(stranded.memory)
+                    self._stranded.remove(stranded)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(PROGRESS_S)
+        for name in list(self._to_remove):
+            if not any(name in stranded.transfers for stranded in self._stranded):
+                self._to_remove.discard(name)
+                self._unload(name)
+
+    def close(self) -> None:
+        for address in list(self._peers):
+            self._unload(self._peers.pop(address).agent)
+        self._release_stranded(self.options.timeout if self._stranded else 0.0)
+        self._close_scratch()
+        agent, self._agent = self._agent, None
+        if agent is not None and self._stranded:
+            log.warning(
+                "nixl: %d write(s) to stalled receivers never ended; their agent and memory are kept for good",
+                len(self._stranded),
+            )
+            _ABANDONED.append((agent, self._stranded))
+            self._stranded = []
+        elif agent is not None:
+            agent.close()
+
+    def _close_scratch(self) -> None:
+        registered, self._scratch_registered, self._scratch = self._scratch_registered, None, None
+        close_all([registered] if registered is not None else [])
+
+
+# --- the receiving side -------------------------------------------------------------------------
+
+
+class _Exposure:
+    """What one receiving agent exposes, fixed for the agent's life: destinations written in
+    place (`sites`: address -> nbytes) and a ring of `num_slots` slots of `slot_bytes`."""
+
+    def __init__(self, views: Sequence[np.ndarray], num_slots: int, slot_bytes: int, collapse_s: float) -> None:
+        self.sites = {address_of(view): view.nbytes for view in views}
+        self.slot_bytes = slot_bytes
+        ring = huge_buffer(num_slots * slot_bytes) if slot_bytes else None
+        self.ring = ring
+        self.slots = tuple(address_of(ring) + i * slot_bytes for i in range(num_slots)) if ring is not None else ()
+        self._uncollapsed = list(views)
+        self.collapse(collapse_s)  # before registering: a NIC pins what is registered
+        self.agent = NixlAgent("receiver")
+        try:
+            self._registered = Registered(self.agent, [*views, *([ring] if ring is not None else [])])
+        except BaseException:
+            self.agent.close()
+            raise
+        try:
+            self.metadata = self.agent.metadata()
+        except BaseException:
+            self.close()
+            raise
+
+    def collapse(self, budget_s: float) -> None:
+        """Back the exposed destinations with huge pages, for at most about `budget_s` (the rest
+        at the next sync): the sender's writes into them run about 2.5x faster
+        (`collapse_huge_pages`). Done once: they are the engine's, and stay."""
+        spent = 0.0
+        while self._uncollapsed and spent < budget_s:
+            view = self._uncollapsed.pop()
+            spent += collapse_huge_pages(address_of(view), view.nbytes)
+
+    def covers(self, sites: Mapping[int, int], slot_bytes: int) -> bool:
+        """Whether this exposure already holds `sites` and slots of at least `slot_bytes`."""
+        has_slots = slot_bytes == 0 or (bool(self.slots) and self.slot_bytes >= slot_bytes)
+        return has_slots and all(self.sites.get(address, -1) >= nbytes for address, nbytes in sites.items())
+
+    def slot(self, slot: int) -> np.ndarray | None:
+        if self.ring is None or not 0 <= slot < len(self.slots):
+            return None
+        return self.ring[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+
+    def close(self) -> None:
+        try:
+            self._registered.close()
+        finally:
+            self.agent.close()
+            self.ring = None
+
+
+class NixlReceivePlane(ReceivePlane):
+    """Exposes this connection's landing sites to the sender's writes, and lands what comes
+    through a slot."""
+
+    def __init__(self, link: Link, options: PlaneOptions) -> None:
+        super().__init__(link, options)
+        self._exposure: _Exposure | None = None
+        self._sites: tuple[int, ...] = ()
+        """This sync's target: per tensor, the address it lands at in place, or 0."""
+
+    def receive(self, index: int, landing: Landing) -> None:
+        if index == 0:
+            self._offer_target(landing)
+        message = self._await_ready(index, landing)
+        pieces = [piece for piece in landing.plan.buckets[index] if piece.nbytes and not self._sites[piece.tensor]]
+        if pieces:
+            slot = self._exposure.slot(message.slot) if self._exposure is not None else None
+            if slot is None:
+                raise ProtocolError(
+                    f"bucket {index} names slot {message.slot}, which this receiver does not have",
+                    transport=self.link.transport,
+                    version=self.link.version,
+                    bucket=index,
+                )
+            for piece in pieces:
+                landing.copy_in(piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
+        landing.finish_bucket(index, message.checksum)
+        self.link.send(BucketDone(index), self.options.timeout)
+
+    def _offer_target(self, landing: Landing) -> None:
+        """Expose this sync's landing sites (a new agent when they changed) and send the target."""
+        plan = landing.plan
+        views: dict[int, np.ndarray] = {}
+        for tensor in range(len(plan.tensors)):
+            site = landing.host_site(tensor)
+            if site is not None and site.nbytes:
+                views[tensor] = site
+        through_slots = any(piece.nbytes and piece.tensor not in views for bucket in plan.buckets for piece in bucket)
+        slot_bytes = plan.bucket_bytes if through_slots else 0
+        wanted = {address_of(view): view.nbytes for view in views.values()}
+        collapse_s = min(COLLAPSE_BEFORE_TARGET_S, self.options.timeout / 4)
+        if self._exposure is not None and self._exposure.covers(wanted, slot_bytes):
+            self._exposure.collapse(collapse_s)  # what an earlier sync left to do
+        else:
+            exposure = _Exposure(list(views.values()), self.options.num_slots, slot_bytes, collapse_s)
+            self.close()
+            self._exposure = exposure
+        exposure = self._exposure
+        self._sites = tuple(address_of(views[t]) if t in views else 0 for t in range(len(plan.tensors)))
+        target = NixlTarget(exposure.metadata, self._sites, exposure.slots, exposure.slot_bytes)
+        self.link.send(target, self.options.timeout)
+
+    def _await_ready(self, index: int, landing: Landing) -> BucketReady:
+        """The sender's BucketReady for bucket `index`, progressing the agent while it comes."""
+        conn = socket_link(self.link)
+        deadline = time.monotonic() + self.options.timeout
+        while True:
+            while not _readable(conn.sock, PROGRESS_S):
+                if self._exposure is not None:
+                    self._exposure.agent.progress(conn)
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(
+                        f"bucket {index} was not written within {self.options.timeout} s",
+                        transport=conn.transport,
+                        version=conn.version,
+                        bucket=index,
+                    )
+            message = next_message(conn, self.options.timeout)
+            if isinstance(message, BucketReady) and message.index == index:
+                return message
+            if not isinstance(message, NixlWrites) or message.index != index:
+                raise ProtocolError(
+                    f"expected BucketReady for bucket {index}, got {message!r}"[:200],
+                    transport=conn.transport,
+                    version=conn.version,
+                    bucket=index,
+                )
+            landing.mark_live_written()
+
+    def close(self) -> None:
+        exposure, self._exposure = self._exposure, None
+        if exposure is not None:
+            exposure.close()
+
+
+def _readable(sock: Any, timeout: float) -> bool:
+    """Whether a read would not block within `timeout` (a closed socket reads at once: its EOF)."""
+    try:
+        return bool(select.select([sock], [], [], timeout)[0])
+    except (OSError, ValueError):
+        return True
+
+
+SPEC = TransportSpec(
+    name="nixl",
+    link="tcp",
+    send_plane=NixlSendPlane,
+    receive_plane=NixlReceivePlane,
+    summary="any hosts: NIXL writes into receiver memory (RDMA where the hosts have it)",
+    check=require_nixl,
+)
