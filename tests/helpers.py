@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 from hypothesis import strategies as st
 
@@ -30,7 +31,21 @@ OPTIONAL_TRANSPORTS = {"nixl": "nixl"}
 def missing_package(transport: str) -> str | None:
     """The optional package `transport` needs and this environment lacks, or None."""
     package = OPTIONAL_TRANSPORTS.get(transport)
-    return package if package is not None and importlib.util.find_spec(package) is None else None
+    if package is None:
+        return None
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # ValueError: blocked by a None entry in sys.modules
+        found = False
+    return None if found else package
+
+
+def needs(transport: str) -> pytest.MarkDecorator:
+    """Skip a test of `transport` (one not parametrized by transport) where its package is missing."""
+    package = missing_package(transport)
+    return pytest.mark.skipif(
+        package is not None, reason=f"{package} is not installed: pip install 'weightsync[{transport}]'"
+    )
 
 
 def installed(transports: list[str]) -> list[str]:

@@ -30,6 +30,7 @@ from tests.helpers import (
     WAIT_S,
     Recorder,
     assert_all_bit_exact,
+    needs,
     receiving,
     shm_segments,
     wait_until,
@@ -410,6 +411,7 @@ time.sleep(120)
     "a receiver dies between the handshake and the first write (nixl)",
     expected="the sender's first write to it fails (PeerClosedError, naming version and bucket 0) within the timeout, the other receiver commits; no registered memory left; next push: ConnectError for the dead one, the other commits",
 )
+@needs("nixl")
 def test_nixl_receiver_gone_before_the_first_write(observe):
     from weightsync.transports.nixl import live_registrations
 

@@ -11,7 +11,7 @@ import torch
 from tests.helpers import (
     Recorder,
     assert_all_bit_exact,
-    missing_package,
+    needs,
     random_tensor,
     random_values,
     receiving,
@@ -19,7 +19,7 @@ from tests.helpers import (
 )
 from weightsync import ConfigError, WeightReceiver, WeightSender
 
-needs_nixl = pytest.mark.skipif(missing_package("nixl") is not None, reason="nixl is not installed")
+needs_nixl = needs("nixl")
 
 
 @pytest.fixture
