@@ -107,11 +107,16 @@ class Doorbell:
         os.chmod(self._dir.name, 0o700)
         self.path = str(Path(self._dir.name) / "bell.sock")
         self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         try:
             header = await asyncio.wait_for(reader.readexactly(_LENGTH.size), self._timeout)
             (size,) = _LENGTH.unpack(header)
@@ -138,4 +143,8 @@ class Doorbell:
             self._server.close()
             await self._server.wait_closed()
             self._server = None
+        for task in list(self._tasks):  # a ring still in its handler: the worker's wait ends in error
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self._timeout)
         self._dir.cleanup()
