@@ -7,7 +7,8 @@ import inspect
 
 import pytest
 
-from weightsync.vllm_server.internals import TESTED_VLLM, VLLMInternalsChanged, token_version
+from weightsync.errors import ConfigError
+from weightsync.vllm_server.internals import TESTED_VLLM, token_version
 
 pytest.importorskip("vllm")
 
@@ -39,7 +40,7 @@ def test_the_output_processor_still_keeps_per_request_version_starts() -> None:
 
 
 def test_a_changed_engine_is_named_not_silently_unlabelled() -> None:
-    with pytest.raises(VLLMInternalsChanged, match="output processor"):
+    with pytest.raises(ConfigError, match="output processor changed"):
         token_version(object(), "request", 0, 0)
 
 

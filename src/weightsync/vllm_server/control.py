@@ -119,14 +119,8 @@ class SyncControl:
 
     def _begin(self, version: int, message: dict[str, Any]) -> None:
         self._started = time.perf_counter()
-        self.stats = SyncStats(
-            version,
-            int(message.get("bytes", 0)),
-            int(message.get("bucket_bytes", 0)),
-            num_committed=self.stats.num_committed,
-            num_failed=self.stats.num_failed,
-        )
-        self.metrics.sync_in_progress.set(1)
+        sizes = int(message.get("bytes", 0)), int(message.get("bucket_bytes", 0))
+        self.stats = self.stats.next(version, *sizes, self.metrics)
 
     async def _park(self, version: int) -> None:
         if not await self.pause("sync", self.mode, self.drain_timeout):
@@ -141,14 +135,7 @@ class SyncControl:
         self.version = version
         self.dirty = False
         self._owners.pop("dirty", None)
-        self.stats.seconds = time.perf_counter() - self._started
-        self.stats.ok = True
-        self.stats.num_committed += 1
-        self.metrics.syncs.labels("committed").inc()
-        self.metrics.sync_seconds.observe(self.stats.seconds)
-        self.metrics.sync_bytes.inc(self.stats.total_bytes)
-        self.metrics.version.set(version)
-        self.metrics.sync_in_progress.set(0)
+        self.stats.committed(time.perf_counter() - self._started, self.metrics)
         await self.resume("sync")
         self._changed()
         log.info(
@@ -156,12 +143,7 @@ class SyncControl:
         )
 
     async def _abort(self, version: int, intact: bool, error: str) -> None:
-        self.stats.seconds = time.perf_counter() - self._started
-        self.stats.ok = False
-        self.stats.error = error
-        self.stats.num_failed += 1
-        self.metrics.syncs.labels("failed").inc()
-        self.metrics.sync_in_progress.set(0)
+        self.stats.failed(time.perf_counter() - self._started, error, self.metrics)
         if not intact or self.dirty:  # the live weights are no version we can name: serve nothing
             self.dirty = True
             self.version = None

@@ -18,14 +18,10 @@ from typing import Any
 
 from weightsync.errors import ConfigError
 
-__all__ = ["TESTED_VLLM", "VLLMInternalsChanged", "token_version"]
+__all__ = ["TESTED_VLLM", "token_version"]
 
 TESTED_VLLM = "0.32."
 """The vLLM release line these attribute paths were read from."""
-
-
-class VLLMInternalsChanged(ConfigError):
-    """vLLM no longer has the internals this module reads: re-check it against the new release."""
 
 
 def token_version(engine: Any, request_id: str, index: int, position: int) -> str | None:
@@ -34,14 +30,15 @@ def token_version(engine: Any, request_id: str, index: int, position: int) -> st
     vLLM holds no record of it (finished, or no token labelled yet).
 
     Raises:
-        VLLMInternalsChanged: the output processor's per-request records are not where they were.
+        ConfigError: the installed vLLM keeps its per-request records elsewhere (an upgrade past
+            `TESTED_VLLM`): re-check this module against it.
     """
     try:
         processor = engine.output_processor
         internal_ids = processor.external_req_ids.get(request_id, ())
         states = processor.request_states
     except AttributeError as exc:
-        raise VLLMInternalsChanged(f"vLLM's output processor changed ({exc}); see {__name__}") from exc
+        raise ConfigError(f"vLLM's output processor changed ({exc}); see {__name__}") from exc
     for internal_id in list(internal_ids):
         state = states.get(internal_id)
         if state is None:
@@ -51,7 +48,7 @@ def token_version(engine: Any, request_id: str, index: int, position: int) -> st
                 continue
             starts: list[tuple[str, int]] = list(state.weight_version_starts)
         except AttributeError as exc:
-            raise VLLMInternalsChanged(f"vLLM's RequestState changed ({exc}); see {__name__}") from exc
+            raise ConfigError(f"vLLM's RequestState changed ({exc}); see {__name__}") from exc
         version = None
         for label, start in starts:
             if start <= position:

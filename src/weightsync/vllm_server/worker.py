@@ -23,13 +23,12 @@ import time
 from typing import Any
 
 import msgspec
-import torch
 
 from weightsync.engines.vllm_sink import ReloadSink, checkpoint_layout, reprocess_tied_layers
 from weightsync.errors import SinkError
 from weightsync.options import ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
-from weightsync.sink import StagedSink, WeightSink
+from weightsync.sink import StagedSink, WeightSink, WrappingSink
 from weightsync.types import Plan
 from weightsync.vllm_server.doorbell import ring
 
@@ -57,7 +56,7 @@ class ReceiverSpec(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout: float = 60.0
 
 
-class BellSink(WeightSink):
+class BellSink(WrappingSink):
     """The engine's sink, with the API process asked to pause around the part that touches vLLM.
 
     Args:
@@ -68,36 +67,10 @@ class BellSink(WeightSink):
     """
 
     def __init__(self, inner: WeightSink, bell: str, *, drain_timeout: float, timeout: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.bell = bell
         self.drain_timeout = drain_timeout
         self.timeout = timeout
-        self._paused_s = 0.0
-
-    @property
-    def loads_live(self) -> bool:  # type: ignore[override]
-        return self.inner.loads_live
-
-    @property
-    def destinations_live(self) -> bool:  # type: ignore[override]
-        return self.inner.destinations_live
-
-    @property
-    def wrote_live(self) -> bool:  # type: ignore[override]
-        return self.inner.wrote_live
-
-    @property
-    def borrows(self) -> bool:  # type: ignore[override]
-        return self.inner.borrows
-
-    @property
-    def paused_s(self) -> float:  # type: ignore[override]
-        return self._paused_s
-
-    @property
-    def staged(self) -> bool:
-        """True when nothing served changes before the commit: pause for the commit alone."""
-        return not (self.inner.destinations_live or self.inner.loads_live)
 
     def _ring(self, event: str, version: int, timeout: float, **fields: Any) -> None:
         ring(self.bell, {"event": event, "version": version, **fields}, timeout)
@@ -109,12 +82,6 @@ class BellSink(WeightSink):
         started = time.perf_counter()
         self._ring("begin", version, self.drain_timeout + self.timeout if park else self.timeout, **fields)
         self._paused_s = time.perf_counter() - started if park else 0.0
-
-    def destination(self, name: str) -> torch.Tensor | None:
-        return self.inner.destination(name)
-
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.inner.load(named_tensors)
 
     def commit(self, version: int) -> None:
         if self.staged:
