@@ -71,3 +71,13 @@ def test_error_answers_pass_unchanged() -> None:
     start = {"type": "http.response.start", "status": 400, "headers": []}
     body = {"type": "http.response.body", "body": b'{"error": {"message": "bad"}}', "more_body": False}
     assert label([start, body], Recorder()) == [start, body]
+
+
+def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:
+    from weightsync.vllm_server.http import gated
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations", "/inference/v1/generate"):
+        assert gated("POST", path), path
+    for path in ("/tokenize", "/v1/chat/completions/render", "/pause", "/resume"):
+        assert not gated("POST", path), path
+    assert not gated("GET", "/v1/models")

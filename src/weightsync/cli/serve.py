@@ -95,6 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from weightsync.errors import ConfigError
     from weightsync.server.app import create_app
     from weightsync.server.background import bind
     from weightsync.server.runtime import ServeConfig
@@ -121,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.engine == "vllm":
         return run_vllm(config, args)
+    if args.vllm_args:
+        raise ConfigError("--vllm-args is for --engine vllm")
     startup = Startup(config)
     # The engine's imports now (a missing engine fails before the port is taken), so that the
     # engine builds on a thread after it, and the API answers within milliseconds all along.

@@ -11,8 +11,9 @@ The middleware, outermost, in this order:
 
     auth     `Authorization: Bearer <token>` on every path but /health and /ping when the server
              has a token (--allow-unauthenticated-generation opens /v1/* as well)
-    gate     generation requests (POST /v1/*, /inference/*) wait up to --ready-timeout for the
-             first committed version, then get an OpenAI-style 503 naming the state
+    gate     every POST that may run the model (all but tokenize, render, /pause, /resume...)
+             waits up to --ready-timeout for the first committed, intact version, then gets an
+             OpenAI-style 503 naming the state
     version  /v1/completions and /v1/chat/completions: `weight_version` (int) on the response and
              on every streamed chunk, and per choice `weight_versions` spans
              [{"version", "start", "end"}] over its output tokens once the choice ends
@@ -55,9 +56,18 @@ def error(status: int, message: str, kind: str, state: str | None = None) -> JSO
     return JSONResponse(body, status_code=status)
 
 
+UNGATED_POSTS = frozenset(
+    {"/pause", "/resume", "/ping", "/tokenize", "/detokenize", "/v1/messages/count_tokens", "/is_scaling_elastic_ep"}
+)
+"""POSTs that run no model: answered before the first sync too."""
+
+
 def gated(method: str, path: str) -> bool:
-    """Generation requests: they must not reach dummy or dirty weights."""
-    return method == "POST" and path.startswith(("/v1/", "/inference/"))
+    """Whether a request waits at the gate: every POST that may run the model (vLLM's OpenAI,
+    Anthropic, SageMaker and tokens-in/out routes alike); renders and tokenizing do not."""
+    if method != "POST" or path in UNGATED_POSTS:
+        return False
+    return not path.endswith(("/render", "/derender"))
 
 
 class WeightsyncMiddleware:
