@@ -24,7 +24,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import WAIT_S
-from weightsync import WeightSender
+from weightsync import PlanError, WeightSender
 from weightsync.server.process import ChildProcess
 
 pytest.importorskip("vllm")
@@ -47,6 +47,11 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 PROMPT = [5, 6, 7, 8]
+CONTEXT = 4096
+"""The test model's context, raised from 512 (rotary positions: no weight depends on it), so that
+the request that spans a sync runs for seconds while the pause around the sync takes milliseconds."""
+LONG = 3000
+"""Tokens of the request that spans a sync."""
 
 
 class Served:
@@ -78,6 +83,8 @@ def vllm_server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
     config_path = model_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
+    model_config = model_dir / "config.json"
+    model_config.write_text(json.dumps(json.loads(model_config.read_text()) | {"max_position_embeddings": CONTEXT}))
     command = [sys.executable, "-m", "weightsync", "serve", "--engine", "vllm", "--model", str(model_dir)]
     command += ["--port", "0", "--sync-mode", "keep", "--ready-timeout", "1", "--auth-token", TOKEN]
     process = ChildProcess(command)
@@ -235,7 +242,7 @@ def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Serv
     stream = pushed.openai.completions.create(
         model=pushed.name,
         prompt=PROMPT,
-        max_tokens=400,
+        max_tokens=LONG,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
@@ -244,8 +251,9 @@ def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Serv
     landed = threading.Event()
     for chunk in stream:
         chunks.append(chunk)
-        if not landed.is_set() and any(c.text for c in chunk.choices):
-            # Freeze the request (keep), land a sync while it is frozen, then let it go on.
+        if not landed.is_set():
+            # At its first token: freeze the request (keep), land a sync while it is frozen, then
+            # let it go on.
             assert pushed.http.post("/pause", params={"mode": "keep"}).json()["parked"]
             assert pushed.push(checkpoint, old + 1).ok
             assert pushed.http.post("/resume").json()["paused"] is False
@@ -253,7 +261,31 @@ def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Serv
     final = [c for chunk in chunks for c in chunk.choices if c.finish_reason is not None]
     assert len(final) == 1 and final[0].finish_reason == "length"
     spans = final[0].weight_versions
-    assert [span["version"] for span in spans] == [old, old + 1]
-    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == 400
+    assert [span["version"] for span in spans] == [old, old + 1], (
+        spans,
+        [chunk.weight_version for chunk in chunks][:5],
+    )
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == LONG
     labels = [chunk.weight_version for chunk in chunks]
     assert labels[0] == old and labels[-1] == old + 1 and labels == sorted(labels)
+
+
+def test_a_sync_that_fails_after_reaching_vllm_leaves_it_dirty_until_the_next_good_one(
+    pushed: Served, checkpoint: dict[str, Any]
+) -> None:
+    from tests.server.checks import _Gated
+
+    version = pushed.http.get("/health").json()["version"]
+    with WeightSender([pushed.address], timeout=WAIT_S, auth_token=TOKEN, bucket_bytes=1 << 16) as sender:
+        with pytest.raises(PlanError):  # the source breaks after its first bucket reached vLLM
+            sender.push(_Gated(checkpoint, broken=True), version + 1)
+    health = pushed.http.get("/health")
+    assert health.status_code == 503 and health.json()["state"] == "dirty"
+    with pytest.raises(openai.APIStatusError) as refused:
+        pushed.greedy()
+    assert refused.value.status_code == 503 and refused.value.response.json()["state"] == "dirty"
+    assert pushed.http.get("/weight_info").json()["version"] is None
+
+    assert pushed.push(checkpoint, version + 2).ok
+    assert pushed.http.get("/health").status_code == 200
+    assert pushed.greedy().weight_version == version + 2

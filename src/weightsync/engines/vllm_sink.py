@@ -153,6 +153,10 @@ class ReloadSink(WeightSink):
     borrows = False
     """The loader thread reads a bucket's tensors after `load` returned: they must be its own."""
 
+    loads_live = True
+    """`load` feeds the served model: a sync that fails after one leaves it mixed, and the
+    receiver reports itself dirty (what the rollout servers' /health reads)."""
+
     def __init__(
         self,
         layout: CheckpointLayout,
