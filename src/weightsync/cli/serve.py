@@ -166,16 +166,18 @@ def run(args: argparse.Namespace) -> int:
 def run_vllm(config: ServeConfig, args: argparse.Namespace) -> int:
     """vLLM's own OpenAI server with weightsync's parts on top (weightsync.vllm_server)."""
     import asyncio
+    import gc
     import shlex
 
     from weightsync.server.background import bind
     from weightsync.server.runtime import engine_class
 
     engine_class("vllm")  # a missing vLLM fails here, before the port is taken
-    from weightsync.vllm_server.server import serve, vllm_namespace
+    from weightsync.vllm_server.server import preload, serve, vllm_namespace
 
     extra = shlex.split(args.vllm_args)
     vllm_namespace(config, extra)  # vLLM's refusal of the arguments, before the port is taken
+    preload(config.model)
     configure_logging(args.log_level)
     sock = bind(args.host, args.port)
     host, bound_port = sock.getsockname()[:2]
@@ -189,6 +191,7 @@ def run_vllm(config: ServeConfig, args: argparse.Namespace) -> int:
         asyncio.run(serve(config, sock, extra_args=extra, announce=announce, log_level=args.log_level))
     finally:
         sock.close()
+        gc.unfreeze()  # what preload froze is collected as usual at exit
     return 0
 
 

@@ -34,7 +34,7 @@ import msgspec
 import uvicorn
 from fastapi.responses import JSONResponse
 
-from weightsync.engines.vllm import DEFAULT_KV_CACHE_BYTES, config_dtype
+from weightsync.engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMEngine, config_dtype
 from weightsync.errors import ConfigError, ResourceError
 from weightsync.server.body_limit import BodyLimit
 from weightsync.server.metrics import ServerMetrics
@@ -45,12 +45,15 @@ from weightsync.vllm_server.http import WeightsyncMiddleware, add_routes, error
 from weightsync.vllm_server.versions import VersionedEngine
 from weightsync.vllm_server.worker import EXTENSION, ReceiverSpec
 
-__all__ = ["serve", "vllm_namespace"]
+__all__ = ["preload", "serve", "vllm_namespace"]
 
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 120.0
 """Seconds a start-up or shut-down call into vLLM's worker may take."""
+
+WARM_UP_TIMEOUT_S = 300.0
+"""Seconds the one-token warm-up generation may take (a first forward compiles kernels)."""
 
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds requests in flight get to finish when the server is stopped."""
@@ -94,6 +97,31 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
     return args
 
 
+PRELOADED_MODULES = (
+    "vllm.engine.arg_utils",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.engine.core_client",
+    "vllm.entrypoints.launchers.app",
+    "vllm.entrypoints.launchers.api_server.app_state",
+    "vllm.v1.metrics.prometheus",
+)
+"""What building the engine and the app imports, imported by `preload` before the port listens."""
+
+
+def preload(model: str) -> None:
+    """Call before the port listens: import what the engine build imports on its thread, and
+    freeze the heap. Both would otherwise hold the interpreter for long stretches while the port
+    answers 503 (imports; vLLM's full garbage collections, each scanning every object there is)."""
+    import gc
+    import importlib
+
+    for name in PRELOADED_MODULES:
+        importlib.import_module(name)
+    VLLMEngine.preload(model)  # vLLM's plugin scan and the model's own module
+    gc.collect()
+    gc.freeze()
+
+
 def _build_engine(args: argparse.Namespace) -> Any:
     """vLLM's AsyncLLM from serve arguments: the calls of vLLM's
     `build_async_engine_client_from_engine_args`, made here so they can run on a thread."""
@@ -110,6 +138,31 @@ def _build_engine(args: argparse.Namespace) -> Any:
         aggregate_engine_logging=engine_args.aggregate_engine_logging,
         disable_log_stats=engine_args.disable_log_stats,
     )
+
+
+async def _warm_up(engine: Any, model: str) -> None:
+    """Generate one token from a one-token prompt before serving, on the weights vLLM starts with:
+    a server that cannot run its model must refuse to start, not answer every request with
+    nothing (vLLM's CPU backend, for one, starts on models its attention kernels cannot run).
+
+    Raises:
+        ConfigError: vLLM could not generate the token.
+    """
+    from vllm import SamplingParams
+
+    why = f"the vllm engine cannot run {model}: a one-token warm-up generation"
+    tokens: list[int] = []
+    try:
+        async with asyncio.timeout(WARM_UP_TIMEOUT_S):
+            outputs = engine.generate({"prompt_token_ids": [0]}, SamplingParams(max_tokens=1), "weightsync-warm-up")
+            async for output in outputs:
+                tokens += output.outputs[0].token_ids
+    except Exception as exc:
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"{why} failed: {type(cause).__name__}: {cause}") from exc
+    if not tokens:
+        raise ConfigError(f"{why} produced no token")
+    log.info("warm-up: the vllm engine generated a token")
 
 
 class _Front:
@@ -239,6 +292,7 @@ async def _serve_engine(
 
     if serving.done():  # stopped while the engine loaded
         return
+    await _warm_up(engine, config.model)
     await engine.reset_mm_cache()
     supported = await engine.get_supported_tasks()
     app = build_app(args, supported, engine.model_config)
