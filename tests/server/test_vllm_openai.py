@@ -47,10 +47,10 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 PROMPT = [5, 6, 7, 8]
-CONTEXT = 4096
+CONTEXT = 8192
 """The test model's context, raised from 512 (rotary positions: no weight depends on it), so that
 the request that spans a sync runs for seconds while the pause around the sync takes milliseconds."""
-LONG = 3000
+LONG = 6000
 """Tokens of the request that spans a sync."""
 
 
@@ -255,6 +255,7 @@ def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Serv
             # At its first token: freeze the request (keep), land a sync while it is frozen, then
             # let it go on.
             assert pushed.http.post("/pause", params={"mode": "keep"}).json()["parked"]
+            paused_info = pushed.http.get("/weight_info").json()
             assert pushed.push(checkpoint, old + 1).ok
             assert pushed.http.post("/resume").json()["paused"] is False
             landed.set()
@@ -264,6 +265,8 @@ def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Serv
     assert [span["version"] for span in spans] == [old, old + 1], (
         spans,
         [chunk.weight_version for chunk in chunks][:5],
+        paused_info,
+        pushed.http.get("/weight_info").json(),
     )
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == LONG
     labels = [chunk.weight_version for chunk in chunks]
