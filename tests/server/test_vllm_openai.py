@@ -10,6 +10,7 @@ the tests run in file order: the gate is checked before the first push.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -23,7 +24,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import WAIT_S
+from tests.helpers import WAIT_S, wait_until
 from weightsync import PlanError, WeightSender
 from weightsync.server.process import ChildProcess
 
@@ -77,7 +78,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def model_dir(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' Qwen2 with a chat template, and a longer context (see CONTEXT)."""
     model_dir = tmp_path_factory.mktemp("vllm-openai") / "qwen2"
     shutil.copytree(tiny_models["qwen2"], model_dir)
     config_path = model_dir / "tokenizer_config.json"
@@ -85,8 +87,20 @@ def vllm_server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
     config_path.write_text(json.dumps(config | {"chat_template": CHAT_TEMPLATE}))
     model_config = model_dir / "config.json"
     model_config.write_text(json.dumps(json.loads(model_config.read_text()) | {"max_position_embeddings": CONTEXT}))
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir: Path) -> Iterator[Served]:
+    with serving(model_dir, "--sync-mode", "keep") as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(model_dir: Path, *options: str) -> Iterator[Served]:
+    """`weightsync serve --engine vllm` on `model_dir` with a token; SIGTERM must stop it with 0."""
     command = [sys.executable, "-m", "weightsync", "serve", "--engine", "vllm", "--model", str(model_dir)]
-    command += ["--port", "0", "--sync-mode", "keep", "--ready-timeout", "1", "--auth-token", TOKEN]
+    command += ["--port", "0", "--ready-timeout", "1", "--auth-token", TOKEN, *options]
     process = ChildProcess(command)
     try:
         line = process.wait_for_line("weightsync serve:", START_S)
@@ -103,8 +117,8 @@ def vllm_server(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def checkpoint(vllm_server: Served) -> dict[str, Any]:
-    return load_file(str(vllm_server.model_dir / "model.safetensors"))
+def checkpoint(model_dir: Path) -> dict[str, Any]:
+    return load_file(str(model_dir / "model.safetensors"))
 
 
 @pytest.fixture
@@ -292,3 +306,35 @@ def test_a_sync_that_fails_after_reaching_vllm_leaves_it_dirty_until_the_next_go
     assert pushed.push(checkpoint, version + 2).ok
     assert pushed.http.get("/health").status_code == 200
     assert pushed.greedy().weight_version == version + 2
+
+
+def test_a_staged_server_serves_during_the_transfer_and_survives_a_failed_one(
+    model_dir: Path, checkpoint: dict[str, Any]
+) -> None:
+    from tests.server.checks import _Gated
+
+    with serving(model_dir, "--staged", "--sync-mode", "abort") as staged:
+        assert staged.push(checkpoint, 1).ok
+        first = staged.greedy()
+        moved = {name: tensor * 3.0 for name, tensor in checkpoint.items()}
+        with WeightSender([staged.address], timeout=WAIT_S * 3, auth_token=TOKEN, bucket_bytes=1 << 16) as sender:
+            gate, reports = threading.Event(), []
+            pushing = threading.Thread(target=lambda: reports.append(sender.push(_Gated(moved, gate), 2)))
+            pushing.start()
+            try:
+                assert wait_until(lambda: staged.http.get("/weight_info").json()["state"] == "syncing")
+                during = staged.greedy()  # the transfer holds nothing: version 1 serves on
+                assert during.weight_version == 1 and during.choices[0].token_ids == first.choices[0].token_ids
+            finally:
+                gate.set()
+                pushing.join(WAIT_S * 3)
+            assert reports and reports[0].ok, reports
+            second = staged.greedy()
+            assert second.weight_version == 2 and second.choices[0].token_ids != first.choices[0].token_ids
+
+            with pytest.raises(PlanError):  # fails in transfer: the standby copy only
+                sender.push(_Gated(checkpoint, broken=True), 3)
+        assert wait_until(lambda: staged.http.get("/weight_info").json()["state"] != "syncing")
+        assert staged.http.get("/health").json()["state"] == "ready"
+        after = staged.greedy()
+        assert after.weight_version == 2 and after.choices[0].token_ids == second.choices[0].token_ids
