@@ -26,6 +26,7 @@ import logging
 import shlex
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -261,7 +262,9 @@ async def serve(
             try:
                 await _serve_engine(config, args, engine, front, serving, announce)
             finally:
+                started = time.monotonic()
                 engine.shutdown()
+                log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
         except BaseException as exc:
             front.health = Health(False, "failed", f"the server could not start: {exc}")
             raise
@@ -330,7 +333,9 @@ async def _serve_engine(
         except Exception as exc:
             raise ResourceError(f"weightsync's receiver did not start in vLLM's worker: {exc}") from exc
         address = str(started["address"])
-        engine_dead: Callable[[], bool] = lambda: bool(engine.errored)  # noqa: E731
+
+        def engine_dead() -> bool:
+            return bool(engine.errored)
 
         def weight_info() -> dict[str, Any]:
             times = control.receiver.get("times")
