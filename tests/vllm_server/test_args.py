@@ -26,7 +26,7 @@ def config(tmp_path: Path) -> ServeConfig:
 
 
 def test_weightsync_settings_and_extra_vllm_flags_reach_vllm(config: ServeConfig) -> None:
-    from weightsync.vllm_server.server import vllm_namespace
+    from weightsync.vllm_server.engine import vllm_namespace
     from weightsync.vllm_server.worker import EXTENSION
 
     args = vllm_namespace(config, ["--max-model-len", "256", "--enable-prefix-caching"])
@@ -37,7 +37,7 @@ def test_weightsync_settings_and_extra_vllm_flags_reach_vllm(config: ServeConfig
 
 
 def test_what_vllm_refuses_and_a_replaced_worker_extension_are_config_errors(config: ServeConfig) -> None:
-    from weightsync.vllm_server.server import vllm_namespace
+    from weightsync.vllm_server.engine import vllm_namespace
 
     with pytest.raises(ConfigError, match="vLLM refused"):
         vllm_namespace(config, ["--no-such-flag"])

@@ -173,7 +173,8 @@ def run_vllm(config: ServeConfig, args: argparse.Namespace) -> int:
     from weightsync.server.runtime import engine_class
 
     engine_class("vllm")  # a missing vLLM fails here, before the port is taken
-    from weightsync.vllm_server.server import preload, serve, vllm_namespace
+    from weightsync.vllm_server.engine import preload, vllm_namespace
+    from weightsync.vllm_server.server import serve
 
     extra = shlex.split(args.vllm_args)
     vllm_namespace(config, extra)  # vLLM's refusal of the arguments, before the port is taken

@@ -1,6 +1,8 @@
 """vLLM's own OpenAI server, with weightsync's parts on top (`weightsync serve --engine vllm`).
 
-    server.py     assembly: vLLM's args, AsyncLLM, build_app + init_app_state, weightsync's parts
+    server.py     assembly and lifecycle: the port, vLLM's app (build_app + init_app_state),
+                  weightsync's parts, start-up 503s, SIGTERM
+    engine.py     vLLM's arguments (its own parser), preload, AsyncLLM, the warm-up
     worker.py     the receiver inside vLLM's worker (worker_extension_cls), its pausing sink
     doorbell.py   the worker asks the API process to pause/commit/abort (Unix socket, JSON)
     control.py    the API process's pauses, version and sync state

@@ -2,8 +2,9 @@
 
 How it is put together, and why this way (docs/server.md has the longer account):
 
-1. vLLM's arguments are parsed by vLLM's own `make_arg_parser`, from weightsync's flags plus
-   anything given with --vllm-args: every `vllm serve` option works, with vLLM's defaults.
+1. vLLM's arguments are parsed by vLLM's own `make_arg_parser` (engine.py), from weightsync's
+   flags plus anything given with --vllm-args: every `vllm serve` option works, with vLLM's
+   defaults.
 2. The engine is vLLM's `AsyncLLM` (engine core and worker in vLLM's own processes), built from
    those arguments with the same public calls vLLM's `build_async_engine_client_from_engine_args`
    makes, on a thread: that build blocks for 20-30 s, and the port answers 503 "loading engine"
@@ -23,147 +24,36 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import shlex
 import signal
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import uvicorn
 from fastapi.responses import JSONResponse
 
-from weightsync.engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMEngine, config_dtype
-from weightsync.errors import ConfigError, ResourceError
+from weightsync.errors import ResourceError
 from weightsync.server.body_limit import BodyLimit
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.runtime import AUTO_VERSION, Health, ServeConfig
 from weightsync.vllm_server.control import SyncControl
 from weightsync.vllm_server.doorbell import Doorbell
+from weightsync.vllm_server.engine import build_engine, vllm_namespace, warm_up
 from weightsync.vllm_server.http import WeightsyncMiddleware, add_routes, error
 from weightsync.vllm_server.versions import VersionedEngine
-from weightsync.vllm_server.worker import EXTENSION, ReceiverSpec
+from weightsync.vllm_server.worker import ReceiverSpec
 
-__all__ = ["preload", "serve", "vllm_namespace"]
+__all__ = ["serve"]
 
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 120.0
 """Seconds a start-up or shut-down call into vLLM's worker may take."""
 
-WARM_UP_TIMEOUT_S = 300.0
-"""Seconds the one-token warm-up generation may take (a first forward compiles kernels)."""
-
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds requests in flight get to finish when the server is stopped."""
-
-
-def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.Namespace:
-    """vLLM's full serve arguments: weightsync's settings, then `extra` (later flags win),
-    parsed and checked by vLLM's own parser."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    argv = [
-        "--model",
-        config.model,
-        "--served-model-name",
-        config.model_name,
-        "--load-format",
-        config.load_format,
-        "--dtype",
-        config_dtype(Path(config.model)),
-        "--worker-extension-cls",
-        EXTENSION,
-        "--host",
-        config.host,
-    ]
-    given = " ".join(extra)
-    if "--enforce-eager" not in given and "compilation" not in given:
-        argv.append("--enforce-eager")  # compiling takes minutes on CPU; opt in with --vllm-args
-    if "--kv-cache-memory-bytes" not in given and "--gpu-memory-utilization" not in given:
-        argv += ["--kv-cache-memory-bytes", str(DEFAULT_KV_CACHE_BYTES)]
-    parser = make_arg_parser(FlexibleArgumentParser(prog="weightsync serve --vllm-args"))
-    try:
-        args = parser.parse_args([*argv, *extra])
-        validate_parsed_serve_args(args)
-    except SystemExit as exc:  # argparse's way of refusing: vLLM printed why
-        raise ConfigError(f"vLLM refused the arguments {shlex.join(extra)!r}") from exc
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"vLLM refused the arguments: {exc}") from exc
-    if args.worker_extension_cls != EXTENSION:
-        raise ConfigError("--worker-extension-cls is weightsync's own (its receiver lives there)")
-    return args
-
-
-PRELOADED_MODULES = (
-    "vllm.engine.arg_utils",
-    "vllm.v1.engine.async_llm",
-    "vllm.v1.engine.core_client",
-    "vllm.entrypoints.launchers.app",
-    "vllm.entrypoints.launchers.api_server.app_state",
-    "vllm.v1.metrics.prometheus",
-)
-"""What building the engine and the app imports, imported by `preload` before the port listens."""
-
-
-def preload(model: str) -> None:
-    """Call before the port listens: import what the engine build imports on its thread, and
-    freeze the heap. Both would otherwise hold the interpreter for long stretches while the port
-    answers 503 (imports; vLLM's full garbage collections, each scanning every object there is)."""
-    import gc
-    import importlib
-
-    for name in PRELOADED_MODULES:
-        importlib.import_module(name)
-    VLLMEngine.preload(model)  # vLLM's plugin scan and the model's own module
-    gc.collect()
-    gc.freeze()
-
-
-def _build_engine(args: argparse.Namespace) -> Any:
-    """vLLM's AsyncLLM from serve arguments: the calls of vLLM's
-    `build_async_engine_client_from_engine_args`, made here so they can run on a thread."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    engine_args = AsyncEngineArgs.from_cli_args(args)
-    vllm_config = engine_args.create_engine_config(usage_context=UsageContext.OPENAI_API_SERVER)
-    return AsyncLLM.from_vllm_config(
-        vllm_config=vllm_config,
-        usage_context=UsageContext.OPENAI_API_SERVER,
-        enable_log_requests=engine_args.enable_log_requests,
-        aggregate_engine_logging=engine_args.aggregate_engine_logging,
-        disable_log_stats=engine_args.disable_log_stats,
-    )
-
-
-async def _warm_up(engine: Any, model: str) -> None:
-    """Generate one token from a one-token prompt before serving, on the weights vLLM starts with:
-    a server that cannot run its model must refuse to start, not answer every request with
-    nothing (vLLM's CPU backend, for one, starts on models its attention kernels cannot run).
-
-    Raises:
-        ConfigError: vLLM could not generate the token.
-    """
-    from vllm import SamplingParams
-
-    why = f"the vllm engine cannot run {model}: a one-token warm-up generation"
-    tokens: list[int] = []
-    try:
-        async with asyncio.timeout(WARM_UP_TIMEOUT_S):
-            outputs = engine.generate({"prompt_token_ids": [0]}, SamplingParams(max_tokens=1), "weightsync-warm-up")
-            async for output in outputs:
-                tokens += output.outputs[0].token_ids
-    except Exception as exc:
-        cause = exc.__cause__ or exc
-        raise ConfigError(f"{why} failed: {type(cause).__name__}: {cause}") from exc
-    if not tokens:
-        raise ConfigError(f"{why} produced no token")
-    log.info("warm-up: the vllm engine generated a token")
 
 
 class _Front:
@@ -258,7 +148,7 @@ async def serve(
         watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
         try:
             front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
-            engine = await asyncio.to_thread(_build_engine, args)
+            engine = await asyncio.to_thread(build_engine, args)
             try:
                 await _serve_engine(config, args, engine, front, serving, announce)
             finally:
@@ -295,7 +185,7 @@ async def _serve_engine(
 
     if serving.done():  # stopped while the engine loaded
         return
-    await _warm_up(engine, config.model)
+    await warm_up(engine, config.model)
     await engine.reset_mm_cache()
     supported = await engine.get_supported_tasks()
     app = build_app(args, supported, engine.model_config)
