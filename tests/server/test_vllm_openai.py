@@ -338,3 +338,19 @@ def test_a_staged_server_serves_during_the_transfer_and_survives_a_failed_one(
         assert staged.http.get("/health").json()["state"] == "ready"
         after = staged.greedy()
         assert after.weight_version == 2 and after.choices[0].token_ids == second.choices[0].token_ids
+
+
+def test_a_checkpoint_loaded_server_serves_version_0_at_once_and_takes_tcp_pushes(
+    model_dir: Path, checkpoint: dict[str, Any]
+) -> None:
+    options = ("--load-format", "auto", "--transport", "tcp", "--allow-unauthenticated-generation")
+    with serving(model_dir, *options) as served, httpx.Client(base_url=served.url, timeout=WAIT_S * 3) as anonymous:
+        assert served.address.startswith("tcp://127.0.0.1:")
+        body = {"model": served.name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        first = anonymous.post("/v1/completions", json=body)  # generation is open; control is not
+        assert first.status_code == 200 and first.json()["weight_version"] == 0
+        assert anonymous.get("/weight_info").status_code == 401
+        assert served.push(checkpoint, 1).ok
+        again = anonymous.post("/v1/completions", json=body).json()
+        assert again["weight_version"] == 1
+        assert again["choices"][0]["token_ids"] == first.json()["choices"][0]["token_ids"]  # the same weights
