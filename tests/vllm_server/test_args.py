@@ -43,3 +43,5 @@ def test_what_vllm_refuses_and_a_replaced_worker_extension_are_config_errors(con
         vllm_namespace(config, ["--no-such-flag"])
     with pytest.raises(ConfigError, match="worker-extension-cls is weightsync's own"):
         vllm_namespace(config, ["--worker-extension-cls", "my.Extension"])
+    with pytest.raises(ConfigError, match="one vLLM worker per server"):
+        vllm_namespace(config, ["--tensor-parallel-size", "2"])

@@ -64,6 +64,11 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
         raise ConfigError(f"vLLM refused the arguments: {exc}") from exc
     if args.worker_extension_cls != EXTENSION:
         raise ConfigError("--worker-extension-cls is weightsync's own (its receiver lives there)")
+    parallel = {"tensor": args.tensor_parallel_size, "pipeline": args.pipeline_parallel_size}
+    parallel["data"] = args.data_parallel_size
+    if any(size != 1 for size in parallel.values()):
+        # Each worker would start its own receiver holding one shard, and one address is advertised.
+        raise ConfigError(f"one vLLM worker per server for now; got parallel sizes {parallel}")
     return args
 
 
