@@ -81,3 +81,28 @@ def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:
     for path in ("/tokenize", "/v1/chat/completions/render", "/pause", "/resume"):
         assert not gated("POST", path), path
     assert not gated("GET", "/v1/models")
+
+
+def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
+    from weightsync.vllm_server.http import WeightsyncMiddleware
+
+    reached, sent = [], []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "websocket.connect"}
+
+    control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=1)
+    middleware = WeightsyncMiddleware(
+        app, control=control, token="t", open_generation=False, ready_timeout=0.0, engine_dead=lambda: False
+    )
+    scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
+    asyncio.run(middleware(scope, receive, send))
+    assert reached == [] and sent == [{"type": "websocket.close", "code": 1008}]
+    asyncio.run(middleware(scope | {"headers": [(b"authorization", b"Bearer t")]}, receive, send))
+    assert reached == ["/v1/realtime"]

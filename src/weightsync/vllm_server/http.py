@@ -100,6 +100,9 @@ class WeightsyncMiddleware:
         self.engine_dead = engine_dead
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and not self._admitted(scope, scope["path"]):
+            await send({"type": "websocket.close", "code": 1008})  # before accepting: an HTTP 403
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
