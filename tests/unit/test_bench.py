@@ -22,6 +22,23 @@ def test_a_tiny_run_verifies_every_byte_on_each_transport():
     assert report.to_json()["device"] == "cpu" and report.to_json()["h2d_gbps"] is None
 
 
+def test_a_callable_sink_lands_every_byte_and_is_set_against_a_loaders_own_copy():
+    config = BenchConfig(
+        size_bytes=8 * MIB, repeat=1, memcpy_bytes=MIB, transports=("shm",), sinks=("dict", "callable"), baselines=False
+    )
+    report = run(config)
+    assert [(r.transport, r.sink) for r in report.results] == [("shm", "dict"), ("shm", "callable")]
+    assert all(result.verified for result in report.results)
+    assert report.loader_copy_gbps is not None and report.loader_copy_gbps > 0
+    assert report.to_json()["loader_copy_gbps"] > 0
+    assert "the ceiling of a callable sink" in format_table(report)
+
+
+def test_a_dict_only_run_does_not_measure_a_loader_copy():
+    report = run(BenchConfig(size_bytes=4 * MIB, repeat=1, memcpy_bytes=MIB, transports=("shm",), baselines=False))
+    assert report.loader_copy_gbps is None and "callable" not in format_table(report)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
