@@ -356,3 +356,27 @@ def test_a_stream_spanning_a_keep_sync_reports_each_version_where_it_began(tiny_
         {"version": 2, "start": 4, "end": total},
     ]
     assert [c.model_extra["weight_version"] for c in chunks] == versions
+
+
+def test_a_bug_of_ours_mid_stream_is_an_error_event_too(client, monkeypatch) -> None:
+    from weightsync.server.formats import CompletionFormat
+
+    written = CompletionFormat.stream_choice
+    calls = []
+
+    def fails_on_the_second(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyError("injected")
+        return written(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompletionFormat, "stream_choice", fails_on_the_second)
+    stream = client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=8, temperature=0, stream=True)
+    with pytest.raises(openai.APIError) as raised:
+        list(stream)
+    assert raised.value.body == {
+        "message": "the server failed: KeyError: 'injected'",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }

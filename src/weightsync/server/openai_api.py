@@ -24,14 +24,11 @@ from weightsync.server.runtime import RolloutServer
 from weightsync.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from weightsync.server.streaming import stream
 
-__all__ = ["DEFAULT_MAX_TOKENS", "GATE_POLL_S", "chat_completions", "completions", "wait_at_gate"]
+__all__ = ["GATE_POLL_S", "chat_completions", "completions", "wait_at_gate"]
 
 log = logging.getLogger(__name__)
 
 GATE_POLL_S = 0.02
-
-DEFAULT_MAX_TOKENS = 16
-"""Tokens generated when a request names no max_tokens (OpenAI's completions default; chat too)."""
 
 
 async def completions(server: RolloutServer, body: CompletionRequest, request_id: str) -> Response:
@@ -95,11 +92,10 @@ async def generate(
 
 def sampling(body: GenerationRequest, logprobs: int | None) -> Callable[[int], SamplingParams]:
     """Sample k's parameters: seeded `seed + k`, so the choices of one prompt differ."""
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens or DEFAULT_MAX_TOKENS
 
     def params(sample: int) -> SamplingParams:
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=body.max_new_tokens,
             temperature=body.temperature,
             seed=None if body.seed is None else body.seed + sample,
             logprobs=logprobs,

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
+    "DEFAULT_MAX_TOKENS",
     "ChatChoice",
     "ChatChunk",
     "ChatCompletionRequest",
@@ -41,6 +42,9 @@ __all__ = [
 
 
 # --- requests -------------------------------------------------------------------------------------
+
+DEFAULT_MAX_TOKENS = 16
+"""Tokens generated when a request names no max_tokens (OpenAI's completions default; chat too)."""
 
 
 class StreamOptions(BaseModel):
@@ -91,12 +95,16 @@ class GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_tokens or DEFAULT_MAX_TOKENS
+
 
 class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
 
 
@@ -132,6 +140,10 @@ class ChatCompletionRequest(GenerationRequest):
     """OpenAI's newer name for max_tokens; wins when both are given. Neither: 16, as completions."""
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_MAX_TOKENS
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -15,6 +15,7 @@ same JSON object as an error response (`{"error": {...}}`, which the `openai` cl
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,8 @@ from weightsync.server.generation import Generation
 from weightsync.server.metrics import ServerMetrics
 
 __all__ = ["DONE", "stream"]
+
+log = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -91,6 +94,10 @@ async def _events(
             if include_usage:
                 usage = fmt.usage_chunk(request_id, created, model, generation.usage(), generation.weight_version)
                 yield event(dump(usage))
+    except Exception as exc:  # a bug of ours mid-stream: say so in the stream, as the engine's failures are
+        log.exception("streamed request %s failed", request_id)
+        status = 500
+        yield event(error_body(status, f"the server failed: {type(exc).__name__}: {exc}"))
     finally:  # done, failed, or the client went away: nothing of this request keeps generating
         generation.cancel()
         metrics.requests.labels(str(status)).inc()
