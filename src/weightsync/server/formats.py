@@ -61,7 +61,6 @@ class Format(ABC):
     """One API's way of writing choices. `logprobs`: None for none, else the top alternatives
     asked for per token (0: the chosen token's logprob only)."""
 
-    id_prefix = ""
     response_type: Callable[..., Envelope]
     chunk_type: Callable[..., Envelope]
 
@@ -109,7 +108,6 @@ def ending(output: Output) -> dict[str, Any]:
 
 
 class CompletionFormat(Format):
-    id_prefix = "cmpl"
     response_type = CompletionResponse
     chunk_type = CompletionChunk
 
@@ -144,7 +142,6 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
-    id_prefix = "chatcmpl"
     response_type = ChatCompletionResponse
     chunk_type = ChatChunk
 

@@ -9,7 +9,6 @@ cannot serve, 404 for another model's name, 503 when no version is committed wit
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 
@@ -25,8 +24,6 @@ from weightsync.server.schemas import ChatCompletionRequest, CompletionRequest, 
 from weightsync.server.streaming import stream
 
 __all__ = ["GATE_POLL_S", "chat_completions", "completions", "wait_at_gate"]
-
-log = logging.getLogger(__name__)
 
 GATE_POLL_S = 0.02
 
