@@ -258,7 +258,12 @@ class FailingEngine(HFEngine):
         return super().step()
 
 
-def test_an_engine_failure_mid_stream_is_an_error_event_then_the_end(tiny_models, monkeypatch) -> None:
+@pytest.mark.fault(
+    "engine failure mid-stream: the engine raises after a streamed request sent chunks",
+    expected="the stream ends with one OpenAI error event then `data: [DONE]` (the openai client raises "
+    "APIError while iterating); counted as a 500 in /metrics; the next request is served",
+)
+def test_an_engine_failure_mid_stream_is_an_error_event_then_the_end(tiny_models, monkeypatch, observe) -> None:
     def build(name: str, model: str, load_format: str, staged: bool = False) -> FailingEngine:
         return FailingEngine(model, load_format=load_format)  # type: ignore[arg-type]
 
@@ -282,6 +287,10 @@ def test_an_engine_failure_mid_stream_is_an_error_event_then_the_end(tiny_models
         server.server.engine.fail_after = None  # type: ignore[attr-defined]
         assert 'weightsync_requests_total{status="500"} 2.0' in server.client.metrics()
         assert client.completions.create(model=MODEL, prompt="ab", max_tokens=2).choices[0].finish_reason == "length"
+        observe(
+            f"3 chunks, then `{events[-2][len('data: ') :]}`, then [DONE]; openai raised APIError; "
+            "counted as 500; the next request was served"
+        )
 
 
 # --- versions across a keep-mode sync ---------------------------------------------------------------
