@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -54,6 +55,24 @@ run while it is in cache (numpy: several times torch's speed for these ops here)
 
 _NP_BITS: dict[int, type[np.integer[Any]]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
+_deltadiff: types.ModuleType | None
+try:
+    from weightsync._native import deltadiff as _deltadiff
+except ImportError:  # built without a C compiler: numpy does the diff, several times slower
+    _deltadiff = None
+
+_NATIVE_SIZES = (2, 4)
+"""Element sizes the native diff handles (bf16/fp16 and fp32/int32); others take numpy."""
+
+
+_CAST_BF16 = (torch.float32, torch.bfloat16)
+"""The cast the native diff does in the same pass (fp32 master weights sent as bf16)."""
+
+
+def _threads() -> int:
+    """Threads for the native diff: torch's intra-op count, which the caller already tunes."""
+    return max(1, torch.get_num_threads())
+
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's elements as integers of the same size, no copy (numpy)."""
@@ -62,7 +81,7 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
 
 def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
     """Copy `new` into `old` (same shape and dtype, CPU), chunk by chunk; the flat indices of the
-    elements whose bits changed (int64)."""
+    elements whose bits changed (int64). The numpy path: where the native diff is not built."""
     fresh, base = _bits(new), _bits(old)
     changed = np.empty(min(fresh.size, CHUNK_ELEMENTS), dtype=np.bool_)
     found = []
@@ -76,10 +95,13 @@ def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
-def _encode(indices: np.ndarray, new: torch.Tensor, spec: TensorSpec) -> tuple[TensorSpec, torch.Tensor | None]:
-    """The cheapest encoding of the changes at `indices` to `new`: the spec and payload of its
-    patch (flat uint8), or None where the whole tensor is cheaper (dense)."""
-    numel, count, size = new.numel(), indices.size, new.element_size()
+def _encode(
+    indices: np.ndarray, values: np.ndarray, numel: int, spec: TensorSpec
+) -> tuple[TensorSpec, np.ndarray | None]:
+    """The cheapest encoding of the changes (flat `indices`, their new bits `values` as bytes) to a
+    tensor of `numel` elements: the spec and payload (flat uint8, a fresh array) of its patch, or
+    None where the whole tensor is cheaper (dense)."""
+    count, size = indices.size, dtype_from_name(spec.dtype).itemsize
     sizes = {
         "sparse": count * (INDEX_BYTES + size) if numel < 1 << 31 else math.inf,
         "bitmap": (numel + 7) // 8 + count * size,
@@ -92,14 +114,18 @@ def _encode(indices: np.ndarray, new: torch.Tensor, spec: TensorSpec) -> tuple[T
     encoding = min(sizes, key=lambda name: sizes[name])
     if encoding == "dense":
         return spec, None
-    values = np.take(_bits(new), indices).view(np.uint8)
     if encoding == "sparse":
-        head = indices.astype(np.int32).view(np.uint8)
+        head = count * INDEX_BYTES
+        payload = np.empty(head + values.size, dtype=np.uint8)
+        payload[:head].view(np.int32)[:] = indices
     else:
         mask = np.zeros(numel, dtype=np.bool_)
         mask[indices] = True
-        head = np.packbits(mask, bitorder="little")
-    payload = torch.from_numpy(np.concatenate([head, values]))
+        bitmap = np.packbits(mask, bitorder="little")
+        head = bitmap.size
+        payload = np.empty(head + values.size, dtype=np.uint8)
+        payload[:head] = bitmap
+    payload[head:] = values
     return msgspec.structs.replace(spec, encoding=encoding, count=count), payload
 
 
@@ -194,6 +220,8 @@ class Baseline:
         self.content = ""
         """The content digest of the version it holds, or "" before the first push."""
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._indices = np.empty(0, dtype=np.int32)
+        self._values = np.empty(0, dtype=np.uint8)
 
     def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
@@ -217,23 +245,52 @@ class Baseline:
                     f"{spec.name!r} {spec.source_dtype}{list(spec.shape)}"
                 )
             old = self.tensors.get(name)
-            new = self._as_sent(tensor, dtype_from_name(spec.dtype), old is not None)
-            if old is None or new.element_size() not in _BITS:
+            if old is None or old.element_size() not in _BITS:
+                new = self._as_sent(tensor, dtype_from_name(spec.dtype), reuse=False)
                 shared = new.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
                 old = self.tensors[name] = new.clone() if shared else new  # ours: the caller's may change
                 patch_spec, payload, num_changed = spec, None, new.numel()
             else:
-                indices = _update(new, old)
-                patch_spec, payload = _encode(indices, new, spec)
+                indices, values = self._changes(tensor, old)
+                patch_spec, payload = _encode(indices, values, old.numel(), spec)
                 num_changed = indices.size
             patched.append(patch_spec)
-            payloads.append(old if payload is None else payload)  # the baseline: ours, not the caller's
+            # dense: the baseline itself (ours, not the caller's, which may change)
+            payloads.append(old if payload is None else torch.from_numpy(payload))
             digests.append(xxhash.xxh3_64_intdigest(byte_view(old).data))
             changed += num_changed
-            total += new.numel()
+            total += old.numel()
         self.content = content_digest(specs, digests)
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
         return Diff(base, self.content, tuple(patched), tuple(payloads), changed, total, full_bytes)
+
+    def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Update `old` (the baseline) to `tensor` as sent; the flat indices of the elements whose
+        bits changed and their new bits (bytes). Views of scratch buffers: valid until the next
+        call. One native pass where it is built (an fp32 source cast to bf16 in the same pass),
+        else numpy's."""
+        numel, size = old.numel(), old.element_size()
+        if _deltadiff is None or size not in _NATIVE_SIZES or numel >= 1 << 31:
+            new = self._as_sent(tensor, old.dtype, reuse=True)
+            indices = _update(new, old)
+            return indices, np.take(_bits(new), indices).view(np.uint8)
+        indices, values = self._outputs(numel, size)
+        source = tensor.detach()
+        if source.device.type == "cpu" and source.is_contiguous() and (source.dtype, old.dtype) == _CAST_BF16:
+            count = _deltadiff.cast_diff(_bits(source), _bits(old), indices, values, _threads())
+        else:
+            new = self._as_sent(source, old.dtype, reuse=True)
+            count = _deltadiff.diff(_bits(new), _bits(old), size, indices, values, _threads())
+        return indices[:count], values[: count * size]
+
+    def _outputs(self, numel: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Scratch for the native diff's output, room for every element of the largest tensor:
+        only the pages the changes touch are ever faulted in."""
+        if self._indices.size < numel:
+            self._indices = np.empty(numel, dtype=np.int32)
+        if self._values.size < numel * size:
+            self._values = np.empty(numel * size, dtype=np.uint8)
+        return self._indices, self._values
 
     def _as_sent(self, tensor: torch.Tensor, dtype: torch.dtype, reuse: bool) -> torch.Tensor:
         """`tensor` in the wire dtype, contiguous, in host memory: itself where it already is,
