@@ -198,3 +198,28 @@ def test_baseline_diffs_natively_exactly_as_with_numpy(monkeypatch, fraction: fl
         for a, b in zip(ours.payloads, theirs.payloads, strict=True):
             assert a.reshape(-1).view(torch.uint8).equal(b.reshape(-1).view(torch.uint8))
         assert (ours.changed_elements > 0) == (fraction > 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(itemsize=st.sampled_from([2, 4]), numel=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
+def test_apply_writes_exactly_the_named_elements(itemsize: int, numel: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bits = BITS[itemsize]
+    dest = rng.integers(0, np.iinfo(bits).max, numel, dtype=bits, endpoint=True)
+    where = np.sort(rng.choice(numel, rng.integers(0, numel + 1), replace=False)).astype(np.int32)
+    values = rng.integers(0, np.iinfo(bits).max, where.size, dtype=bits, endpoint=True)
+    expected = dest.copy()
+    expected[where] = values
+    native.apply(dest, itemsize, where, values)
+    assert np.array_equal(dest, expected)
+
+
+def test_apply_refuses_an_index_outside_and_writes_nothing() -> None:
+    dest = np.zeros(8, np.uint16)
+    with pytest.raises(IndexError, match="outside"):
+        native.apply(dest, 2, np.array([1, 8], np.int32), np.array([5, 6], np.uint16))
+    with pytest.raises(IndexError, match="outside"):
+        native.apply(dest, 2, np.array([2, -1], np.int32), np.array([5, 6], np.uint16))
+    assert not dest.any()
+    with pytest.raises(ValueError, match="one value each"):
+        native.apply(dest, 2, np.array([1, 2], np.int32), np.array([5], np.uint16))

@@ -15,9 +15,12 @@
  *       src: float32, base: bfloat16 of as many elements; src is rounded to bf16 as torch rounds
  *       it (nearest even; every NaN becomes 0xFFFF) and compared with base.
  *
- * indices (int32) and values (itemsize bytes each) are writable buffers with room for every
+ * Their indices (int32) and values (itemsize bytes each) are writable buffers with room for every
  * element; the first `count` of each are the changes, in ascending index order. Tensors of
  * 2**31 elements or more are refused (the numpy path handles them).
+ *
+ *   apply(dest, itemsize, indices, values)
+ *       the receiver's side: dest[indices[k]] = values[k], every index checked before any write.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -327,6 +330,61 @@ static PyObject *deltadiff_cast_diff(PyObject *self, PyObject *args)
     return run_checked(CAST_F32_BF16, views, numel, 2, threads);
 }
 
+/* The receiver's side: dest[indices[k]] = values[k]. Every index is checked before anything is
+ * written, so a patch naming an element outside the tensor changes nothing. */
+static int64_t first_outside(const int32_t *indices, int64_t count, int64_t numel)
+{
+    for (int64_t k = 0; k < count; k++)
+        if (indices[k] < 0 || indices[k] >= numel)
+            return k;
+    return -1;
+}
+
+static void scatter(char *dest, const int32_t *indices, const char *values, int64_t count, size_t itemsize)
+{
+    if (itemsize == 2) {
+        uint16_t *d = (uint16_t *)dest;
+        for (int64_t k = 0; k < count; k++)
+            memcpy(&d[indices[k]], values + 2 * k, 2);
+    } else {
+        uint32_t *d = (uint32_t *)dest;
+        for (int64_t k = 0; k < count; k++)
+            memcpy(&d[indices[k]], values + 4 * k, 4);
+    }
+}
+
+static PyObject *deltadiff_apply(PyObject *self, PyObject *args)
+{
+    Py_buffer dest, indices, values;
+    Py_ssize_t itemsize;
+    if (!PyArg_ParseTuple(args, "w*ny*y*:apply", &dest, &itemsize, &indices, &values))
+        return NULL;
+    Py_buffer *views[] = {&dest, &indices, &values};
+    PyObject *result = NULL;
+    int64_t count = indices.len / (Py_ssize_t)sizeof(int32_t), outside = -1;
+    if (!contiguous(views, 3))
+        ;
+    else if ((itemsize != 2 && itemsize != 4) || dest.len % itemsize || indices.len % sizeof(int32_t) ||
+             values.len != count * itemsize || ((uintptr_t)indices.buf & 3) || ((uintptr_t)dest.buf % itemsize))
+        PyErr_Format(PyExc_ValueError, "apply: itemsize %zd, dest %zd bytes, %zd index bytes, %zd value bytes "
+                     "(aligned int32 indices, one value each)", itemsize, dest.len, indices.len, values.len);
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        outside = first_outside(indices.buf, count, dest.len / itemsize);
+        if (outside < 0)
+            scatter(dest.buf, indices.buf, values.buf, count, (size_t)itemsize);
+        Py_END_ALLOW_THREADS
+        if (outside >= 0)
+            PyErr_Format(PyExc_IndexError, "apply: index %d outside %zd elements", ((int32_t *)indices.buf)[outside],
+                         dest.len / itemsize);
+        else
+            result = Py_NewRef(Py_None);
+    }
+    for (int k = 0; k < 3; k++)
+        PyBuffer_Release(views[k]);
+    return result;
+}
+
 static PyObject *deltadiff_portable(PyObject *self, PyObject *arg)
 {
     int previous = !use_avx2;
@@ -345,6 +403,8 @@ static PyMethodDef methods[] = {
      "diff(new, base, itemsize, indices, values, threads) -> count: changed elements, baseline updated."},
     {"cast_diff", deltadiff_cast_diff, METH_VARARGS,
      "cast_diff(src_f32, base_bf16, indices, values, threads) -> count: diff of src rounded to bf16."},
+    {"apply", deltadiff_apply, METH_VARARGS,
+     "apply(dest, itemsize, indices, values): dest[indices[k]] = values[k], every index checked first."},
     {"portable", deltadiff_portable, METH_O,
      "portable(on) -> previous: use the portable loops even where AVX2 is there (tests compare both)."},
     {NULL, NULL, 0, NULL},

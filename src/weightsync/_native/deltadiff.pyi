@@ -31,3 +31,13 @@ def cast_diff(
 
 def portable(on: bool, /) -> bool:
     """Use the portable loops even where AVX2 is there (tests compare both); the previous setting."""
+
+def apply(
+    dest: Buffer | np.ndarray[Any, Any],
+    itemsize: int,
+    indices: Buffer | np.ndarray[Any, Any],
+    values: Buffer | np.ndarray[Any, Any],
+    /,
+) -> None:
+    """dest[indices[k]] = values[k] (int32 indices, itemsize-byte values); IndexError, with
+    nothing written, if any index is outside dest."""
