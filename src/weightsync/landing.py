@@ -27,7 +27,7 @@ import psutil
 import torch
 import xxhash
 
-from weightsync.checksum import SyncHashes, Verify, content_digest
+from weightsync.checksum import SyncHashes, Verify, content_digest, tensor_digests
 from weightsync.delta import apply_patch
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, PlanError
@@ -229,7 +229,7 @@ class Landing:
         travelled), or None when some tensor has no destination to hash."""
         if not self.patchable:
             return None
-        digests = [xxhash.xxh3_64_intdigest(byte_view(dest.cpu()).data) for dest in self._dest if dest is not None]
+        digests = tensor_digests([byte_view(dest.cpu()) for dest in self._dest if dest is not None])
         return content_digest(self.plan.tensors, digests)
 
     def any_on_device(self) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -223,3 +224,11 @@ def test_apply_refuses_an_index_outside_and_writes_nothing() -> None:
     assert not dest.any()
     with pytest.raises(ValueError, match="one value each"):
         native.apply(dest, 2, np.array([1, 2], np.int32), np.array([5], np.uint16))
+
+
+def test_whole_model_digests_on_threads_equal_one_by_one() -> None:
+    from weightsync.checksum import piece_hashes, tensor_digests
+
+    rng = np.random.default_rng(5)
+    views = [rng.integers(0, 256, size, dtype=np.uint8) for size in (0, 1, 4097, 1 << 20, 3, 1 << 16)]
+    assert tensor_digests(views) == piece_hashes(views) == [xxhash.xxh3_64_intdigest(v.tobytes()) for v in views]
