@@ -37,7 +37,7 @@ from weightsync.plan import INDEX_BYTES, dense_nbytes, tensor_nbytes
 from weightsync.source import TensorMeta, WeightSource
 from weightsync.types import TensorSpec
 
-__all__ = ["DENSE_FRACTION", "Baseline", "Diff", "apply_patch"]
+__all__ = ["DENSE_FRACTION", "PROBE_EVERY", "Baseline", "Costs", "Diff", "apply_patch"]
 
 DENSE_FRACTION = 0.5
 """A push whose patches would carry more than this fraction of the full model goes full: the diff
@@ -160,6 +160,14 @@ def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> 
     flat[torch.from_numpy(where.astype(np.int64)).to(dest.device)] = torch.from_numpy(values).to(dest.device)
 
 
+def _check_yielded(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
+    if name != spec.name or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.source_dtype:
+        raise PlanError(
+            f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised "
+            f"{spec.name!r} {spec.source_dtype}{list(spec.shape)}"
+        )
+
+
 def _copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A copy of `tensor` in `dtype`, contiguous, in host memory: the baseline's own, whatever the
     caller does next. Ordinary pages: huge ones (`hostmem.host_bytes`) filled twice as fast on an
@@ -216,6 +224,56 @@ class Diff:
     def patch_source(self) -> WeightSource:
         """The patches as a source for `bucket_items` (uint8 payloads; dense ones as they are)."""
         return _Tensors(list(zip((spec.name for spec in self.specs), self.payloads, strict=True)))
+
+
+PROBE_EVERY = 8
+"""After this many pushes without a diff, diff anyway: the host may have become less busy, and a
+skipped diff measures nothing."""
+
+
+@dataclasses.dataclass
+class Costs:
+    """What the sender's last pushes measured, to decide whether diffing the next one pays.
+
+    A diff costs time before anything is sent (the plan names every patch); it pays when the
+    bytes it saves on the routes that can take a patch would take longer than the diff itself:
+
+        diff_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
+
+    The diff's cost per byte and the patch fraction are the last diff's; a route's throughput is
+    its last full delivery's. Anything not measured yet, or `PROBE_EVERY` pushes without a diff,
+    means: diff. Otherwise the push refreshes the baseline (a copy) and goes full to everyone.
+    """
+
+    diff_s_per_byte: float | None = None
+    patch_fraction: float | None = None
+    full_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per route (transport name): bytes per second of its last full delivery."""
+    pushes_since_diff: int = 0
+
+    def diff_pays(self, full_bytes: int, routes: Sequence[str]) -> bool:
+        """Whether to diff a push of `full_bytes` whose receivers at the baseline are on `routes`."""
+        if not routes:
+            return False  # no one could take a patch
+        if self.diff_s_per_byte is None or self.patch_fraction is None or self.pushes_since_diff >= PROBE_EVERY:
+            return True
+        if any(self.full_bytes_per_s.get(route, 0.0) <= 0.0 for route in routes):
+            return True
+        saved_s = sum((1 - self.patch_fraction) * full_bytes / self.full_bytes_per_s[route] for route in routes)
+        return self.diff_s_per_byte * full_bytes < saved_s
+
+    def diffed(self, seconds: float, diff: Diff) -> None:
+        if diff.base and diff.full_bytes:
+            self.diff_s_per_byte = seconds / diff.full_bytes
+            self.patch_fraction = diff.patch_bytes / diff.full_bytes
+        self.pushes_since_diff = 0
+
+    def skipped(self) -> None:
+        self.pushes_since_diff += 1
+
+    def delivered_full(self, route: str, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.full_bytes_per_s[route] = nbytes / seconds
 
 
 class _Tensors:
@@ -277,12 +335,20 @@ class Baseline:
     def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
         new version. A changed tensor set, shape or dtype makes every tensor dense (no base)."""
+        return self._take(specs, source, compare=True)
+
+    def refresh(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
+        """Make `source` the baseline without comparing (a push that goes full to everyone):
+        a copy, which costs less than a diff. The result offers no patch (no base)."""
+        return self._take(specs, source, compare=False)
+
+    def _take(self, specs: Sequence[TensorSpec], source: WeightSource, compare: bool) -> Diff:
         same_layout = [spec.name for spec in specs] == list(self.tensors) and all(
             tuple(self.tensors[spec.name].shape) == spec.shape
             and self.tensors[spec.name].dtype == dtype_from_name(spec.dtype)
             for spec in specs
         )
-        base = self.content if same_layout else ""
+        base = self.content if same_layout and compare else ""
         if not same_layout:
             self.tensors = {}
         self._patches.reset(sum(dense_nbytes(spec) for spec in specs))
@@ -290,14 +356,13 @@ class Baseline:
         payloads: list[torch.Tensor] = []
         changed = total = 0
         for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
-            if name != spec.name or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.source_dtype:
-                raise PlanError(
-                    f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised "
-                    f"{spec.name!r} {spec.source_dtype}{list(spec.shape)}"
-                )
+            _check_yielded(spec, name, tensor)
             old = self.tensors.get(name)
             if old is None or old.element_size() not in _BITS:
                 old = self.tensors[name] = _copy(tensor, dtype_from_name(spec.dtype))
+                patch_spec, payload, num_changed = spec, None, old.numel()
+            elif not compare:
+                old.copy_(tensor.detach())
                 patch_spec, payload, num_changed = spec, None, old.numel()
             else:
                 indices, values = self._changes(tensor, old)

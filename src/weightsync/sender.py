@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
-from weightsync.delta import Baseline, Diff
+from weightsync.delta import Baseline, Costs, Diff
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
@@ -102,6 +102,9 @@ class WeightSender:
             it can patch) only the elements whose wire bits changed, and every other receiver
             the full version, in the same push (docs/delta.md). Keeps one copy of the model in
             the wire dtype in host memory, and verifies every push (at least "bucket").
+        delta_policy: "faster" (default): skip the diff and push full where the last pushes
+            measured that a patch would not arrive sooner than the full version; "always":
+            diff every push (the report's `mode` says what each receiver got).
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
@@ -115,6 +118,8 @@ class WeightSender:
         self._routes: list[Route] = []
         self._baseline = Baseline() if options.delta else None
         """delta=True: the last push, as sent; a receiver holding it gets only what changed."""
+        self._costs = Costs()
+        """delta=True: what diffs and full deliveries took, to skip a diff that would not pay."""
         plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
         try:
             for spec in dict.fromkeys(specs.values()):
@@ -183,7 +188,7 @@ class WeightSender:
             deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, source, frozenset(reachable))]
             changed_fraction = 1.0
         else:
-            diff = self._baseline.diff(specs, source)
+            diff = self._take(self._baseline, specs, source, reachable, welcomes)
             deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, welcomes)
             changed_fraction = diff.changed_fraction if diff.base else 1.0
 
@@ -191,7 +196,10 @@ class WeightSender:
         committed: dict[str, Committed] = {}
         contents = []
         for delivery in deliveries:
+            delivered = time.perf_counter()
             replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures)
+            if delivery.mode == "full" and self._baseline is not None:
+                self._measured_full(delivery, time.perf_counter() - delivered)
             failures |= failed
             committed |= replies
             contents.append(content)
@@ -225,6 +233,33 @@ class WeightSender:
         if self.options.raise_on_failure and not report.ok:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
+
+    def _take(
+        self,
+        baseline: Baseline,
+        specs: list[TensorSpec],
+        source: WeightSource,
+        reachable: list[str],
+        welcomes: Mapping[str, Welcome],
+    ) -> Diff:
+        """The new version into the baseline: diffed where a patch should pay for the diff
+        (`Costs`), else copied, and every receiver gets the full version."""
+        at_base = {a for a in reachable if baseline.content and welcomes[a].content == baseline.content}
+        routes = [route.name for route in self._routes if at_base.intersection(route.addresses)]
+        always = self.options.delta_policy == "always"
+        if not routes or not (always or self._costs.diff_pays(sum(dense_nbytes(spec) for spec in specs), routes)):
+            self._costs.skipped()
+            return baseline.refresh(specs, source)
+        started = time.perf_counter()
+        diff = baseline.diff(specs, source)
+        self._costs.diffed(time.perf_counter() - started, diff)
+        return diff
+
+    def _measured_full(self, delivery: Delivery, seconds: float) -> None:
+        """Each route's throughput for full deliveries (what a skipped diff is weighed against)."""
+        for route in self._routes:
+            if delivery.addresses.intersection(route.addresses):
+                self._costs.delivered_full(route.name, delivery.plan.total_bytes, seconds)
 
     def _deliver(
         self,

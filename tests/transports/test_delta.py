@@ -1,4 +1,4 @@
-"""Delta sync (`WeightSender(delta=True)`): exact over many steps at an RL learning rate, small on
+"""Delta sync (`WeightSender(delta=True, delta_policy="always")`): exact over many steps at an RL learning rate, small on
 the wire, per receiver (a receiver not at the base gets the full version in the same push), and
 never a silent mix when a patch is corrupted, applied to the wrong base, or cut off."""
 
@@ -72,7 +72,9 @@ def test_twenty_steps_at_lr_1e6_are_bit_exact_and_small(transport: str) -> None:
     with (
         receiving(dests[0], transport) as first,
         receiving(dests[1], transport) as second,
-        sending([first.address, second.address], cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            [first.address, second.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         before = trainer.as_sent()
         model_bytes = sum(t.numel() * t.element_size() for t in before.values())
@@ -106,7 +108,9 @@ def test_a_new_receiver_gets_the_full_version_in_the_same_push() -> None:
     old_dest, new_dest = zeros_like_sent(trainer), zeros_like_sent(trainer)
     with receiving(old_dest, "tcp") as old, receiving(zeros_like_sent(trainer), "tcp") as leaving:
         port = int(leaving.address.rsplit(":", 1)[1])
-        with sending([old.address, leaving.address], cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender:
+        with sending(
+            [old.address, leaving.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender:
             assert sender.push(trainer.state(), 0).ok
             trainer.step()
             assert {o.mode for o in sender.push(trainer.state(), 1).outcomes} == {"delta"}
@@ -148,7 +152,9 @@ def test_a_receiver_at_the_wrong_base_gets_the_full_version(transport: str, obse
     with (
         receiving(good_dest, transport) as good,
         receiving(FailsCommitOf(lagging_dest, 1), transport) as lagging,
-        sending([good.address, lagging.address], cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            [good.address, lagging.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         assert sender.push(trainer.state(), 0).ok
         trainer.step()
@@ -192,7 +198,9 @@ def test_a_flipped_byte_in_a_patch_fails_and_the_next_push_is_full(transport, mo
     dest = zeros_like_sent(trainer)
     with (
         receiving(dest, transport) as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         for version in range(2):
             trainer.step()
@@ -217,7 +225,9 @@ def test_a_patch_onto_drifted_weights_fails_the_content_digest(observe) -> None:
     dest = zeros_like_sent(trainer)
     with (
         receiving(dest, "tcp") as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         assert sender.push(trainer.state(), 0).ok
         dest["norm"][0] += 1  # drift
@@ -239,7 +249,7 @@ from weightsync import WeightSender
 from tests.transports.test_delta import BUCKET, Trainer
 
 trainer = Trainer(seed=5)
-with WeightSender(sys.argv[1], cast=torch.bfloat16, delta=True, bucket_bytes=4096) as sender:
+with WeightSender(sys.argv[1], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=4096) as sender:
     for version in range(2):
         trainer.step()
         assert sender.push(trainer.state(), version).ok
@@ -281,7 +291,9 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
             assert receiver.welcome().content == ""
         for _ in range(3):
             trainer.step()
-        with sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender:
+        with sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender:
             report = sender.push(trainer.state(), 3)
             assert report.ok and report.outcomes[0].mode == "full"
         observe(f"noticed in {noticed:.2f} s; receiver after: {after}; a new sender's version 3: full, exact")
@@ -330,7 +342,9 @@ def test_a_loader_sink_always_gets_the_full_version() -> None:
     received: dict[str, torch.Tensor] = {}
     with (
         receiving(lambda items: received.update((n, t.clone()) for n, t in items), "tcp") as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         for version in range(3):
             trainer.step()
@@ -347,7 +361,9 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
     live = zeros_like_sent(trainer)
     with (
         receiving(StagedSink(TensorDictSink(live)), "shm") as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         for version in range(3):
             trainer.step()
@@ -355,3 +371,54 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
             assert report.ok and report.outcomes[0].mode == ("full" if version == 0 else "delta")
             assert_all_bit_exact(live, trainer.as_sent())
     assert isinstance(receiver, WeightReceiver)
+
+
+# --- never slower than full: skip a diff that would not pay (delta.Costs) ------------------------
+
+
+def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
+    from weightsync.delta import PROBE_EVERY, Costs
+
+    gib = 1 << 30
+    costs = Costs()
+    assert costs.diff_pays(gib, ["tcp"])  # nothing measured yet: diff
+    assert not costs.diff_pays(gib, [])  # nobody holds the base
+    costs.diff_s_per_byte, costs.patch_fraction = 0.3 / gib, 0.1  # a diff of 1 GiB: 0.3 s, 10% patch
+    assert costs.diff_pays(gib, ["tcp"])  # no full delivery measured on tcp yet
+    costs.delivered_full("tcp", gib, 0.8)  # full over tcp: 0.8 s, saving 0.72 s > 0.3 s
+    costs.delivered_full("shm", gib, 0.25)  # full over shm: 0.25 s, saving 0.225 s < 0.3 s
+    assert costs.diff_pays(gib, ["tcp"])
+    assert not costs.diff_pays(gib, ["shm"])
+    assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.945 s saved
+    for _ in range(PROBE_EVERY - 1):
+        costs.skipped()
+    assert not costs.diff_pays(gib, ["shm"])
+    costs.skipped()
+    assert costs.diff_pays(gib, ["shm"])  # probe: the host may be less busy now
+
+
+def test_a_sender_that_measured_a_slow_diff_pushes_full_and_probes_later() -> None:
+    from weightsync.delta import PROBE_EVERY
+
+    trainer = Trainer(seed=8)
+    dest = zeros_like_sent(trainer)
+    with (
+        receiving(dest, "tcp") as receiver,
+        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+    ):
+        modes = []
+        for version in range(PROBE_EVERY + 3):
+            if version == 2:  # as if the diff had cost a second per byte: never worth it
+                sender._costs.diff_s_per_byte = 1.0
+            trainer.step()
+            report = sender.push(trainer.state(), version)
+            assert report.ok, report.failed
+            assert_all_bit_exact(dest, trainer.as_sent())
+            assert receiver.content_digest == report.content_digest != ""
+            modes.append(report.outcomes[0].mode)
+            if report.outcomes[0].mode == "full":
+                assert report.outcomes[0].wire_bytes == report.total_bytes and report.changed_fraction == 1.0
+    # 0: nothing to patch; 1: measured nothing yet, so it diffs; 2..: full, until the probe
+    assert modes[:2] == ["full", "delta"]
+    assert modes[2 : 2 + PROBE_EVERY] == ["full"] * PROBE_EVERY
+    assert modes[2 + PROBE_EVERY] == "delta"
