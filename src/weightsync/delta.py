@@ -207,6 +207,9 @@ class Diff:
     changed_elements: int
     total_elements: int
     full_bytes: int
+    cold: bool = False
+    """Memory was allocated on the way (the baseline, scratch, the patch arena): its time says
+    more about page faults than about the next push."""
 
     @property
     def patch_bytes(self) -> int:
@@ -235,17 +238,20 @@ skipped diff measures nothing."""
 class Costs:
     """What the sender's last pushes measured, to decide whether diffing the next one pays.
 
-    A diff costs time before anything is sent (the plan names every patch); it pays when the
-    bytes it saves on the routes that can take a patch would take longer than the diff itself:
+    A diff costs time before anything is sent (the plan names every patch), in place of the
+    copy that refreshes the baseline of a push that goes full; it pays when the bytes it saves on
+    the routes that can take a patch would take longer than that difference:
 
-        diff_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
+        diff_s - refresh_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
 
-    The diff's cost per byte and the patch fraction are the last diff's; a route's throughput is
-    its last full delivery's. Anything not measured yet, or `PROBE_EVERY` pushes without a diff,
-    means: diff. Otherwise the push refreshes the baseline (a copy) and goes full to everyone.
+    The diff's and refresh's cost per byte and the patch fraction are the last ones measured
+    warm (a diff or refresh that allocated memory is no measurement); a route's throughput is its
+    last full delivery's. Anything not measured yet, or `PROBE_EVERY` pushes without a diff,
+    means: diff. Otherwise the push refreshes the baseline and goes full to everyone.
     """
 
     diff_s_per_byte: float | None = None
+    refresh_s_per_byte: float = 0.0
     patch_fraction: float | None = None
     full_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per route (transport name): bytes per second of its last full delivery."""
@@ -260,15 +266,17 @@ class Costs:
         if any(self.full_bytes_per_s.get(route, 0.0) <= 0.0 for route in routes):
             return True
         saved_s = sum((1 - self.patch_fraction) * full_bytes / self.full_bytes_per_s[route] for route in routes)
-        return self.diff_s_per_byte * full_bytes < saved_s
+        return (self.diff_s_per_byte - self.refresh_s_per_byte) * full_bytes < saved_s
 
     def diffed(self, seconds: float, diff: Diff) -> None:
-        if diff.base and diff.full_bytes:
+        if diff.base and diff.full_bytes and not diff.cold:
             self.diff_s_per_byte = seconds / diff.full_bytes
             self.patch_fraction = diff.patch_bytes / diff.full_bytes
         self.pushes_since_diff = 0
 
-    def skipped(self) -> None:
+    def refreshed(self, seconds: float, diff: Diff) -> None:
+        if diff.full_bytes and not diff.cold:
+            self.refresh_s_per_byte = seconds / diff.full_bytes
         self.pushes_since_diff += 1
 
     def delivered_full(self, route: str, nbytes: int, seconds: float) -> None:
@@ -299,20 +307,29 @@ class _Arena:
     def __init__(self) -> None:
         self._buffer = np.empty(0, dtype=np.uint8)
         self._used = 0
+        self._high_water = 0
+        """The most any push has used: the pages faulted in already."""
 
-    def reset(self, full_bytes: int) -> None:
+    def reset(self, full_bytes: int) -> bool:
         """Free everything taken so far (the previous push's patches are no longer in use) and
-        make room for patches up to the point where a push goes full anyway."""
+        make room for patches up to the point where a push goes full anyway. Returns whether
+        the pages are fresh (not faulted in by an earlier push)."""
         wanted = int(DENSE_FRACTION * full_bytes) + self.ALIGN
+        fresh = self._buffer.size < wanted or self._high_water == 0
         if self._buffer.size < wanted:
-            self._buffer = np.empty(wanted, dtype=np.uint8)
+            self._buffer, self._high_water = np.empty(wanted, dtype=np.uint8), 0
         self._used = 0
+        return fresh
+
+    def _touched(self) -> None:
+        self._high_water = max(self._high_water, self._used)
 
     def take(self, nbytes: int) -> np.ndarray:
         start = -(-self._used // self.ALIGN) * self.ALIGN
         if start + nbytes > self._buffer.size:
             return np.empty(nbytes, dtype=np.uint8)
         self._used = start + nbytes
+        self._touched()
         return self._buffer[start : self._used]
 
 
@@ -331,6 +348,8 @@ class Baseline:
         self._indices = np.empty(0, dtype=np.int32)
         self._values = np.empty(0, dtype=np.uint8)
         self._patches = _Arena()
+        self._cold = False
+        """Memory was allocated during the current diff (`Diff.cold`)."""
 
     def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
@@ -351,7 +370,7 @@ class Baseline:
         base = self.content if same_layout and compare else ""
         if not same_layout:
             self.tensors = {}
-        self._patches.reset(sum(dense_nbytes(spec) for spec in specs))
+        self._cold = self._patches.reset(sum(dense_nbytes(spec) for spec in specs))
         patched: list[TensorSpec] = []
         payloads: list[torch.Tensor] = []
         changed = total = 0
@@ -375,7 +394,8 @@ class Baseline:
             total += old.numel()
         self.content = content_digest(specs, tensor_digests([byte_view(self.tensors[spec.name]) for spec in specs]))
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
-        return Diff(base, self.content, tuple(patched), tuple(payloads), changed, total, full_bytes)
+        cold, self._cold = self._cold or not same_layout, False
+        return Diff(base, self.content, tuple(patched), tuple(payloads), changed, total, full_bytes, cold)
 
     def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Update `old` (the baseline) to `tensor` as sent; the flat indices of the elements whose
@@ -400,9 +420,9 @@ class Baseline:
         """Scratch for the native diff's output, room for every element of the largest tensor:
         only the pages the changes touch are ever faulted in."""
         if self._indices.size < numel:
-            self._indices = np.empty(numel, dtype=np.int32)
+            self._indices, self._cold = np.empty(numel, dtype=np.int32), True
         if self._values.size < numel * size:
-            self._values = np.empty(numel * size, dtype=np.uint8)
+            self._values, self._cold = np.empty(numel * size, dtype=np.uint8), True
         return self._indices, self._values
 
     def _as_sent(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -247,10 +247,11 @@ class WeightSender:
         at_base = {a for a in reachable if baseline.content and welcomes[a].content == baseline.content}
         routes = [route.name for route in self._routes if at_base.intersection(route.addresses)]
         always = self.options.delta_policy == "always"
-        if not routes or not (always or self._costs.diff_pays(sum(dense_nbytes(spec) for spec in specs), routes)):
-            self._costs.skipped()
-            return baseline.refresh(specs, source)
         started = time.perf_counter()
+        if not routes or not (always or self._costs.diff_pays(sum(dense_nbytes(spec) for spec in specs), routes)):
+            refreshed = baseline.refresh(specs, source)
+            self._costs.refreshed(time.perf_counter() - started, refreshed)
+            return refreshed
         diff = baseline.diff(specs, source)
         self._costs.diffed(time.perf_counter() - started, diff)
         return diff

@@ -4,6 +4,7 @@ never a silent mix when a patch is corrupted, applied to the wrong base, or cut 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -377,7 +378,7 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
 
 
 def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
-    from weightsync.delta import PROBE_EVERY, Costs
+    from weightsync.delta import PROBE_EVERY, Costs, Diff
 
     gib = 1 << 30
     costs = Costs()
@@ -390,11 +391,19 @@ def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
     assert costs.diff_pays(gib, ["tcp"])
     assert not costs.diff_pays(gib, ["shm"])
     assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.945 s saved
-    for _ in range(PROBE_EVERY - 1):
-        costs.skipped()
+    costs.delivered_full("shm", gib, 0.3)  # saving 0.27 s < 0.3 s
     assert not costs.diff_pays(gib, ["shm"])
-    costs.skipped()
+    refresh = Diff("", "c", (), (), 0, gib // 2, gib)
+    costs.refreshed(0.05, refresh)  # a refresh costs 0.05 s, a diff 0.3: 0.25 s < 0.27 s
+    assert costs.diff_pays(gib, ["shm"])
+    costs.refresh_s_per_byte = 0.0
+    for _ in range(PROBE_EVERY - 2):
+        costs.refreshed(9.9, dataclasses.replace(refresh, cold=True))  # cold: no measurement
+    assert not costs.diff_pays(gib, ["shm"])
+    costs.refreshed(0.0, refresh)
     assert costs.diff_pays(gib, ["shm"])  # probe: the host may be less busy now
+    costs.diffed(0.3, Diff("c", "d", (), (), 0, gib // 2, gib))  # no base: no measurement
+    assert costs.pushes_since_diff == 0 and costs.diff_s_per_byte == 0.3 / gib
 
 
 def test_a_sender_that_measured_a_slow_diff_pushes_full_and_probes_later() -> None:
@@ -409,7 +418,7 @@ def test_a_sender_that_measured_a_slow_diff_pushes_full_and_probes_later() -> No
         modes = []
         for version in range(PROBE_EVERY + 3):
             if version == 2:  # as if the diff had cost a second per byte: never worth it
-                sender._costs.diff_s_per_byte = 1.0
+                sender._costs.diff_s_per_byte, sender._costs.patch_fraction = 1.0, 0.1
             trainer.step()
             report = sender.push(trainer.state(), version)
             assert report.ok, report.failed
@@ -418,7 +427,8 @@ def test_a_sender_that_measured_a_slow_diff_pushes_full_and_probes_later() -> No
             modes.append(report.outcomes[0].mode)
             if report.outcomes[0].mode == "full":
                 assert report.outcomes[0].wire_bytes == report.total_bytes and report.changed_fraction == 1.0
-    # 0: nothing to patch; 1: measured nothing yet, so it diffs; 2..: full, until the probe
+    # 0: nothing to patch; 1: nothing measured yet (the first diff is cold), so it diffs;
+    # 2..: full, until the probe
     assert modes[:2] == ["full", "delta"]
     assert modes[2 : 2 + PROBE_EVERY] == ["full"] * PROBE_EVERY
     assert modes[2 + PROBE_EVERY] == "delta"
