@@ -88,6 +88,7 @@ def test_twenty_steps_at_lr_1e6_are_bit_exact_and_small(transport: str) -> None:
             for dest in dests:
                 assert_all_bit_exact(dest, sent)
             assert first.content_digest == second.content_digest == report.content_digest != ""
+            assert first.status.mode == second.status.mode == ("full" if version == 0 else "delta")
             modes = {outcome.mode for outcome in report.outcomes}
             if version == 0:
                 assert modes == {"full"} and report.changed_fraction == 1.0
