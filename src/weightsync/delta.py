@@ -180,7 +180,7 @@ def _copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _scatter(dest: np.ndarray, where: np.ndarray, values: np.ndarray) -> None:
     """dest[where] = values, natively where built (numpy converts int32 indices to int64 first)."""
     if _deltadiff is not None and where.dtype == np.int32 and dest.itemsize in _NATIVE_SIZES:
-        _deltadiff.apply(dest, dest.itemsize, where, values)
+        _deltadiff.apply(dest, dest.itemsize, where, values, _threads())
     else:
         np.put(dest, where, values)
 

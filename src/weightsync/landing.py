@@ -54,9 +54,10 @@ class Staging:
         self._receive = torch.empty(0, dtype=torch.uint8)
 
     def arena(self, nbytes: int) -> torch.Tensor:
-        """At least `nbytes` of arena (grown, never shrunk)."""
+        """At least `nbytes` of arena (grown, never shrunk; with an eighth to spare, since the
+        patches of a delta sync, staged here, vary a little in size from sync to sync)."""
         if self._arena.numel() < nbytes:
-            self._arena = _prefaulted(nbytes)
+            self._arena = _prefaulted(nbytes + nbytes // 8)
         return self._arena
 
     def receive_buffer(self, nbytes: int) -> np.ndarray:

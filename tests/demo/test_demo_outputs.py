@@ -114,7 +114,7 @@ RECORDS = [
 
 def test_the_plot_names_engine_mode_and_payload_and_marks_events(tmp_path) -> None:
     assert title(RECORDS, "vllm", "disaggregated") == (
-        "weightsync demo: GRPO (disaggregated, vllm engine), 294 KiB pushed after every step"
+        "weightsync demo: GRPO (disaggregated, vllm engine), 294 KiB model pushed after every step"
     )
     assert event_marks(RECORDS) == [
         (1, "server 0 killed (SIGKILL)", "tab:red"),

@@ -202,8 +202,13 @@ def test_baseline_diffs_natively_exactly_as_with_numpy(monkeypatch, fraction: fl
 
 
 @settings(max_examples=40, deadline=None)
-@given(itemsize=st.sampled_from([2, 4]), numel=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
-def test_apply_writes_exactly_the_named_elements(itemsize: int, numel: int, seed: int) -> None:
+@given(
+    itemsize=st.sampled_from([2, 4]),
+    numel=st.integers(1, 5000) | st.sampled_from([PER_THREAD // 4 + 3, PER_THREAD]),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_apply_writes_exactly_the_named_elements(itemsize: int, numel: int, threads: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     bits = BITS[itemsize]
     dest = rng.integers(0, np.iinfo(bits).max, numel, dtype=bits, endpoint=True)
@@ -211,19 +216,19 @@ def test_apply_writes_exactly_the_named_elements(itemsize: int, numel: int, seed
     values = rng.integers(0, np.iinfo(bits).max, where.size, dtype=bits, endpoint=True)
     expected = dest.copy()
     expected[where] = values
-    native.apply(dest, itemsize, where, values)
+    native.apply(dest, itemsize, where, values, threads)
     assert np.array_equal(dest, expected)
 
 
 def test_apply_refuses_an_index_outside_and_writes_nothing() -> None:
     dest = np.zeros(8, np.uint16)
     with pytest.raises(IndexError, match="outside"):
-        native.apply(dest, 2, np.array([1, 8], np.int32), np.array([5, 6], np.uint16))
+        native.apply(dest, 2, np.array([1, 8], np.int32), np.array([5, 6], np.uint16), 2)
     with pytest.raises(IndexError, match="outside"):
-        native.apply(dest, 2, np.array([2, -1], np.int32), np.array([5, 6], np.uint16))
+        native.apply(dest, 2, np.array([2, -1], np.int32), np.array([5, 6], np.uint16), 2)
     assert not dest.any()
     with pytest.raises(ValueError, match="one value each"):
-        native.apply(dest, 2, np.array([1, 2], np.int32), np.array([5], np.uint16))
+        native.apply(dest, 2, np.array([1, 2], np.int32), np.array([5], np.uint16), 1)
 
 
 def test_whole_model_digests_on_threads_equal_one_by_one() -> None:

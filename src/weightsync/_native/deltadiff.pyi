@@ -37,6 +37,7 @@ def apply(
     itemsize: int,
     indices: Buffer | np.ndarray[Any, Any],
     values: Buffer | np.ndarray[Any, Any],
+    threads: int,
     /,
 ) -> None:
     """dest[indices[k]] = values[k] (int32 indices, itemsize-byte values); IndexError, with
