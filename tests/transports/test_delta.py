@@ -66,7 +66,7 @@ def changed_elements(before: dict[str, torch.Tensor], after: dict[str, torch.Ten
     )
 
 
-@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp", "collective"])
 def test_twenty_steps_at_lr_1e6_are_bit_exact_and_small(transport: str) -> None:
     trainer = Trainer()
     dests = [zeros_like_sent(trainer), zeros_like_sent(trainer)]
@@ -433,3 +433,28 @@ def test_a_sender_that_measured_a_slow_diff_pushes_full_and_probes_later() -> No
     assert modes[:2] == ["full", "delta"]
     assert modes[2 : 2 + PROBE_EVERY] == ["full"] * PROBE_EVERY
     assert modes[2 + PROBE_EVERY] == "delta"
+
+
+@pytest.mark.gpu
+def test_delta_over_cudaipc_patches_gpu_destinations_bit_exact() -> None:
+    """cudaipc: the sender in a child process on the same GPU, destinations on the GPU; patches
+    are staged in host memory and applied on the device."""
+    from tests.peer_process import SenderProcess
+
+    trainer = Trainer(seed=9)
+    dest = {name: t.to("cuda") for name, t in zeros_like_sent(trainer).items()}
+    with (
+        SenderProcess("cuda") as process,
+        receiving(dest, "cudaipc") as receiver,
+        process.sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
+    ):
+        for version in range(4):
+            if version:
+                trainer.step()
+            report = sender.push(trainer.state(), version)
+            assert report.ok, report.failed
+            assert report.outcomes[0].mode == ("full" if version == 0 else "delta")
+            assert_all_bit_exact({name: t.cpu() for name, t in dest.items()}, trainer.as_sent())
+            assert receiver.content_digest == report.content_digest != ""
