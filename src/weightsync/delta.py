@@ -23,13 +23,14 @@ import dataclasses
 import math
 import types
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 
-from weightsync.checksum import content_digest, tensor_digests
+from weightsync.checksum import HASH_TIMEOUT_S, content_digest, tensor_digests
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import PlanError
 from weightsync.pack import byte_view
@@ -160,6 +161,22 @@ def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> 
     flat[torch.from_numpy(where.astype(np.int64)).to(dest.device)] = torch.from_numpy(values).to(dest.device)
 
 
+def settled(value: str | Future[str]) -> str:
+    """A content digest, waiting (bounded) for one still being computed."""
+    return value if isinstance(value, str) else value.result(timeout=HASH_TIMEOUT_S)
+
+
+def _digest_later(specs: Sequence[TensorSpec], tensors: list[torch.Tensor]) -> Future[str]:
+    """The content digest of `tensors`, computed on a thread of its own: the whole-model hash
+    then runs while the push's offer and buckets go out (its commit is the first to need it).
+    The tensors (the baseline) stay unchanged until the next diff, which waits for it."""
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
+    try:
+        return hashing.submit(lambda: content_digest(specs, tensor_digests([byte_view(t) for t in tensors])))
+    finally:
+        hashing.shutdown(wait=False)  # the thread ends once the digest is done
+
+
 def _check_yielded(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
     if name != spec.name or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.source_dtype:
         raise PlanError(
@@ -197,8 +214,9 @@ class Diff:
 
     base: str
     """The content digest of the previous baseline (what a delta receiver must hold), or ""."""
-    content: str
-    """The content digest of the new version: every tensor whole, as sent."""
+    pending_content: str | Future[str]
+    """The content digest of the new version (every tensor whole, as sent), or its computation
+    under way: `content` waits for it."""
     specs: tuple[TensorSpec, ...]
     """The patch plan's tensors (encodings and counts)."""
     payloads: tuple[torch.Tensor, ...]
@@ -210,6 +228,10 @@ class Diff:
     cold: bool = False
     """Memory was allocated on the way (the baseline, scratch, the patch arena): its time says
     more about page faults than about the next push."""
+
+    @property
+    def content(self) -> str:
+        return settled(self.pending_content)
 
     @property
     def patch_bytes(self) -> int:
@@ -342,14 +364,18 @@ class Baseline:
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.content = ""
-        """The content digest of the version it holds, or "" before the first push."""
+        self._content: str | Future[str] = ""
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._indices = np.empty(0, dtype=np.int32)
         self._values = np.empty(0, dtype=np.uint8)
         self._patches = _Arena()
         self._cold = False
         """Memory was allocated during the current diff (`Diff.cold`)."""
+
+    @property
+    def content(self) -> str:
+        """The content digest of the version it holds, or "" before the first push."""
+        return settled(self._content)
 
     def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
@@ -367,7 +393,8 @@ class Baseline:
             and self.tensors[spec.name].dtype == dtype_from_name(spec.dtype)
             for spec in specs
         )
-        base = self.content if same_layout and compare else ""
+        held = self.content  # waits for the last push's digest: it reads what this overwrites
+        base = held if same_layout and compare else ""
         if not same_layout:
             self.tensors = {}
         self._cold = self._patches.reset(sum(dense_nbytes(spec) for spec in specs))
@@ -392,10 +419,10 @@ class Baseline:
             payloads.append(old if payload is None else torch.from_numpy(payload))
             changed += num_changed
             total += old.numel()
-        self.content = content_digest(specs, tensor_digests([byte_view(self.tensors[spec.name]) for spec in specs]))
+        self._content = _digest_later(specs, [self.tensors[spec.name] for spec in specs])
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
         cold, self._cold = self._cold or not same_layout, False
-        return Diff(base, self.content, tuple(patched), tuple(payloads), changed, total, full_bytes, cold)
+        return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes, cold)
 
     def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Update `old` (the baseline) to `tensor` as sent; the flat indices of the elements whose

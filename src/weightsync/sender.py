@@ -14,10 +14,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
-from weightsync.delta import Baseline, Costs, Diff
+from weightsync.delta import Baseline, Costs, Diff, settled
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
@@ -52,8 +53,9 @@ class Delivery:
     addresses: frozenset[str]
     base: str = ""
     """For a patch: the content digest of the version it applies to (`Offer.base`)."""
-    content: str = ""
-    """The version's content digest where the sender computed it whole (a delta push)."""
+    content: str | Future[str] = ""
+    """The version's content digest where the sender computes it whole (a delta push), possibly
+    still being computed: the commit waits for it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -370,12 +372,12 @@ def _deliveries(
     if full:
         whole = baseline.source()
         plan = build_plan(specs, bucket_bytes)
-        deliveries.append(Delivery("full", plan, whole.metas(), whole, full, content=diff.content))
+        deliveries.append(Delivery("full", plan, whole.metas(), whole, full, content=diff.pending_content))
     if patched:
         patches = diff.patch_source()
         plan = build_plan(diff.specs, bucket_bytes)
         deliveries.append(
-            Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.content)
+            Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.pending_content)
         )
     return deliveries
 
@@ -386,12 +388,13 @@ def _check_deadline(ends: float | None, version: int, index: int) -> None:
 
 
 def _commit_message(
-    version: int, digest: str, verify: Verify, hashes: SyncHashes | None, content: str
+    version: int, digest: str, verify: Verify, hashes: SyncHashes | None, pending: str | Future[str]
 ) -> tuple[Commit, str]:
     """The Commit for one transport's receivers, and the content digest it carries ("" unverified).
 
     `content`: the version's content digest where the sender knows it whole (a delta push's
     diff), whatever travelled; else it comes from the buckets' hashes, when they were hashed."""
+    content = settled(pending)
     if content:
         tensors = hashes.tensor_digests() if verify == "full" and hashes is not None and hashes.complete else ()
         return Commit(version, digest, content, tensors), content

@@ -403,7 +403,7 @@ def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
     assert not costs.diff_pays(gib, ["shm"])
     costs.refreshed(0.0, refresh)
     assert costs.diff_pays(gib, ["shm"])  # probe: the host may be less busy now
-    costs.diffed(0.3, Diff("c", "d", (), (), 0, gib // 2, gib))  # no base: no measurement
+    costs.diffed(0.3, Diff("c", "d", (), (), 0, gib // 2, gib))  # warm, with a base: measured
     assert costs.pushes_since_diff == 0 and costs.diff_s_per_byte == 0.3 / gib
 
 
