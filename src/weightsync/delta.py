@@ -3,7 +3,8 @@
 The sender keeps a baseline: the wire bytes of its last push, one copy of the model in the wire
 dtype, in host memory (a 2 GiB bf16 model costs 2 GiB of host RAM), plus that version's content
 digest. Each push with `delta=True` diffs every tensor, as sent (after any cast), bitwise against
-the baseline, updates the baseline in place, and encodes each tensor the cheapest way:
+the baseline, updates the baseline in place (one native pass per tensor, `_native/deltadiff.c`;
+numpy where it is not built), and encodes each tensor the cheapest way:
 
     sparse   count int32 indices, then count values      4 + itemsize bytes per changed element
     bitmap   one bit per element, then count values       numel / 8 + itemsize per changed element
@@ -15,6 +16,9 @@ checksummed and landed like any sync. A receiver gets it only if it holds exactl
 push. The receiver applies each patch in place into its destination (`apply_patch`) and, before
 committing, hashes every destination whole: the content digest of the full new weights must equal
 the sender's, or the sync fails with ChecksumError and the receiver's next push is full.
+
+A diff is paid before anything is sent; `Costs` keeps what the last ones measured, so that the
+sender skips a diff that would not arrive sooner than the full version (`delta_policy="faster"`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import math
 import types
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 import numpy as np
@@ -38,7 +42,7 @@ from weightsync.plan import INDEX_BYTES, dense_nbytes, tensor_nbytes
 from weightsync.source import TensorMeta, WeightSource
 from weightsync.types import TensorSpec
 
-__all__ = ["DENSE_FRACTION", "PROBE_EVERY", "Baseline", "Costs", "Diff", "apply_patch"]
+__all__ = ["DENSE_FRACTION", "PROBE_EVERY", "Baseline", "Costs", "Diff", "Step", "apply_patch", "settled"]
 
 DENSE_FRACTION = 0.5
 """A push whose patches would carry more than this fraction of the full model goes full: the diff
@@ -49,8 +53,8 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 CHUNK_ELEMENTS = 1 << 20
-"""Elements compared at a time: the comparison, the indices and the baseline update of a chunk
-run while it is in cache (numpy: several times torch's speed for these ops here)."""
+"""The numpy path's elements compared at a time: the comparison, the indices and the baseline
+update of a chunk run while it is in cache (several times torch's speed for these ops here)."""
 
 
 _NP_BITS: dict[int, type[np.integer[Any]]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -256,39 +260,57 @@ PROBE_EVERY = 8
 skipped diff measures nothing."""
 
 
+Step: TypeAlias = Literal["diff", "refresh", "plain"]
+"""What a push with delta=True does (`Costs.next_step`)."""
+
+
 @dataclasses.dataclass
 class Costs:
-    """What the sender's last pushes measured, to decide whether diffing the next one pays.
+    """What the sender's last pushes measured, to decide what the next one does:
 
-    A diff costs time before anything is sent (the plan names every patch), in place of the
-    copy that refreshes the baseline of a push that goes full; it pays when the bytes it saves on
-    the routes that can take a patch would take longer than that difference:
+        diff     diff against the baseline: receivers holding it get the patch, the others the
+                 full version (verified)
+        refresh  copy the new version into the baseline and push it full, verified: its
+                 receivers then hold a base for the next push's patch
+        plain    push as without delta (cast while packing, no baseline, checksums only where
+                 asked for), and forget the baseline: what a push costs when patches do not pay
 
-        diff_s - refresh_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
+    A diff is paid before anything is sent (the plan names every patch); it pays when the bytes
+    it saves on the routes that can take a patch would take longer than the diff:
 
-    The diff's and refresh's cost per byte and the patch fraction are the last ones measured
-    warm (a diff or refresh that allocated memory is no measurement); a route's throughput is its
-    last full delivery's. Anything not measured yet, or `PROBE_EVERY` pushes without a diff,
-    means: diff. Otherwise the push refreshes the baseline and goes full to everyone.
+        diff_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
+
+    The diff's cost per byte and the patch fraction are the last warm diff's (one that allocated
+    memory is no measurement); a route's throughput is its last full delivery's. Anything not
+    measured yet means: diff. Once a diff measured as not paying, pushes go plain; after
+    `PROBE_EVERY` pushes without a diff, a refresh and then a diff measure again.
     """
 
     diff_s_per_byte: float | None = None
-    refresh_s_per_byte: float = 0.0
     patch_fraction: float | None = None
     full_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per route (transport name): bytes per second of its last full delivery."""
     pushes_since_diff: int = 0
+    suspended: bool = False
+    """A diff measured as not paying: plain pushes until the next probe."""
+
+    def next_step(self, full_bytes: int, routes: Sequence[str], always: bool) -> Step:
+        """What a push of `full_bytes` does, its receivers at the baseline being on `routes`;
+        `always`: diff wherever a receiver can take a patch (delta_policy="always")."""
+        if routes and (always or self.diff_pays(full_bytes, routes)):
+            return "diff"
+        if routes or (self.suspended and self.pushes_since_diff < PROBE_EVERY):
+            return "plain"
+        return "refresh"
 
     def diff_pays(self, full_bytes: int, routes: Sequence[str]) -> bool:
-        """Whether to diff a push of `full_bytes` whose receivers at the baseline are on `routes`."""
-        if not routes:
-            return False  # no one could take a patch
+        """Whether a diff should beat pushing in full to `routes` (the rule above)."""
         if self.diff_s_per_byte is None or self.patch_fraction is None or self.pushes_since_diff >= PROBE_EVERY:
             return True
         if any(self.full_bytes_per_s.get(route, 0.0) <= 0.0 for route in routes):
             return True
         saved_s = sum((1 - self.patch_fraction) * full_bytes / self.full_bytes_per_s[route] for route in routes)
-        return (self.diff_s_per_byte - self.refresh_s_per_byte) * full_bytes < saved_s
+        return self.diff_s_per_byte * full_bytes < saved_s
 
     def diffed(self, seconds: float, diff: Diff) -> None:
         if diff.base and diff.full_bytes and not diff.cold:
@@ -296,10 +318,13 @@ class Costs:
             self.patch_fraction = diff.patch_bytes / diff.full_bytes
         self.pushes_since_diff = 0
 
-    def refreshed(self, seconds: float, diff: Diff) -> None:
-        if diff.full_bytes and not diff.cold:
-            self.refresh_s_per_byte = seconds / diff.full_bytes
+    def refreshed(self) -> None:
         self.pushes_since_diff += 1
+        self.suspended = False
+
+    def pushed_plain(self) -> None:
+        self.pushes_since_diff += 1
+        self.suspended = True
 
     def delivered_full(self, route: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
@@ -383,8 +408,8 @@ class Baseline:
         return self._take(specs, source, compare=True)
 
     def refresh(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
-        """Make `source` the baseline without comparing (a push that goes full to everyone):
-        a copy, which costs less than a diff. The result offers no patch (no base)."""
+        """Make `source` the baseline without comparing (a push that goes full to everyone, so
+        that the next one can be a patch): a copy. The result offers no patch (no base)."""
         return self._take(specs, source, compare=False)
 
     def _take(self, specs: Sequence[TensorSpec], source: WeightSource, compare: bool) -> Diff:
@@ -465,6 +490,12 @@ class Baseline:
         out = self._scratch[:nbytes].view(dtype).view(tensor.shape)
         out.copy_(tensor)
         return out
+
+    def forget(self) -> None:
+        """Hold no version a patch can be based on (a plain push went past it); the memory stays
+        for the next refresh."""
+        settled(self._content)  # a digest still computing reads the tensors a refresh rewrites
+        self._content = ""
 
     def source(self) -> WeightSource:
         """The baseline's tensors (the version last diffed), as a source for a full push."""

@@ -47,8 +47,9 @@ class SenderOptions:
     """Send receivers that hold the previous push only what changed (delta.py); costs one host
     copy of the model in the wire dtype, and verifies every push (at least "bucket")."""
     delta_policy: DeltaPolicy = "faster"
-    """With delta: "faster" skips the diff and sends full where the last pushes measured that a
-    patch would not arrive sooner (delta.Costs); "always" diffs every push."""
+    """With delta: "faster" pushes as without delta where the last pushes measured that a patch
+    would not arrive sooner, measuring again every few pushes (delta.Costs); "always" diffs every
+    push."""
 
     def __post_init__(self) -> None:
         _check_timeout(self.timeout)

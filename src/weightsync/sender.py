@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
-from weightsync.delta import Baseline, Costs, Diff, settled
+from weightsync.delta import Baseline, Costs, Diff, Step, settled
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
@@ -104,9 +104,10 @@ class WeightSender:
             it can patch) only the elements whose wire bits changed, and every other receiver
             the full version, in the same push (docs/delta.md). Keeps one copy of the model in
             the wire dtype in host memory, and verifies every push (at least "bucket").
-        delta_policy: "faster" (default): skip the diff and push full where the last pushes
-            measured that a patch would not arrive sooner than the full version; "always":
-            diff every push (the report's `mode` says what each receiver got).
+        delta_policy: "faster" (default): where the last pushes measured that a patch would
+            not arrive sooner than the full version, push as without delta (and measure again
+            every few pushes); "always": diff every push (the report's `mode` says what each
+            receiver got). See `delta.Costs`.
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
@@ -178,19 +179,20 @@ class WeightSender:
         welcomes, failures = self._connect()
         largest = max((tensor_nbytes(spec) for spec in specs), default=0)
         bucket_bytes = self._agree_bucket_bytes(largest, welcomes, failures)
+        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
+        step = self._next_step(specs, reachable, welcomes)
         # the strictest verification any receiver asks for, or ours if stricter; a delta push
-        # always verifies (a patch onto the wrong bytes must not commit)
+        # (a diff or a refresh) always verifies: a patch onto the wrong bytes must not commit
         verify = stricter(
             self.options.verify,
-            "bucket" if self._baseline is not None else "off",
+            "off" if step == "plain" else "bucket",
             *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
-        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
-        if self._baseline is None:
+        if step == "plain" or self._baseline is None:
             deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, source, frozenset(reachable))]
             changed_fraction = 1.0
         else:
-            diff = self._take(self._baseline, specs, source, reachable, welcomes)
+            diff = self._take(self._baseline, step, specs, source)
             deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, welcomes)
             changed_fraction = diff.changed_fraction if diff.base else 1.0
 
@@ -236,24 +238,26 @@ class WeightSender:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
 
-    def _take(
-        self,
-        baseline: Baseline,
-        specs: list[TensorSpec],
-        source: WeightSource,
-        reachable: list[str],
-        welcomes: Mapping[str, Welcome],
-    ) -> Diff:
-        """The new version into the baseline: diffed where a patch should pay for the diff
-        (`Costs`), else copied, and every receiver gets the full version."""
+    def _next_step(self, specs: list[TensorSpec], reachable: list[str], welcomes: Mapping[str, Welcome]) -> Step:
+        """plain without delta; with it, what `Costs` says for receivers at the baseline."""
+        baseline = self._baseline
+        if baseline is None:
+            return "plain"
         at_base = {a for a in reachable if baseline.content and welcomes[a].content == baseline.content}
         routes = [route.name for route in self._routes if at_base.intersection(route.addresses)]
-        always = self.options.delta_policy == "always"
+        full_bytes = sum(dense_nbytes(spec) for spec in specs)
+        step = self._costs.next_step(full_bytes, routes, always=self.options.delta_policy == "always")
+        if step == "plain":
+            baseline.forget()
+            self._costs.pushed_plain()
+        return step
+
+    def _take(self, baseline: Baseline, step: Step, specs: list[TensorSpec], source: WeightSource) -> Diff:
+        """The new version into the baseline: diffed (measured, for `Costs`), or copied."""
+        if step == "refresh":
+            self._costs.refreshed()
+            return baseline.refresh(specs, source)
         started = time.perf_counter()
-        if not routes or not (always or self._costs.diff_pays(sum(dense_nbytes(spec) for spec in specs), routes)):
-            refreshed = baseline.refresh(specs, source)
-            self._costs.refreshed(time.perf_counter() - started, refreshed)
-            return refreshed
         diff = baseline.diff(specs, source)
         self._costs.diffed(time.perf_counter() - started, diff)
         return diff

@@ -4,7 +4,6 @@ never a silent mix when a patch is corrupted, applied to the wrong base, or cut 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
@@ -383,31 +382,30 @@ def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
 
     gib = 1 << 30
     costs = Costs()
-    assert costs.diff_pays(gib, ["tcp"])  # nothing measured yet: diff
-    assert not costs.diff_pays(gib, [])  # nobody holds the base
+    assert costs.next_step(gib, ["tcp"], always=False) == "diff"  # nothing measured yet
+    assert costs.next_step(gib, [], always=False) == "refresh"  # nobody holds the base: make one
     costs.diff_s_per_byte, costs.patch_fraction = 0.3 / gib, 0.1  # a diff of 1 GiB: 0.3 s, 10% patch
     assert costs.diff_pays(gib, ["tcp"])  # no full delivery measured on tcp yet
-    costs.delivered_full("tcp", gib, 0.8)  # full over tcp: 0.8 s, saving 0.72 s > 0.3 s
-    costs.delivered_full("shm", gib, 0.25)  # full over shm: 0.25 s, saving 0.225 s < 0.3 s
-    assert costs.diff_pays(gib, ["tcp"])
-    assert not costs.diff_pays(gib, ["shm"])
-    assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.945 s saved
-    costs.delivered_full("shm", gib, 0.3)  # saving 0.27 s < 0.3 s
-    assert not costs.diff_pays(gib, ["shm"])
-    refresh = Diff("", "c", (), (), 0, gib // 2, gib)
-    costs.refreshed(0.05, refresh)  # a refresh costs 0.05 s, a diff 0.3: 0.25 s < 0.27 s
-    assert costs.diff_pays(gib, ["shm"])
-    costs.refresh_s_per_byte = 0.0
-    for _ in range(PROBE_EVERY - 2):
-        costs.refreshed(9.9, dataclasses.replace(refresh, cold=True))  # cold: no measurement
-    assert not costs.diff_pays(gib, ["shm"])
-    costs.refreshed(0.0, refresh)
-    assert costs.diff_pays(gib, ["shm"])  # probe: the host may be less busy now
-    costs.diffed(0.3, Diff("c", "d", (), (), 0, gib // 2, gib))  # warm, with a base: measured
-    assert costs.pushes_since_diff == 0 and costs.diff_s_per_byte == 0.3 / gib
+    costs.delivered_full("tcp", gib, 0.8)  # full over tcp: 0.8 s, a patch saves 0.72 s > 0.3 s
+    costs.delivered_full("shm", gib, 0.3)  # full over shm: 0.3 s, a patch saves 0.27 s < 0.3 s
+    assert costs.next_step(gib, ["tcp"], always=False) == "diff"
+    assert costs.next_step(gib, ["shm"], always=False) == "plain"
+    assert costs.next_step(gib, ["shm"], always=True) == "diff"
+    assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.99 s saved
+    costs.pushed_plain()
+    for _ in range(PROBE_EVERY - 1):
+        assert costs.next_step(gib, [], always=False) == "plain"  # nobody at the base, suspended
+        costs.pushed_plain()
+    assert costs.next_step(gib, [], always=False) == "refresh"  # the probe: a base first...
+    costs.refreshed()
+    assert costs.next_step(gib, ["shm"], always=False) == "diff"  # ...then a diff, measured
+    costs.diffed(0.9, Diff("c", "d", (), (), 0, gib // 2, gib, cold=True))  # cold: no measurement
+    assert costs.diff_s_per_byte == 0.3 / gib and costs.pushes_since_diff == 0
+    costs.diffed(0.1, Diff("c", "d", (), (), 0, gib // 2, gib))  # the host is less busy now
+    assert costs.next_step(gib, ["shm"], always=False) == "diff"
 
 
-def test_a_sender_that_measured_a_slow_diff_pushes_full_and_probes_later() -> None:
+def test_a_sender_that_measured_a_slow_diff_pushes_plain_and_probes_later() -> None:
     from weightsync.delta import PROBE_EVERY
 
     trainer = Trainer(seed=8)
@@ -416,23 +414,28 @@ def test_a_sender_that_measured_a_slow_diff_pushes_full_and_probes_later() -> No
         receiving(dest, "tcp") as receiver,
         sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
     ):
-        modes = []
-        for version in range(PROBE_EVERY + 3):
+        modes, digests = [], []
+        for version in range(PROBE_EVERY + 5):
             if version == 2:  # as if the diff had cost a second per byte: never worth it
                 sender._costs.diff_s_per_byte, sender._costs.patch_fraction = 1.0, 0.1
             trainer.step()
             report = sender.push(trainer.state(), version)
             assert report.ok, report.failed
             assert_all_bit_exact(dest, trainer.as_sent())
-            assert receiver.content_digest == report.content_digest != ""
+            assert receiver.content_digest == report.content_digest
             modes.append(report.outcomes[0].mode)
+            digests.append(report.content_digest)
             if report.outcomes[0].mode == "full":
                 assert report.outcomes[0].wire_bytes == report.total_bytes and report.changed_fraction == 1.0
-    # 0: nothing to patch; 1: nothing measured yet (the first diff is cold), so it diffs;
-    # 2..: full, until the probe
-    assert modes[:2] == ["full", "delta"]
-    assert modes[2 : 2 + PROBE_EVERY] == ["full"] * PROBE_EVERY
-    assert modes[2 + PROBE_EVERY] == "delta"
+    # 0: nobody at a base, a refresh; 1: nothing measured yet (the first diff is cold), a diff;
+    # 2..: plain pushes as without delta (no checksums, no content digest), until the probe:
+    # a refresh (verified, a base again), then a diff
+    plain = 2 + PROBE_EVERY
+    assert modes[:2] == ["full", "delta"] and digests[0] and digests[1]
+    assert modes[2:plain] == ["full"] * PROBE_EVERY and digests[2:plain] == [""] * PROBE_EVERY
+    assert modes[plain] == "full" and digests[plain]  # the refresh
+    assert modes[plain + 1] == "delta"  # the probe diff, which measures a fast diff this time...
+    assert modes[plain + 2] == "delta"  # ...so patches go on
 
 
 @pytest.mark.gpu

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from weightsync.bench.measure import memcpy_gbps
+from weightsync.options import DeltaPolicy
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 
@@ -68,7 +69,7 @@ def run_delta(
     steps: int,
     seed: int = 0,
     bucket_bytes: int | str = "auto",
-    policy: str = "faster",
+    policy: DeltaPolicy = "faster",
     memcpy_bytes: int = 1 << 30,
 ) -> list[DeltaStep]:
     """Push `steps` steps of the synthetic model per transport, delta (with `policy`) and full;
