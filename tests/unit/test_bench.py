@@ -101,3 +101,14 @@ def test_the_default_size_fits_the_machine(monkeypatch, capsys):
     assert seen["size"] == 3 * GIB + GIB // 4
     assert "4 GiB does not fit in the memory available now; measuring 3.25 GiB" in capsys.readouterr().err
     assert bench_cli.DEFAULT_SIZE_GB == 4.0
+
+
+def test_a_tiny_delta_run_reports_modes_bytes_and_memcpy():
+    from weightsync.bench.delta import format_delta_table, run_delta
+
+    results = run_delta(["tcp"], 4 * MIB, lr=1e-6, steps=2, policy="always", memcpy_bytes=MIB)
+    assert [(r.step, r.delta_mode) for r in results] == [(0, "full"), (1, "delta"), (2, "delta")]
+    assert all(r.memcpy_s > 0 and r.full_wire_bytes == 4 * MIB for r in results)
+    assert all(0 < r.delta_wire_bytes < r.full_wire_bytes / 2 for r in results[1:])
+    table = format_delta_table(results)
+    assert "memcpy s" in table and "full/memcpy" in table and "median delta/full" in table
