@@ -1,7 +1,8 @@
-"""Build the one C extension: large copies with non-temporal stores (src/weightsync/_native).
+"""Build the C extensions (src/weightsync/_native): large copies with non-temporal stores, and
+delta sync's one-pass diff.
 
-It is optional: without a C compiler the install still succeeds and weightsync copies with
-numpy (slower on large same-host transfers; see docs/benchmarks.md).
+Both are optional: without a C compiler the install still succeeds and weightsync falls back to
+numpy (slower on large same-host transfers and delta diffs; see docs/benchmarks.md, docs/delta.md).
 """
 
 from setuptools import Extension, setup
@@ -13,6 +14,13 @@ setup(
             sources=["src/weightsync/_native/streamcopy.c"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "weightsync._native.deltadiff",
+            sources=["src/weightsync/_native/deltadiff.c"],
+            extra_compile_args=["-O2", "-pthread"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

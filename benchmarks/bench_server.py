@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 from safetensors.torch import load_file
 
 from weightsync import WeightSender
 from weightsync.demo.task import save_char_tokenizer
-from weightsync.server.process import first_line_with
+from weightsync.server.process import ChildProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -115,13 +116,13 @@ class Served:
         started = time.perf_counter()
         command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model)]
         command += ["--load-format", load_format, "--port", "0", "--ready-timeout", str(timeout)]
-        env = os.environ | {"PYTHONPATH": str(ROOT / "src")}
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-        # vLLM logs to stdout too: our line, within the timeout; the pipe keeps being drained.
-        line = first_line_with(self.process, "weightsync serve: http://", timeout)
+        self.process = ChildProcess(command, env=os.environ | {"PYTHONPATH": str(ROOT / "src")})
+        # vLLM logs to stdout too: our line, within the timeout; the child's reader keeps draining.
+        line = self.process.wait_for_line("weightsync serve: http://", timeout)
         if line is None:
-            self.close()
-            raise RuntimeError(f"server did not print its URL within {timeout} s (exit code {self.process.returncode})")
+            why = self.process.why_not_started("the server", timeout)
+            self.process.close()
+            raise RuntimeError(why)
         self.listening_s = time.perf_counter() - started
         self.started = started
         self.url = line.split()[2]
@@ -137,13 +138,8 @@ class Served:
         return time.perf_counter() - self.started
 
     def close(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(60)
-        self.process.stdout.close()  # type: ignore[union-attr]
+        self.client.close()
+        self.process.close()
 
 
 def first_token_after_push(served: Served, tensors: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -201,10 +197,12 @@ def next_push_to_first_token(
     stop.set()
     if not report.ok or "at" not in seen:
         raise RuntimeError(f"second push failed or version 2 never served: {report}")
+    times = report.outcomes[0].times
     return {
         "next_push_seconds": report.seconds,
         "next_push_gbps": report.gbps,
         "next_push_to_first_token_seconds": seen["at"] - pushed_at,
+        "next_push_receiver_times": msgspec.structs.asdict(times) if times is not None else None,
     }
 
 
@@ -260,6 +258,7 @@ def table(result: dict[str, Any]) -> str:
             f"next push (serving, under requests):          {dummy['next_push_seconds']:.2f} s "
             f"({dummy['next_push_gbps']:.2f} GB/s); push start -> first token: "
             f"{dummy['next_push_to_first_token_seconds']:.2f} s",
+            breakdown(dummy.get("next_push_receiver_times")),
             *(
                 f"{name:5}: peak RSS at start {row['peak_rss_at_start_bytes'] * gib:.2f} GiB, in all "
                 f"{row['peak_rss_bytes'] * gib:.2f} GiB = {row['peak_rss_over_weights']:.2f}x the weights "
@@ -269,6 +268,14 @@ def table(result: dict[str, Any]) -> str:
             ),
         ]
     )
+
+
+def breakdown(times: dict[str, float] | None) -> str:
+    """The server's own account of the next push (its receiver's `SyncTimes`)."""
+    if times is None:
+        return "next push, server's breakdown: not reported"
+    phases = ", ".join(f"{name.removesuffix('_s')} {seconds:.3f} s" for name, seconds in times.items())
+    return f"next push, server's breakdown: {phases}"
 
 
 def main() -> None:

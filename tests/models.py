@@ -17,11 +17,19 @@ EOS_ID = VOCAB["<eos>"]
 MODEL_KINDS = ("qwen2", "llama")
 
 
-def save_tokenizer(path: Path) -> None:
-    """The tests' character tokenizer (letters, digits, punctuation) saved at `path`."""
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""A chat template in the tokenizer's own characters: "role: content" lines, then "assistant: "."""
+
+
+def save_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """The tests' character tokenizer (letters, digits, punctuation) saved at `path`, with a chat
+    template unless `chat_template` is None."""
     from weightsync.demo.task import save_char_tokenizer
 
-    save_char_tokenizer(path, VOCAB)
+    save_char_tokenizer(path, VOCAB, chat_template)
 
 
 def model_config(kind: str):  # type: ignore[no-untyped-def]

@@ -20,8 +20,10 @@ sends no checksum.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal, TypeAlias
 
 import numpy as np
@@ -31,7 +33,16 @@ from weightsync.errors import ConfigError
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Piece, Plan, TensorSpec
 
-__all__ = ["VERIFY_MODES", "SyncHashes", "Verify", "bucket_checksum", "check_verify", "content_digest", "stricter"]
+__all__ = [
+    "VERIFY_MODES",
+    "SyncHashes",
+    "Verify",
+    "bucket_checksum",
+    "check_verify",
+    "content_digest",
+    "stricter",
+    "tensor_digests",
+]
 
 Verify: TypeAlias = Literal["off", "bucket", "full"]
 VERIFY_MODES: tuple[Verify, ...] = ("off", "bucket", "full")
@@ -57,7 +68,28 @@ def bucket_checksum(piece_hashes: Sequence[int]) -> int:
 
 def piece_hashes(views: Iterable[np.ndarray]) -> list[int]:
     """xxh3-64 of each of `views` (uint8 arrays in host memory)."""
-    return [xxhash.xxh3_64_intdigest(view.data) for view in views]
+    return [_digest(view) for view in views]
+
+
+def _digest(view: np.ndarray) -> int:
+    return xxhash.xxh3_64_intdigest(view.data)
+
+
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
+"""Threads hashing whole models (xxhash releases the GIL): the delta push's two whole-model
+hashes, the sender's content digest and the receiver's check, sit on its critical path."""
+HASH_TIMEOUT_S = 600.0
+"""A bound on one whole-model hash (a 100 GB model at a crawl of 0.2 GB/s), so that no wait is
+unbounded."""
+
+
+def tensor_digests(views: Sequence[np.ndarray]) -> list[int]:
+    """xxh3-64 of each of `views` (uint8 arrays in host memory), in order, over `HASH_THREADS`
+    threads (started per call: a model's worth of hashing dwarfs starting them, and none lingers)."""
+    if len(views) < 2 or HASH_THREADS == 1:
+        return piece_hashes(views)
+    with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="weightsync-hash") as hashers:
+        return list(hashers.map(_digest, views, timeout=HASH_TIMEOUT_S))
 
 
 def content_digest(specs: Sequence[TensorSpec], tensor_digests: Sequence[int]) -> str:

@@ -3,7 +3,8 @@
 The sender keeps a baseline: the wire bytes of its last push, one copy of the model in the wire
 dtype, in host memory (a 2 GiB bf16 model costs 2 GiB of host RAM), plus that version's content
 digest. Each push with `delta=True` diffs every tensor, as sent (after any cast), bitwise against
-the baseline, updates the baseline in place, and encodes each tensor the cheapest way:
+the baseline, updates the baseline in place (one native pass per tensor, `_native/deltadiff.c`;
+numpy where it is not built), and encodes each tensor the cheapest way:
 
     sparse   count int32 indices, then count values      4 + itemsize bytes per changed element
     bitmap   one bit per element, then count values       numel / 8 + itemsize per changed element
@@ -15,21 +16,25 @@ checksummed and landed like any sync. A receiver gets it only if it holds exactl
 push. The receiver applies each patch in place into its destination (`apply_patch`) and, before
 committing, hashes every destination whole: the content digest of the full new weights must equal
 the sender's, or the sync fails with ChecksumError and the receiver's next push is full.
+
+A diff is paid before anything is sent; `Costs` keeps what the last ones measured, so that the
+sender skips a diff that would not arrive sooner than the full version (`delta_policy="faster"`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any
+import types
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, TypeAlias
 
 import msgspec
 import numpy as np
 import torch
-import xxhash
 
-from weightsync.checksum import content_digest
+from weightsync.checksum import HASH_TIMEOUT_S, content_digest, tensor_digests
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import PlanError
 from weightsync.pack import byte_view
@@ -37,7 +42,7 @@ from weightsync.plan import INDEX_BYTES, dense_nbytes, tensor_nbytes
 from weightsync.source import TensorMeta, WeightSource
 from weightsync.types import TensorSpec
 
-__all__ = ["DENSE_FRACTION", "Baseline", "Diff", "apply_patch"]
+__all__ = ["DENSE_FRACTION", "PROBE_EVERY", "Baseline", "Costs", "Diff", "Step", "apply_patch", "settled"]
 
 DENSE_FRACTION = 0.5
 """A push whose patches would carry more than this fraction of the full model goes full: the diff
@@ -48,11 +53,29 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 CHUNK_ELEMENTS = 1 << 20
-"""Elements compared at a time: the comparison, the indices and the baseline update of a chunk
-run while it is in cache (numpy: several times torch's speed for these ops here)."""
+"""The numpy path's elements compared at a time: the comparison, the indices and the baseline
+update of a chunk run while it is in cache (several times torch's speed for these ops here)."""
 
 
 _NP_BITS: dict[int, type[np.integer[Any]]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+_deltadiff: types.ModuleType | None
+try:
+    from weightsync._native import deltadiff as _deltadiff
+except ImportError:  # built without a C compiler: numpy does the diff, several times slower
+    _deltadiff = None
+
+_NATIVE_SIZES = (2, 4)
+"""Element sizes the native diff handles (bf16/fp16 and fp32/int32); others take numpy."""
+
+
+_CAST_BF16 = (torch.float32, torch.bfloat16)
+"""The cast the native diff does in the same pass (fp32 master weights sent as bf16)."""
+
+
+def _threads() -> int:
+    """Threads for the native diff: torch's intra-op count, which the caller already tunes."""
+    return max(1, torch.get_num_threads())
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
@@ -62,7 +85,7 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
 
 def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
     """Copy `new` into `old` (same shape and dtype, CPU), chunk by chunk; the flat indices of the
-    elements whose bits changed (int64)."""
+    elements whose bits changed (int64). The numpy path: where the native diff is not built."""
     fresh, base = _bits(new), _bits(old)
     changed = np.empty(min(fresh.size, CHUNK_ELEMENTS), dtype=np.bool_)
     found = []
@@ -76,10 +99,13 @@ def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
-def _encode(indices: np.ndarray, new: torch.Tensor, spec: TensorSpec) -> tuple[TensorSpec, torch.Tensor | None]:
-    """The cheapest encoding of the changes at `indices` to `new`: the spec and payload of its
-    patch (flat uint8), or None where the whole tensor is cheaper (dense)."""
-    numel, count, size = new.numel(), indices.size, new.element_size()
+def _encode(
+    indices: np.ndarray, values: np.ndarray, numel: int, spec: TensorSpec, alloc: Callable[[int], np.ndarray]
+) -> tuple[TensorSpec, np.ndarray | None]:
+    """The cheapest encoding of the changes (flat `indices`, their new bits `values` as bytes) to a
+    tensor of `numel` elements: the spec and payload (flat uint8, from `alloc(nbytes)`) of its
+    patch, or None where the whole tensor is cheaper (dense)."""
+    count, size = indices.size, dtype_from_name(spec.dtype).itemsize
     sizes = {
         "sparse": count * (INDEX_BYTES + size) if numel < 1 << 31 else math.inf,
         "bitmap": (numel + 7) // 8 + count * size,
@@ -92,14 +118,18 @@ def _encode(indices: np.ndarray, new: torch.Tensor, spec: TensorSpec) -> tuple[T
     encoding = min(sizes, key=lambda name: sizes[name])
     if encoding == "dense":
         return spec, None
-    values = np.take(_bits(new), indices).view(np.uint8)
     if encoding == "sparse":
-        head = indices.astype(np.int32).view(np.uint8)
+        head = count * INDEX_BYTES
+        payload = alloc(head + values.size)
+        payload[:head].view(np.int32)[:] = indices
     else:
         mask = np.zeros(numel, dtype=np.bool_)
         mask[indices] = True
-        head = np.packbits(mask, bitorder="little")
-    payload = torch.from_numpy(np.concatenate([head, values]))
+        bitmap = np.packbits(mask, bitorder="little")
+        head = bitmap.size
+        payload = alloc(head + values.size)
+        payload[:head] = bitmap
+    payload[head:] = values
     return msgspec.structs.replace(spec, encoding=encoding, count=count), payload
 
 
@@ -118,10 +148,10 @@ def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> 
         return
     raw = payload.numpy()
     head = count * INDEX_BYTES if spec.encoding == "sparse" else (numel + 7) // 8
-    values = raw[head:].copy().view(_NP_BITS[dtype_from_name(spec.dtype).itemsize])  # aligned: a fresh copy
+    values = _aligned(raw[head:], _NP_BITS[dtype_from_name(spec.dtype).itemsize])
     where: np.ndarray
     if spec.encoding == "sparse":
-        where = raw[:head].copy().view(np.int32)
+        where = _aligned(raw[:head], np.int32)
         if int(where.min()) < 0 or int(where.max()) >= numel:
             raise PlanError(f"patch of {spec.name!r} names elements outside its {numel}")
     else:
@@ -129,10 +159,57 @@ def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> 
         if where.size != count:
             raise PlanError(f"bitmap patch of {spec.name!r} marks {where.size} elements, its plan says {count}")
     if dest.device.type == "cpu":
-        np.put(_bits(dest), where, values)
+        _scatter(_bits(dest), where, values)
         return
     flat = dest.view(-1).view(_BITS[dest.element_size()])
     flat[torch.from_numpy(where.astype(np.int64)).to(dest.device)] = torch.from_numpy(values).to(dest.device)
+
+
+def settled(value: str | Future[str]) -> str:
+    """A content digest, waiting (bounded) for one still being computed."""
+    return value if isinstance(value, str) else value.result(timeout=HASH_TIMEOUT_S)
+
+
+def _digest_later(specs: Sequence[TensorSpec], tensors: list[torch.Tensor]) -> Future[str]:
+    """The content digest of `tensors`, computed on a thread of its own: the whole-model hash
+    then runs while the push's offer and buckets go out (its commit is the first to need it).
+    The tensors (the baseline) stay unchanged until the next diff, which waits for it."""
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
+    try:
+        return hashing.submit(lambda: content_digest(specs, tensor_digests([byte_view(t) for t in tensors])))
+    finally:
+        hashing.shutdown(wait=False)  # the thread ends once the digest is done
+
+
+def _check_yielded(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
+    if name != spec.name or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.source_dtype:
+        raise PlanError(
+            f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised "
+            f"{spec.name!r} {spec.source_dtype}{list(spec.shape)}"
+        )
+
+
+def _copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of `tensor` in `dtype`, contiguous, in host memory: the baseline's own, whatever the
+    caller does next. Ordinary pages: huge ones (`hostmem.host_bytes`) filled twice as fast on an
+    idle host, but stalled 3x slower on compaction on a busy one."""
+    out = torch.empty(tensor.shape, dtype=dtype)
+    out.copy_(tensor.detach())
+    return out
+
+
+def _scatter(dest: np.ndarray, where: np.ndarray, values: np.ndarray) -> None:
+    """dest[where] = values, natively where built (numpy converts int32 indices to int64 first)."""
+    if _deltadiff is not None and where.dtype == np.int32 and dest.itemsize in _NATIVE_SIZES:
+        _deltadiff.apply(dest, dest.itemsize, where, values, _threads())
+    else:
+        np.put(dest, where, values)
+
+
+def _aligned(raw: np.ndarray, dtype: type[np.integer[Any]]) -> np.ndarray:
+    """Bytes as elements of `dtype`: a view where they are aligned for it, else an aligned copy."""
+    aligned = raw.ctypes.data % np.dtype(dtype).itemsize == 0
+    return (raw if aligned else raw.copy()).view(dtype)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,15 +218,24 @@ class Diff:
 
     base: str
     """The content digest of the previous baseline (what a delta receiver must hold), or ""."""
-    content: str
-    """The content digest of the new version: every tensor whole, as sent."""
+    pending_content: str | Future[str]
+    """The content digest of the new version (every tensor whole, as sent), or its computation
+    under way: `content` waits for it."""
     specs: tuple[TensorSpec, ...]
     """The patch plan's tensors (encodings and counts)."""
     payloads: tuple[torch.Tensor, ...]
-    """Each tensor's payload: a flat uint8 patch, or the whole tensor (dense)."""
+    """Each tensor's payload: a flat uint8 patch, or the whole tensor (dense). Both are the
+    baseline's memory, valid until its next `diff`."""
     changed_elements: int
     total_elements: int
     full_bytes: int
+    cold: bool = False
+    """Memory was allocated on the way (the baseline, scratch, the patch arena): its time says
+    more about page faults than about the next push."""
+
+    @property
+    def content(self) -> str:
+        return settled(self.pending_content)
 
     @property
     def patch_bytes(self) -> int:
@@ -169,6 +255,82 @@ class Diff:
         return _Tensors(list(zip((spec.name for spec in self.specs), self.payloads, strict=True)))
 
 
+PROBE_EVERY = 8
+"""After this many pushes without a diff, diff anyway: the host may have become less busy, and a
+skipped diff measures nothing."""
+
+
+Step: TypeAlias = Literal["diff", "refresh", "plain"]
+"""What a push with delta=True does (`Costs.next_step`)."""
+
+
+@dataclasses.dataclass
+class Costs:
+    """What the sender's last pushes measured, to decide what the next one does:
+
+        diff     diff against the baseline: receivers holding it get the patch, the others the
+                 full version (verified)
+        refresh  copy the new version into the baseline and push it full, verified: its
+                 receivers then hold a base for the next push's patch
+        plain    push as without delta (cast while packing, no baseline, checksums only where
+                 asked for), and forget the baseline: what a push costs when patches do not pay
+
+    A diff is paid before anything is sent (the plan names every patch); it pays when the bytes
+    it saves on the routes that can take a patch would take longer than the diff:
+
+        diff_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
+
+    The diff's cost per byte and the patch fraction are the last warm diff's (one that allocated
+    memory is no measurement); a route's throughput is its last full delivery's. Anything not
+    measured yet means: diff. Once a diff measured as not paying, pushes go plain; after
+    `PROBE_EVERY` pushes without a diff, a refresh and then a diff measure again.
+    """
+
+    diff_s_per_byte: float | None = None
+    patch_fraction: float | None = None
+    full_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per route (transport name): bytes per second of its last full delivery."""
+    pushes_since_diff: int = 0
+    suspended: bool = False
+    """A diff measured as not paying: plain pushes until the next probe."""
+
+    def next_step(self, full_bytes: int, routes: Sequence[str], always: bool) -> Step:
+        """What a push of `full_bytes` does, its receivers at the baseline being on `routes`;
+        `always`: diff wherever a receiver can take a patch (delta_policy="always")."""
+        if routes and (always or self.diff_pays(full_bytes, routes)):
+            return "diff"
+        if routes or (self.suspended and self.pushes_since_diff < PROBE_EVERY):
+            return "plain"
+        return "refresh"
+
+    def diff_pays(self, full_bytes: int, routes: Sequence[str]) -> bool:
+        """Whether a diff should beat pushing in full to `routes` (the rule above)."""
+        if self.diff_s_per_byte is None or self.patch_fraction is None or self.pushes_since_diff >= PROBE_EVERY:
+            return True
+        if any(self.full_bytes_per_s.get(route, 0.0) <= 0.0 for route in routes):
+            return True
+        saved_s = sum((1 - self.patch_fraction) * full_bytes / self.full_bytes_per_s[route] for route in routes)
+        return self.diff_s_per_byte * full_bytes < saved_s
+
+    def diffed(self, seconds: float, diff: Diff) -> None:
+        if diff.base and diff.full_bytes and not diff.cold:
+            self.diff_s_per_byte = seconds / diff.full_bytes
+            self.patch_fraction = diff.patch_bytes / diff.full_bytes
+        self.pushes_since_diff = 0
+
+    def refreshed(self) -> None:
+        self.pushes_since_diff += 1
+        self.suspended = False
+
+    def pushed_plain(self) -> None:
+        self.pushes_since_diff += 1
+        self.suspended = True
+
+    def delivered_full(self, route: str, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.full_bytes_per_s[route] = nbytes / seconds
+
+
 class _Tensors:
     """Named tensors already in memory, as a `WeightSource`."""
 
@@ -182,6 +344,42 @@ class _Tensors:
         return iter(self._items)
 
 
+class _Arena:
+    """Memory for one push's patches, reused push after push: fresh buffers would pay their page
+    faults every time (about a third of the diff's time at 1 GiB, 3% changed). A bump allocator;
+    what does not fit gets a buffer of its own."""
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.uint8)
+        self._used = 0
+        self._high_water = 0
+        """The most any push has used: the pages faulted in already."""
+
+    def reset(self, full_bytes: int) -> bool:
+        """Free everything taken so far (the previous push's patches are no longer in use) and
+        make room for patches up to the point where a push goes full anyway. Returns whether
+        the pages are fresh (not faulted in by an earlier push)."""
+        wanted = int(DENSE_FRACTION * full_bytes) + self.ALIGN
+        fresh = self._buffer.size < wanted or self._high_water == 0
+        if self._buffer.size < wanted:
+            self._buffer, self._high_water = np.empty(wanted, dtype=np.uint8), 0
+        self._used = 0
+        return fresh
+
+    def _touched(self) -> None:
+        self._high_water = max(self._high_water, self._used)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if start + nbytes > self._buffer.size:
+            return np.empty(nbytes, dtype=np.uint8)
+        self._used = start + nbytes
+        self._touched()
+        return self._buffer[start : self._used]
+
+
 class Baseline:
     """The sender's copy of its last push, in the wire dtype, in host memory.
 
@@ -191,65 +389,113 @@ class Baseline:
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.content = ""
-        """The content digest of the version it holds, or "" before the first push."""
+        self._content: str | Future[str] = ""
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._indices = np.empty(0, dtype=np.int32)
+        self._values = np.empty(0, dtype=np.uint8)
+        self._patches = _Arena()
+        self._cold = False
+        """Memory was allocated during the current diff (`Diff.cold`)."""
+
+    @property
+    def content(self) -> str:
+        """The content digest of the version it holds, or "" before the first push."""
+        return settled(self._content)
 
     def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
         new version. A changed tensor set, shape or dtype makes every tensor dense (no base)."""
+        return self._take(specs, source, compare=True)
+
+    def refresh(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
+        """Make `source` the baseline without comparing (a push that goes full to everyone, so
+        that the next one can be a patch): a copy. The result offers no patch (no base)."""
+        return self._take(specs, source, compare=False)
+
+    def _take(self, specs: Sequence[TensorSpec], source: WeightSource, compare: bool) -> Diff:
         same_layout = [spec.name for spec in specs] == list(self.tensors) and all(
             tuple(self.tensors[spec.name].shape) == spec.shape
             and self.tensors[spec.name].dtype == dtype_from_name(spec.dtype)
             for spec in specs
         )
-        base = self.content if same_layout else ""
+        held = self.content  # waits for the last push's digest: it reads what this overwrites
+        base = held if same_layout and compare else ""
         if not same_layout:
             self.tensors = {}
+        self._cold = self._patches.reset(sum(dense_nbytes(spec) for spec in specs))
         patched: list[TensorSpec] = []
         payloads: list[torch.Tensor] = []
-        digests: list[int] = []
         changed = total = 0
         for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
-            if name != spec.name or tuple(tensor.shape) != spec.shape or dtype_name(tensor.dtype) != spec.source_dtype:
-                raise PlanError(
-                    f"source yielded {name!r} {tensor.dtype}{list(tensor.shape)} where its metadata promised "
-                    f"{spec.name!r} {spec.source_dtype}{list(spec.shape)}"
-                )
+            _check_yielded(spec, name, tensor)
             old = self.tensors.get(name)
-            new = self._as_sent(tensor, dtype_from_name(spec.dtype), old is not None)
-            if old is None or new.element_size() not in _BITS:
-                shared = new.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
-                old = self.tensors[name] = new.clone() if shared else new  # ours: the caller's may change
-                patch_spec, payload, num_changed = spec, None, new.numel()
+            if old is None or old.element_size() not in _BITS:
+                old = self.tensors[name] = _copy(tensor, dtype_from_name(spec.dtype))
+                patch_spec, payload, num_changed = spec, None, old.numel()
+            elif not compare:
+                old.copy_(tensor.detach())
+                patch_spec, payload, num_changed = spec, None, old.numel()
             else:
-                indices = _update(new, old)
-                patch_spec, payload = _encode(indices, new, spec)
+                indices, values = self._changes(tensor, old)
+                patch_spec, payload = _encode(indices, values, old.numel(), spec, self._patches.take)
                 num_changed = indices.size
             patched.append(patch_spec)
-            payloads.append(old if payload is None else payload)  # the baseline: ours, not the caller's
-            digests.append(xxhash.xxh3_64_intdigest(byte_view(old).data))
+            # dense: the baseline itself (ours, not the caller's, which may change)
+            payloads.append(old if payload is None else torch.from_numpy(payload))
             changed += num_changed
-            total += new.numel()
-        self.content = content_digest(specs, digests)
+            total += old.numel()
+        self._content = _digest_later(specs, [self.tensors[spec.name] for spec in specs])
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
-        return Diff(base, self.content, tuple(patched), tuple(payloads), changed, total, full_bytes)
+        cold, self._cold = self._cold or not same_layout, False
+        return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes, cold)
 
-    def _as_sent(self, tensor: torch.Tensor, dtype: torch.dtype, reuse: bool) -> torch.Tensor:
+    def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Update `old` (the baseline) to `tensor` as sent; the flat indices of the elements whose
+        bits changed and their new bits (bytes). Views of scratch buffers: valid until the next
+        call. One native pass where it is built (an fp32 source cast to bf16 in the same pass),
+        else numpy's."""
+        numel, size = old.numel(), old.element_size()
+        if _deltadiff is None or size not in _NATIVE_SIZES or numel >= 1 << 31:
+            new = self._as_sent(tensor, old.dtype)
+            indices = _update(new, old)
+            return indices, np.take(_bits(new), indices).view(np.uint8)
+        indices, values = self._outputs(numel, size)
+        source = tensor.detach()
+        if source.device.type == "cpu" and source.is_contiguous() and (source.dtype, old.dtype) == _CAST_BF16:
+            count = _deltadiff.cast_diff(_bits(source), _bits(old), indices, values, _threads())
+        else:
+            new = self._as_sent(source, old.dtype)
+            count = _deltadiff.diff(_bits(new), _bits(old), size, indices, values, _threads())
+        return indices[:count], values[: count * size]
+
+    def _outputs(self, numel: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Scratch for the native diff's output, room for every element of the largest tensor:
+        only the pages the changes touch are ever faulted in."""
+        if self._indices.size < numel:
+            self._indices, self._cold = np.empty(numel, dtype=np.int32), True
+        if self._values.size < numel * size:
+            self._values, self._cold = np.empty(numel * size, dtype=np.uint8), True
+        return self._indices, self._values
+
+    def _as_sent(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`tensor` in the wire dtype, contiguous, in host memory: itself where it already is,
         else cast into a scratch buffer kept across pushes (a fresh one would pay its page
         faults every time, more than the cast itself)."""
         tensor = tensor.detach()
         if tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous():
             return tensor
-        if not reuse:
-            return tensor.to("cpu", dtype).contiguous()
         nbytes = tensor.numel() * dtype.itemsize
         if self._scratch.numel() < nbytes:
             self._scratch = torch.empty(nbytes, dtype=torch.uint8)
         out = self._scratch[:nbytes].view(dtype).view(tensor.shape)
         out.copy_(tensor)
         return out
+
+    def forget(self) -> None:
+        """Hold no version a patch can be based on (a plain push went past it); the memory stays
+        for the next refresh."""
+        settled(self._content)  # a digest still computing reads the tensors a refresh rewrites
+        self._content = ""
 
     def source(self) -> WeightSource:
         """The baseline's tensors (the version last diffed), as a source for a full push."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeAlias, TypeVar
 
 import torch
 
@@ -21,6 +21,9 @@ from weightsync.sizing import ALIGN_BYTES, DEFAULT_MEMORY_BUDGET_BYTES, align_do
 __all__ = ["ReceiverOptions", "SenderOptions", "build_options"]
 
 OptionsT = TypeVar("OptionsT", "SenderOptions", "ReceiverOptions")
+
+DeltaPolicy: TypeAlias = Literal["faster", "always"]
+DELTA_POLICIES: tuple[DeltaPolicy, ...] = ("faster", "always")
 
 DEFAULT_TIMEOUT_S = 60.0
 """The bound on any single wait, on either side, unless given."""
@@ -43,11 +46,17 @@ class SenderOptions:
     delta: bool = False
     """Send receivers that hold the previous push only what changed (delta.py); costs one host
     copy of the model in the wire dtype, and verifies every push (at least "bucket")."""
+    delta_policy: DeltaPolicy = "faster"
+    """With delta: "faster" pushes as without delta where the last pushes measured that a patch
+    would not arrive sooner, measuring again every few pushes (delta.Costs); "always" diffs every
+    push."""
 
     def __post_init__(self) -> None:
         _check_timeout(self.timeout)
         if not isinstance(self.delta, bool):
             raise ConfigError(f"delta must be True or False, got {self.delta!r}")
+        if self.delta_policy not in DELTA_POLICIES:
+            raise ConfigError(f"delta_policy must be one of {', '.join(DELTA_POLICIES)}, got {self.delta_policy!r}")
         if (
             isinstance(self.min_bucket_bytes, bool)
             or not isinstance(self.min_bucket_bytes, int)

@@ -84,6 +84,8 @@ class ReceiverStatus:
     """Why the last sync failed, or "" if it committed."""
     times: SyncTimes | None = None
     """Where the last committed sync's time went."""
+    mode: Literal["full", "delta"] | None = None
+    """How the last committed sync travelled: the full version, or a patch onto the previous one."""
 
 
 class WeightReceiver:
@@ -339,7 +341,8 @@ class WeightReceiver:
             self._finish_abort(landing, exc)
             raise
         self._base = content if landing.patchable else ""
-        self._set(state="ready", version=commit.version, content_digest=content, last_error="")
+        mode = "delta" if landing.delta else "full"
+        self._set(state="ready", version=commit.version, content_digest=content, last_error="", mode=mode)
         self._busy.release()
 
     def _verified_content(self, landing: Landing, commit: Commit) -> str:

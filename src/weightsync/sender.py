@@ -14,10 +14,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
-from weightsync.delta import Baseline, Diff
+from weightsync.delta import Baseline, Costs, Diff, Step, settled
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
@@ -52,8 +53,9 @@ class Delivery:
     addresses: frozenset[str]
     base: str = ""
     """For a patch: the content digest of the version it applies to (`Offer.base`)."""
-    content: str = ""
-    """The version's content digest where the sender computed it whole (a delta push)."""
+    content: str | Future[str] = ""
+    """The version's content digest where the sender computes it whole (a delta push), possibly
+    still being computed: the commit waits for it."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +104,10 @@ class WeightSender:
             it can patch) only the elements whose wire bits changed, and every other receiver
             the full version, in the same push (docs/delta.md). Keeps one copy of the model in
             the wire dtype in host memory, and verifies every push (at least "bucket").
+        delta_policy: "faster" (default): where the last pushes measured that a patch would
+            not arrive sooner than the full version, push as without delta (and measure again
+            every few pushes); "always": diff every push (the report's `mode` says what each
+            receiver got). See `delta.Costs`.
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
@@ -115,6 +121,8 @@ class WeightSender:
         self._routes: list[Route] = []
         self._baseline = Baseline() if options.delta else None
         """delta=True: the last push, as sent; a receiver holding it gets only what changed."""
+        self._costs = Costs()
+        """delta=True: what diffs and full deliveries took, to skip a diff that would not pay."""
         plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
         try:
             for spec in dict.fromkeys(specs.values()):
@@ -171,19 +179,20 @@ class WeightSender:
         welcomes, failures = self._connect()
         largest = max((tensor_nbytes(spec) for spec in specs), default=0)
         bucket_bytes = self._agree_bucket_bytes(largest, welcomes, failures)
+        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
+        step = self._next_step(specs, reachable, welcomes)
         # the strictest verification any receiver asks for, or ours if stricter; a delta push
-        # always verifies (a patch onto the wrong bytes must not commit)
+        # (a diff or a refresh) always verifies: a patch onto the wrong bytes must not commit
         verify = stricter(
             self.options.verify,
-            "bucket" if self._baseline is not None else "off",
+            "off" if step == "plain" else "bucket",
             *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
-        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
-        if self._baseline is None:
+        if step == "plain" or self._baseline is None:
             deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, source, frozenset(reachable))]
             changed_fraction = 1.0
         else:
-            diff = self._baseline.diff(specs, source)
+            diff = self._take(self._baseline, step, specs, source)
             deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, welcomes)
             changed_fraction = diff.changed_fraction if diff.base else 1.0
 
@@ -191,7 +200,10 @@ class WeightSender:
         committed: dict[str, Committed] = {}
         contents = []
         for delivery in deliveries:
+            delivered = time.perf_counter()
             replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures)
+            if delivery.mode == "full" and self._baseline is not None:
+                self._measured_full(delivery, time.perf_counter() - delivered)
             failures |= failed
             committed |= replies
             contents.append(content)
@@ -225,6 +237,36 @@ class WeightSender:
         if self.options.raise_on_failure and not report.ok:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
+
+    def _next_step(self, specs: list[TensorSpec], reachable: list[str], welcomes: Mapping[str, Welcome]) -> Step:
+        """plain without delta; with it, what `Costs` says for receivers at the baseline."""
+        baseline = self._baseline
+        if baseline is None:
+            return "plain"
+        at_base = {a for a in reachable if baseline.content and welcomes[a].content == baseline.content}
+        routes = [route.name for route in self._routes if at_base.intersection(route.addresses)]
+        full_bytes = sum(dense_nbytes(spec) for spec in specs)
+        step = self._costs.next_step(full_bytes, routes, always=self.options.delta_policy == "always")
+        if step == "plain":
+            baseline.forget()
+            self._costs.pushed_plain()
+        return step
+
+    def _take(self, baseline: Baseline, step: Step, specs: list[TensorSpec], source: WeightSource) -> Diff:
+        """The new version into the baseline: diffed (measured, for `Costs`), or copied."""
+        if step == "refresh":
+            self._costs.refreshed()
+            return baseline.refresh(specs, source)
+        started = time.perf_counter()
+        diff = baseline.diff(specs, source)
+        self._costs.diffed(time.perf_counter() - started, diff)
+        return diff
+
+    def _measured_full(self, delivery: Delivery, seconds: float) -> None:
+        """Each route's throughput for full deliveries (what a skipped diff is weighed against)."""
+        for route in self._routes:
+            if delivery.addresses.intersection(route.addresses):
+                self._costs.delivered_full(route.name, delivery.plan.total_bytes, seconds)
 
     def _deliver(
         self,
@@ -334,12 +376,12 @@ def _deliveries(
     if full:
         whole = baseline.source()
         plan = build_plan(specs, bucket_bytes)
-        deliveries.append(Delivery("full", plan, whole.metas(), whole, full, content=diff.content))
+        deliveries.append(Delivery("full", plan, whole.metas(), whole, full, content=diff.pending_content))
     if patched:
         patches = diff.patch_source()
         plan = build_plan(diff.specs, bucket_bytes)
         deliveries.append(
-            Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.content)
+            Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.pending_content)
         )
     return deliveries
 
@@ -350,12 +392,13 @@ def _check_deadline(ends: float | None, version: int, index: int) -> None:
 
 
 def _commit_message(
-    version: int, digest: str, verify: Verify, hashes: SyncHashes | None, content: str
+    version: int, digest: str, verify: Verify, hashes: SyncHashes | None, pending: str | Future[str]
 ) -> tuple[Commit, str]:
     """The Commit for one transport's receivers, and the content digest it carries ("" unverified).
 
     `content`: the version's content digest where the sender knows it whole (a delta push's
     diff), whatever travelled; else it comes from the buckets' hashes, when they were hashed."""
+    content = settled(pending)
     if content:
         tensors = hashes.tensor_digests() if verify == "full" and hashes is not None and hashes.complete else ()
         return Commit(version, digest, content, tensors), content

@@ -4,6 +4,7 @@ names the engine, the mode and the payload and marks kill and restart events."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -43,6 +44,25 @@ def test_the_run_saves_the_trained_policy(trained) -> None:
     assert saved and set(saved) <= set(final)
     assert all(torch.equal(saved[name], final[name]) for name in saved)
     assert any(not torch.equal(saved[name], initial[name]) for name in saved), "the initial weights were saved"
+
+
+def test_each_step_records_what_its_sync_moved(trained) -> None:
+    out, _ = trained
+    records = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    for record in records:
+        assert record["sync_modes"] in (["full"], ["delta"])  # one engine, colocated
+        assert 0.0 <= record["changed_fraction"] <= 1.0
+        if record["sync_modes"] == ["delta"]:
+            assert record["wire_bytes"] <= record["sync_bytes"] / 2
+        else:  # at the demo's learning rate nearly every fp32 weight moves: the patch would not pay
+            assert record["wire_bytes"] == record["sync_bytes"]
+
+
+def test_a_run_that_changes_nothing_syncs_nothing_but_its_first_push(tmp_path) -> None:
+    records = run(DemoConfig(mode="colocated", steps=2, lr=0.0, out=tmp_path, progress=False))
+    assert [r["sync_modes"] for r in records] == [["delta"], ["delta"]]
+    assert [(r["wire_bytes"], r["changed_fraction"]) for r in records] == [(0, 0.0), (0, 0.0)]
 
 
 def readme_exercise() -> list[str]:
@@ -114,7 +134,7 @@ RECORDS = [
 
 def test_the_plot_names_engine_mode_and_payload_and_marks_events(tmp_path) -> None:
     assert title(RECORDS, "vllm", "disaggregated") == (
-        "weightsync demo: GRPO (disaggregated, vllm engine), 294 KiB pushed after every step"
+        "weightsync demo: GRPO (disaggregated, vllm engine), 294 KiB model pushed after every step"
     )
     assert event_marks(RECORDS) == [
         (1, "server 0 killed (SIGKILL)", "tab:red"),

@@ -8,8 +8,10 @@ same xxh3 a verified push carries), which must equal the source's.
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from weightsync.digest import source_digest
 pytestmark = pytest.mark.gpu  # skipped where torch sees no CUDA (tests/conftest.py)
 
 BUCKET = 1 << 16
+
+REPLY_S = 60.0
+"""How long a child may take to answer: its own waits are bounded at 30 s, plus CUDA start-up."""
 
 RECEIVER = r"""
 import json, sys, time, torch
@@ -52,11 +57,23 @@ class Receiver:
             stdout=subprocess.PIPE,
             text=True,
         )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name="cudaipc-test-child-stdout").start()
         self.address = self._line("ADDRESS").split()[1]
 
-    def _line(self, prefix: str) -> str:
+    def _read(self) -> None:
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()  # the child answers within its 30 s deadline
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put("<exited>")
+
+    def _line(self, prefix: str) -> str:
+        """The child's next line, within `REPLY_S`: a child that hangs fails the test, not the run."""
+        try:
+            line = self._lines.get(timeout=REPLY_S)
+        except queue.Empty:
+            self.proc.kill()
+            raise AssertionError(f"the receiving child said nothing for {REPLY_S} s (waiting for {prefix})") from None
         assert line.startswith(prefix), f"child said {line!r}"
         return line
 

@@ -3,7 +3,8 @@
 One trainer worker and two rollout workers are Ray actors that build the engine as verl's
 workers do (tests/integrations/verl_workers.py). The driver uses verl's `CheckpointEngineConfig`
 and `CheckpointEngineManager.build_process_group` (prepare, build_topology, init_process_group),
-then sends and receives and finalizes as `CheckpointEngineManager.update_weights` does. Covered:
+then sends and receives and finalizes as `CheckpointEngineManager.update_weights` does, over shm,
+tcp, collective and nixl (skipped where nixl is not installed). Covered:
 a tensor larger than the bucket, fp32 masters cast to bf16, three steps with versions, DTensor
 parameters, a rollout worker killed mid-sync (the trainer's `send_weights` raises within the
 timeout, the other worker commits), and a sync after the group changed; results bit-exact.
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import assert_all_bit_exact
+from tests.helpers import assert_all_bit_exact, missing_package
 
 ray = pytest.importorskip("ray")
 verl_base = pytest.importorskip("verl.checkpoint_engine.base", exc_type=ImportError)
@@ -104,9 +105,11 @@ def processes():  # type: ignore[no-untyped-def]
     ray.shutdown()
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp", "collective"])
+@pytest.fixture(scope="module", params=["shm", "tcp", "collective", "nixl"])
 def workers(request, processes):  # type: ignore[no-untyped-def]
     """The workers with engines for one transport, as worker groups, and verl's manager over them."""
+    if package := missing_package(request.param):
+        pytest.skip(f"{request.param} needs {package!r}, not installed")
     config = engine_config(request.param)
     handles = [processes["trainer"], *processes["rollouts"]]
     assert ray.get([handle.configure.remote(config) for handle in handles], timeout=60) == [[]] * 3

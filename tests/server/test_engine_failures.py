@@ -63,7 +63,7 @@ def test_an_engine_failure_is_a_500_counted_and_unhealthy(tiny_models, flaky, ob
         answers = [complete(server.url) for _ in range(FAILED_STEPS_UNHEALTHY)]
         assert [a.status_code for a in answers] == [500] * FAILED_STEPS_UNHEALTHY
         body = answers[0].json()
-        assert body["error"]["type"] == "server_error" and body["error"]["code"] == 500
+        assert body["error"]["type"] == "InternalServerError" and body["error"]["code"] == 500
         assert body["error"]["message"] == f"the engine failed: {INJECTED}"
         health = server.client.health()
         assert (health["status"], health["state"]) == ("unavailable", "failed"), health

@@ -1,6 +1,6 @@
-"""Hostile HTTP input: whatever JSON a client sends to the rollout server's endpoints, the answer
-is a clear 4xx (or a completion), never a 500, and the server keeps serving; and nothing a peer
-can reach unpickles."""
+"""Hostile HTTP input: whatever JSON a client sends to the rollout server's endpoints (completions
+and chat, streamed or not), the answer is a clear 4xx (or a completion), never a 500, and the
+server keeps serving; and nothing a peer can reach unpickles."""
 
 from __future__ import annotations
 
@@ -47,6 +47,40 @@ def test_completions_never_fail_with_a_server_error(server, body) -> None:
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert response.status_code in (200, 400, 404), (body, response.status_code, response.text[:300])
     assert "error" in response.json() or response.json()["weight_version"] == 0
+
+
+chat_messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "user", "assistant", "tool"]) | json_values},
+        optional={"content": st.text(max_size=20) | json_values},
+    ),
+    max_size=3,
+)
+chat_optional = ["max_tokens", "max_completion_tokens", "temperature", "n", "logprobs", "top_logprobs", "stop"]
+chat_bodies = st.fixed_dictionaries(
+    {"messages": chat_messages | json_values},
+    optional={field: json_values for field in chat_optional}
+    | {"stream": st.booleans(), "stream_options": json_values, "model": json_values},
+) | st.lists(chat_messages, max_size=2)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=chat_bodies)
+def test_chat_never_fails_with_a_server_error(server, body) -> None:
+    """The same for chat, streamed or not: a streamed 200 ends in [DONE] without an error event."""
+    if isinstance(body, dict):
+        for field in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(field), int) and body[field] <= 512:
+                body[field] = min(body[field], 4)
+        if isinstance(body.get("n"), int):
+            body["n"] = min(body["n"], 2)
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code in (200, 400, 404), (body, response.status_code, response.text[:300])
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = [line for line in response.text.splitlines() if line]
+        assert events[-1] == "data: [DONE]" and not any(e.startswith('data: {"error"') for e in events), events
+    else:
+        assert "error" in response.json() or response.json()["weight_version"] == 0
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -66,7 +66,9 @@ def test_every_response_and_choice_carries_its_version(tiny_models) -> None:
         push(server, SafetensorsSource(tiny_models["qwen2"]), 1)
         body = server.client.completions(["ab", "cd"], max_tokens=3, temperature=0.8, seed=1, n=3, logprobs=0)
         assert len(body["choices"]) == 6 and body["weight_version"] == 1
-        assert all(c["weight_version"] == 1 and "weight_versions" not in c for c in body["choices"])
+        for choice in body["choices"]:  # one version: one span over every token
+            assert choice["weight_version"] == 1
+            assert choice["weight_versions"] == [{"version": 1, "start": 0, "end": len(choice["token_ids"])}]
         assert all(len(c["logprobs"]["token_logprobs"]) == len(c["token_ids"]) for c in body["choices"])
         models = server.client._call("GET", "/v1/models")
         assert models["data"][0]["id"] == "qwen2" and models["data"][0]["weight_version"] == 1
@@ -126,7 +128,8 @@ def test_bad_requests_get_clear_errors(tiny_models) -> None:
             ({"prompt": ""}, 400, "no tokens"),
             ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
             ({"prompt": "a", "model": "other"}, 404, "is not served here"),
-            ({"prompt": "a", "stream": True}, 400, "streaming"),
+            ({"prompt": [999], "stream": True}, 400, "prompt token ids must lie in [0, 128)"),  # before the stream
+            ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ]:
             with pytest.raises(ServerError) as raised:
                 server.client._call("POST", "/v1/completions", json=fields)

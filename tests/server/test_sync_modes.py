@@ -75,11 +75,15 @@ def test_sync_during_generation(tiny_models, mode, engine) -> None:
                 assert (choice["weight_version"], choice["finish_reason"]) == (1, "abort")
                 assert len(choice["token_ids"]) < MAX_TOKENS
                 assert choice["token_ids"] == reference["choices"][0]["token_ids"][: len(choice["token_ids"])]
-            else:  # frozen, then continued on version 2: both versions reported
-                assert choice["weight_versions"] == [1, 2] and choice["weight_version"] == 2
-                assert result["weight_versions"] == [1, 2]
+            else:  # frozen, then continued on version 2: both versions reported, where each began
+                first, second = choice["weight_versions"]
+                assert (first["version"], first["start"], second["version"]) == (1, 0, 2)
+                assert 0 < first["end"] == second["start"] < second["end"] == len(choice["token_ids"])
+                assert choice["token_ids"][: first["end"]] == reference["choices"][0]["token_ids"][: first["end"]]
+                assert choice["weight_version"] == result["weight_version"] == 2
                 assert choice["finish_reason"] in ("length", "stop")
-            assert "weight_versions" not in choice or mode == "keep"
+            if mode != "keep":  # one version: one span over every token
+                assert choice["weight_versions"] == [{"version": 1, "start": 0, "end": len(choice["token_ids"])}]
 
 
 @pytest.mark.fault(

@@ -1,4 +1,4 @@
-"""Delta sync (`WeightSender(delta=True)`): exact over many steps at an RL learning rate, small on
+"""Delta sync (`WeightSender(delta=True, delta_policy="always")`): exact over many steps at an RL learning rate, small on
 the wire, per receiver (a receiver not at the base gets the full version in the same push), and
 never a silent mix when a patch is corrupted, applied to the wrong base, or cut off."""
 
@@ -65,14 +65,16 @@ def changed_elements(before: dict[str, torch.Tensor], after: dict[str, torch.Ten
     )
 
 
-@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
+@pytest.mark.parametrize("transport", ["inproc", "shm", "tcp", "collective"])
 def test_twenty_steps_at_lr_1e6_are_bit_exact_and_small(transport: str) -> None:
     trainer = Trainer()
     dests = [zeros_like_sent(trainer), zeros_like_sent(trainer)]
     with (
         receiving(dests[0], transport) as first,
         receiving(dests[1], transport) as second,
-        sending([first.address, second.address], cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            [first.address, second.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         before = trainer.as_sent()
         model_bytes = sum(t.numel() * t.element_size() for t in before.values())
@@ -85,6 +87,7 @@ def test_twenty_steps_at_lr_1e6_are_bit_exact_and_small(transport: str) -> None:
             for dest in dests:
                 assert_all_bit_exact(dest, sent)
             assert first.content_digest == second.content_digest == report.content_digest != ""
+            assert first.status.mode == second.status.mode == ("full" if version == 0 else "delta")
             modes = {outcome.mode for outcome in report.outcomes}
             if version == 0:
                 assert modes == {"full"} and report.changed_fraction == 1.0
@@ -106,7 +109,9 @@ def test_a_new_receiver_gets_the_full_version_in_the_same_push() -> None:
     old_dest, new_dest = zeros_like_sent(trainer), zeros_like_sent(trainer)
     with receiving(old_dest, "tcp") as old, receiving(zeros_like_sent(trainer), "tcp") as leaving:
         port = int(leaving.address.rsplit(":", 1)[1])
-        with sending([old.address, leaving.address], cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender:
+        with sending(
+            [old.address, leaving.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender:
             assert sender.push(trainer.state(), 0).ok
             trainer.step()
             assert {o.mode for o in sender.push(trainer.state(), 1).outcomes} == {"delta"}
@@ -148,7 +153,9 @@ def test_a_receiver_at_the_wrong_base_gets_the_full_version(transport: str, obse
     with (
         receiving(good_dest, transport) as good,
         receiving(FailsCommitOf(lagging_dest, 1), transport) as lagging,
-        sending([good.address, lagging.address], cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            [good.address, lagging.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         assert sender.push(trainer.state(), 0).ok
         trainer.step()
@@ -192,7 +199,9 @@ def test_a_flipped_byte_in_a_patch_fails_and_the_next_push_is_full(transport, mo
     dest = zeros_like_sent(trainer)
     with (
         receiving(dest, transport) as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         for version in range(2):
             trainer.step()
@@ -217,7 +226,9 @@ def test_a_patch_onto_drifted_weights_fails_the_content_digest(observe) -> None:
     dest = zeros_like_sent(trainer)
     with (
         receiving(dest, "tcp") as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         assert sender.push(trainer.state(), 0).ok
         dest["norm"][0] += 1  # drift
@@ -239,7 +250,7 @@ from weightsync import WeightSender
 from tests.transports.test_delta import BUCKET, Trainer
 
 trainer = Trainer(seed=5)
-with WeightSender(sys.argv[1], cast=torch.bfloat16, delta=True, bucket_bytes=4096) as sender:
+with WeightSender(sys.argv[1], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=4096) as sender:
     for version in range(2):
         trainer.step()
         assert sender.push(trainer.state(), version).ok
@@ -281,7 +292,9 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
             assert receiver.welcome().content == ""
         for _ in range(3):
             trainer.step()
-        with sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender:
+        with sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender:
             report = sender.push(trainer.state(), 3)
             assert report.ok and report.outcomes[0].mode == "full"
         observe(f"noticed in {noticed:.2f} s; receiver after: {after}; a new sender's version 3: full, exact")
@@ -330,7 +343,9 @@ def test_a_loader_sink_always_gets_the_full_version() -> None:
     received: dict[str, torch.Tensor] = {}
     with (
         receiving(lambda items: received.update((n, t.clone()) for n, t in items), "tcp") as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         for version in range(3):
             trainer.step()
@@ -347,7 +362,9 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
     live = zeros_like_sent(trainer)
     with (
         receiving(StagedSink(TensorDictSink(live)), "shm") as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
     ):
         for version in range(3):
             trainer.step()
@@ -355,3 +372,92 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
             assert report.ok and report.outcomes[0].mode == ("full" if version == 0 else "delta")
             assert_all_bit_exact(live, trainer.as_sent())
     assert isinstance(receiver, WeightReceiver)
+
+
+# --- never slower than full: skip a diff that would not pay (delta.Costs) ------------------------
+
+
+def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
+    from weightsync.delta import PROBE_EVERY, Costs, Diff
+
+    gib = 1 << 30
+    costs = Costs()
+    assert costs.next_step(gib, ["tcp"], always=False) == "diff"  # nothing measured yet
+    assert costs.next_step(gib, [], always=False) == "refresh"  # nobody holds the base: make one
+    costs.diff_s_per_byte, costs.patch_fraction = 0.3 / gib, 0.1  # a diff of 1 GiB: 0.3 s, 10% patch
+    assert costs.diff_pays(gib, ["tcp"])  # no full delivery measured on tcp yet
+    costs.delivered_full("tcp", gib, 0.8)  # full over tcp: 0.8 s, a patch saves 0.72 s > 0.3 s
+    costs.delivered_full("shm", gib, 0.3)  # full over shm: 0.3 s, a patch saves 0.27 s < 0.3 s
+    assert costs.next_step(gib, ["tcp"], always=False) == "diff"
+    assert costs.next_step(gib, ["shm"], always=False) == "plain"
+    assert costs.next_step(gib, ["shm"], always=True) == "diff"
+    assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.99 s saved
+    costs.pushed_plain()
+    for _ in range(PROBE_EVERY - 1):
+        assert costs.next_step(gib, [], always=False) == "plain"  # nobody at the base, suspended
+        costs.pushed_plain()
+    assert costs.next_step(gib, [], always=False) == "refresh"  # the probe: a base first...
+    costs.refreshed()
+    assert costs.next_step(gib, ["shm"], always=False) == "diff"  # ...then a diff, measured
+    costs.diffed(0.9, Diff("c", "d", (), (), 0, gib // 2, gib, cold=True))  # cold: no measurement
+    assert costs.diff_s_per_byte == 0.3 / gib and costs.pushes_since_diff == 0
+    costs.diffed(0.1, Diff("c", "d", (), (), 0, gib // 2, gib))  # the host is less busy now
+    assert costs.next_step(gib, ["shm"], always=False) == "diff"
+
+
+def test_a_sender_that_measured_a_slow_diff_pushes_plain_and_probes_later() -> None:
+    from weightsync.delta import PROBE_EVERY
+
+    trainer = Trainer(seed=8)
+    dest = zeros_like_sent(trainer)
+    with (
+        receiving(dest, "tcp") as receiver,
+        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+    ):
+        modes, digests = [], []
+        for version in range(PROBE_EVERY + 5):
+            if version == 2:  # as if the diff had cost a second per byte: never worth it
+                sender._costs.diff_s_per_byte, sender._costs.patch_fraction = 1.0, 0.1
+            trainer.step()
+            report = sender.push(trainer.state(), version)
+            assert report.ok, report.failed
+            assert_all_bit_exact(dest, trainer.as_sent())
+            assert receiver.content_digest == report.content_digest
+            modes.append(report.outcomes[0].mode)
+            digests.append(report.content_digest)
+            if report.outcomes[0].mode == "full":
+                assert report.outcomes[0].wire_bytes == report.total_bytes and report.changed_fraction == 1.0
+    # 0: nobody at a base, a refresh; 1: nothing measured yet (the first diff is cold), a diff;
+    # 2..: plain pushes as without delta (no checksums, no content digest), until the probe:
+    # a refresh (verified, a base again), then a diff
+    plain = 2 + PROBE_EVERY
+    assert modes[:2] == ["full", "delta"] and digests[0] and digests[1]
+    assert modes[2:plain] == ["full"] * PROBE_EVERY and digests[2:plain] == [""] * PROBE_EVERY
+    assert modes[plain] == "full" and digests[plain]  # the refresh
+    assert modes[plain + 1] == "delta"  # the probe diff, which measures a fast diff this time...
+    assert modes[plain + 2] == "delta"  # ...so patches go on
+
+
+@pytest.mark.gpu
+def test_delta_over_cudaipc_patches_gpu_destinations_bit_exact() -> None:
+    """cudaipc: the sender in a child process on the same GPU, destinations on the GPU; patches
+    are staged in host memory and applied on the device."""
+    from tests.peer_process import SenderProcess
+
+    trainer = Trainer(seed=9)
+    dest = {name: t.to("cuda") for name, t in zeros_like_sent(trainer).items()}
+    with (
+        SenderProcess("cuda") as process,
+        receiving(dest, "cudaipc") as receiver,
+        process.sending(
+            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
+        ) as sender,
+    ):
+        for version in range(4):
+            if version:
+                trainer.step()
+            report = sender.push(trainer.state(), version)
+            assert report.ok, report.failed
+            assert report.outcomes[0].mode == ("full" if version == 0 else "delta")
+            assert_all_bit_exact({name: t.cpu() for name, t in dest.items()}, trainer.as_sent())
+            assert receiver.content_digest == report.content_digest != ""

@@ -22,6 +22,23 @@ def test_a_tiny_run_verifies_every_byte_on_each_transport():
     assert report.to_json()["device"] == "cpu" and report.to_json()["h2d_gbps"] is None
 
 
+def test_a_callable_sink_lands_every_byte_and_is_set_against_a_loaders_own_copy():
+    config = BenchConfig(
+        size_bytes=8 * MIB, repeat=1, memcpy_bytes=MIB, transports=("shm",), sinks=("dict", "callable"), baselines=False
+    )
+    report = run(config)
+    assert [(r.transport, r.sink) for r in report.results] == [("shm", "dict"), ("shm", "callable")]
+    assert all(result.verified for result in report.results)
+    assert report.loader_copy_gbps is not None and report.loader_copy_gbps > 0
+    assert report.to_json()["loader_copy_gbps"] > 0
+    assert "the ceiling of a callable sink" in format_table(report)
+
+
+def test_a_dict_only_run_does_not_measure_a_loader_copy():
+    report = run(BenchConfig(size_bytes=4 * MIB, repeat=1, memcpy_bytes=MIB, transports=("shm",), baselines=False))
+    assert report.loader_copy_gbps is None and "callable" not in format_table(report)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -84,3 +101,14 @@ def test_the_default_size_fits_the_machine(monkeypatch, capsys):
     assert seen["size"] == 3 * GIB + GIB // 4
     assert "4 GiB does not fit in the memory available now; measuring 3.25 GiB" in capsys.readouterr().err
     assert bench_cli.DEFAULT_SIZE_GB == 4.0
+
+
+def test_a_tiny_delta_run_reports_modes_bytes_and_memcpy():
+    from weightsync.bench.delta import format_delta_table, run_delta
+
+    results = run_delta(["tcp"], 4 * MIB, lr=1e-6, steps=2, policy="always", memcpy_bytes=MIB)
+    assert [(r.step, r.delta_mode) for r in results] == [(0, "full"), (1, "delta"), (2, "delta")]
+    assert all(r.memcpy_s > 0 and r.full_wire_bytes == 4 * MIB for r in results)
+    assert all(0 < r.delta_wire_bytes < r.full_wire_bytes / 2 for r in results[1:])
+    table = format_delta_table(results)
+    assert "memcpy s" in table and "full/memcpy" in table and "median delta/full" in table

@@ -11,6 +11,7 @@ report gives, per transport and step, the changed fraction, the wire bytes and t
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 import time
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 
+from weightsync.bench.measure import memcpy_gbps
+from weightsync.options import DeltaPolicy
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 
@@ -39,6 +42,9 @@ class DeltaStep:
     delta_s: float
     full_s: float
     delta_mode: str
+    memcpy_s: float
+    """The same bytes through a single-thread memcpy, measured in this transport's run (so each
+    step's times can be read against the host's speed at that time)."""
 
 
 def _shapes(size_bytes: int) -> list[tuple[int, ...]]:
@@ -57,10 +63,19 @@ def _receive(transport: str, shapes: Sequence[tuple[int, ...]], addresses: Any, 
 
 
 def run_delta(
-    transports: Sequence[str], size_bytes: int, lr: float, steps: int, seed: int = 0, bucket_bytes: int | str = "auto"
+    transports: Sequence[str],
+    size_bytes: int,
+    lr: float,
+    steps: int,
+    seed: int = 0,
+    bucket_bytes: int | str = "auto",
+    policy: DeltaPolicy = "faster",
+    memcpy_bytes: int = 1 << 30,
 ) -> list[DeltaStep]:
-    """Push `steps` steps of the synthetic model per transport, delta and full; what each took."""
+    """Push `steps` steps of the synthetic model per transport, delta (with `policy`) and full;
+    what each took."""
     shapes = _shapes(size_bytes)
+    model_bytes = sum(math.prod(shape) for shape in shapes) * 2  # bf16 on the wire
     gen = torch.Generator().manual_seed(seed)
     results = []
     context = multiprocessing.get_context("spawn")
@@ -75,7 +90,7 @@ def run_delta(
             delta_address, full_address = addresses.get(timeout=600), addresses.get(timeout=600)
             options: dict[str, Any] = {"cast": torch.bfloat16, "timeout": 600.0, "bucket_bytes": bucket_bytes}
             with (
-                WeightSender(delta_address, delta=True, **options) as delta,
+                WeightSender(delta_address, delta=True, delta_policy=policy, **options) as delta,
                 WeightSender(full_address, **options) as full,
             ):
                 for step in range(steps + 1):
@@ -88,6 +103,7 @@ def run_delta(
                     started = time.perf_counter()
                     full_report = full.push(master, step)
                     full_s = time.perf_counter() - started
+                    memcpy_s = model_bytes / (memcpy_gbps(min(memcpy_bytes, model_bytes), rounds=1) * 1e9)
                     if not (delta_report.ok and full_report.ok):
                         raise RuntimeError(f"{transport} step {step}: {delta_report.failed or full_report.failed}")
                     (outcome,) = delta_report.outcomes
@@ -101,6 +117,7 @@ def run_delta(
                             delta_s,
                             full_s,
                             outcome.mode,
+                            memcpy_s,
                         )
                     )
         finally:
@@ -113,13 +130,13 @@ def run_delta(
 def format_delta_table(results: Sequence[DeltaStep]) -> str:
     """One row per transport and step, then each transport's median delta/full time ratio."""
     lines = [
-        "transport  step  mode   changed   delta MB   full MB   delta s   full s   delta/full",
+        "transport  step  mode   changed   delta MB   full MB   delta s   full s  memcpy s  delta/full  full/memcpy",
     ]
     for r in results:
         lines.append(
             f"{r.transport:<9} {r.step:>5}  {r.delta_mode:<5} {r.changed_fraction:>8.4f} "
             f"{r.delta_wire_bytes / 1e6:>10.2f} {r.full_wire_bytes / 1e6:>9.2f} {r.delta_s:>9.3f} "
-            f"{r.full_s:>8.3f} {r.delta_s / r.full_s:>11.2f}"
+            f"{r.full_s:>8.3f} {r.memcpy_s:>9.3f} {r.delta_s / r.full_s:>11.2f} {r.full_s / r.memcpy_s:>12.2f}"
         )
     for transport in dict.fromkeys(r.transport for r in results):
         ratios = sorted(r.delta_s / r.full_s for r in results if r.transport == transport and r.delta_mode == "delta")

@@ -78,12 +78,15 @@ class BenchReport:
     device: str = "cpu"
     h2d_gbps: float | None = None
     """device cuda: one pinned host-to-device copy of the memcpy buffer's size, best of 3, GB/s."""
+    loader_copy_gbps: float | None = None
+    """With a callable sink: a loader's own copy (`torch.Tensor.copy_` in 64 MiB tensors), GB/s."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "memcpy_gbps": round(self.memcpy_gbps, 3),
             "device": self.device,
             "h2d_gbps": None if self.h2d_gbps is None else round(self.h2d_gbps, 3),
+            "loader_copy_gbps": None if self.loader_copy_gbps is None else round(self.loader_copy_gbps, 3),
             "results": [result.to_json(self.memcpy_gbps) for result in self.results],
             "total_bytes": self.total_bytes,
             "num_tensors": self.num_tensors,
@@ -141,6 +144,12 @@ def format_table(report: BenchReport) -> str:
         f"weightsync copies with {'native streaming stores' if STREAMING_COPY else 'numpy.copyto'}; "
         f"GB/s = median over syncs, 1e9 bytes of payload per second end to end"
     )
+    if report.loader_copy_gbps is not None:
+        header += (
+            f"\na loader's own copy (torch copy_, 64 MiB tensors, default threads): "
+            f"{report.loader_copy_gbps:.2f} GB/s = {report.loader_copy_gbps / report.memcpy_gbps:.2f}x memcpy, "
+            f"the ceiling of a callable sink"
+        )
     if report.device != "cpu":
         header += (
             f"\nsource and destinations on {report.device}; "

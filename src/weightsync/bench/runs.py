@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from weightsync.bench.config import BASELINES, DTYPE, GIB, BenchConfig
-from weightsync.bench.measure import PeakRss, h2d_gbps, memcpy_gbps
+from weightsync.bench.measure import PeakRss, h2d_gbps, loader_copy_gbps, memcpy_gbps
 from weightsync.bench.model import allocate, fill, model_shapes
 from weightsync.bench.receivers import Worker, broadcast
 from weightsync.bench.results import BenchReport, MethodResult
@@ -198,6 +198,7 @@ def run(config: BenchConfig) -> BenchReport:
     try:
         step("memcpy")
         reference = memcpy_gbps(config.memcpy_bytes)
+        loader = loader_copy_gbps(config.memcpy_bytes) if "callable" in config.sinks else None
         step("starting receivers")
         workers = [
             Worker(context, shapes, config.seed, config.timeout, config.device) for _ in range(max(config.receivers))
@@ -221,4 +222,4 @@ def run(config: BenchConfig) -> BenchReport:
             worker.stop()
         bar.close()
     largest = max(math.prod(shape) for _, shape in shapes) * DTYPE.itemsize
-    return BenchReport(reference, total_bytes, len(shapes), largest, results, config.device, h2d)
+    return BenchReport(reference, total_bytes, len(shapes), largest, results, config.device, h2d, loader)

@@ -114,6 +114,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="instead: delta against full sync of fp32 master weights stepped at this learning rate, sent as bf16",
     )
     bench.add_argument("--steps", type=at_least(1), default=5, help="with --delta-lr: steps per transport (5)")
+    bench.add_argument(
+        "--delta-policy",
+        choices=("faster", "always"),
+        default="faster",
+        help="with --delta-lr: the delta sender's policy: faster (skip a diff that would not pay; default) or always",
+    )
     bench.add_argument("--quick", action="store_true", help="smoke test: 0.25 GiB, 2 syncs, 256 MiB memcpy")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
     bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
@@ -170,7 +176,16 @@ def run_delta_bench(args: argparse.Namespace) -> int:
 
     transports = args.transport if isinstance(args.transport, tuple) else transport_names(args.transport)
     bucket = "auto" if args.bucket_mb is None else int(args.bucket_mb * MIB)
-    results = run_delta(transports, int(args.size_gb * GIB), args.delta_lr, args.steps, args.seed, bucket)
+    results = run_delta(
+        transports,
+        int(args.size_gb * GIB),
+        args.delta_lr,
+        args.steps,
+        args.seed,
+        bucket,
+        args.delta_policy,
+        int(args.memcpy_mb * MIB),
+    )
     table = format_delta_table(results)
     if args.json:
         print(table, file=sys.stderr)

@@ -42,6 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any request or sync may take")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory (default runs/demo)")
     demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    demo.add_argument(
+        "--delta",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="delta sync: send only what changed where that pays (default on)",
+    )
     demo.set_defaults(handler=run)
 
 
@@ -90,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         kill_server_at=args.kill_server_at,
         progress=args.progress,
+        delta=args.delta,
     )
     if args.mode == "disaggregated":
         print(

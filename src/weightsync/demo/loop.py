@@ -57,6 +57,10 @@ class DemoConfig:
     timeout: float = 60.0
     kill_server_at: int | None = None
     progress: bool = True
+    delta: bool = True
+    """Push with `delta=True`: a server gets only the elements that changed where that is less
+    than half the model and pays (docs/delta.md). At this learning rate nearly every weight moves
+    every step, so most pushes still go full; steps.jsonl records what each one moved."""
 
 
 OnStep = Callable[[dict[str, Any], torch.nn.Module, Rollouts], None]
@@ -78,8 +82,8 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     bar = tqdm(total=config.steps, disable=not config.progress, unit="step", file=None)
     try:
         steps = StepLog(config.out / "steps.jsonl")
-        sender = WeightSender(rollouts.addresses(), timeout=config.timeout)
-        sender, _ = push(sender, rollouts, model, 0, config.timeout)  # version 0: the initial weights
+        sender = new_sender(rollouts, config)
+        sender, _ = push(sender, rollouts, model, 0, config)  # version 0: the initial weights
         samples = rollouts.generate(new_request(config, rng, 0))
         for step in range(config.steps):
             if step == config.kill_server_at and isinstance(rollouts, ServerFleet):
@@ -93,7 +97,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             if next_batch is not None:  # push only once no request is in flight: a pure transfer
                 samples = next_batch.result(timeout=config.timeout * 4)
             rollouts.check_alive()
-            sender, report = push(sender, rollouts, model, step + 1, config.timeout)
+            sender, report = push(sender, rollouts, model, step + 1, config)
             if next_batch is None:
                 samples = rollouts.generate(new_request(config, rng, step + 1))
             record: dict[str, Any] = {
@@ -102,6 +106,9 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
                 "sync_seconds": report.seconds,
                 "sync_gbps": report.gbps,
                 "sync_bytes": report.total_bytes,
+                "wire_bytes": report.wire_bytes,
+                "changed_fraction": report.changed_fraction,
+                "sync_modes": sorted({o.mode for o in report.outcomes if o.committed}),
                 "weight_version": step + 1,
                 "sample_versions": sorted({s.weight_version for s in used}),
                 "max_version_lag": max((step - s.weight_version for s in used), default=0),
@@ -159,14 +166,18 @@ def fresh(samples: list[Sample], version: int, max_staleness: int) -> tuple[list
     return kept, len(samples) - len(kept)
 
 
+def new_sender(rollouts: Rollouts, config: DemoConfig) -> WeightSender:
+    return WeightSender(rollouts.addresses(), timeout=config.timeout, delta=config.delta)
+
+
 def push(
-    sender: WeightSender, rollouts: Rollouts, model: torch.nn.Module, version: int, timeout: float
+    sender: WeightSender, rollouts: Rollouts, model: torch.nn.Module, version: int, config: DemoConfig
 ) -> tuple[WeightSender, SyncReport]:
     """Push the model to every rollout engine; a fleet whose membership changed gets a new
     sender (a restarted server listens on a new address)."""
     if sorted(sender.addresses) != sorted(rollouts.addresses()):
         sender.close()
-        sender = WeightSender(rollouts.addresses(), timeout=timeout)
+        sender = new_sender(rollouts, config)
     report = sender.push(ModuleSource(model), version)
     for outcome in report.failed:
         log.warning("push of version %d to %s failed: %s", version, outcome.address, outcome.error)

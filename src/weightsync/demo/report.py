@@ -37,24 +37,32 @@ EVENT_COLORS = {
 
 
 def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: str = "") -> None:
-    """Mean reward and weight-sync milliseconds per step, one PNG. The title names the mode, the
-    engine and what each sync moves; a server killed, restarted or rejoining is a labelled line."""
+    """Mean reward, weight-sync milliseconds and bytes on the wire per step, one PNG. The title
+    names the mode, the engine and the model's size; a server killed, restarted or rejoining is a
+    labelled line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    figure, (reward_axis, sync_axis) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
+    figure, (reward_axis, sync_axis, bytes_axis) = plt.subplots(3, 1, sharex=True, figsize=(7, 6.5))
     reward_axis.plot(steps, [r["reward_mean"] for r in records], color="tab:green")
     reward_axis.set_ylabel("mean reward")
     reward_axis.set_ylim(0, 1.05)
     sync_axis.plot(steps, [r["sync_seconds"] * 1e3 for r in records], color="tab:blue")
     sync_axis.set_ylabel("weight sync (ms)")
-    sync_axis.set_xlabel("training step")
+    # a delta push moves only what changed; records from before delta sync carry no wire_bytes
+    wire = [r.get("wire_bytes", r["sync_bytes"]) / 1024 for r in records]
+    bytes_axis.plot(steps, wire, color="tab:purple", label="on the wire")
+    bytes_axis.plot(steps, [r["sync_bytes"] / 1024 for r in records], color="tab:gray", linestyle=":", label="model")
+    bytes_axis.set_ylabel("KiB per sync")
+    bytes_axis.set_ylim(bottom=0)
+    bytes_axis.legend(fontsize=7, loc="lower right")
+    bytes_axis.set_xlabel("training step")
     counts: dict[int, int] = {}
     for step, label, color in event_marks(records):
-        for axis in (reward_axis, sync_axis):
+        for axis in (reward_axis, sync_axis, bytes_axis):
             axis.axvline(step, color=color, linestyle="--", linewidth=1)
         row = counts[step] = counts.get(step, -1) + 1
         box = {"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1}
@@ -66,10 +74,12 @@ def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: s
 
 
 def title(records: list[dict[str, Any]], engine: str, mode: str) -> str:
-    """The plot's title: the mode, the engine and how much each sync moves."""
+    """The plot's title: the mode, the engine and the model's size (what a full sync moves)."""
     payload = records[0]["sync_bytes"] if records else 0
     setup = ", ".join(part for part in (mode, f"{engine} engine" if engine else "") if part)
-    return f"weightsync demo: GRPO{f' ({setup})' if setup else ''}, {payload / 1024:.0f} KiB pushed after every step"
+    return (
+        f"weightsync demo: GRPO{f' ({setup})' if setup else ''}, {payload / 1024:.0f} KiB model pushed after every step"
+    )
 
 
 def event_marks(records: list[dict[str, Any]]) -> list[tuple[int, str, str]]:

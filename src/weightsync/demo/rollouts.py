@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Sample:
-    """One completion, with what GRPO needs and the weight version that produced it."""
+    """One completion, with what GRPO needs and the weight version that produced it (the oldest,
+    should a keep-mode sync have landed mid-completion: a sample is as stale as its oldest token)."""
 
     prompt_index: int
     prompt_ids: list[int]
@@ -151,7 +152,8 @@ class _Server:
         for position, choice in enumerate(choices):
             index, prompt = prompts[position // request.group]
             logprobs = choice["logprobs"]["token_logprobs"]
-            samples.append(Sample(index, prompt, choice["token_ids"], logprobs, choice["weight_version"]))
+            version = min((span["version"] for span in choice["weight_versions"]), default=choice["weight_version"])
+            samples.append(Sample(index, prompt, choice["token_ids"], logprobs, version))
         return samples
 
     def alive(self) -> bool:

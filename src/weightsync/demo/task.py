@@ -52,9 +52,10 @@ def save_tokenizer(path: Path) -> None:
     save_char_tokenizer(path, VOCAB)
 
 
-def save_char_tokenizer(path: Path, vocab: dict[str, int]) -> None:
+def save_char_tokenizer(path: Path, vocab: dict[str, int], chat_template: str | None = None) -> None:
     """A one-character-per-token WordLevel tokenizer over `vocab` (which holds <pad>, <unk> and
-    <eos>), saved as tokenizer.json and its config: no download, loadable by AutoTokenizer."""
+    <eos>), saved as tokenizer.json and its config: no download, loadable by AutoTokenizer.
+    With `chat_template` (Jinja), the tokenizer renders chats with it."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,6 +63,8 @@ def save_char_tokenizer(path: Path, vocab: dict[str, int]) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(path)
 
 

@@ -47,7 +47,7 @@ from weightsync.sender import WeightSender
 from weightsync.sizing import align_down, parse_bucket_bytes
 from weightsync.source import TensorMeta
 from weightsync.stream import StreamSink
-from weightsync.transports import get_transport
+from weightsync.transports import get_transport, serving_transports
 
 __all__ = ["BACKEND", "EngineKwargs", "Endpoint", "WeightSyncCheckpointEngine"]
 
@@ -96,7 +96,8 @@ class EngineKwargs:
     def __post_init__(self) -> None:
         spec = get_transport(self.transport)
         if not spec.across_processes:
-            raise ConfigError(f"transport {self.transport!r} cannot reach another process; use shm, tcp or collective")
+            usable = ", ".join(serving_transports())
+            raise ConfigError(f"transport {self.transport!r} cannot reach another process; use one of {usable}")
         if self.cast is not None and not _dtype(self.cast).is_floating_point:
             raise ConfigError(f"cast must name a floating-point dtype, got {self.cast!r}")
 

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from weightsync.server.error_body import error_body
+
 __all__ = ["BODY_BYTES_PER_TOKEN", "MIN_BODY_BYTES", "BodyLimit", "context_length", "default_max_request_bytes"]
 
 BODY_BYTES_PER_TOKEN = 256
@@ -86,7 +88,7 @@ class BodyLimit:
 
     async def _refuse(self, send: Any, size: str) -> None:
         message = f"a request body of {size} is over this server's limit of {self.limit} bytes"
-        body = json.dumps({"error": {"message": message + self.hint, "type": "invalid_request_error", "code": 413}})
+        body = json.dumps(error_body(413, message + self.hint))
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": 413, "headers": headers})

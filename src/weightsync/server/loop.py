@@ -10,7 +10,9 @@ same for every engine, in three modes (as vLLM's `pause_generation`):
            resume, with whatever weights are then loaded (their events carry each version)
 
 A pause has an owner ("user" for /pause, "sync" for a weight sync); the loop steps again only
-when every owner has resumed. Every token event carries the weight version it was produced with.
+when every owner has resumed. Every token event carries the weight version it was produced with,
+and the request's version spans so far: which output tokens each version produced. Versions change
+only between steps (a sync parks the loop first), so the loop alone knows each boundary exactly.
 
 A request that fails ends with an event that says so (`error`, and the HTTP status it maps to:
 400 for a request the engine refuses, 503 while the weights are not servable, 500 for an engine
@@ -32,13 +34,23 @@ from typing import Literal
 from weightsync.engines.base import Engine, SamplingParams, StepOutput
 from weightsync.errors import ConfigError, RequestError, ResourceError, SinkError
 
-__all__ = ["PAUSE_MODES", "EngineLoop", "PauseMode", "TokenEvent"]
+__all__ = ["PAUSE_MODES", "EngineLoop", "PauseMode", "TokenEvent", "VersionSpan"]
 
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["wait", "abort", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
 """Every PauseMode; `mode in PAUSE_MODES` narrows a str to one."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VersionSpan:
+    """Output tokens `[start, end)` of one request were produced by weight `version` (vLLM's
+    `WeightVersionSpan`, with an int version)."""
+
+    version: int
+    start: int
+    end: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -55,6 +67,9 @@ class TokenEvent:
     """Why the request failed (it is finished, with no output): never a finish_reason."""
     error_status: int = 500
     """The HTTP status `error` maps to: 400 refused, 503 weights not servable, 500 engine failure."""
+    spans: tuple[VersionSpan, ...] = ()
+    """Every output token of the request so far, by the version that produced it, in order: one
+    span, or more after a keep-mode sync landed mid-request. Empty before the first token."""
 
 
 def failure(exc: BaseException, version: int | None) -> TokenEvent:
@@ -73,6 +88,19 @@ class _Submission:
     prompt_token_ids: list[int]
     params: SamplingParams
     deliver: Deliver
+    spans: tuple[VersionSpan, ...] = ()
+
+    def record(self, version: int | None, count: int) -> tuple[VersionSpan, ...]:
+        """Count `count` new tokens made by `version`; a new version starts a new span."""
+        if count == 0 or version is None:
+            return self.spans
+        last = self.spans[-1] if self.spans else None
+        if last is not None and last.version == version:
+            self.spans = (*self.spans[:-1], VersionSpan(version, last.start, last.end + count))
+        else:
+            start = last.end if last is not None else 0
+            self.spans = (*self.spans, VersionSpan(version, start, start + count))
+        return self.spans
 
 
 class EngineLoop:
@@ -266,7 +294,7 @@ class EngineLoop:
         for request_id, submission in list(self._active.items()):
             self.engine.abort(request_id)
             del self._active[request_id]
-            submission.deliver(TokenEvent([], None, self._version, True, reason))
+            submission.deliver(TokenEvent([], None, self._version, True, reason, spans=submission.spans))
 
     def _finish_all(self) -> None:
         self._abort_active("abort")
@@ -287,5 +315,6 @@ class EngineLoop:
             output.finished,
             output.finish_reason,
             output.new_top_logprobs,
+            spans=submission.record(version, len(output.new_token_ids)),
         )
         submission.deliver(event)

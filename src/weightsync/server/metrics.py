@@ -30,6 +30,14 @@ class ServerMetrics:
             registry=r,
         )
         self.sync_bytes = Counter("weightsync_sync_bytes", "Bytes of committed syncs", registry=r)
+        self.sync_modes = Counter(
+            "weightsync_sync_modes",
+            "Committed syncs by how they travelled: full, or delta (only what changed, patched in place)",
+            ["mode"],
+            registry=r,
+        )
+        for mode in ("full", "delta"):
+            self.sync_modes.labels(mode)  # both at 0 from the start
         self.version = Gauge("weightsync_weight_version", "Weight version served (-1: none)", registry=r)
         self.sync_in_progress = Gauge("weightsync_sync_in_progress", "1 while a sync is landing", registry=r)
         self.waiting_at_gate = Gauge(
@@ -41,8 +49,10 @@ class ServerMetrics:
         )
         self.version.set(-1)
 
-    def observe_times(self, times: SyncTimes) -> None:
-        """One committed sync's phases."""
+    def observe_times(self, times: SyncTimes, mode: str | None = None) -> None:
+        """One committed sync's phases, and how it travelled ("full" or "delta")."""
+        if mode is not None:
+            self.sync_modes.labels(mode).inc()
         for phase in ("transfer", "landing", "load", "pause"):
             self.sync_phase_seconds.labels(phase).observe(getattr(times, f"{phase}_s"))
 

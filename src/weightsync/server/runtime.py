@@ -223,7 +223,7 @@ class RolloutServer:
 
     def _observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
         if after.times is not None and after.times is not before.times:
-            self.metrics.observe_times(after.times)
+            self.metrics.observe_times(after.times, after.mode)
 
     @property
     def version(self) -> int | None:

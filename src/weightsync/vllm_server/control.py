@@ -161,7 +161,8 @@ class SyncControl:
     def _status(self, message: dict[str, Any]) -> None:
         times = message.get("times")
         if times is not None and times != self.receiver.get("times"):
-            self.metrics.observe_times(SyncTimes(**times))
+            mode = message.get("mode")
+            self.metrics.observe_times(SyncTimes(**times), mode if isinstance(mode, str) else None)
         self.receiver = {key: message.get(key) for key in ("state", "content_digest", "last_error", "times")}
 
     def _changed(self) -> None:

@@ -109,6 +109,7 @@ class BellSink(WrappingSink):
             "content_digest": after.content_digest,
             "last_error": after.last_error,
             "times": times,
+            "mode": after.mode,
         }
         try:
             ring(self.bell, {"event": "status", **status}, self.timeout)

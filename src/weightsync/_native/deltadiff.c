@@ -1,0 +1,472 @@
+/* Delta sync's diff in one pass: compare a new version's wire bits with the baseline, emit the
+ * changed elements (int32 index + value), and update the baseline only where they changed.
+ *
+ * Why: numpy needs four passes for this (compare into a mask, find its nonzeros, copy the
+ * baseline, gather the values) plus, for a cast push, a fifth that writes the cast into a scratch
+ * buffer; each pass streams the tensor through memory. Here the comparison runs 32 bytes at a
+ * time (AVX2 where the CPU has it), only blocks holding a change touch the baseline and the
+ * output, and an fp32 source is rounded to bf16 in registers, never stored. The range is split
+ * over `threads` POSIX threads; the GIL is released throughout.
+ *
+ *   diff(new, base, itemsize, indices, values, threads) -> count
+ *       new, base: same length, elements of `itemsize` bytes (2 or 4) compared by their bits
+ *       (NaN payloads and -0.0 are changes when their bits change).
+ *   cast_diff(src, base, indices, values, threads) -> count
+ *       src: float32, base: bfloat16 of as many elements; src is rounded to bf16 as torch rounds
+ *       it (nearest even; every NaN becomes 0xFFFF) and compared with base.
+ *
+ * Their indices (int32) and values (itemsize bytes each) are writable buffers with room for every
+ * element; the first `count` of each are the changes, in ascending index order. Tensors of
+ * 2**31 elements or more are refused (the numpy path handles them).
+ *
+ *   apply(dest, itemsize, indices, values, threads)
+ *       the receiver's side: dest[indices[k]] = values[k], every index checked before any write.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define HAVE_AVX2_BUILD 1
+#else
+#define HAVE_AVX2_BUILD 0
+#endif
+
+#define MAX_THREADS 16
+/* A thread gets at least this many elements: below it, starting threads costs more than it saves. */
+#define MIN_PER_THREAD (1 << 18)
+
+enum kind { SAME16, SAME32, CAST_F32_BF16 };
+
+typedef struct {
+    enum kind kind;
+    const void *src;
+    void *base;
+    int32_t *indices;
+    void *values;
+    int64_t start, stop; /* element range [start, stop) */
+    int64_t count;       /* changes found, written at indices[start], values[start] */
+} job;
+
+static int use_avx2 = 0;
+
+static inline uint16_t round_bf16(uint32_t u)
+{
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0xffff; /* NaN: what torch's conversion gives */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Portable element loops: every element, one at a time (also the tails of the AVX2 loops).
+ * ROUND turns a source element into the wire element (the identity, or fp32 -> bf16). */
+#define SCALAR_LOOP(name, src_t, wire_t, ROUND)                                                           \
+    static int64_t name(const src_t *src, wire_t *base, int32_t *idx, wire_t *val, int64_t i, int64_t stop, \
+                        int64_t n)                                                                        \
+    {                                                                                                     \
+        for (; i < stop; i++) {                                                                           \
+            wire_t b = ROUND(src[i]);                                                                     \
+            if (b != base[i]) {                                                                           \
+                base[i] = b;                                                                              \
+                idx[n] = (int32_t)i;                                                                      \
+                val[n++] = b;                                                                             \
+            }                                                                                             \
+        }                                                                                                 \
+        return n;                                                                                         \
+    }
+#define SAME(x) (x)
+SCALAR_LOOP(same16_scalar, uint16_t, uint16_t, SAME)
+SCALAR_LOOP(same32_scalar, uint32_t, uint32_t, SAME)
+SCALAR_LOOP(cast_scalar, uint32_t, uint16_t, round_bf16)
+
+#if HAVE_AVX2_BUILD
+/* The AVX2 loops take 64 elements at a time: one 64-bit mask of the changed ones, then a loop over
+ * its set bits. Blocks of 64 keep the branch mispredictions (the loop's exit) to one per 64
+ * elements; at a few percent changed most blocks of 16 hold a change, so per-16 branches cost
+ * more than the memory traffic. Only changed elements are written to the baseline. */
+#define BLOCK 64
+
+/* Emit the changes flagged in `mask` of the block at `i`, whose new bits are `lanes`. */
+static inline int64_t emit16(uint64_t mask, const uint16_t *lanes, uint16_t *base, int32_t *idx, uint16_t *val,
+                             int64_t i, int64_t n)
+{
+    while (mask) {
+        int j = __builtin_ctzll(mask);
+        base[i + j] = lanes[j];
+        idx[n] = (int32_t)(i + j);
+        val[n++] = lanes[j];
+        mask &= mask - 1;
+    }
+    return n;
+}
+
+/* One bit per element of four vectors of 16-bit compare results (all ones where equal). */
+__attribute__((target("avx2"))) static inline uint64_t equal_bits16(__m256i e0, __m256i e1, __m256i e2, __m256i e3)
+{
+    /* packs interleaves 128-bit lanes (e0.lo e1.lo e0.hi e1.hi); the permute restores the order */
+    __m256i p01 = _mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), 0xd8);
+    __m256i p23 = _mm256_permute4x64_epi64(_mm256_packs_epi16(e2, e3), 0xd8);
+    return (uint64_t)(uint32_t)_mm256_movemask_epi8(p01) | (uint64_t)(uint32_t)_mm256_movemask_epi8(p23) << 32;
+}
+
+__attribute__((target("avx2"))) static int64_t same16_avx2(const uint16_t *new, uint16_t *base, int32_t *idx,
+                                                             uint16_t *val, int64_t i, int64_t stop)
+{
+    int64_t n = 0;
+    for (; i + BLOCK <= stop; i += BLOCK) {
+        __m256i e[4];
+        for (int k = 0; k < 4; k++)
+            e[k] = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(new + i + 16 * k)),
+                                      _mm256_loadu_si256((const __m256i *)(base + i + 16 * k)));
+        n = emit16(~equal_bits16(e[0], e[1], e[2], e[3]), new + i, base, idx, val, i, n);
+    }
+    return same16_scalar(new, base, idx, val, i, stop, n);
+}
+
+__attribute__((target("avx2"))) static int64_t same32_avx2(const uint32_t *new, uint32_t *base, int32_t *idx,
+                                                             uint32_t *val, int64_t i, int64_t stop)
+{
+    int64_t n = 0;
+    for (; i + BLOCK <= stop; i += BLOCK) {
+        uint64_t equal = 0;
+        for (int k = 0; k < 8; k++) {
+            __m256i eq = _mm256_cmpeq_epi32(_mm256_loadu_si256((const __m256i *)(new + i + 8 * k)),
+                                            _mm256_loadu_si256((const __m256i *)(base + i + 8 * k)));
+            equal |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(eq)) << (8 * k);
+        }
+        for (uint64_t mask = ~equal; mask; mask &= mask - 1) {
+            int j = __builtin_ctzll(mask);
+            base[i + j] = new[i + j];
+            idx[n] = (int32_t)(i + j);
+            val[n++] = new[i + j];
+        }
+    }
+    return same32_scalar(new, base, idx, val, i, stop, n);
+}
+
+/* Eight float32 bit patterns rounded to bf16 (in the low half of each 32-bit lane). */
+__attribute__((target("avx2"))) static inline __m256i round8(__m256i u)
+{
+    const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+    const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+    __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, bias), _mm256_and_si256(_mm256_srli_epi32(u, 16), one)), 16);
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs_mask), inf); /* signed compare: both < 2**31 */
+    return _mm256_or_si256(rounded, _mm256_and_si256(nan, _mm256_set1_epi32(0xffff)));
+}
+
+__attribute__((target("avx2"))) static int64_t cast_avx2(const uint32_t *src, uint16_t *base, int32_t *idx,
+                                                           uint16_t *val, int64_t i, int64_t stop)
+{
+    int64_t n = 0;
+    uint16_t lanes[BLOCK] __attribute__((aligned(32)));
+    for (; i + BLOCK <= stop; i += BLOCK) {
+        __m256i e[4];
+        for (int k = 0; k < 4; k++) {
+            __m256i lo = round8(_mm256_loadu_si256((const __m256i *)(src + i + 16 * k)));
+            __m256i hi = round8(_mm256_loadu_si256((const __m256i *)(src + i + 16 * k + 8)));
+            __m256i fresh = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xd8);
+            _mm256_store_si256((__m256i *)(lanes + 16 * k), fresh);
+            e[k] = _mm256_cmpeq_epi16(fresh, _mm256_loadu_si256((const __m256i *)(base + i + 16 * k)));
+        }
+        n = emit16(~equal_bits16(e[0], e[1], e[2], e[3]), lanes, base, idx, val, i, n);
+    }
+    return cast_scalar(src, base, idx, val, i, stop, n);
+}
+#endif
+
+/* One job: its range, its changes written from its own start in the outputs (each job's range
+ * has room for all of its elements there). */
+static void *run_job(void *arg)
+{
+    job *j = (job *)arg;
+    int32_t *idx = j->indices + j->start;
+    uint16_t *val16 = (uint16_t *)j->values + j->start;
+    uint32_t *val32 = (uint32_t *)j->values + j->start;
+#if HAVE_AVX2_BUILD
+    if (use_avx2) {
+        switch (j->kind) {
+        case SAME16:
+            j->count = same16_avx2(j->src, j->base, idx, val16, j->start, j->stop);
+            return NULL;
+        case SAME32:
+            j->count = same32_avx2(j->src, j->base, idx, val32, j->start, j->stop);
+            return NULL;
+        case CAST_F32_BF16:
+            j->count = cast_avx2(j->src, j->base, idx, val16, j->start, j->stop);
+            return NULL;
+        }
+    }
+#endif
+    switch (j->kind) {
+    case SAME16:
+        j->count = same16_scalar(j->src, j->base, idx, val16, j->start, j->stop, 0);
+        break;
+    case SAME32:
+        j->count = same32_scalar(j->src, j->base, idx, val32, j->start, j->stop, 0);
+        break;
+    case CAST_F32_BF16:
+        j->count = cast_scalar(j->src, j->base, idx, val16, j->start, j->stop, 0);
+        break;
+    }
+    return NULL;
+}
+
+/* Split [0, numel) over up to `threads` jobs, run them, and pack their outputs into one
+ * ascending run. A job whose thread could not start runs on the calling thread. Returns the count. */
+static int64_t run_split(enum kind kind, const void *src, void *base, int32_t *indices, void *values,
+                         size_t itemsize, int64_t numel, int threads)
+{
+    job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t most = numel / MIN_PER_THREAD;
+    int count = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (count > most)
+        count = most < 1 ? 1 : (int)most;
+    int64_t step = (numel / count + 63) & ~(int64_t)63; /* 64-element aligned ranges */
+    for (int t = 0; t < count; t++) {
+        int64_t start = t * step < numel ? t * step : numel;
+        int64_t stop = (t + 1) * step < numel && t + 1 < count ? (t + 1) * step : numel;
+        jobs[t] = (job){kind, src, base, indices, values, start, stop, 0};
+    }
+    int failed = 0;
+    for (int t = 1; t < count; t++)
+        started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
+    for (int t = 1; t < count; t++)
+        failed |= !started[t];
+    run_job(&jobs[0]);
+    for (int t = 1; t < count; t++)
+        if (started[t])
+            pthread_join(tids[t], NULL);
+    if (failed) {
+        for (int t = 1; t < count; t++)
+            if (!started[t])
+                run_job(&jobs[t]); /* no thread: run it here, still exact */
+    }
+    int64_t total = jobs[0].count;
+    for (int t = 1; t < count; t++) {
+        if (jobs[t].count && jobs[t].start != total) {
+            memmove(indices + total, indices + jobs[t].start, (size_t)jobs[t].count * sizeof(int32_t));
+            memmove((char *)values + total * itemsize, (char *)values + jobs[t].start * itemsize,
+                    (size_t)jobs[t].count * itemsize);
+        }
+        total += jobs[t].count;
+    }
+    return total;
+}
+
+/* Checks shared by both entry points; returns 0 or sets a Python error and returns -1. */
+static int check_outputs(Py_buffer *indices, Py_buffer *values, int64_t numel, size_t itemsize)
+{
+    if (numel >= ((int64_t)1 << 31)) {
+        PyErr_SetString(PyExc_ValueError, "deltadiff: 2**31 elements or more (int32 indices)");
+        return -1;
+    }
+    if (indices->len < numel * (Py_ssize_t)sizeof(int32_t) || values->len < numel * (Py_ssize_t)itemsize) {
+        PyErr_Format(PyExc_ValueError, "deltadiff: outputs need room for %lld elements", (long long)numel);
+        return -1;
+    }
+    return 0;
+}
+
+static int contiguous(Py_buffer *views[], int n)
+{
+    for (int k = 0; k < n; k++)
+        if (!PyBuffer_IsContiguous(views[k], 'C')) {
+            PyErr_SetString(PyExc_ValueError, "deltadiff: every buffer must be C-contiguous");
+            return 0;
+        }
+    return 1;
+}
+
+/* Check the outputs, run the diff without the GIL, release the four buffers. `numel` < 0: the
+ * caller found the inputs' sizes wrong and set the error. */
+static PyObject *run_checked(enum kind kind, Py_buffer *views[4], int64_t numel, size_t itemsize, int threads)
+{
+    int64_t count = -1;
+    if (numel >= 0 && contiguous(views, 4) && check_outputs(views[2], views[3], numel, itemsize) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        count = run_split(kind, views[0]->buf, views[1]->buf, views[2]->buf, views[3]->buf, itemsize, numel, threads);
+        Py_END_ALLOW_THREADS
+    }
+    for (int k = 0; k < 4; k++)
+        PyBuffer_Release(views[k]);
+    return count < 0 ? NULL : PyLong_FromLongLong(count);
+}
+
+static PyObject *deltadiff_diff(PyObject *self, PyObject *args)
+{
+    Py_buffer new, base, indices, values;
+    Py_ssize_t itemsize;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*w*nw*w*i:diff", &new, &base, &itemsize, &indices, &values, &threads))
+        return NULL;
+    Py_buffer *views[] = {&new, &base, &indices, &values};
+    int64_t numel = -1;
+    if ((itemsize != 2 && itemsize != 4) || new.len != base.len || new.len % itemsize)
+        PyErr_Format(PyExc_ValueError, "diff: itemsize %zd (2 or 4), new %zd bytes, base %zd", itemsize, new.len,
+                     base.len);
+    else
+        numel = new.len / itemsize;
+    return run_checked(itemsize == 2 ? SAME16 : SAME32, views, numel, (size_t)itemsize, threads);
+}
+
+static PyObject *deltadiff_cast_diff(PyObject *self, PyObject *args)
+{
+    Py_buffer src, base, indices, values;
+    int threads;
+    if (!PyArg_ParseTuple(args, "y*w*w*w*i:cast_diff", &src, &base, &indices, &values, &threads))
+        return NULL;
+    Py_buffer *views[] = {&src, &base, &indices, &values};
+    int64_t numel = -1;
+    if (src.len != 2 * base.len || base.len % 2)
+        PyErr_Format(PyExc_ValueError, "cast_diff: float32 source of %zd bytes for a bf16 base of %zd", src.len,
+                     base.len);
+    else
+        numel = base.len / 2;
+    return run_checked(CAST_F32_BF16, views, numel, 2, threads);
+}
+
+/* The receiver's side: dest[indices[k]] = values[k]. Every index is checked before anything is
+ * written, so a patch naming an element outside the tensor changes nothing. */
+static int64_t first_outside(const int32_t *indices, int64_t count, int64_t numel)
+{
+    for (int64_t k = 0; k < count; k++)
+        if (indices[k] < 0 || indices[k] >= numel)
+            return k;
+    return -1;
+}
+
+typedef struct {
+    char *dest;
+    const int32_t *indices;
+    const char *values;
+    int64_t count;
+    size_t itemsize;
+} scatter_job;
+
+static void *scatter(void *arg)
+{
+    scatter_job *j = (scatter_job *)arg;
+    if (j->itemsize == 2) {
+        uint16_t *d = (uint16_t *)j->dest;
+        for (int64_t k = 0; k < j->count; k++)
+            memcpy(&d[j->indices[k]], j->values + 2 * k, 2);
+    } else {
+        uint32_t *d = (uint32_t *)j->dest;
+        for (int64_t k = 0; k < j->count; k++)
+            memcpy(&d[j->indices[k]], j->values + 4 * k, 4);
+    }
+    return NULL;
+}
+
+/* The writes split over up to `threads` threads, each a contiguous run of the changes: at a few
+ * percent changed nearly every cache line of the destination is written, a pass at memory speed. */
+static void scatter_split(char *dest, const int32_t *indices, const char *values, int64_t count, size_t itemsize,
+                          int threads)
+{
+    scatter_job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t most = count / (MIN_PER_THREAD / 16);
+    int n = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    if (n > most)
+        n = most < 1 ? 1 : (int)most;
+    int64_t step = (count + n - 1) / n;
+    for (int t = 0; t < n; t++) {
+        int64_t start = t * step < count ? t * step : count;
+        int64_t stop = start + step < count ? start + step : count;
+        jobs[t] = (scatter_job){dest, indices + start, values + start * itemsize, stop - start, itemsize};
+    }
+    for (int t = 1; t < n; t++)
+        started[t] = pthread_create(&tids[t], NULL, scatter, &jobs[t]) == 0;
+    scatter(&jobs[0]);
+    for (int t = 1; t < n; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            scatter(&jobs[t]); /* no thread: run it here */
+    }
+}
+
+static PyObject *deltadiff_apply(PyObject *self, PyObject *args)
+{
+    Py_buffer dest, indices, values;
+    Py_ssize_t itemsize;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*ny*y*i:apply", &dest, &itemsize, &indices, &values, &threads))
+        return NULL;
+    Py_buffer *views[] = {&dest, &indices, &values};
+    PyObject *result = NULL;
+    int64_t count = indices.len / (Py_ssize_t)sizeof(int32_t), outside = -1;
+    if (!contiguous(views, 3))
+        ;
+    else if ((itemsize != 2 && itemsize != 4) || dest.len % itemsize || indices.len % sizeof(int32_t) ||
+             values.len != count * itemsize || ((uintptr_t)indices.buf & 3) || ((uintptr_t)dest.buf % itemsize))
+        PyErr_Format(PyExc_ValueError, "apply: itemsize %zd, dest %zd bytes, %zd index bytes, %zd value bytes "
+                     "(aligned int32 indices, one value each)", itemsize, dest.len, indices.len, values.len);
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        outside = first_outside(indices.buf, count, dest.len / itemsize);
+        if (outside < 0)
+            scatter_split(dest.buf, indices.buf, values.buf, count, (size_t)itemsize, threads);
+        Py_END_ALLOW_THREADS
+        if (outside >= 0)
+            PyErr_Format(PyExc_IndexError, "apply: index %d outside %zd elements", ((int32_t *)indices.buf)[outside],
+                         dest.len / itemsize);
+        else
+            result = Py_NewRef(Py_None);
+    }
+    for (int k = 0; k < 3; k++)
+        PyBuffer_Release(views[k]);
+    return result;
+}
+
+static PyObject *deltadiff_portable(PyObject *self, PyObject *arg)
+{
+    int previous = !use_avx2;
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+#if HAVE_AVX2_BUILD
+    __builtin_cpu_init();
+    use_avx2 = !on && __builtin_cpu_supports("avx2") != 0;
+#endif
+    return PyBool_FromLong(previous);
+}
+
+static PyMethodDef methods[] = {
+    {"diff", deltadiff_diff, METH_VARARGS,
+     "diff(new, base, itemsize, indices, values, threads) -> count: changed elements, baseline updated."},
+    {"cast_diff", deltadiff_cast_diff, METH_VARARGS,
+     "cast_diff(src_f32, base_bf16, indices, values, threads) -> count: diff of src rounded to bf16."},
+    {"apply", deltadiff_apply, METH_VARARGS,
+     "apply(dest, itemsize, indices, values, threads): dest[indices[k]] = values[k], every index checked first."},
+    {"portable", deltadiff_portable, METH_O,
+     "portable(on) -> previous: use the portable loops even where AVX2 is there (tests compare both)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "weightsync._native.deltadiff",
+    "Delta sync's one-pass diff (see deltadiff.c).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit_deltadiff(void)
+{
+#if HAVE_AVX2_BUILD
+    __builtin_cpu_init();
+    use_avx2 = __builtin_cpu_supports("avx2") != 0;
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(m, "AVX2", use_avx2) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

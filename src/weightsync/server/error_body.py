@@ -1,0 +1,52 @@
+"""The one shape of every HTTP error the rollout server sends, vLLM's (its `ErrorResponse`):
+
+    {"error": {"message": "...", "type": "BadRequestError", "param": null, "code": 400}}
+
+The message is plain text, never a Python repr; `type` names the kind as vLLM does (the class
+name the `openai` client raises for that status, where it has one). A 503 also names the
+server's `state` beside `error`, so a client can tell "waiting for weights" from "dirty".
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from weightsync.server.schemas import ErrorBody, ErrorResponse
+
+__all__ = ["ERROR_TYPES", "error", "error_body", "error_type"]
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+"""HTTP status -> error type; any other status is named by its HTTP phrase, as vLLM names it."""
+
+
+def error_type(status: int) -> str:
+    if status in ERROR_TYPES:
+        return ERROR_TYPES[status]
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None, state: str | None = None) -> dict[str, Any]:
+    """The JSON object of an error response (also the `data:` of an error event mid-stream)."""
+    body: dict[str, Any] = ErrorResponse(
+        error=ErrorBody(message=message, type=error_type(status), param=param, code=status)
+    ).model_dump()
+    if state is not None:
+        body["state"] = state
+    return body
+
+
+def error(status: int, message: str, param: str | None = None, state: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, state), status_code=status)

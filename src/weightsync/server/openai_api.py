@@ -1,0 +1,118 @@
+"""POST /v1/completions and /v1/chat/completions: check the request, tokenise it on a worker
+thread, wait at the gate for a committed version, generate, and answer whole or streamed.
+
+Every refusal is an error response in vLLM's shape (`error_body`): 400 for a request this server
+cannot serve, 404 for another model's name, 503 when no version is committed within
+--ready-timeout, and the engine's own status (400, 503 or 500) when it refuses or fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from starlette.responses import JSONResponse, Response
+
+from weightsync.engines.base import SamplingParams
+from weightsync.server.error_body import error
+from weightsync.server.formats import ChatFormat, CompletionFormat, Format, dump
+from weightsync.server.generation import Generation
+from weightsync.server.prompts import chat_prompt, has_text, no_chat_reason, tokenize
+from weightsync.server.runtime import RolloutServer
+from weightsync.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from weightsync.server.streaming import stream
+
+__all__ = ["GATE_POLL_S", "chat_completions", "completions", "wait_at_gate"]
+
+GATE_POLL_S = 0.02
+
+
+async def completions(server: RolloutServer, body: CompletionRequest, request_id: str) -> Response:
+    if server.tokenizer is None and (body.stop or has_text(body.prompt)):
+        return error(
+            400,
+            f"text prompts and stop strings need a tokenizer: {server.no_tokenizer}; send prompts as token ids",
+            "prompt",
+        )
+    fmt = CompletionFormat(body.logprobs)
+    return await generate(server, body, request_id, lambda: tokenize(server.tokenizer, body.prompt), fmt)
+
+
+async def chat_completions(server: RolloutServer, body: ChatCompletionRequest, request_id: str) -> Response:
+    why_not = no_chat_reason(server.tokenizer, server.no_tokenizer)
+    if why_not is not None:
+        return error(400, why_not, "messages")
+    fmt = ChatFormat((body.top_logprobs or 0) if body.logprobs else None)
+    return await generate(server, body, request_id, lambda: [chat_prompt(server.tokenizer, body.messages)], fmt)
+
+
+async def generate(
+    server: RolloutServer,
+    body: GenerationRequest,
+    request_id: str,
+    prompts_of: Callable[[], list[list[int]]],
+    fmt: Format,
+) -> Response:
+    """The work both endpoints share, from tokenising to the response."""
+    if body.top_p != 1.0:
+        return error(400, "top_p other than 1 is not supported", "top_p")
+    if body.model is not None and body.model != server.config.model_name:
+        return error(404, f"model {body.model!r} is not served here; this is {server.config.model_name!r}", "model")
+    try:  # off the event loop: a long text takes a while, and /health must answer meanwhile
+        prompts = await asyncio.to_thread(prompts_of)
+    except ValueError as exc:  # a RequestError, or the tokenizer refusing the text
+        return error(400, str(exc))
+    version = await wait_at_gate(server)
+    if version is None:
+        now = server.health()
+        return error(503, f"not serving after {server.config.ready_timeout} s: {now.reason}", state=now.state)
+    generation = Generation(
+        server, request_id, prompts, body.n, sampling(body, fmt.logprobs), body.stop_strings, version
+    )
+    created, model = int(time.time()), server.config.model_name
+    if body.stream:
+        return await stream(generation, fmt, created, model, body.include_usage, server.metrics)
+    try:
+        while not generation.finished and generation.failure is None:
+            await generation.next()
+    finally:  # done, failed, or the client went away: nothing of this request keeps generating
+        generation.cancel()
+    failed = generation.failure
+    if failed is not None:  # never a 200 without output: the engine's error, with its status
+        return error(failed.error_status, failed.error or "the engine failed")
+    response = fmt.response(
+        request_id, created, model, generation.outputs, generation.usage(), generation.weight_version
+    )
+    return JSONResponse(dump(response))
+
+
+def sampling(body: GenerationRequest, logprobs: int | None) -> Callable[[int], SamplingParams]:
+    """Sample k's parameters: seeded `seed + k`, so the choices of one prompt differ."""
+
+    def params(sample: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=body.max_new_tokens,
+            temperature=body.temperature,
+            seed=None if body.seed is None else body.seed + sample,
+            logprobs=logprobs,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+        )
+
+    return params
+
+
+async def wait_at_gate(server: RolloutServer) -> int | None:
+    """Wait up to --ready-timeout for a committed, intact version (never serve dummy weights);
+    the version served then, or None."""
+    version = server.version
+    if version is not None:
+        return version
+    server.metrics.waiting_at_gate.inc()
+    try:
+        deadline = time.monotonic() + server.config.ready_timeout
+        while (version := server.version) is None and time.monotonic() < deadline:
+            await asyncio.sleep(GATE_POLL_S)
+        return version
+    finally:
+        server.metrics.waiting_at_gate.dec()
