@@ -192,6 +192,7 @@ def test_streamed_completions_label_every_chunk(pushed: Served) -> None:
         )
     )
     assert chunks and all(chunk.weight_version == 1 for chunk in chunks)
+    assert all(c.weight_version == 1 for chunk in chunks for c in chunk.choices)
     finals = {c.index: c for chunk in chunks for c in chunk.choices if c.finish_reason is not None}
     assert sorted(finals) == [0, 1]
     for final in finals.values():

@@ -62,7 +62,7 @@ def test_sse_chunks_split_across_messages_are_each_labelled() -> None:
     out = b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n")
     chunks = [json.loads(line[len(b"data: ") :]) for line in out if line.startswith(b"data: {")]
     assert [chunk["weight_version"] for chunk in chunks] == [4, 4]  # nothing noted yet: the served version
-    assert "weight_versions" not in chunks[0]["choices"][0]
+    assert "weight_versions" not in chunks[0]["choices"][0] and chunks[0]["choices"][0]["weight_version"] == 4
     assert chunks[1]["choices"][0]["weight_versions"] == [{"version": 4, "start": 0, "end": 2}]
     assert b"data: [DONE]" in out and sent[-1]["more_body"] is False
 

@@ -185,12 +185,14 @@ class Labeller:
         for choice in payload.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
+            choice["weight_version"] = newest
             if not final and choice.get("finish_reason") is None:
-                continue
+                continue  # spans come with the choice's end
             spans = self.recorder.spans.get(choice.get("index", 0))
             if spans is not None:
                 choice["weight_versions"] = spans
-                choice["weight_version"] = spans[-1]["version"] if spans else newest
+                if spans:
+                    choice["weight_version"] = spans[-1]["version"]
 
     def _json(self, body: bytes) -> bytes:
         try:
