@@ -17,7 +17,7 @@ from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Plan
 
-__all__ = ["CallableSink", "StagedSink", "TensorDictSink", "WeightSink", "as_sink", "sink_errors"]
+__all__ = ["CallableSink", "StagedSink", "TensorDictSink", "WeightSink", "WrappingSink", "as_sink", "sink_errors"]
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
 
@@ -69,6 +69,50 @@ class WeightSink:
         """The sync of `version` failed; `error` says why. `intact`: the weights being served
         are still the previous version, untouched; False when the sync partly overwrote them
         (the receiver now reports itself dirty until the next good sync)."""
+
+
+class WrappingSink(WeightSink):
+    """A sink around another that pauses or reports around it (a rollout server's): it lands
+    exactly as `inner` does, so it says what `inner` says about live weights and borrowing.
+
+    Subclasses set `_paused_s` to the seconds the engine was parked for the current sync.
+    """
+
+    def __init__(self, inner: WeightSink) -> None:
+        self.inner = inner
+        self._paused_s = 0.0
+
+    @property
+    def loads_live(self) -> bool:  # type: ignore[override]
+        return self.inner.loads_live
+
+    @property
+    def destinations_live(self) -> bool:  # type: ignore[override]
+        return self.inner.destinations_live
+
+    @property
+    def wrote_live(self) -> bool:  # type: ignore[override]
+        return self.inner.wrote_live
+
+    @property
+    def borrows(self) -> bool:  # type: ignore[override]
+        return self.inner.borrows
+
+    @property
+    def paused_s(self) -> float:  # type: ignore[override]
+        return self._paused_s
+
+    @property
+    def staged(self) -> bool:
+        """True when nothing served changes before the commit (`inner` stages the sync): the
+        engine then keeps serving during the transfer and parks only for the commit."""
+        return not (self.inner.destinations_live or self.inner.loads_live)
+
+    def destination(self, name: str) -> torch.Tensor | None:
+        return self.inner.destination(name)
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.inner.load(named_tensors)
 
 
 class CallableSink(WeightSink):

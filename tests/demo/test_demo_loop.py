@@ -32,7 +32,8 @@ def assert_servers_serve_the_trainer(record: dict[str, Any], model: torch.nn.Mod
     checked = []
     for server in fleet:
         body = server.client.post(
-            "/v1/completions", json={"prompt": PROMPT, "max_tokens": task.ANSWER_LENGTH, "temperature": 0}
+            "/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": task.ANSWER_LENGTH, "temperature": 0, "return_token_ids": True},
         ).json()
         assert body["weight_version"] == record["weight_version"]
         assert body["choices"][0]["token_ids"] == expected, (record["step"], server.index)

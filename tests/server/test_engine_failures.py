@@ -115,7 +115,9 @@ def test_a_model_without_a_tokenizer_refuses_text_prompts_and_says_why(no_tokeni
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_vllm_refuses_to_start_on_a_model_its_cpu_backend_cannot_run(tmp_path) -> None:
     """head_dim 16: vLLM's CPU attention has no kernel for it. The server used to start, accept
-    pushes and answer every completion with HTTP 200 and empty text."""
+    pushes and answer every completion with HTTP 200 and empty text. vLLM's engine runs in its own
+    processes: its root cause is in its log, our one line says what failed; vLLM's children may
+    print more after it as they exit."""
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -140,8 +142,9 @@ def test_vllm_refuses_to_start_on_a_model_its_cpu_backend_cannot_run(tmp_path) -
         env=os.environ | {"PYTHONPATH": SRC, "VLLM_CPU_KVCACHE_SPACE": "1"},
         timeout=300,
     )
-    last = done.stderr.strip().splitlines()[-1]
+    ours = [line for line in done.stderr.splitlines() if line.startswith("weightsync serve:")]
     assert done.returncode == 2, done.stderr[-3000:]
-    assert last.startswith("weightsync serve: the vllm engine cannot run"), last
-    assert "warm-up generation failed: Unsupported CPU attention configuration: head_dim=16" in last
+    assert len(ours) == 1 and ours[0].startswith("weightsync serve: the vllm engine cannot run"), ours
+    assert "one-token warm-up generation failed" in ours[0]
+    assert "Unsupported CPU attention configuration: head_dim=16" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr

@@ -8,11 +8,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from weightsync.checksum import VERIFY_MODES
 from weightsync.cli.args import add_auth_token, at_least, auth_token, port, seconds
 from weightsync.cli.errors import TERMINATED
 from weightsync.transports import serving_transports
+
+if TYPE_CHECKING:
+    from weightsync.server.runtime import ServeConfig
 
 __all__ = ["add_parser", "run"]
 
@@ -73,6 +77,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "model's context, at least 1 MiB)",
     )
     serve.add_argument(
+        "--vllm-args",
+        default="",
+        help='more `vllm serve` arguments for --engine vllm, as one string (e.g. "--max-model-len 4096 '
+        "--enable-auto-tool-choice --tool-call-parser hermes\"); vLLM's own parser reads them",
+    )
+    serve.add_argument(
         "--log-level",
         choices=("debug", "info", "warning", "error"),
         default="info",
@@ -85,6 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from weightsync.errors import ConfigError
     from weightsync.server.app import create_app
     from weightsync.server.background import bind
     from weightsync.server.runtime import ServeConfig
@@ -109,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         staged=args.staged,
         max_request_bytes=args.max_request_bytes,
     )
+    if args.engine == "vllm":
+        return run_vllm(config, args)
+    if args.vllm_args:
+        raise ConfigError("--vllm-args is for --engine vllm")
     startup = Startup(config)
     # The engine's imports now (a missing engine fails before the port is taken), so that the
     # engine builds on a thread after it, and the API answers within milliseconds all along.
@@ -145,6 +160,39 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
     if startup.error is not None:
         raise startup.error
+    return 0
+
+
+def run_vllm(config: ServeConfig, args: argparse.Namespace) -> int:
+    """vLLM's own OpenAI server with weightsync's parts on top (weightsync.vllm_server)."""
+    import asyncio
+    import gc
+    import shlex
+
+    from weightsync.server.background import bind
+    from weightsync.server.runtime import engine_class
+
+    engine_class("vllm")  # a missing vLLM fails here, before the port is taken
+    from weightsync.vllm_server.engine import preload, vllm_namespace
+    from weightsync.vllm_server.server import serve
+
+    extra = shlex.split(args.vllm_args)
+    vllm_namespace(config, extra)  # vLLM's refusal of the arguments, before the port is taken
+    preload(config.model)
+    configure_logging(args.log_level)
+    sock = bind(args.host, args.port)
+    host, bound_port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
+
+    def announce(address: str) -> None:
+        print(f"weightsync serve: {url} receiver {address}", flush=True)
+
+    try:
+        log.info("listening on %s (503 until the vllm engine is up)", url)
+        asyncio.run(serve(config, sock, extra_args=extra, announce=announce, log_level=args.log_level))
+    finally:
+        sock.close()
+        gc.unfreeze()  # what preload froze is collected as usual at exit
     return 0
 
 

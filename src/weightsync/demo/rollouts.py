@@ -143,6 +143,7 @@ class _Server:
             "temperature": request.temperature,
             "seed": request.seed + prompts[0][0] * request.group,
             "logprobs": 0,
+            "return_token_ids": True,  # vLLM's server lists token ids only when asked; weightsync's hf server always does
         }
         response = self.client.post("/v1/completions", json=body)
         response.raise_for_status()

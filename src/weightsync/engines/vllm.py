@@ -25,11 +25,11 @@ import torch
 
 from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
 from weightsync.engines.malloc import return_large_frees_to_os
-from weightsync.engines.vllm_sink import CheckpointLayout, ReloadSink, checkpoint_layout
+from weightsync.engines.vllm_sink import CheckpointLayout, ReloadSink, checkpoint_layout, reprocess_tied_layers
 from weightsync.errors import ConfigError, RequestError, SinkError
 from weightsync.sink import StagedSink, WeightSink
 
-__all__ = ["DEFAULT_KV_CACHE_BYTES", "VLLMEngine"]
+__all__ = ["DEFAULT_KV_CACHE_BYTES", "VLLMEngine", "config_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class VLLMEngine(Engine):
         self._llm = _build_llm_engine(
             model_dir,
             load_format=load_format,
-            dtype=_config_dtype(model_dir) if dtype == "auto" else dtype,
+            dtype=config_dtype(model_dir) if dtype == "auto" else dtype,
             max_model_len=max_model_len,
             kv_cache_memory_bytes=kv_cache_bytes,
             seed=seed,
@@ -219,7 +219,7 @@ class VLLMEngine(Engine):
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
     def _after_reload(self) -> None:
-        self._on_worker(_reprocess_tied_layers)
+        self._on_worker(reprocess_tied_layers)
         # KV computed with the old weights must never be reused; requests kept in flight
         # across the sync ("keep" pauses) are preempted and recompute their prefix.
         self._llm.reset_prefix_cache(reset_running_requests=True)
@@ -275,31 +275,7 @@ def _step_output(output: Any) -> StepOutput:
     return StepOutput(output.request_id, token_ids, logprobs, bool(output.finished), reason, tops)
 
 
-def _reprocess_tied_layers(worker: Any) -> None:
-    """Re-run weight post-processing on layers that share their weight with another layer.
-
-    The layerwise reload loads a tied pair once (through the input embeddings) and leaves the
-    other layer (lm_head) as it was; on CPU that layer holds a repacked copy of the old weight
-    for its matmul, so it must be processed again from the new values.
-    """
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    model = worker.model_runner.get_model()
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        weight = module.__dict__.get("_parameters", {}).get("weight")
-        if weight is not None:
-            owners.setdefault(id(weight), []).append(module)
-    for modules in owners.values():
-        if len(modules) < 2:
-            continue
-        for module in modules:
-            method = getattr(module, "quant_method", None)
-            if isinstance(method, UnquantizedEmbeddingMethod):
-                method.process_weights_after_loading(module)
-
-
-def _config_dtype(model_dir: Path) -> str:
+def config_dtype(model_dir: Path) -> str:
     """The dtype config.json names ("dtype", or the older "torch_dtype"), else vLLM's "auto"."""
     config = json.loads((model_dir / "config.json").read_text())
     value = config.get("dtype") or config.get("torch_dtype")

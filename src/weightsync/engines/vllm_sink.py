@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -38,7 +38,7 @@ from weightsync.errors import PlanError, SinkError
 from weightsync.sink import WeightSink
 from weightsync.types import Plan
 
-__all__ = ["CheckpointLayout", "ReloadSink", "checkpoint_layout"]
+__all__ = ["CheckpointLayout", "ReloadSink", "checkpoint_layout", "reprocess_tied_layers"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,10 @@ class ReloadSink(WeightSink):
 
     borrows = False
     """The loader thread reads a bucket's tensors after `load` returned: they must be its own."""
+
+    loads_live = True
+    """`load` feeds the served model: a sync that fails after one leaves it mixed, and the
+    receiver reports itself dirty (what the rollout servers' /health reads)."""
 
     def __init__(
         self,
@@ -269,3 +273,27 @@ def _numel(shape: tuple[int, ...]) -> int:
     for size in shape:
         count *= size
     return count
+
+
+def reprocess_tied_layers(worker: Any) -> None:
+    """Re-run weight post-processing on layers that share their weight with another layer.
+
+    The layerwise reload loads a tied pair once (through the input embeddings) and leaves the
+    other layer (lm_head) as it was; on CPU that layer holds a repacked copy of the old weight
+    for its matmul, so it must be processed again from the new values.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    model = worker.model_runner.get_model()
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)

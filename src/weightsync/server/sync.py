@@ -18,12 +18,10 @@ import dataclasses
 import logging
 import time
 
-import torch
-
 from weightsync.errors import SinkError
 from weightsync.server.loop import EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
-from weightsync.sink import WeightSink
+from weightsync.sink import WeightSink, WrappingSink
 from weightsync.types import Plan
 
 __all__ = ["ServerSink", "SyncStats"]
@@ -49,6 +47,29 @@ class SyncStats:
     def gbps(self) -> float:
         return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+    def next(self, version: int, total_bytes: int, bucket_bytes: int, metrics: ServerMetrics) -> SyncStats:
+        """The stats of a sync of `version` beginning now; the counts carry over."""
+        metrics.sync_in_progress.set(1)
+        return SyncStats(
+            version, total_bytes, bucket_bytes, num_committed=self.num_committed, num_failed=self.num_failed
+        )
+
+    def committed(self, seconds: float, metrics: ServerMetrics) -> None:
+        self.seconds, self.ok = seconds, True
+        self.num_committed += 1
+        metrics.syncs.labels("committed").inc()
+        metrics.sync_seconds.observe(seconds)
+        metrics.sync_bytes.inc(self.total_bytes)
+        if self.version is not None:
+            metrics.version.set(self.version)
+        metrics.sync_in_progress.set(0)
+
+    def failed(self, seconds: float, error: str, metrics: ServerMetrics) -> None:
+        self.seconds, self.ok, self.error = seconds, False, error
+        self.num_failed += 1
+        metrics.syncs.labels("failed").inc()
+        metrics.sync_in_progress.set(0)
+
     def to_json(self) -> dict[str, object]:
         return {
             "version": self.version,
@@ -63,7 +84,7 @@ class SyncStats:
         }
 
 
-class ServerSink(WeightSink):
+class ServerSink(WrappingSink):
     """Wraps an engine's sink so every sync lands while the engine loop is parked: from `begin`
     to the commit, or, when the engine's sink stages syncs, for the commit alone.
 
@@ -84,42 +105,15 @@ class ServerSink(WeightSink):
         drain_timeout: float,
         metrics: ServerMetrics,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.loop = loop
         self.mode = mode
         self.drain_timeout = drain_timeout
         self.metrics = metrics
         self.stats = SyncStats()
-        self._paused_s = 0.0
         self._dirty = False
         """Whether the served weights are a mix no version names (a sync failed half-written)."""
         self._started = 0.0
-
-    @property
-    def loads_live(self) -> bool:  # type: ignore[override]
-        return self.inner.loads_live
-
-    @property
-    def destinations_live(self) -> bool:  # type: ignore[override]
-        return self.inner.destinations_live
-
-    @property
-    def wrote_live(self) -> bool:  # type: ignore[override]
-        return self.inner.wrote_live
-
-    @property
-    def borrows(self) -> bool:  # type: ignore[override]
-        return self.inner.borrows
-
-    @property
-    def staged(self) -> bool:
-        """True when nothing served changes before the commit (the engine's sink stages the
-        sync): then the engine keeps serving during the transfer and parks only for the commit."""
-        return not (self.inner.destinations_live or self.inner.loads_live)
-
-    @property
-    def paused_s(self) -> float:  # type: ignore[override]
-        return self._paused_s
 
     def _park(self, version: int) -> None:
         started = time.perf_counter()
@@ -148,34 +142,14 @@ class ServerSink(WeightSink):
             )
             raise
         self._started = time.perf_counter()
-        self.stats = SyncStats(
-            version,
-            plan.total_bytes,
-            plan.bucket_bytes,
-            num_committed=self.stats.num_committed,
-            num_failed=self.stats.num_failed,
-        )
-        self.metrics.sync_in_progress.set(1)
-
-    def destination(self, name: str) -> torch.Tensor | None:
-        return self.inner.destination(name)
-
-    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        self.inner.load(named_tensors)
+        self.stats = self.stats.next(version, plan.total_bytes, plan.bucket_bytes, self.metrics)
 
     def commit(self, version: int) -> None:
         if self.staged:
             self._park(version)
         self.inner.commit(version)
         self._dirty = False
-        self.stats.seconds = time.perf_counter() - self._started
-        self.stats.ok = True
-        self.stats.num_committed += 1
-        self.metrics.syncs.labels("committed").inc()
-        self.metrics.sync_seconds.observe(self.stats.seconds)
-        self.metrics.sync_bytes.inc(self.stats.total_bytes)
-        self.metrics.version.set(version)
-        self.metrics.sync_in_progress.set(0)
+        self.stats.committed(time.perf_counter() - self._started, self.metrics)
         self.loop.resume("sync", version)
         log.info(
             "sync of version %d committed: %d bytes in %.3f s (%.2f GB/s)",
@@ -189,12 +163,7 @@ class ServerSink(WeightSink):
         try:
             self.inner.abort(version, error, intact=intact)
         finally:
-            self.stats.seconds = time.perf_counter() - self._started
-            self.stats.ok = False
-            self.stats.error = str(error)
-            self.stats.num_failed += 1
-            self.metrics.syncs.labels("failed").inc()
-            self.metrics.sync_in_progress.set(0)
+            self.stats.failed(time.perf_counter() - self._started, str(error), self.metrics)
             self._dirty = self._dirty or not intact
             if self._dirty:  # the live weights are not a version we can name
                 self.metrics.version.set(-1)

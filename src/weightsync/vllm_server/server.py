@@ -1,0 +1,271 @@
+"""`weightsync serve --engine vllm`: vLLM's own OpenAI server, with weightsync's parts on top.
+
+How it is put together, and why this way (docs/server.md has the longer account):
+
+1. vLLM's arguments are parsed by vLLM's own `make_arg_parser` (engine.py), from weightsync's
+   flags plus anything given with --vllm-args: every `vllm serve` option works, with vLLM's
+   defaults.
+2. The engine is vLLM's `AsyncLLM` (engine core and worker in vLLM's own processes), built from
+   those arguments with the same public calls vLLM's `build_async_engine_client_from_engine_args`
+   makes, on a thread: that build blocks for 20-30 s, and the port answers 503 "loading engine"
+   meanwhile instead of hanging.
+3. The app is vLLM's `build_app(...)`, its state set by vLLM's `init_app_state(...)`: every
+   route, handler, chat template, tool parser and sampling parameter is vLLM's own code.
+4. The worker gets weightsync's receiver through `worker_extension_cls` (worker.py), started by
+   a `collective_rpc`; syncs land in the worker through vLLM's layerwise reload.
+5. weightsync adds its routes and one middleware (http.py): /health, /weight_info, /pause,
+   /resume, the gate, bearer auth, weight versions on responses; its metrics join vLLM's
+   registry, so /metrics shows both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import msgspec
+import uvicorn
+from fastapi.responses import JSONResponse
+
+from weightsync.errors import ResourceError
+from weightsync.server.body_limit import BodyLimit
+from weightsync.server.metrics import ServerMetrics
+from weightsync.server.runtime import AUTO_VERSION, Health, ServeConfig
+from weightsync.vllm_server.control import SyncControl
+from weightsync.vllm_server.doorbell import Doorbell
+from weightsync.vllm_server.engine import build_engine, vllm_namespace, warm_up
+from weightsync.vllm_server.http import WeightsyncMiddleware, add_routes, error
+from weightsync.vllm_server.versions import VersionedEngine
+from weightsync.vllm_server.worker import ReceiverSpec
+
+__all__ = ["serve"]
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 120.0
+"""Seconds a start-up or shut-down call into vLLM's worker may take."""
+
+GRACEFUL_SHUTDOWN_S = 5
+"""Seconds requests in flight get to finish when the server is stopped."""
+
+
+class _Front:
+    """The ASGI app the port serves: 503 with the start-up state until vLLM's app is ready."""
+
+    def __init__(self) -> None:
+        self.app: Any = None
+        self.health = Health(False, "starting", "the server is starting")
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        now = self.health
+        if scope["path"] == "/health":
+            body = {"status": "unavailable", "version": None, "state": now.state, "reason": now.reason}
+            await JSONResponse(body, status_code=503)(scope, receive, send)
+            return
+        await error(503, now.reason, "service_unavailable", state=now.state)(scope, receive, send)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: SIGTERM and SIGINT are this module's (`_signals`)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class _MetricsBridge:
+    """weightsync's registry as one collector in vLLM's: /metrics serves both."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.registry = metrics.registry
+
+    def collect(self) -> Iterator[Any]:
+        yield from self.registry.collect()
+
+
+@contextlib.contextmanager
+def _signals(http: uvicorn.Server) -> Iterator[list[int]]:
+    """SIGTERM/SIGINT stop the server gracefully (exit status 0: how a server is stopped)."""
+    loop = asyncio.get_running_loop()
+    caught: list[int] = []
+
+    def stop(sig: int) -> None:
+        caught.append(sig)
+        http.should_exit = True
+
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: the caller stops us
+            loop.add_signal_handler(sig, stop, sig)
+            installed.append(sig)
+    try:
+        yield caught
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+async def serve(
+    config: ServeConfig,
+    sock: socket.socket,
+    *,
+    extra_args: Sequence[str] = (),
+    announce: Callable[[str], None] = lambda address: None,
+    log_level: str = "info",
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(receiver_address)` once ready.
+
+    Raises:
+        ConfigError: vLLM refused the arguments.
+        ResourceError: the engine or the receiver could not start.
+    """
+    args = vllm_namespace(config, extra_args)
+    front = _Front()
+    http = _Server(
+        uvicorn.Config(
+            front,
+            log_level=max(logging.WARNING, logging.getLevelName(log_level.upper())),
+            access_log=log_level == "debug",
+            lifespan="off",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+    )
+    with _signals(http):
+        serving = asyncio.create_task(http.serve(sockets=[sock]))
+        watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
+        try:
+            front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
+            engine = await asyncio.to_thread(build_engine, args)
+            try:
+                await _serve_engine(config, args, engine, front, serving, announce)
+            finally:
+                started = time.monotonic()
+                engine.shutdown()
+                log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
+        except BaseException as exc:
+            front.health = Health(False, "failed", f"the server could not start: {exc}")
+            raise
+        finally:
+            http.should_exit = True
+            with contextlib.suppress(BaseException):
+                await serving
+            if watch is not None:
+                watch.cancel()
+
+
+async def _stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
+    await stop.wait()
+    http.should_exit = True
+
+
+async def _serve_engine(
+    config: ServeConfig,
+    args: argparse.Namespace,
+    engine: Any,
+    front: _Front,
+    serving: asyncio.Task[None],
+    announce: Callable[[str], None],
+) -> None:
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    if serving.done():  # stopped while the engine loaded
+        return
+    await warm_up(engine, config.model)
+    await engine.reset_mm_cache()
+    supported = await engine.get_supported_tasks()
+    app = build_app(args, supported, engine.model_config)
+    await init_app_state(VersionedEngine(engine), app.state, args, supported)
+
+    metrics = ServerMetrics()
+    initial = AUTO_VERSION if config.load_format == "auto" else None
+    if initial is not None:
+        await engine.update_weight_version(str(initial))
+    control = SyncControl(
+        engine, mode=config.sync_mode, drain_timeout=config.drain_timeout, metrics=metrics, version=initial
+    )
+    bell = Doorbell(control.on_event, timeout=config.sync_timeout)
+    await bell.start()
+    bridge = _MetricsBridge(metrics)
+    registry = get_prometheus_registry()
+    registry.register(bridge)
+    try:
+        spec = ReceiverSpec(
+            model=config.model,
+            transport=config.transport,
+            bell=bell.path,
+            staged=config.staged,
+            host=config.receiver_host,
+            port=config.receiver_port,
+            verify=config.verify,
+            auth_token=config.auth_token,
+            sync_timeout=config.sync_timeout,
+            drain_timeout=config.drain_timeout,
+        )
+        try:
+            (started, *_) = await engine.collective_rpc(
+                "weightsync_start_receiver", timeout=RPC_TIMEOUT_S, args=(msgspec.json.encode(spec).decode(),)
+            )
+        except Exception as exc:
+            raise ResourceError(f"weightsync's receiver did not start in vLLM's worker: {exc}") from exc
+        address = str(started["address"])
+
+        def engine_dead() -> bool:
+            return bool(engine.errored)
+
+        def weight_info() -> dict[str, Any]:
+            times = control.receiver.get("times")
+            return {
+                "version": control.version,
+                "state": control.state(),
+                "last_error": control.receiver.get("last_error") or "",
+                "last_sync": control.stats.to_json()
+                | {"times": None if times is None else {k: round(v, 6) for k, v in times.items()}},
+                "content_digest": control.receiver.get("content_digest") or "",
+                "transport": config.transport,
+                "addresses": [address],
+                "sync_mode": config.sync_mode,
+                "paused_by": control.paused_by,
+                "weight_bytes": int(started["weight_bytes"]),
+                "engine": "vllm",
+                "model": config.model_name,
+            }
+
+        add_routes(app, control, weight_info=weight_info, engine_dead=engine_dead)
+        # Wrapped around vLLM's app rather than added to it: vLLM's build_app already built its
+        # middleware stack, and FastAPI refuses additions after that.
+        outer = WeightsyncMiddleware(
+            BodyLimit(app, limit=config.request_limit, hint=" (weightsync serve --max-request-bytes)"),
+            control=control,
+            token=config.auth_token,
+            open_generation=config.allow_unauthenticated_generation,
+            ready_timeout=config.ready_timeout,
+            engine_dead=engine_dead,
+        )
+        try:
+            async with app.router.lifespan_context(app):
+                front.app = outer
+                announce(address)
+                await serving
+        finally:
+            front.app = None
+            front.health = Health(False, "failed", "the server is stopping")
+            with contextlib.suppress(Exception):
+                await engine.collective_rpc("weightsync_stop_receiver", timeout=RPC_TIMEOUT_S)
+    finally:
+        registry.unregister(bridge)
+        await bell.close()

@@ -1,0 +1,47 @@
+"""vLLM's serve arguments come from vLLM's own parser: weightsync's settings first, --vllm-args
+after them; what vLLM refuses, and weightsync's own worker extension, fail before the port is taken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from weightsync.errors import ConfigError
+from weightsync.server.runtime import ServeConfig
+
+pytest.importorskip("vllm")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> ServeConfig:
+    (tmp_path / "config.json").write_text('{"dtype": "float32"}')
+    return ServeConfig(model=str(tmp_path), engine="vllm", load_format="dummy")
+
+
+def test_weightsync_settings_and_extra_vllm_flags_reach_vllm(config: ServeConfig) -> None:
+    from weightsync.vllm_server.engine import vllm_namespace
+    from weightsync.vllm_server.worker import EXTENSION
+
+    args = vllm_namespace(config, ["--max-model-len", "256", "--enable-prefix-caching"])
+    assert (args.model, args.load_format, args.dtype) == (config.model, "dummy", "float32")
+    assert args.worker_extension_cls == EXTENSION and args.served_model_name == [config.model_name]
+    assert args.max_model_len == 256 and args.enable_prefix_caching is True
+    assert args.enforce_eager is True and args.kv_cache_memory_bytes == 1 << 30
+
+
+def test_what_vllm_refuses_and_a_replaced_worker_extension_are_config_errors(config: ServeConfig) -> None:
+    from weightsync.vllm_server.engine import vllm_namespace
+
+    with pytest.raises(ConfigError, match="vLLM refused"):
+        vllm_namespace(config, ["--no-such-flag"])
+    with pytest.raises(ConfigError, match="worker-extension-cls is weightsync's own"):
+        vllm_namespace(config, ["--worker-extension-cls", "my.Extension"])
+    with pytest.raises(ConfigError, match="one vLLM worker per server"):
+        vllm_namespace(config, ["--tensor-parallel-size", "2"])

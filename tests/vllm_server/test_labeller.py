@@ -1,0 +1,108 @@
+"""Weight versions added to vLLM's response bodies: whole JSON bodies (length fixed up) and SSE
+chunks, also when an event arrives split over several body messages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from weightsync.server.metrics import ServerMetrics
+from weightsync.vllm_server.control import SyncControl
+from weightsync.vllm_server.http import Labeller
+from weightsync.vllm_server.versions import Recorder
+
+
+def label(messages: list[dict[str, Any]], recorder: Recorder) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(dict(message))
+
+    control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=4)
+    labeller = Labeller(send, recorder, control)
+
+    async def run() -> None:
+        for message in messages:
+            await labeller(message)
+
+    asyncio.run(run())
+    return sent
+
+
+def test_a_json_body_gets_versions_and_a_new_length() -> None:
+    recorder = Recorder()
+    recorder.newest = 5
+    recorder.spans = {0: [{"version": 4, "start": 0, "end": 2}, {"version": 5, "start": 2, "end": 3}]}
+    body = json.dumps({"choices": [{"index": 0, "text": "abc"}]}).encode()
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"3"), (b"x", b"y")]}
+    sent = label([start, {"type": "http.response.body", "body": body, "more_body": False}], recorder)
+    payload = json.loads(sent[1]["body"])
+    assert payload["weight_version"] == 5 and payload["choices"][0]["weight_version"] == 5
+    assert payload["choices"][0]["weight_versions"] == recorder.spans[0]
+    assert (b"content-length", str(len(sent[1]["body"])).encode()) in sent[0]["headers"]
+    assert (b"x", b"y") in sent[0]["headers"]
+
+
+def test_sse_chunks_split_across_messages_are_each_labelled() -> None:
+    recorder = Recorder()
+    events = [
+        {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
+        {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]},
+    ]
+    stream = b"".join(b"data: " + json.dumps(event).encode() + b"\n\n" for event in events) + b"data: [DONE]\n\n"
+    start = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+    pieces = [stream[:10], stream[10:70], stream[70:]]
+    messages = [start] + [
+        {"type": "http.response.body", "body": piece, "more_body": i < len(pieces) - 1}
+        for i, piece in enumerate(pieces)
+    ]
+    recorder.spans = {0: [{"version": 4, "start": 0, "end": 2}]}
+    sent = label(messages, recorder)
+    out = b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n")
+    chunks = [json.loads(line[len(b"data: ") :]) for line in out if line.startswith(b"data: {")]
+    assert [chunk["weight_version"] for chunk in chunks] == [4, 4]  # nothing noted yet: the served version
+    assert "weight_versions" not in chunks[0]["choices"][0] and chunks[0]["choices"][0]["weight_version"] == 4
+    assert chunks[1]["choices"][0]["weight_versions"] == [{"version": 4, "start": 0, "end": 2}]
+    assert b"data: [DONE]" in out and sent[-1]["more_body"] is False
+
+
+def test_error_answers_pass_unchanged() -> None:
+    start = {"type": "http.response.start", "status": 400, "headers": []}
+    body = {"type": "http.response.body", "body": b'{"error": {"message": "bad"}}', "more_body": False}
+    assert label([start, body], Recorder()) == [start, body]
+
+
+def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:
+    from weightsync.vllm_server.http import gated
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations", "/inference/v1/generate"):
+        assert gated("POST", path), path
+    for path in ("/tokenize", "/v1/chat/completions/render", "/pause", "/resume"):
+        assert not gated("POST", path), path
+    assert not gated("GET", "/v1/models")
+
+
+def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
+    from weightsync.vllm_server.http import WeightsyncMiddleware
+
+    reached, sent = [], []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "websocket.connect"}
+
+    control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=1)
+    middleware = WeightsyncMiddleware(
+        app, control=control, token="t", open_generation=False, ready_timeout=0.0, engine_dead=lambda: False
+    )
+    scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
+    asyncio.run(middleware(scope, receive, send))
+    assert reached == [] and sent == [{"type": "websocket.close", "code": 1008}]
+    asyncio.run(middleware(scope | {"headers": [(b"authorization", b"Bearer t")]}, receive, send))
+    assert reached == ["/v1/realtime"]
