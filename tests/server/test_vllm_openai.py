@@ -288,8 +288,13 @@ def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Serv
     assert labels[0] == old and labels[-1] == old + 1 and labels == sorted(labels)
 
 
+@pytest.mark.fault(
+    "vLLM's own server: a push whose source breaks after its first bucket reached vLLM",
+    expected="the sender gets the error; /health 503 'dirty', requests get an OpenAI 503 (never a mix of "
+    "versions); the next good push serves again",
+)
 def test_a_sync_that_fails_after_reaching_vllm_leaves_it_dirty_until_the_next_good_one(
-    pushed: Served, checkpoint: dict[str, Any]
+    pushed: Served, checkpoint: dict[str, Any], observe: Any
 ) -> None:
     from tests.server.checks import _Gated
 
@@ -307,10 +312,16 @@ def test_a_sync_that_fails_after_reaching_vllm_leaves_it_dirty_until_the_next_go
     assert pushed.push(checkpoint, version + 2).ok
     assert pushed.http.get("/health").status_code == 200
     assert pushed.greedy().weight_version == version + 2
+    observe(f"PlanError at the sender; dirty (503 on /health and on requests); version {version + 2} serves after")
 
 
+@pytest.mark.fault(
+    "vLLM's own server, --staged: a push fails in transfer",
+    expected="only the standby copy was written: the server stays ready on the previous version, "
+    "serving the same tokens",
+)
 def test_a_staged_server_serves_during_the_transfer_and_survives_a_failed_one(
-    model_dir: Path, checkpoint: dict[str, Any]
+    model_dir: Path, checkpoint: dict[str, Any], observe: Any
 ) -> None:
     from tests.server.checks import _Gated
 
@@ -339,6 +350,7 @@ def test_a_staged_server_serves_during_the_transfer_and_survives_a_failed_one(
         assert staged.http.get("/health").json()["state"] == "ready"
         after = staged.greedy()
         assert after.weight_version == 2 and after.choices[0].token_ids == second.choices[0].token_ids
+        observe("PlanError at the sender; ready, version 2, same greedy tokens as before the failed push")
 
 
 def test_a_checkpoint_loaded_server_serves_version_0_at_once_and_takes_tcp_pushes(
