@@ -159,3 +159,16 @@ def test_collapsing_covers_the_edge_pages(monkeypatch: pytest.MonkeyPatch) -> No
     calls.clear()
     nixl_agent.collapse_huge_pages(2 * page, 2 * page)  # aligned: no edge pages
     assert [(start // page, n // page) for start, n, advice in calls if advice == nixl_agent._MADV_COLLAPSE] == [(2, 2)]
+
+
+@needs_nixl
+def test_auto_buckets_grow_past_64_mib_over_nixl_only():
+    """Each bucket costs nixl a fixed time and one written in place no memory: "auto" grows to
+    the largest tensor up to 256 MiB there (64 MiB elsewhere), within the memory budget."""
+    source = {"w": torch.ones(80 << 18)}  # 80 MiB
+    dest = {"w": torch.zeros(80 << 18)}
+    with receiving(dest, "nixl") as receiver, sending(receiver.address) as sender:
+        assert sender.push(source, version=1).bucket_bytes == 80 << 20
+    with receiving(dest, "tcp") as receiver, sending(receiver.address) as sender:
+        assert sender.push(source, version=2).bucket_bytes == 64 << 20
+    assert bool((dest["w"] == 1).all())
