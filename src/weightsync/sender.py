@@ -25,6 +25,7 @@ from weightsync.pack import bucket_items
 from weightsync.plan import build_plan, dense_nbytes, plan_digest, tensor_nbytes, wire_specs
 from weightsync.sizing import (
     ALIGN_BYTES,
+    LARGEST_AUTO_BUCKET_BYTES,
     align_up,
     auto_bucket_bytes,
     negotiate_bucket_bytes,
@@ -68,6 +69,7 @@ class Route:
     addresses: tuple[str, ...]
     channel: SenderChannel
     plane: SendPlane
+    largest_auto_bucket_bytes: int = LARGEST_AUTO_BUCKET_BYTES
 
     def live(self, failures: Mapping[str, WeightSyncError], welcomes: Mapping[str, Welcome]) -> list[str]:
         return [address for address in self.addresses if address in welcomes and address not in failures]
@@ -135,7 +137,9 @@ class WeightSender:
                 )
                 plane = spec.send_plane(channel, plane_options)
                 mine = tuple(address for address in addresses if specs[address] is spec)
-                self._routes.append(Route(spec.name, spec.has_wire, mine, channel, plane))
+                self._routes.append(
+                    Route(spec.name, spec.has_wire, mine, channel, plane, spec.largest_auto_bucket_bytes)
+                )
         except BaseException:
             self.close()
             raise
@@ -334,7 +338,12 @@ class WeightSender:
         """Negotiate one bucket size; receivers that cannot afford the minimum are failed."""
         options = self.options
         proposed = options.proposed_bucket_bytes or auto_bucket_bytes(
-            largest_tensor_bytes, memory_budget_bytes=options.memory_budget_bytes, num_slots=options.num_slots
+            largest_tensor_bytes,
+            memory_budget_bytes=options.memory_budget_bytes,
+            num_slots=options.num_slots,
+            largest_bytes=min(
+                (route.largest_auto_bucket_bytes for route in self._routes), default=LARGEST_AUTO_BUCKET_BYTES
+            ),
         )
         # The sender's own minimum bounds its proposal too: "auto" sized from small tensors
         # must not propose less than it then requires.

@@ -48,16 +48,18 @@ def auto_bucket_bytes(
     *,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     num_slots: int = 2,
+    largest_bytes: int = LARGEST_AUTO_BUCKET_BYTES,
 ) -> int:
     """Pick a bucket size for tensors whose largest is `largest_tensor_bytes`.
 
     A bucket larger than the largest tensor is wasted memory, and one larger than 64 MiB is no
     faster, so: the largest tensor's size, at most 64 MiB and at most the budget split over the
-    ring slots. Tensors larger than the bucket are chunked, which costs nothing extra.
+    ring slots. Tensors larger than the bucket are chunked, which costs nothing extra. A
+    transport whose buckets cost a fixed time each (nixl) raises `largest_bytes`.
     """
     if memory_budget_bytes < num_slots * ALIGN_BYTES:
         raise ConfigError(f"memory budget of {memory_budget_bytes} bytes is too small for {num_slots} slots")
-    want = max(min(align_up(largest_tensor_bytes), LARGEST_AUTO_BUCKET_BYTES), ALIGN_BYTES)
+    want = max(min(align_up(largest_tensor_bytes), largest_bytes), ALIGN_BYTES)
     return align_down(min(want, memory_budget_bytes // num_slots))
 
 

@@ -140,3 +140,35 @@ def test_collapsing_into_huge_pages_keeps_the_bytes():
     assert torch.equal(tensor, before)
     buffer = huge_buffer(5 << 20)
     assert buffer.nbytes == 5 << 20 and not buffer.any()
+
+
+def test_collapsing_covers_the_edge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every 2 MiB page a range touches is advised, the interior first, then each edge page on
+    its own (the kernel stops a range at its first page it cannot collapse)."""
+    from weightsync.transports import nixl_agent
+
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(nixl_agent, "_madvise_function", lambda start, n, advice: calls.append((start, n, advice)) or 0)
+    page = nixl_agent.HUGE_PAGE_BYTES
+    nixl_agent.collapse_huge_pages(10 * page + 64, 3 * page)  # touches pages 10 to 13
+    collapsed = [(start // page, n // page) for start, n, advice in calls if advice == nixl_agent._MADV_COLLAPSE]
+    assert collapsed == [(11, 2), (10, 1), (13, 1)]
+    calls.clear()
+    nixl_agent.collapse_huge_pages(4 * page + 64, 100)  # inside one page: that page, once
+    assert [(start // page, n // page) for start, n, advice in calls if advice == nixl_agent._MADV_COLLAPSE] == [(4, 1)]
+    calls.clear()
+    nixl_agent.collapse_huge_pages(2 * page, 2 * page)  # aligned: no edge pages
+    assert [(start // page, n // page) for start, n, advice in calls if advice == nixl_agent._MADV_COLLAPSE] == [(2, 2)]
+
+
+@needs_nixl
+def test_auto_buckets_grow_past_64_mib_over_nixl_only():
+    """Each bucket costs nixl a fixed time and one written in place no memory: "auto" grows to
+    the largest tensor up to 256 MiB there (64 MiB elsewhere), within the memory budget."""
+    source = {"w": torch.ones(80 << 18)}  # 80 MiB
+    dest = {"w": torch.zeros(80 << 18)}
+    with receiving(dest, "nixl") as receiver, sending(receiver.address) as sender:
+        assert sender.push(source, version=1).bucket_bytes == 80 << 20
+    with receiving(dest, "tcp") as receiver, sending(receiver.address) as sender:
+        assert sender.push(source, version=2).bucket_bytes == 64 << 20
+    assert bool((dest["w"] == 1).all())

@@ -128,6 +128,8 @@ def test_auto_bucket_bytes_examples():
     assert auto_bucket_bytes(1000) == 1024
     assert auto_bucket_bytes(0) == 64
     assert auto_bucket_bytes(10**12) == 64 * MIB
+    assert auto_bucket_bytes(10**12, largest_bytes=256 * MIB) == 256 * MIB  # nixl's
+    assert auto_bucket_bytes(10**12, memory_budget_bytes=100 * MIB, largest_bytes=256 * MIB) == 50 * MIB
     assert auto_bucket_bytes(10**12, memory_budget_bytes=100 * MIB) == 50 * MIB
     assert auto_bucket_bytes(10**12, memory_budget_bytes=100 * MIB, num_slots=3) == (100 * MIB // 3) // 64 * 64
 

@@ -172,6 +172,9 @@ class TransportSpec:
     has_wire: bool = True
     """Whether bucket bytes cross a wire that checksums can guard (inproc copies in one process)."""
     needs_cuda: bool = False
+    largest_auto_bucket_bytes: int = 64 << 20
+    """The most an "auto" bucket size grows to for this transport's receivers (still within
+    the memory budget split over the slots): 64 MiB, beyond which a copy is no faster."""
     check: Callable[[str], None] = lambda role: None
     """Raises ConfigError when this process cannot use the transport as `role` ("sender" or
     "receiver"): no CUDA for cudaipc."""
