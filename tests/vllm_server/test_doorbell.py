@@ -1,5 +1,5 @@
-"""The doorbell between vLLM's worker and the API process: JSON request and reply, bounded waits,
-refusals carried back as SinkError."""
+"""The doorbell between vLLM's worker and the API process: typed events and replies, bounded
+waits, refusals and anything that is not a sync event carried back as SinkError."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 from weightsync.errors import SinkError
 from weightsync.vllm_server.doorbell import MAX_FRAME_BYTES, Doorbell, ring
+from weightsync.vllm_server.events import Abort, Begin, Status, SyncEvent
 
 
 @contextmanager
@@ -35,55 +36,88 @@ def doorbell(handler: Any, timeout: float = 5.0) -> Iterator[Doorbell]:
         loop.close()
 
 
-def test_a_ring_gets_the_handlers_reply() -> None:
-    seen = []
+def raw_ring(path: str, body: bytes) -> bytes:
+    """Send one frame of arbitrary bytes, as a peer that is not our worker might; return the reply."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(5)
+        sock.connect(path)
+        sock.sendall(len(body).to_bytes(4, "big") + body)
+        reply = b""
+        while chunk := sock.recv(1 << 16):
+            reply += chunk
+        return reply[4:]
 
-    async def handler(message: dict[str, Any]) -> dict[str, Any]:
-        seen.append(message)
-        return {"echo": message["version"]}
+
+def test_a_ring_reaches_the_handler_as_the_typed_event() -> None:
+    seen: list[SyncEvent] = []
+
+    async def handler(event: SyncEvent) -> None:
+        seen.append(event)
 
     with doorbell(handler) as bell:
-        assert ring(bell.path, {"event": "begin", "version": 3}, 5.0) == {"ok": True, "echo": 3}
+        ring(bell.path, Begin(version=3, total_bytes=10, park=True), 5.0)
+        ring(bell.path, Abort(version=3, intact=False, error="sender died"), 5.0)
         assert stat.S_IMODE(os.stat(os.path.dirname(bell.path)).st_mode) == 0o700
-    assert seen == [{"event": "begin", "version": 3}]
+    assert seen == [Begin(version=3, total_bytes=10, park=True), Abort(version=3, intact=False, error="sender died")]
 
 
 def test_a_refusal_comes_back_as_a_sink_error_with_the_reason() -> None:
-    async def handler(message: dict[str, Any]) -> dict[str, Any]:
+    async def handler(event: SyncEvent) -> None:
         raise SinkError("generation did not pause")
 
     with doorbell(handler) as bell, pytest.raises(SinkError, match="generation did not pause"):
-        ring(bell.path, {"event": "begin", "version": 1}, 5.0)
+        ring(bell.path, Begin(version=1), 5.0)
 
 
 def test_a_silent_api_process_fails_the_ring_within_its_timeout() -> None:
     release = threading.Event()
 
-    async def handler(message: dict[str, Any]) -> dict[str, Any]:
+    async def handler(event: SyncEvent) -> None:
         await asyncio.get_running_loop().run_in_executor(None, release.wait, 5)
-        return {}
 
     with doorbell(handler) as bell:
         try:
             with pytest.raises(SinkError, match="did not answer 'begin' within 0.2 s"):
-                ring(bell.path, {"event": "begin", "version": 1}, 0.2)
+                ring(bell.path, Begin(version=1), 0.2)
         finally:
             release.set()
 
 
-def test_a_gone_doorbell_and_an_oversized_frame_are_sink_errors(tmp_path) -> None:
-    with pytest.raises(SinkError, match="doorbell failed"):
-        ring(str(tmp_path / "none.sock"), {"event": "begin", "version": 1}, 1.0)
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"type": "explode", "version": 1}',  # no such event
+        b'{"type": "commit"}',  # no version
+        b'{"type": "commit", "version": "1"}',  # a version that is not an int
+        b'{"type": "abort", "version": 1, "intact": "yes"}',
+        b"[1, 2]",
+        b"\x80not json",
+    ],
+)
+def test_anything_that_is_not_a_sync_event_is_refused_before_the_handler(body: bytes) -> None:
+    seen: list[SyncEvent] = []
 
-    async def handler(message: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    async def handler(event: SyncEvent) -> None:
+        seen.append(event)
 
     with doorbell(handler) as bell:
-        with pytest.raises(SinkError):
-            ring(bell.path, {"event": "x" * MAX_FRAME_BYTES, "version": 1}, 1.0)
+        reply = raw_ring(bell.path, body)
+    assert reply.startswith(b'{"ok":false,"error":"not a sync event') and seen == []
+
+
+def test_a_gone_doorbell_and_an_oversized_frame_are_sink_errors(tmp_path) -> None:
+    with pytest.raises(SinkError, match="doorbell failed"):
+        ring(str(tmp_path / "none.sock"), Begin(version=1), 1.0)
+
+    async def handler(event: SyncEvent) -> None:
+        return None
+
+    with doorbell(handler) as bell:
+        with pytest.raises(SinkError, match="at most"):
+            ring(bell.path, Status(last_error="x" * MAX_FRAME_BYTES), 1.0)
         with socket.socket(socket.AF_UNIX) as sock:  # a frame claiming more than the limit: dropped
             sock.settimeout(5)
             sock.connect(bell.path)
             sock.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
             assert sock.recv(16) == b""
-        assert ring(bell.path, {"event": "status", "version": 1}, 5.0) == {"ok": True}
+        ring(bell.path, Status(state="ready"), 5.0)  # and the doorbell serves on

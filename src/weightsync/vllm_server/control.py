@@ -5,15 +5,15 @@ vLLM has one pause switch (`AsyncLLM.pause_generation` / `resume_generation`); w
 several owners of a pause (a user's POST /pause, a sync, dirty weights). Generation resumes when
 the last owner lets go; a sync never resumes what a user paused.
 
-The doorbell events of the worker's sink (worker.py) land in `on_event`:
+The doorbell events of the worker's sink (worker.py, events.py) land in `on_event`:
 
-    begin   note the sync; with "park", pause generation in the sync mode (bounded by the drain
+    Begin   note the sync; with `park`, pause generation in the sync mode (bounded by the drain
             timeout: a sync that cannot park is refused, and nothing is paused)
-    park    pause for a staged sync's commit
-    commit  label the new version in vLLM (`update_weight_version`), then resume
-    abort   intact: resume the previous version; dirty: abort every request and stay paused,
+    Park    pause for a staged sync's commit
+    Commit  label the new version in vLLM (`update_weight_version`), then resume
+    Abort   intact: resume the previous version; dirty: abort every request and stay paused,
             answering 503, until the next good sync
-    status  the receiver's state, digest, last error and phase times
+    Status  the receiver's state, digest, last error and phase times
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import logging
 import time
 from typing import Any
 
-from weightsync.errors import ProtocolError, SinkError
+from weightsync.errors import SinkError
 from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.runtime import Health
 from weightsync.server.sync import SyncStats
-from weightsync.types import SyncTimes
+from weightsync.vllm_server.events import Abort, Begin, Commit, Park, Status, SyncEvent
 
 __all__ = ["SyncControl"]
 
@@ -56,7 +56,8 @@ class SyncControl:
         self.version = version
         self.dirty = False
         self.stats = SyncStats()
-        self.receiver: dict[str, Any] = {"state": "empty", "content_digest": "", "last_error": "", "times": None}
+        self.receiver = Status()
+        """The worker's receiver, as its last `Status` event said."""
         self.changed = asyncio.Event()
         """Set (and cleared at once) whenever the version or the dirty flag changes."""
         self._owners: dict[str, PauseMode] = {}
@@ -94,33 +95,25 @@ class SyncControl:
 
     # --- sync events ----------------------------------------------------------------------------
 
-    async def on_event(self, message: dict[str, Any]) -> dict[str, Any]:
-        """One doorbell event from the worker's sink; the reply goes back to it."""
-        event = message.get("event")
-        if event == "status":
-            self._status(message)
-            return {}
-        version = message.get("version")
-        if not isinstance(version, int) or isinstance(version, bool):
-            raise ProtocolError(f"sync event {event!r} without an integer version")
-        if event == "begin":
-            self._begin(version, message)
-            if message.get("park"):
-                await self._park(version)
-        elif event == "park":
-            await self._park(version)
-        elif event == "commit":
-            await self._commit(version)
-        elif event == "abort":
-            await self._abort(version, bool(message.get("intact")), str(message.get("error", "")))
-        else:
-            raise ProtocolError(f"unknown sync event {event!r}")
-        return {}
+    async def on_event(self, event: SyncEvent) -> None:
+        """One doorbell event from the worker's sink; raising refuses it (the sync then fails)."""
+        match event:
+            case Status():
+                self._status(event)
+            case Begin():
+                self._begin(event)
+                if event.park:
+                    await self._park(event.version)
+            case Park():
+                await self._park(event.version)
+            case Commit():
+                await self._commit(event.version)
+            case Abort():
+                await self._abort(event.version, event.intact, event.error)
 
-    def _begin(self, version: int, message: dict[str, Any]) -> None:
+    def _begin(self, event: Begin) -> None:
         self._started = time.perf_counter()
-        sizes = int(message.get("bytes", 0)), int(message.get("bucket_bytes", 0))
-        self.stats = self.stats.next(version, *sizes, self.metrics)
+        self.stats = self.stats.next(event.version, event.total_bytes, event.bucket_bytes, self.metrics)
 
     async def _park(self, version: int) -> None:
         if not await self.pause("sync", self.mode, self.drain_timeout):
@@ -158,12 +151,10 @@ class SyncControl:
             "the served weights are dirty until the next good sync" if self.dirty else "still serving",
         )
 
-    def _status(self, message: dict[str, Any]) -> None:
-        times = message.get("times")
-        if times is not None and times != self.receiver.get("times"):
-            mode = message.get("mode")
-            self.metrics.observe_times(SyncTimes(**times), mode if isinstance(mode, str) else None)
-        self.receiver = {key: message.get(key) for key in ("state", "content_digest", "last_error", "times")}
+    def _status(self, status: Status) -> None:
+        if status.times is not None and status.times != self.receiver.times:
+            self.metrics.observe_times(status.times, status.mode)
+        self.receiver = status
 
     def _changed(self) -> None:
         self.changed.set()
@@ -175,9 +166,9 @@ class SyncControl:
         if engine_dead:
             return Health(False, "failed", "vLLM's engine died; restart the server")
         if self.dirty:
-            reason = f"weights are dirty: {self.receiver.get('last_error') or self.stats.error}; push a new version"
+            reason = f"weights are dirty: {self.receiver.last_error or self.stats.error}; push a new version"
             return Health(False, "dirty", reason)
-        syncing = self.receiver.get("state") == "syncing"
+        syncing = self.receiver.state == "syncing"
         if self.version is None:
             if syncing:
                 return Health(False, "syncing", "the first weight sync is in progress")
@@ -188,7 +179,7 @@ class SyncControl:
     def state(self) -> str:
         if self.dirty:
             return "dirty"
-        state = str(self.receiver.get("state") or "empty")
+        state = self.receiver.state
         return "ready" if state == "empty" and self.version is not None else state
 
     async def wait_servable(self, timeout: float) -> bool:

@@ -2,14 +2,15 @@
 
 The weight receiver lives in vLLM's worker (the weights are there), but pausing generation and
 labelling the weight version are the API process's calls (`AsyncLLM.pause_generation`,
-`update_weight_version`). So the worker rings: one small JSON request per event over a Unix
-stream socket, one JSON reply, then the connection closes.
+`update_weight_version`). So the worker rings: one `SyncEvent` (events.py) per connection over a
+Unix stream socket, one `Reply`, then the connection closes.
 
-    ring(path, {"event": "begin", ...}, timeout) -> {"ok": true, ...} | raises SinkError
+    ring(path, Begin(version=3, park=True), timeout) -> None | raises SinkError
 
 The socket lives in a private temporary directory (mode 0700) of the user running the server:
-nothing else on the host can connect. Frames are a 4-byte big-endian length and a JSON object
-(msgspec), at most `MAX_FRAME_BYTES`: no pickle, nothing a peer could make us execute.
+nothing else on the host can connect. Frames are a 4-byte big-endian length and a msgspec JSON
+value of exactly the events' types, at most `MAX_FRAME_BYTES`: no pickle, nothing a peer could
+make us execute.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 import msgspec
 
 from weightsync.errors import ProtocolError, SinkError
+from weightsync.vllm_server.events import Reply, SyncEvent, event_name
 
 __all__ = ["Doorbell", "ring"]
 
@@ -38,24 +40,18 @@ MAX_FRAME_BYTES = 1 << 16
 
 _LENGTH = struct.Struct(">I")
 
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+Handler = Callable[[SyncEvent], Awaitable[None]]
+"""Runs one event on the API process's loop; raising refuses it (the reply carries the message)."""
+
+_EVENTS = msgspec.json.Decoder(SyncEvent)
+_REPLIES = msgspec.json.Decoder(Reply)
 
 
-def _encode(message: dict[str, Any]) -> bytes:
+def _frame(message: SyncEvent | Reply) -> bytes:
     body = msgspec.json.encode(message)
     if len(body) > MAX_FRAME_BYTES:
         raise ProtocolError(f"doorbell message of {len(body)} bytes (at most {MAX_FRAME_BYTES})")
     return _LENGTH.pack(len(body)) + body
-
-
-def _decode(body: bytes) -> dict[str, Any]:
-    try:
-        message = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise ProtocolError(f"doorbell message is not JSON: {exc}") from exc
-    if not isinstance(message, dict):
-        raise ProtocolError("doorbell message is not a JSON object")
-    return message
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
@@ -68,35 +64,34 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def ring(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Send `message` to the doorbell at `path` and return its reply (blocking, bounded).
+def ring(path: str, event: SyncEvent, timeout: float) -> None:
+    """Send `event` to the doorbell at `path` and wait for its reply (blocking, bounded).
 
     Raises:
-        SinkError: no reply within `timeout`, the doorbell is gone, or it said no (`ok` false).
+        SinkError: no reply within `timeout`, the doorbell is gone, or it refused the event.
     """
-    event = message.get("event", "?")
+    name = event_name(event)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(path)
-            sock.sendall(_encode(message))
+            sock.sendall(_frame(event))
             (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
             if size > MAX_FRAME_BYTES:
                 raise ProtocolError(f"doorbell reply of {size} bytes")
-            reply = _decode(_recv_exact(sock, size))
+            reply = _REPLIES.decode(_recv_exact(sock, size))
     except TimeoutError as exc:
-        raise SinkError(f"the API process did not answer {event!r} within {timeout} s") from exc
-    except (OSError, ProtocolError) as exc:
-        raise SinkError(f"the API process's doorbell failed on {event!r}: {exc}") from exc
-    if not reply.get("ok"):
-        raise SinkError(str(reply.get("error") or f"the API process refused {event!r}"))
-    return reply
+        raise SinkError(f"the API process did not answer {name!r} within {timeout} s") from exc
+    except (OSError, ProtocolError, msgspec.DecodeError) as exc:
+        raise SinkError(f"the API process's doorbell failed on {name!r}: {exc}") from exc
+    if not reply.ok:
+        raise SinkError(reply.error or f"the API process refused {name!r}")
 
 
 class Doorbell:
-    """The API process's end: answers each ring with `handler(message)` on the event loop.
+    """The API process's end: answers each ring with `handler(event)` on the event loop.
 
-    A handler that raises is answered `{"ok": false, "error": ...}` (the worker then fails the
+    A handler that raises is answered `Reply(ok=False, error=...)` (the worker then fails the
     sync with that message); the doorbell itself keeps serving.
     """
 
@@ -122,14 +117,8 @@ class Doorbell:
             (size,) = _LENGTH.unpack(header)
             if size > MAX_FRAME_BYTES:
                 raise ProtocolError(f"doorbell message of {size} bytes")
-            message = _decode(await asyncio.wait_for(reader.readexactly(size), self._timeout))
-            reply: dict[str, Any]
-            try:
-                reply = {"ok": True} | await self._handler(message)
-            except Exception as exc:
-                log.warning("sync event %r refused: %s", message.get("event"), exc)
-                reply = {"ok": False, "error": str(exc)}
-            writer.write(_encode(reply))
+            body = await asyncio.wait_for(reader.readexactly(size), self._timeout)
+            writer.write(_frame(await self._answer(body)))
             await asyncio.wait_for(writer.drain(), self._timeout)
         except (TimeoutError, asyncio.IncompleteReadError, ProtocolError, OSError) as exc:
             log.warning("a doorbell connection failed: %s", exc)
@@ -137,6 +126,20 @@ class Doorbell:
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    async def _answer(self, body: bytes) -> Reply:
+        """The handler's verdict on one frame; a frame that is no `SyncEvent` is refused unread."""
+        try:
+            event = _EVENTS.decode(body)
+        except msgspec.DecodeError as exc:  # ValidationError included: a wrong type or field
+            log.warning("a doorbell message refused: %s", exc)
+            return Reply(ok=False, error=f"not a sync event: {exc}")
+        try:
+            await self._handler(event)
+        except Exception as exc:
+            log.warning("sync event %r refused: %s", event_name(event), exc)
+            return Reply(ok=False, error=str(exc))
+        return Reply(ok=True)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -228,14 +228,18 @@ async def _serve_engine(
             return bool(engine.errored)
 
         def weight_info() -> dict[str, Any]:
-            times = control.receiver.get("times")
+            times = control.receiver.times
             return {
                 "version": control.version,
                 "state": control.state(),
-                "last_error": control.receiver.get("last_error") or "",
+                "last_error": control.receiver.last_error,
                 "last_sync": control.stats.to_json()
-                | {"times": None if times is None else {k: round(v, 6) for k, v in times.items()}},
-                "content_digest": control.receiver.get("content_digest") or "",
+                | {
+                    "times": None
+                    if times is None
+                    else {k: round(v, 6) for k, v in msgspec.structs.asdict(times).items()}
+                },
+                "content_digest": control.receiver.content_digest,
                 "transport": config.transport,
                 "addresses": [address],
                 "sync_mode": config.sync_mode,

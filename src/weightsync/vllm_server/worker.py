@@ -31,6 +31,7 @@ from weightsync.receiver import ReceiverStatus, WeightReceiver
 from weightsync.sink import StagedSink, WeightSink, WrappingSink
 from weightsync.types import Plan
 from weightsync.vllm_server.doorbell import ring
+from weightsync.vllm_server.events import Abort, Begin, Commit, Park, Status
 
 __all__ = ["BellSink", "ReceiverSpec", "WorkerExtension"]
 
@@ -72,47 +73,43 @@ class BellSink(WrappingSink):
         self.drain_timeout = drain_timeout
         self.timeout = timeout
 
-    def _ring(self, event: str, version: int, timeout: float, **fields: Any) -> None:
-        ring(self.bell, {"event": event, "version": version, **fields}, timeout)
-
     def begin(self, plan: Plan, version: int) -> None:
         self.inner.begin(plan, version)  # a refused plan pauses nothing
         park = not self.staged
-        fields = {"bytes": plan.total_bytes, "bucket_bytes": plan.bucket_bytes, "park": park}
+        event = Begin(version=version, total_bytes=plan.total_bytes, bucket_bytes=plan.bucket_bytes, park=park)
         started = time.perf_counter()
-        self._ring("begin", version, self.drain_timeout + self.timeout if park else self.timeout, **fields)
+        ring(self.bell, event, self.drain_timeout + self.timeout if park else self.timeout)
         self._paused_s = time.perf_counter() - started if park else 0.0
 
     def commit(self, version: int) -> None:
         if self.staged:
             started = time.perf_counter()
-            self._ring("park", version, self.drain_timeout + self.timeout)
+            ring(self.bell, Park(version=version), self.drain_timeout + self.timeout)
             self._paused_s = time.perf_counter() - started
         self.inner.commit(version)
-        self._ring("commit", version, self.timeout)
+        ring(self.bell, Commit(version=version), self.timeout)
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         try:
             self.inner.abort(version, error, intact=intact)
         finally:
             try:
-                self._ring("abort", version, self.timeout, intact=intact, error=str(error))
+                ring(self.bell, Abort(version=version, intact=intact, error=str(error)), self.timeout)
             except SinkError as exc:  # the sync fails anyway; the API process learns from /health's next status
                 log.warning("could not tell the API process that version %d failed: %s", version, exc)
 
     def observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
         """Receiver status changes go to the API process (/weight_info, /health, metrics)."""
-        times = None if after.times is None else msgspec.structs.asdict(after.times)
-        status = {
-            "state": after.state,
-            "receiver_version": after.version,
-            "content_digest": after.content_digest,
-            "last_error": after.last_error,
-            "times": times,
-            "mode": after.mode,
-        }
+        status = Status(
+            state=after.state,
+            receiver_version=after.version,
+            content_digest=after.content_digest,
+            last_error=after.last_error,
+            times=after.times,
+            mode=after.mode,
+        )
         try:
-            ring(self.bell, {"event": "status", **status}, self.timeout)
+            ring(self.bell, status, self.timeout)
         except SinkError as exc:
             log.warning("could not tell the API process the receiver's state: %s", exc)
 
