@@ -16,6 +16,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -252,8 +253,19 @@ def test_a_push_changes_what_is_served_and_a_bad_one_changes_nothing(
     assert f"weightsync_weight_version {float(version + 3)}" in metrics and "vllm:" in metrics
 
 
-def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Served, checkpoint: dict[str, Any]) -> None:
+LATE_FIRST_CHUNK_S = 2.0
+"""A first chunk later than this missed the window the keep test needs (the whole request takes
+about 12 s here): the API process sometimes delivers a stream's first chunk seconds late (8 s
+seen once at low load; not diagnosed, see the closing notes), and the pause then lands after the
+request has finished. Such an attempt proves nothing either way and is run again."""
+
+
+def keep_sync_mid_stream(pushed: Served, checkpoint: dict[str, Any]) -> tuple[list[Any], int, float, dict[str, Any]]:
+    """One long streamed request; at its first chunk, freeze it (keep), land a sync, let it go on.
+    Returns its chunks, the version before the sync, when the first chunk came, and /weight_info
+    while paused."""
     old = pushed.http.get("/health").json()["version"]
+    started = time.monotonic()
     stream = pushed.openai.completions.create(
         model=pushed.name,
         prompt=PROMPT,
@@ -262,23 +274,30 @@ def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Serv
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    chunks = []
-    landed = threading.Event()
+    chunks: list[Any] = []
+    first_s, paused_info = 0.0, {}
     for chunk in stream:
         chunks.append(chunk)
-        if not landed.is_set():
-            # At its first token: freeze the request (keep), land a sync while it is frozen, then
-            # let it go on.
+        if len(chunks) == 1:
+            first_s = time.monotonic() - started
             assert pushed.http.post("/pause", params={"mode": "keep"}).json()["parked"]
             paused_info = pushed.http.get("/weight_info").json()
             assert pushed.push(checkpoint, old + 1).ok
             assert pushed.http.post("/resume").json()["paused"] is False
-            landed.set()
-    final = [c for chunk in chunks for c in chunk.choices if c.finish_reason is not None]
-    assert len(final) == 1 and final[0].finish_reason == "length"
-    spans = final[0].weight_versions
+    return chunks, old, first_s, paused_info
+
+
+def test_a_keep_mode_response_spanning_a_sync_reports_both_versions(pushed: Served, checkpoint: dict[str, Any]) -> None:
+    for _ in range(3):
+        chunks, old, first_s, paused_info = keep_sync_mid_stream(pushed, checkpoint)
+        final = [c for chunk in chunks for c in chunk.choices if c.finish_reason is not None]
+        assert len(final) == 1 and final[0].finish_reason == "length"
+        spans = final[0].weight_versions
+        if first_s < LATE_FIRST_CHUNK_S or len(spans) > 1:
+            break
     assert [span["version"] for span in spans] == [old, old + 1], (
         spans,
+        f"first chunk after {first_s:.3f} s",
         [chunk.weight_version for chunk in chunks][:5],
         paused_info,
         pushed.http.get("/weight_info").json(),
