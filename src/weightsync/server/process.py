@@ -9,7 +9,10 @@ SIGKILL), no child is left behind:
   parent is gone, the kernel closes that end, the child reads EOF and stops itself
   (`exit_with_parent`, armed by the `weightsync` command);
 - each child runs in its own session, so a terminal's Ctrl-C reaches the parent only, which
-  then stops its children quietly instead of every process printing its own interruption.
+  then stops its children quietly instead of every process printing its own interruption;
+- its session is also its process group, and everything the child starts stays in it (vLLM's
+  engine core and worker processes, for one): a child that has to be killed, or exits on its own
+  but leaves processes behind, is swept as a group, so none of its descendants outlives it.
 
 Linux's PR_SET_PDEATHSIG would not do: it fires when the *thread* that forked the child exits,
 not the process, and parents start children from pool threads.
@@ -21,6 +24,7 @@ never blocks on a full pipe.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -69,7 +73,8 @@ class ChildProcess:
             os.close(read_fd)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._found = threading.Event()
-        threading.Thread(target=self._read, daemon=True, name="weightsync-child-stdout").start()
+        self._reader = threading.Thread(target=self._read, daemon=True, name="weightsync-child-stdout")
+        self._reader.start()
 
     @property
     def pid(self) -> int:
@@ -104,30 +109,52 @@ class ChildProcess:
         return f"{what} exited with status {status} before it started (its error is above)"
 
     def kill(self) -> None:
-        """SIGKILL, then reap."""
-        if self.alive():
-            self.process.kill()
+        """SIGKILL to the child and everything it started (its process group), then reap."""
+        self._kill_group()
         self.process.wait(STOP_TIMEOUT_S)
 
     def stop(self) -> None:
-        """Tell the child to stop, without waiting: its lifeline closes and it gets SIGTERM."""
-        if self._lifeline >= 0:
-            os.close(self._lifeline)
-            self._lifeline = -1
+        """Ask the child to stop (SIGTERM), without waiting. Its lifeline stays open until `close`:
+        a child told to stop by a living parent gets its whole `STOP_TIMEOUT_S` to shut down (vLLM's
+        engine takes seconds), not the short grace of a child whose parent died."""
         if self.alive():
             self.process.terminate()
 
     def close(self) -> None:
-        """Stop the child and reap it; SIGKILL if it is still there after `STOP_TIMEOUT_S`."""
+        """Stop the child and reap it (SIGKILL to its group if it is still there after
+        `STOP_TIMEOUT_S`); then sweep its group, so nothing it started outlives it."""
         self.stop()
-        if self.alive():
+        if not self._exited_within(STOP_TIMEOUT_S):
+            log.warning("pid %d did not stop within %.0f s: killing its process group", self.pid, STOP_TIMEOUT_S)
+        self.kill()  # the child is alive or a zombie: its group id is still its own
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        # Every writer of the stdout pipe is gone now: the reader sees EOF and closes it. Closing it
+        # here instead would block on the reader's lock while a writer lived on.
+        self._reader.join(STOP_TIMEOUT_S)
+        if self._reader.is_alive():
+            log.warning("pid %d: its stdout is still open in another process; leaving it", self.pid)
+
+    def _exited_within(self, timeout: float) -> bool:
+        """Whether the child exits within `timeout`, leaving it unreaped (a zombie keeps its
+        process group id reserved for `_kill_group`)."""
+        deadline = time.monotonic() + timeout
+        while True:
             try:
-                self.process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.process.wait()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+                if os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:  # already reaped (by `alive()`)
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+    def _kill_group(self) -> None:
+        """SIGKILL the child's process group (its session: the child and all it started). Called
+        while the child is alive or unreaped, so the group id is still the child's own."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
     def _read(self) -> None:
         stdout = self.process.stdout
@@ -135,8 +162,11 @@ class ChildProcess:
             for line in stdout or ():
                 if not self._found.is_set():  # after the announcement, only drain
                     self._lines.put(line)
-        except (OSError, ValueError):  # stdout closed by `close()` while we read: we are done
+        except (OSError, ValueError):
             pass
+        finally:
+            if stdout is not None:
+                stdout.close()
         self._lines.put(None)
 
 
@@ -153,6 +183,9 @@ def exit_with_parent(fd: int, grace_s: float = PARENT_GONE_GRACE_S) -> None:
         log.info("the parent process is gone (its pipe closed): stopping")
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
+        log.warning("not stopped %.0f s after the parent died: killing this process group", grace_s)
+        with contextlib.suppress(OSError):  # our own group (ChildProcess gave us a session): no orphans
+            os.killpg(os.getpgid(0), signal.SIGKILL)
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="weightsync-parent-watch").start()
