@@ -5,6 +5,7 @@ tokenizer refuses text prompts and says why."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -147,4 +148,6 @@ def test_vllm_refuses_to_start_on_a_model_its_cpu_backend_cannot_run(tmp_path) -
     assert len(ours) == 1 and ours[0].startswith("weightsync serve: the vllm engine cannot run"), ours
     assert "one-token warm-up generation failed" in ours[0]
     assert "Unsupported CPU attention configuration: head_dim=16" in done.stdout + done.stderr
-    assert "Traceback" not in done.stderr
+    # vLLM's engine-core process logs its own traceback of the root cause (sometimes, as it exits);
+    # ours must print none: no frame of weightsync's command in any traceback.
+    assert not re.search(r'File ".*weightsync/(cli|__main__|vllm_server)', done.stderr), done.stderr[-3000:]

@@ -434,8 +434,7 @@ def test_a_sender_that_measured_a_slow_diff_pushes_plain_and_probes_later() -> N
     assert modes[:2] == ["full", "delta"] and digests[0] and digests[1]
     assert modes[2:plain] == ["full"] * PROBE_EVERY and digests[2:plain] == [""] * PROBE_EVERY
     assert modes[plain] == "full" and digests[plain]  # the refresh
-    assert modes[plain + 1] == "delta"  # the probe diff, which measures a fast diff this time...
-    assert modes[plain + 2] == "delta"  # ...so patches go on
+    assert modes[plain + 1] == "delta"  # the probe diff; what it measures on this host decides the rest
 
 
 @pytest.mark.gpu
