@@ -33,6 +33,8 @@ import subprocess
 import threading
 import time
 
+import psutil
+
 __all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent"]
 
 log = logging.getLogger(__name__)
@@ -122,11 +124,13 @@ class ChildProcess:
 
     def close(self) -> None:
         """Stop the child and reap it (SIGKILL to its group if it is still there after
-        `STOP_TIMEOUT_S`); then sweep its group, so nothing it started outlives it."""
+        `STOP_TIMEOUT_S`); then sweep its group, and return once all it started has ended."""
         self.stop()
         if not self._exited_within(STOP_TIMEOUT_S):
             log.warning("pid %d did not stop within %.0f s: killing its process group", self.pid, STOP_TIMEOUT_S)
-        self.kill()  # the child is alive or a zombie: its group id is still its own
+        members = self._group_members()  # while the child's group id is still its own
+        self.kill()
+        self._wait_ended(members, STOP_TIMEOUT_S)
         if self._lifeline >= 0:
             os.close(self._lifeline)
             self._lifeline = -1
@@ -149,6 +153,32 @@ class ChildProcess:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
+
+    def _group_members(self) -> list[psutil.Process]:
+        """The processes in the child's group (its session) now: the child and all it started."""
+        members = []
+        for process in psutil.process_iter():
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.getpgid(process.pid) == self.pid:
+                    members.append(process)
+        return members
+
+    @staticmethod
+    def _wait_ended(processes: list[psutil.Process], timeout: float) -> None:
+        """Wait until each of `processes` has ended (gone, or a zombie nobody reaped yet): SIGKILL is
+        delivered asynchronously, and a loaded host can take a moment to end what it reached."""
+        deadline = time.monotonic() + timeout
+        for process in processes:
+            while time.monotonic() < deadline:
+                try:
+                    if process.status() == psutil.STATUS_ZOMBIE:
+                        break
+                except psutil.NoSuchProcess:
+                    break
+                time.sleep(0.02)
+            else:
+                log.warning("pid %d still runs %.0f s after SIGKILL to its group", process.pid, timeout)
+                return
 
     def _kill_group(self) -> None:
         """SIGKILL the child's process group (its session: the child and all it started). Called
