@@ -18,13 +18,16 @@ committing, hashes every destination whole: the content digest of the full new w
 the sender's, or the sync fails with ChecksumError and the receiver's next push is full.
 
 A diff is paid before anything is sent; `Costs` keeps what the last ones measured, so that the
-sender skips a diff that would not arrive sooner than the full version (`delta_policy="faster"`).
+sender skips a diff that would not arrive sooner than the full version (`delta_policy="faster"`):
+a diff measured as not paying is abandoned after its first eighth, and the pushes that go
+without a diff keep measuring on a sample of the tensors, diffed as they are packed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +45,19 @@ from weightsync.plan import INDEX_BYTES, dense_nbytes, tensor_nbytes
 from weightsync.source import TensorMeta, WeightSource
 from weightsync.types import TensorSpec
 
-__all__ = ["DENSE_FRACTION", "PROBE_EVERY", "Baseline", "Costs", "Diff", "Step", "apply_patch", "settled"]
+__all__ = [
+    "DENSE_FRACTION",
+    "GATE_FRACTION",
+    "SAMPLE_FRACTION",
+    "Baseline",
+    "Costs",
+    "Diff",
+    "Sample",
+    "Step",
+    "apply_patch",
+    "sample_names",
+    "settled",
+]
 
 DENSE_FRACTION = 0.5
 """A push whose patches would carry more than this fraction of the full model goes full: the diff
@@ -105,17 +120,8 @@ def _encode(
     """The cheapest encoding of the changes (flat `indices`, their new bits `values` as bytes) to a
     tensor of `numel` elements: the spec and payload (flat uint8, from `alloc(nbytes)`) of its
     patch, or None where the whole tensor is cheaper (dense)."""
-    count, size = indices.size, dtype_from_name(spec.dtype).itemsize
-    sizes = {
-        "sparse": count * (INDEX_BYTES + size) if numel < 1 << 31 else math.inf,
-        "bitmap": (numel + 7) // 8 + count * size,
-        "dense": dense_nbytes(spec),
-    }
-    # A bitmap costs a pass over every element on both sides, sparse only over the changes: take
-    # it only where it halves the bytes (above ~6% changed for bf16).
-    if sizes["bitmap"] > sizes["sparse"] / 2:
-        del sizes["bitmap"]
-    encoding = min(sizes, key=lambda name: sizes[name])
+    count = indices.size
+    encoding = _cheapest(count, numel, spec)
     if encoding == "dense":
         return spec, None
     if encoding == "sparse":
@@ -131,6 +137,30 @@ def _encode(
         payload[:head] = bitmap
     payload[head:] = values
     return msgspec.structs.replace(spec, encoding=encoding, count=count), payload
+
+
+def _cheapest(count: int, numel: int, spec: TensorSpec) -> str:
+    """The encoding of a patch changing `count` of a tensor's `numel` elements."""
+    return min(_sizes(count, numel, spec).items(), key=lambda item: item[1])[0]
+
+
+def _patch_nbytes(count: int, numel: int, spec: TensorSpec) -> int:
+    """The bytes of that patch on the wire."""
+    return int(min(_sizes(count, numel, spec).values()))
+
+
+def _sizes(count: int, numel: int, spec: TensorSpec) -> dict[str, float]:
+    size = dtype_from_name(spec.dtype).itemsize
+    sizes = {
+        "sparse": count * (INDEX_BYTES + size) if numel < 1 << 31 else math.inf,
+        "bitmap": (numel + 7) // 8 + count * size,
+        "dense": dense_nbytes(spec),
+    }
+    # A bitmap costs a pass over every element on both sides, sparse only over the changes: take
+    # it only where it halves the bytes (above ~6% changed for bf16).
+    if sizes["bitmap"] > sizes["sparse"] / 2:
+        del sizes["bitmap"]
+    return sizes
 
 
 def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> None:
@@ -255,13 +285,30 @@ class Diff:
         return _Tensors(list(zip((spec.name for spec in self.specs), self.payloads, strict=True)))
 
 
-PROBE_EVERY = 8
-"""After this many pushes without a diff, diff anyway: the host may have become less busy, and a
-skipped diff measures nothing."""
+GATE_FRACTION = 1 / 8
+"""A diff measured as not paying once this fraction of the model is diffed stops there: the push
+goes plain, having spent an eighth of a diff to find out."""
+
+SAMPLE_FRACTION = 1 / 32
+"""About this fraction of the model's bytes is diffed on every push that goes without a diff (as
+the tensors are packed), so that the sender sees when diffs start to pay again."""
 
 
 Step: TypeAlias = Literal["diff", "refresh", "plain"]
 """What a push with delta=True does (`Costs.next_step`)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """What diffing part of the model measured."""
+
+    seconds: float
+    nbytes: int
+    """The bytes diffed (as sent)."""
+    patch_bytes: int
+    """The bytes their patches take."""
+    cold: bool
+    """Memory was allocated on the way: the time is no measurement."""
 
 
 @dataclasses.dataclass
@@ -273,62 +320,98 @@ class Costs:
         refresh  copy the new version into the baseline and push it full, verified: its
                  receivers then hold a base for the next push's patch
         plain    push as without delta (cast while packing, no baseline, checksums only where
-                 asked for), and forget the baseline: what a push costs when patches do not pay
+                 asked for), diffing a sample of the tensors on the way to keep measuring
 
     A diff is paid before anything is sent (the plan names every patch); it pays when the bytes
     it saves on the routes that can take a patch would take longer than the diff:
 
         diff_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
 
-    The diff's cost per byte and the patch fraction are the last warm diff's (one that allocated
-    memory is no measurement); a route's throughput is its last full delivery's. Anything not
-    measured yet means: diff. Once a diff measured as not paying, pushes go plain; after
-    `PROBE_EVERY` pushes without a diff, a refresh and then a diff measure again.
+    The diff's cost per byte and the patch fraction are the last warm measurement's (a diff, the
+    first eighth of one, or the sample a plain push diffs; one that allocated memory is none); a
+    route's throughput is its last full delivery's. Anything not measured yet means: diff.
     """
 
     diff_s_per_byte: float | None = None
     patch_fraction: float | None = None
     full_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per route (transport name): bytes per second of its last full delivery."""
-    pushes_since_diff: int = 0
-    suspended: bool = False
-    """A diff measured as not paying: plain pushes until the next probe."""
 
-    def next_step(self, full_bytes: int, routes: Sequence[str], always: bool) -> Step:
-        """What a push of `full_bytes` does, its receivers at the baseline being on `routes`;
-        `always`: diff wherever a receiver can take a patch (delta_policy="always")."""
-        if routes and (always or self.diff_pays(full_bytes, routes)):
-            return "diff"
-        if routes or (self.suspended and self.pushes_since_diff < PROBE_EVERY):
-            return "plain"
-        return "refresh"
+    def next_step(self, full_bytes: int, at_base: Sequence[str], reached: Sequence[str], always: bool) -> Step:
+        """What a push of `full_bytes` does: `at_base`, the routes to receivers holding the
+        baseline; `reached`, the routes to every receiver it reaches; `always`: diff wherever a
+        receiver can take a patch, and keep a base (delta_policy="always")."""
+        if at_base:
+            return "diff" if always or self.diff_pays(full_bytes, at_base) else "plain"
+        return "refresh" if reached and (always or self.diff_pays(full_bytes, reached)) else "plain"
 
     def diff_pays(self, full_bytes: int, routes: Sequence[str]) -> bool:
         """Whether a diff should beat pushing in full to `routes` (the rule above)."""
-        if self.diff_s_per_byte is None or self.patch_fraction is None or self.pushes_since_diff >= PROBE_EVERY:
+        if self.diff_s_per_byte is None or self.patch_fraction is None:
             return True
         if any(self.full_bytes_per_s.get(route, 0.0) <= 0.0 for route in routes):
             return True
         saved_s = sum((1 - self.patch_fraction) * full_bytes / self.full_bytes_per_s[route] for route in routes)
         return self.diff_s_per_byte * full_bytes < saved_s
 
+    def measured(self, sample: Sample) -> None:
+        """Take a diff's measurement (unless it was cold or empty)."""
+        if sample.nbytes > 0 and not sample.cold:
+            self.diff_s_per_byte = sample.seconds / sample.nbytes
+            self.patch_fraction = sample.patch_bytes / sample.nbytes
+
     def diffed(self, seconds: float, diff: Diff) -> None:
-        if diff.base and diff.full_bytes and not diff.cold:
-            self.diff_s_per_byte = seconds / diff.full_bytes
-            self.patch_fraction = diff.patch_bytes / diff.full_bytes
-        self.pushes_since_diff = 0
-
-    def refreshed(self) -> None:
-        self.pushes_since_diff += 1
-        self.suspended = False
-
-    def pushed_plain(self) -> None:
-        self.pushes_since_diff += 1
-        self.suspended = True
+        if diff.base:
+            self.measured(Sample(seconds, diff.full_bytes, diff.patch_bytes, diff.cold))
 
     def delivered_full(self, route: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             self.full_bytes_per_s[route] = nbytes / seconds
+
+
+def sample_names(specs: Sequence[TensorSpec]) -> frozenset[str]:
+    """The tensors a plain push diffs to keep measuring: a stride through the model covering
+    about `SAMPLE_FRACTION` of its bytes; the smallest tensor where every one is larger."""
+    taken = seen = 0
+    names = set()
+    for spec in specs:
+        nbytes = dense_nbytes(spec)
+        seen += nbytes
+        if taken + nbytes <= SAMPLE_FRACTION * seen:
+            names.add(spec.name)
+            taken += nbytes
+    if not names and specs:
+        names.add(min(specs, key=dense_nbytes).name)
+    return frozenset(names)
+
+
+class _Tap:
+    """A source passed through as it is, diffing the sampled tensors into the baseline on the way
+    (`Baseline.tapped`): `sample` says what that measured."""
+
+    def __init__(self, baseline: Baseline, specs: Sequence[TensorSpec], source: WeightSource) -> None:
+        self._baseline, self._source = baseline, source
+        self._specs = {spec.name: spec for spec in specs}
+        self._names = sample_names(specs)
+        self.sample = Sample(0.0, 0, 0, cold=False)
+
+    def metas(self) -> list[TensorMeta]:
+        return self._source.metas()
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self._source.tensors():
+            if name in self._names:
+                self._measure(self._specs[name], tensor)
+            yield name, tensor
+
+    def _measure(self, spec: TensorSpec, tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
+        patch_bytes, cold = self._baseline.update(spec, tensor)
+        seconds = time.perf_counter() - started
+        s = self.sample
+        self.sample = Sample(
+            s.seconds + seconds, s.nbytes + dense_nbytes(spec), s.patch_bytes + patch_bytes, s.cold or cold
+        )
 
 
 class _Tensors:
@@ -402,17 +485,50 @@ class Baseline:
         """The content digest of the version it holds, or "" before the first push."""
         return settled(self._content)
 
-    def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
+    def diff(
+        self, specs: Sequence[TensorSpec], source: WeightSource, keep_going: Callable[[Sample], bool] | None = None
+    ) -> Diff | None:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
-        new version. A changed tensor set, shape or dtype makes every tensor dense (no base)."""
-        return self._take(specs, source, compare=True)
+        new version. A changed tensor set, shape or dtype makes every tensor dense (no base).
+
+        `keep_going` is asked once, when a warm diff has covered `GATE_FRACTION` of the bytes,
+        with what that part measured; if it says no, the diff stops there and returns None, and
+        the baseline holds no version a patch can be based on (part of it is new)."""
+        return self._take(specs, source, compare=True, keep_going=keep_going)
 
     def refresh(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Make `source` the baseline without comparing (a push that goes full to everyone, so
         that the next one can be a patch): a copy. The result offers no patch (no base)."""
-        return self._take(specs, source, compare=False)
+        diff = self._take(specs, source, compare=False)
+        assert diff is not None  # only a gated diff stops
+        return diff
 
-    def _take(self, specs: Sequence[TensorSpec], source: WeightSource, compare: bool) -> Diff:
+    def tapped(self, specs: Sequence[TensorSpec], source: WeightSource) -> _Tap:
+        """`source` for a push without a diff: the sampled tensors (`sample_names`) are diffed into
+        the baseline as they go by, and the result's `sample` says what that measured."""
+        self.forget()
+        return _Tap(self, specs, source)
+
+    def update(self, spec: TensorSpec, tensor: torch.Tensor) -> tuple[int, bool]:
+        """Bring one tensor of the baseline to `tensor` as sent (no patch is kept): the bytes its
+        patch would have taken, and whether memory was allocated on the way."""
+        _check_yielded(spec, spec.name, tensor)
+        wire = dtype_from_name(spec.dtype)
+        old = self.tensors.get(spec.name)
+        if old is None or tuple(old.shape) != spec.shape or old.dtype != wire or old.element_size() not in _BITS:
+            self.tensors[spec.name] = _copy(tensor, wire)
+            return dense_nbytes(spec), True
+        indices, _ = self._changes(tensor, old)
+        cold, self._cold = self._cold, False
+        return _patch_nbytes(indices.size, old.numel(), spec), cold
+
+    def _take(
+        self,
+        specs: Sequence[TensorSpec],
+        source: WeightSource,
+        compare: bool,
+        keep_going: Callable[[Sample], bool] | None = None,
+    ) -> Diff | None:
         same_layout = [spec.name for spec in specs] == list(self.tensors) and all(
             tuple(self.tensors[spec.name].shape) == spec.shape
             and self.tensors[spec.name].dtype == dtype_from_name(spec.dtype)
@@ -420,12 +536,15 @@ class Baseline:
         )
         held = self.content  # waits for the last push's digest: it reads what this overwrites
         base = held if same_layout and compare else ""
+        self._content = ""  # until the new version is whole
         if not same_layout:
             self.tensors = {}
         self._cold = self._patches.reset(sum(dense_nbytes(spec) for spec in specs))
         patched: list[TensorSpec] = []
         payloads: list[torch.Tensor] = []
         changed = total = 0
+        full_bytes = sum(dense_nbytes(spec) for spec in specs)
+        started, done_bytes, patch_bytes = time.perf_counter(), 0, 0
         for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
             _check_yielded(spec, name, tensor)
             old = self.tensors.get(name)
@@ -444,8 +563,14 @@ class Baseline:
             payloads.append(old if payload is None else torch.from_numpy(payload))
             changed += num_changed
             total += old.numel()
+            done_bytes, patch_bytes = done_bytes + dense_nbytes(spec), patch_bytes + tensor_nbytes(patch_spec)
+            if keep_going is not None and done_bytes >= GATE_FRACTION * full_bytes and base:
+                part = Sample(time.perf_counter() - started, done_bytes, patch_bytes, self._cold)
+                if not part.cold and not keep_going(part):
+                    self._cold = False
+                    return None  # the baseline is part new, part old: `content` stays ""
+                keep_going = None  # asked once
         self._content = _digest_later(specs, [self.tensors[spec.name] for spec in specs])
-        full_bytes = sum(dense_nbytes(spec) for spec in specs)
         cold, self._cold = self._cold or not same_layout, False
         return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes, cold)
 

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
-from weightsync.delta import Baseline, Costs, Diff, Step, settled
+from weightsync.delta import Baseline, Costs, Diff, Sample, Step, settled
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
@@ -184,19 +184,29 @@ class WeightSender:
         largest = max((tensor_nbytes(spec) for spec in specs), default=0)
         bucket_bytes = self._agree_bucket_bytes(largest, welcomes, failures)
         reachable = [address for address in self._addresses if address in welcomes and address not in failures]
-        step = self._next_step(specs, reachable, welcomes)
+        step, at_base = self._next_step(specs, reachable, welcomes)
+        diff = (
+            None
+            if step == "plain" or self._baseline is None
+            else self._take(self._baseline, step, specs, source, at_base)
+        )
         # the strictest verification any receiver asks for, or ours if stricter; a delta push
         # (a diff or a refresh) always verifies: a patch onto the wrong bytes must not commit
         verify = stricter(
             self.options.verify,
-            "off" if step == "plain" else "bucket",
+            "off" if diff is None else "bucket",
             *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
-        if step == "plain" or self._baseline is None:
-            deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, source, frozenset(reachable))]
+        tap = None
+        if diff is None:
+            # plain: as without delta; a sample of the tensors keeps being diffed as it is packed,
+            # unless a diff stopped part way (its first part is new already: nothing to measure)
+            tap = self._baseline.tapped(specs, source) if self._baseline is not None and step == "plain" else None
+            sent = tap if tap is not None else source
+            deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, sent, frozenset(reachable))]
             changed_fraction = 1.0
         else:
-            diff = self._take(self._baseline, step, specs, source)
+            assert self._baseline is not None
             deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, welcomes)
             changed_fraction = diff.changed_fraction if diff.base else 1.0
 
@@ -212,6 +222,8 @@ class WeightSender:
             committed |= replies
             contents.append(content)
             by_address |= dict.fromkeys(delivery.addresses, delivery)
+        if tap is not None:
+            self._costs.measured(tap.sample)
 
         report = SyncReport(
             version=version,
@@ -242,28 +254,41 @@ class WeightSender:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
 
-    def _next_step(self, specs: list[TensorSpec], reachable: list[str], welcomes: Mapping[str, Welcome]) -> Step:
-        """plain without delta; with it, what `Costs` says for receivers at the baseline."""
+    def _next_step(
+        self, specs: list[TensorSpec], reachable: list[str], welcomes: Mapping[str, Welcome]
+    ) -> tuple[Step, list[str]]:
+        """plain without delta; with it, what `Costs` says, and the routes to receivers at the
+        baseline (those a patch would go to)."""
         baseline = self._baseline
         if baseline is None:
-            return "plain"
+            return "plain", []
         at_base = {a for a in reachable if baseline.content and welcomes[a].content == baseline.content}
         routes = [route.name for route in self._routes if at_base.intersection(route.addresses)]
+        reached = [route.name for route in self._routes if set(route.addresses).intersection(reachable)]
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
-        step = self._costs.next_step(full_bytes, routes, always=self.options.delta_policy == "always")
-        if step == "plain":
-            baseline.forget()
-            self._costs.pushed_plain()
-        return step
+        return self._costs.next_step(full_bytes, routes, reached, always=self._always), routes
 
-    def _take(self, baseline: Baseline, step: Step, specs: list[TensorSpec], source: WeightSource) -> Diff:
-        """The new version into the baseline: diffed (measured, for `Costs`), or copied."""
+    @property
+    def _always(self) -> bool:
+        return self.options.delta_policy == "always"
+
+    def _take(
+        self, baseline: Baseline, step: Step, specs: list[TensorSpec], source: WeightSource, routes: list[str]
+    ) -> Diff | None:
+        """The new version into the baseline: copied, or diffed (measured, for `Costs`), or None
+        where the diff's first part measured as not paying over `routes` (the push goes plain)."""
         if step == "refresh":
-            self._costs.refreshed()
             return baseline.refresh(specs, source)
+        full_bytes = sum(dense_nbytes(spec) for spec in specs)
+
+        def keep_going(part: Sample) -> bool:
+            self._costs.measured(part)
+            return self._costs.diff_pays(full_bytes, routes)
+
         started = time.perf_counter()
-        diff = baseline.diff(specs, source)
-        self._costs.diffed(time.perf_counter() - started, diff)
+        diff = baseline.diff(specs, source, None if self._always else keep_going)
+        if diff is not None:
+            self._costs.diffed(time.perf_counter() - started, diff)
         return diff
 
     def _measured_full(self, delivery: Delivery, seconds: float) -> None:

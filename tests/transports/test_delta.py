@@ -378,63 +378,122 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
 
 
 def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
-    from weightsync.delta import PROBE_EVERY, Costs, Diff
+    from weightsync.delta import Costs, Diff, Sample
 
     gib = 1 << 30
     costs = Costs()
-    assert costs.next_step(gib, ["tcp"], always=False) == "diff"  # nothing measured yet
-    assert costs.next_step(gib, [], always=False) == "refresh"  # nobody holds the base: make one
-    costs.diff_s_per_byte, costs.patch_fraction = 0.3 / gib, 0.1  # a diff of 1 GiB: 0.3 s, 10% patch
+    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"  # nothing measured yet
+    assert costs.next_step(gib, [], ["tcp"], always=False) == "refresh"  # nobody holds the base: make one
+    assert costs.next_step(gib, [], [], always=False) == "plain"  # nobody reached at all
+    costs.measured(Sample(0.3 / 8, gib // 8, gib // 80, cold=False))  # a diff of 1 GiB: 0.3 s, 10% patch
+    assert costs.diff_s_per_byte == pytest.approx(0.3 / gib) and costs.patch_fraction == pytest.approx(0.1)
     assert costs.diff_pays(gib, ["tcp"])  # no full delivery measured on tcp yet
     costs.delivered_full("tcp", gib, 0.8)  # full over tcp: 0.8 s, a patch saves 0.72 s > 0.3 s
     costs.delivered_full("shm", gib, 0.3)  # full over shm: 0.3 s, a patch saves 0.27 s < 0.3 s
-    assert costs.next_step(gib, ["tcp"], always=False) == "diff"
-    assert costs.next_step(gib, ["shm"], always=False) == "plain"
-    assert costs.next_step(gib, ["shm"], always=True) == "diff"
+    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"
+    assert costs.next_step(gib, ["shm"], ["shm"], always=False) == "plain"
+    assert costs.next_step(gib, [], ["shm"], always=False) == "plain"  # no base worth making
+    assert costs.next_step(gib, [], ["shm"], always=True) == "refresh"
+    assert costs.next_step(gib, ["shm"], ["shm"], always=True) == "diff"
     assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.99 s saved
-    costs.pushed_plain()
-    for _ in range(PROBE_EVERY - 1):
-        assert costs.next_step(gib, [], always=False) == "plain"  # nobody at the base, suspended
-        costs.pushed_plain()
-    assert costs.next_step(gib, [], always=False) == "refresh"  # the probe: a base first...
-    costs.refreshed()
-    assert costs.next_step(gib, ["shm"], always=False) == "diff"  # ...then a diff, measured
     costs.diffed(0.9, Diff("c", "d", (), (), 0, gib // 2, gib, cold=True))  # cold: no measurement
-    assert costs.diff_s_per_byte == 0.3 / gib and costs.pushes_since_diff == 0
-    costs.diffed(0.1, Diff("c", "d", (), (), 0, gib // 2, gib))  # the host is less busy now
-    assert costs.next_step(gib, ["shm"], always=False) == "diff"
+    costs.measured(Sample(5.0, gib, 0, cold=True))
+    assert costs.diff_s_per_byte == pytest.approx(0.3 / gib)
+    costs.measured(Sample(0.1 / 32, gib // 32, gib // 320, cold=False))  # a plain push's sample: less busy now
+    assert costs.next_step(gib, [], ["shm"], always=False) == "refresh"
+    costs.diffed(0.1, Diff("c", "d", (), (), 0, gib // 2, gib))
+    assert costs.next_step(gib, ["shm"], ["shm"], always=False) == "diff"
 
 
-def test_a_sender_that_measured_a_slow_diff_pushes_plain_and_probes_later() -> None:
-    from weightsync.delta import PROBE_EVERY
+def test_the_sample_a_plain_push_diffs_is_a_stride_through_the_model() -> None:
+    from weightsync.delta import SAMPLE_FRACTION, sample_names
+    from weightsync.types import TensorSpec
 
+    def spec(name: str, numel: int) -> TensorSpec:
+        return TensorSpec(name, "bfloat16", (numel,), "bfloat16")
+
+    specs = [spec(f"w{i}", 1000 + 37 * i) for i in range(200)]
+    names = sample_names(specs)
+    sampled = [s for s in specs if s.name in names]
+    share = sum(s.shape[0] for s in sampled) / sum(s.shape[0] for s in specs)
+    assert SAMPLE_FRACTION / 2 < share <= SAMPLE_FRACTION
+    first, last = specs.index(sampled[0]), specs.index(sampled[-1])
+    assert first < 50 and last >= 150  # spread over the model, not its first tensors
+    assert sample_names([spec("big", 10**6), spec("small", 10)]) == {"small"}  # every one is large
+    assert sample_names([]) == frozenset()
+
+
+class _Measured:
+    """`Costs` whose diffs measure what a test says, whatever this host takes."""
+
+    def __init__(self, costs, diff_s_per_byte: float | None) -> None:
+        self.costs, self.diff_s_per_byte, self.samples = costs, diff_s_per_byte, []
+
+    def __call__(self, sample) -> None:
+        self.samples.append(sample)
+        if self.diff_s_per_byte is not None:
+            self.costs.diff_s_per_byte, self.costs.patch_fraction = self.diff_s_per_byte, 0.03
+
+
+def _push_steps(sender, dest, receiver, trainer, versions) -> tuple[list[str], list[str]]:
+    modes, digests = [], []
+    for version in versions:
+        trainer.step()
+        report = sender.push(trainer.state(), version)
+        assert report.ok, report.failed
+        assert_all_bit_exact(dest, trainer.as_sent())
+        assert receiver.content_digest == report.content_digest
+        modes.append(report.outcomes[0].mode)
+        digests.append(report.content_digest)
+        if report.outcomes[0].mode == "full":
+            assert report.outcomes[0].wire_bytes == report.total_bytes and report.changed_fraction == 1.0
+    return modes, digests
+
+
+def test_a_sender_whose_diffs_do_not_pay_pushes_plain_and_keeps_measuring_on_a_sample(monkeypatch) -> None:
     trainer = Trainer(seed=8)
     dest = zeros_like_sent(trainer)
     with (
         receiving(dest, "tcp") as receiver,
         sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
     ):
-        modes, digests = [], []
-        for version in range(PROBE_EVERY + 5):
-            if version == 2:  # as if the diff had cost a second per byte: never worth it
-                sender._costs.diff_s_per_byte, sender._costs.patch_fraction = 1.0, 0.1
-            trainer.step()
-            report = sender.push(trainer.state(), version)
-            assert report.ok, report.failed
-            assert_all_bit_exact(dest, trainer.as_sent())
-            assert receiver.content_digest == report.content_digest
-            modes.append(report.outcomes[0].mode)
-            digests.append(report.content_digest)
-            if report.outcomes[0].mode == "full":
-                assert report.outcomes[0].wire_bytes == report.total_bytes and report.changed_fraction == 1.0
-    # 0: nobody at a base, a refresh; 1: nothing measured yet (the first diff is cold), a diff;
-    # 2..: plain pushes as without delta (no checksums, no content digest), until the probe:
-    # a refresh (verified, a base again), then a diff
-    plain = 2 + PROBE_EVERY
-    assert modes[:2] == ["full", "delta"] and digests[0] and digests[1]
-    assert modes[2:plain] == ["full"] * PROBE_EVERY and digests[2:plain] == [""] * PROBE_EVERY
-    assert modes[plain] == "full" and digests[plain]  # the refresh
-    assert modes[plain + 1] == "delta"  # the probe diff; what it measures on this host decides the rest
+        # 0: nobody at a base, a refresh; 1: nothing measured yet, a diff (cold: no measurement)
+        modes, digests = _push_steps(sender, dest, receiver, trainer, range(2))
+        assert modes == ["full", "delta"] and all(digests)
+        # as if a diff cost a second per byte: plain pushes as without delta (no checksums, no
+        # content digest), each diffing its sample of the tensors as they are packed
+        measured = _Measured(sender._costs, diff_s_per_byte=1.0)
+        sender._costs.diff_s_per_byte, sender._costs.patch_fraction = 1.0, 0.03
+        monkeypatch.setattr(sender._costs, "measured", measured)
+        modes, digests = _push_steps(sender, dest, receiver, trainer, range(2, 6))
+        assert modes == ["full"] * 4 and digests == [""] * 4
+        assert len(measured.samples) == 4 and all(s.nbytes > 0 and s.seconds > 0 for s in measured.samples)
+        assert all(not s.cold for s in measured.samples[1:])  # the sample's base is kept up to date
+        # 6: a plain push whose sample finds diffs cheap again; 7: a refresh (verified, a base);
+        # 8, 9: diffs
+        measured.diff_s_per_byte = 0.0
+        modes, digests = _push_steps(sender, dest, receiver, trainer, range(6, 10))
+        assert modes == ["full", "full", "delta", "delta"] and digests[0] == "" and all(digests[1:])
+
+
+def test_a_diff_whose_first_part_does_not_pay_stops_and_the_push_goes_plain(monkeypatch) -> None:
+    trainer = Trainer(seed=10)
+    dest = zeros_like_sent(trainer)
+    with (
+        receiving(dest, "tcp") as receiver,
+        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+    ):
+        modes, _ = _push_steps(sender, dest, receiver, trainer, range(2))  # refresh, then a cold diff
+        assert modes == ["full", "delta"]
+        sender._costs.diff_s_per_byte = None  # unmeasured: the next push diffs...
+        measured = _Measured(sender._costs, diff_s_per_byte=1.0)  # ...and its first part is slow
+        monkeypatch.setattr(sender._costs, "measured", measured)
+        modes, digests = _push_steps(sender, dest, receiver, trainer, range(2, 4))
+        # 2: the diff stopped after its first eighth, the push went plain (nothing sampled: part
+        # of the baseline is new already); 3: nobody at a base, plain, sampled
+        assert modes == ["full", "full"] and digests == ["", ""]
+        assert len(measured.samples) == 2
+        assert measured.samples[0].nbytes < sum(t.numel() * 2 for t in dest.values())
 
 
 @pytest.mark.gpu
