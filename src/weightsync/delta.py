@@ -322,37 +322,72 @@ class Costs:
         plain    push as without delta (cast while packing, no baseline, checksums only where
                  asked for), diffing a sample of the tensors on the way to keep measuring
 
-    A diff is paid before anything is sent (the plan names every patch); it pays when the bytes
-    it saves on the routes that can take a patch would take longer than the diff:
+    A diff is paid before anything is sent (the plan names every patch); it pays when the diff
+    and the patch's delivery take less than the full version's delivery, over the routes to the
+    receivers holding the base:
 
-        diff_s  <  sum over those routes of (1 - patch fraction) * full bytes / route's full throughput
+        diff_s + sum over routes of delta_delivery_s  <  sum over routes of full_delivery_s
 
-    The diff's cost per byte and the patch fraction are the last warm measurement's (a diff, the
-    first eighth of one, or the sample a plain push diffs; one that allocated memory is none); a
-    route's throughput is its last full delivery's. Anything not measured yet means: diff.
+    `diff_s` and the patch fraction come from the last warm measurement (a diff, the first eighth
+    of one, or the sample a plain push diffs; one that allocated memory is none). A route's
+    `full_delivery_s` is its last plain full delivery's, or failing that its last verified one's
+    (a refresh: slower, which favours the diff); its `delta_delivery_s` is its last patch
+    delivery's (the receiver applies and verifies it: it scales with the model, not the patch),
+    or failing that the patch's bytes at the full throughput. Anything not measured yet means:
+    diff. Once a route has had a measured diff but never a plain delivery, one push goes plain to
+    measure it: a verified delivery is no fair measure of what a push without delta costs.
     """
 
     diff_s_per_byte: float | None = None
     patch_fraction: float | None = None
     full_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Per route (transport name): bytes per second of its last full delivery."""
+    """Per route (transport name): bytes per second of its last plain full delivery."""
+    verified_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per route: bytes per second of its last verified full delivery (a refresh)."""
+    delta_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per route: seconds of its last patch delivery per byte of the full model."""
 
     def next_step(self, full_bytes: int, at_base: Sequence[str], reached: Sequence[str], always: bool) -> Step:
         """What a push of `full_bytes` does: `at_base`, the routes to receivers holding the
         baseline; `reached`, the routes to every receiver it reaches; `always`: diff wherever a
         receiver can take a patch, and keep a base (delta_policy="always")."""
         if at_base:
-            return "diff" if always or self.diff_pays(full_bytes, at_base) else "plain"
+            if always:
+                return "diff"
+            if self._unchecked(at_base):
+                return "plain"
+            return "diff" if self.diff_pays(full_bytes, at_base) else "plain"
         return "refresh" if reached and (always or self.diff_pays(full_bytes, reached)) else "plain"
+
+    def _unchecked(self, routes: Sequence[str]) -> bool:
+        """A diff and a patch delivery are measured on some route that no plain push measured."""
+        measured = self.diff_s_per_byte is not None
+        return measured and any(r in self.delta_s_per_byte and r not in self.full_bytes_per_s for r in routes)
 
     def diff_pays(self, full_bytes: int, routes: Sequence[str]) -> bool:
         """Whether a diff should beat pushing in full to `routes` (the rule above)."""
         if self.diff_s_per_byte is None or self.patch_fraction is None:
             return True
-        if any(self.full_bytes_per_s.get(route, 0.0) <= 0.0 for route in routes):
+        full_s = delta_s = 0.0
+        for route in routes:
+            rate = self.full_bytes_per_s.get(route) or self.verified_bytes_per_s.get(route)
+            if not rate:
+                return True
+            full_s += full_bytes / rate
+            per_byte = self.delta_s_per_byte.get(route)
+            delta_s += per_byte * full_bytes if per_byte is not None else self.patch_fraction * full_bytes / rate
+        return self.diff_s_per_byte * full_bytes + delta_s < full_s
+
+    def diff_would_pay(self, part: Sample, full_bytes: int, routes: Sequence[str]) -> bool:
+        """Whether a diff pays over `routes` at the pace and patch fraction of `part`, the first
+        part of it, warm or cold. A cold part overstates the diff's cost; a diff stopped that would
+        have paid costs one plain push, whose sample then measures warm."""
+        if part.nbytes <= 0:
             return True
-        saved_s = sum((1 - self.patch_fraction) * full_bytes / self.full_bytes_per_s[route] for route in routes)
-        return self.diff_s_per_byte * full_bytes < saved_s
+        at_pace = dataclasses.replace(
+            self, diff_s_per_byte=part.seconds / part.nbytes, patch_fraction=part.patch_bytes / part.nbytes
+        )
+        return at_pace.diff_pays(full_bytes, routes)
 
     def measured(self, sample: Sample) -> None:
         """Take a diff's measurement (unless it was cold or empty)."""
@@ -364,9 +399,17 @@ class Costs:
         if diff.base:
             self.measured(Sample(seconds, diff.full_bytes, diff.patch_bytes, diff.cold))
 
-    def delivered_full(self, route: str, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            self.full_bytes_per_s[route] = nbytes / seconds
+    def delivered(self, route: str, mode: str, full_bytes: int, seconds: float, verified: bool) -> None:
+        """A delivery of the version (`full_bytes` as sent) over `route` took `seconds`: a patch
+        (`mode="delta"`), or the full version, `verified` for the sake of delta (a refresh)."""
+        if full_bytes <= 0 or seconds <= 0:
+            return
+        if mode == "delta":
+            self.delta_s_per_byte[route] = seconds / full_bytes
+        elif verified:
+            self.verified_bytes_per_s[route] = full_bytes / seconds
+        else:
+            self.full_bytes_per_s[route] = full_bytes / seconds
 
 
 def sample_names(specs: Sequence[TensorSpec]) -> frozenset[str]:
@@ -491,8 +534,8 @@ class Baseline:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
         new version. A changed tensor set, shape or dtype makes every tensor dense (no base).
 
-        `keep_going` is asked once, when a warm diff has covered `GATE_FRACTION` of the bytes,
-        with what that part measured; if it says no, the diff stops there and returns None, and
+        `keep_going` is asked once, when the diff has covered `GATE_FRACTION` of the bytes, with
+        what that part measured; if it says no, the diff stops there and returns None, and
         the baseline holds no version a patch can be based on (part of it is new)."""
         return self._take(specs, source, compare=True, keep_going=keep_going)
 
@@ -566,7 +609,7 @@ class Baseline:
             done_bytes, patch_bytes = done_bytes + dense_nbytes(spec), patch_bytes + tensor_nbytes(patch_spec)
             if keep_going is not None and done_bytes >= GATE_FRACTION * full_bytes and base:
                 part = Sample(time.perf_counter() - started, done_bytes, patch_bytes, self._cold)
-                if not part.cold and not keep_going(part):
+                if not keep_going(part):
                     self._cold = False
                     return None  # the baseline is part new, part old: `content` stays ""
                 keep_going = None  # asked once

@@ -216,8 +216,9 @@ class WeightSender:
         for delivery in deliveries:
             delivered = time.perf_counter()
             replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures)
-            if delivery.mode == "full" and self._baseline is not None:
-                self._measured_full(delivery, time.perf_counter() - delivered)
+            if self._baseline is not None:
+                seconds = time.perf_counter() - delivered
+                self._measured(delivery, seconds, sum(dense_nbytes(spec) for spec in specs), verified=diff is not None)
             failures |= failed
             committed |= replies
             contents.append(content)
@@ -282,8 +283,8 @@ class WeightSender:
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
 
         def keep_going(part: Sample) -> bool:
-            self._costs.measured(part)
-            return self._costs.diff_pays(full_bytes, routes)
+            self._costs.measured(part)  # a cold part is no measurement, but still says where it goes
+            return self._costs.diff_would_pay(part, full_bytes, routes)
 
         started = time.perf_counter()
         diff = baseline.diff(specs, source, None if self._always else keep_going)
@@ -291,11 +292,13 @@ class WeightSender:
             self._costs.diffed(time.perf_counter() - started, diff)
         return diff
 
-    def _measured_full(self, delivery: Delivery, seconds: float) -> None:
-        """Each route's throughput for full deliveries (what a skipped diff is weighed against)."""
+    def _measured(self, delivery: Delivery, seconds: float, full_bytes: int, verified: bool) -> None:
+        """What a delivery of a version of `full_bytes` took on each route, for `Costs`: a
+        patch's, a plain full version's, or a full version verified for delta's sake
+        (`verified`: slower than plain)."""
         for route in self._routes:
             if delivery.addresses.intersection(route.addresses):
-                self._costs.delivered_full(route.name, delivery.plan.total_bytes, seconds)
+                self._costs.delivered(route.name, delivery.mode, full_bytes, seconds, verified)
 
     def _deliver(
         self,

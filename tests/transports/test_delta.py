@@ -377,7 +377,7 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
 # --- never slower than full: skip a diff that would not pay (delta.Costs) ------------------------
 
 
-def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
+def test_a_diff_pays_only_when_it_and_the_patch_arrive_before_the_full_version() -> None:
     from weightsync.delta import Costs, Diff, Sample
 
     gib = 1 << 30
@@ -388,21 +388,32 @@ def test_a_diff_pays_only_when_the_bytes_it_saves_take_longer_than_it() -> None:
     costs.measured(Sample(0.3 / 8, gib // 8, gib // 80, cold=False))  # a diff of 1 GiB: 0.3 s, 10% patch
     assert costs.diff_s_per_byte == pytest.approx(0.3 / gib) and costs.patch_fraction == pytest.approx(0.1)
     assert costs.diff_pays(gib, ["tcp"])  # no full delivery measured on tcp yet
-    costs.delivered_full("tcp", gib, 0.8)  # full over tcp: 0.8 s, a patch saves 0.72 s > 0.3 s
-    costs.delivered_full("shm", gib, 0.3)  # full over shm: 0.3 s, a patch saves 0.27 s < 0.3 s
+    # full over tcp: 0.8 s (verified, a refresh), a patch's bytes 0.08 s: 0.38 s < 0.8 s
+    costs.delivered("tcp", "full", gib, 0.8, verified=True)
+    costs.delivered("shm", "full", gib, 0.3, verified=False)  # shm plain: 0.3 s < 0.3 + 0.03 s
     assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"
     assert costs.next_step(gib, ["shm"], ["shm"], always=False) == "plain"
     assert costs.next_step(gib, [], ["shm"], always=False) == "plain"  # no base worth making
     assert costs.next_step(gib, [], ["shm"], always=True) == "refresh"
     assert costs.next_step(gib, ["shm"], ["shm"], always=True) == "diff"
-    assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.99 s saved
+    assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.41 s < 1.1 s
+    # a patch delivery over tcp took 0.45 s (applied and verified): 0.3 + 0.45 < 0.8, but tcp
+    # never had a plain push to compare with: one goes plain to measure it
+    costs.delivered("tcp", "delta", gib, 0.45, verified=True)
+    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "plain"
+    costs.delivered("tcp", "full", gib, 0.7, verified=False)  # plain: 0.7 s < 0.75 s
+    assert costs.next_step(gib, [], ["tcp"], always=False) == "plain"
     costs.diffed(0.9, Diff("c", "d", (), (), 0, gib // 2, gib, cold=True))  # cold: no measurement
     costs.measured(Sample(5.0, gib, 0, cold=True))
     assert costs.diff_s_per_byte == pytest.approx(0.3 / gib)
     costs.measured(Sample(0.1 / 32, gib // 32, gib // 320, cold=False))  # a plain push's sample: less busy now
-    assert costs.next_step(gib, [], ["shm"], always=False) == "refresh"
+    assert costs.next_step(gib, [], ["tcp"], always=False) == "refresh"
     costs.diffed(0.1, Diff("c", "d", (), (), 0, gib // 2, gib))
-    assert costs.next_step(gib, ["shm"], ["shm"], always=False) == "diff"
+    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"
+    # a diff's first eighth, cold or warm, says whether the rest is worth finishing
+    assert not costs.diff_would_pay(Sample(0.2, gib // 8, gib // 80, cold=True), gib, ["tcp"])  # 1.6 s
+    assert costs.diff_would_pay(Sample(0.01, gib // 8, gib // 80, cold=True), gib, ["tcp"])
+    assert costs.diff_s_per_byte == pytest.approx(0.1 / gib)  # asking measures nothing
 
 
 def test_the_sample_a_plain_push_diffs_is_a_stride_through_the_model() -> None:
@@ -433,6 +444,7 @@ class _Measured:
         self.samples.append(sample)
         if self.diff_s_per_byte is not None:
             self.costs.diff_s_per_byte, self.costs.patch_fraction = self.diff_s_per_byte, 0.03
+            self.costs.delta_s_per_byte.clear()  # a patch then costs its bytes at the full rate
 
 
 def _push_steps(sender, dest, receiver, trainer, versions) -> tuple[list[str], list[str]]:
@@ -470,10 +482,10 @@ def test_a_sender_whose_diffs_do_not_pay_pushes_plain_and_keeps_measuring_on_a_s
         assert len(measured.samples) == 4 and all(s.nbytes > 0 and s.seconds > 0 for s in measured.samples)
         assert all(not s.cold for s in measured.samples[1:])  # the sample's base is kept up to date
         # 6: a plain push whose sample finds diffs cheap again; 7: a refresh (verified, a base);
-        # 8, 9: diffs
+        # 8: a diff (what its delivery measures on this host decides the next)
         measured.diff_s_per_byte = 0.0
-        modes, digests = _push_steps(sender, dest, receiver, trainer, range(6, 10))
-        assert modes == ["full", "full", "delta", "delta"] and digests[0] == "" and all(digests[1:])
+        modes, digests = _push_steps(sender, dest, receiver, trainer, range(6, 9))
+        assert modes == ["full", "full", "delta"] and digests[0] == "" and all(digests[1:])
 
 
 def test_a_diff_whose_first_part_does_not_pay_stops_and_the_push_goes_plain(monkeypatch) -> None:
@@ -483,17 +495,25 @@ def test_a_diff_whose_first_part_does_not_pay_stops_and_the_push_goes_plain(monk
         receiving(dest, "tcp") as receiver,
         sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
     ):
-        modes, _ = _push_steps(sender, dest, receiver, trainer, range(2))  # refresh, then a cold diff
+        modes, _ = _push_steps(sender, dest, receiver, trainer, range(2))  # refresh, then a diff
         assert modes == ["full", "delta"]
         sender._costs.diff_s_per_byte = None  # unmeasured: the next push diffs...
-        measured = _Measured(sender._costs, diff_s_per_byte=1.0)  # ...and its first part is slow
+        parts = []
+
+        def too_slow(part, full_bytes, routes) -> bool:  # ...and its first part measures slow
+            parts.append(part)
+            return False
+
+        monkeypatch.setattr(sender._costs, "diff_would_pay", too_slow)
+        measured = _Measured(sender._costs, diff_s_per_byte=1.0)
         monkeypatch.setattr(sender._costs, "measured", measured)
         modes, digests = _push_steps(sender, dest, receiver, trainer, range(2, 4))
         # 2: the diff stopped after its first eighth, the push went plain (nothing sampled: part
         # of the baseline is new already); 3: nobody at a base, plain, sampled
         assert modes == ["full", "full"] and digests == ["", ""]
-        assert len(measured.samples) == 2
-        assert measured.samples[0].nbytes < sum(t.numel() * 2 for t in dest.values())
+        model_bytes = sum(t.numel() * t.element_size() for t in dest.values())
+        assert len(parts) == 1 and model_bytes / 8 <= parts[0].nbytes < model_bytes
+        assert measured.samples == [parts[0], measured.samples[1]] and len(measured.samples) == 2
 
 
 @pytest.mark.gpu
