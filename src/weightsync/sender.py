@@ -106,10 +106,10 @@ class WeightSender:
             it can patch) only the elements whose wire bits changed, and every other receiver
             the full version, in the same push (docs/delta.md). Keeps one copy of the model in
             the wire dtype in host memory, and verifies every push (at least "bucket").
-        delta_policy: "faster" (default): where the last pushes measured that a patch would
-            not arrive sooner than the full version, push as without delta (and measure again
-            every few pushes); "always": diff every push (the report's `mode` says what each
-            receiver got). See `delta.Costs`.
+        delta_policy: "faster" (default): where the last pushes measured that a diff and its
+            patch would not arrive sooner than the full version, push as without delta (diffing
+            a 1/32 sample on the way, to see when it pays again); "always": diff every push
+            (the report's `mode` says what each receiver got). See `delta.Costs`.
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
