@@ -48,6 +48,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=True,
         help="delta sync: send only what changed where that pays (default on)",
     )
+    demo.add_argument(
+        "--delta-policy",
+        choices=("faster", "always"),
+        default="faster",
+        help="with --delta: faster (skip a diff that would not pay; default) or always (diff every push)",
+    )
     demo.set_defaults(handler=run)
 
 
@@ -97,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         kill_server_at=args.kill_server_at,
         progress=args.progress,
         delta=args.delta,
+        delta_policy=args.delta_policy,
     )
     if args.mode == "disaggregated":
         print(

@@ -28,6 +28,7 @@ from weightsync.demo.report import StepLog
 from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
 from weightsync.errors import ConfigError
 from weightsync.module_source import ModuleSource
+from weightsync.options import DeltaPolicy
 from weightsync.sender import WeightSender
 from weightsync.types import SyncReport
 
@@ -61,6 +62,9 @@ class DemoConfig:
     """Push with `delta=True`: a server gets only the elements that changed where that is less
     than half the model and pays (docs/delta.md). At this learning rate nearly every weight moves
     every step, so most pushes still go full; steps.jsonl records what each one moved."""
+    delta_policy: DeltaPolicy = "faster"
+    """With `delta`: "faster" skips a diff that would not arrive sooner than the full version,
+    "always" diffs every push (`WeightSender`'s option)."""
 
 
 OnStep = Callable[[dict[str, Any], torch.nn.Module, Rollouts], None]
@@ -167,7 +171,9 @@ def fresh(samples: list[Sample], version: int, max_staleness: int) -> tuple[list
 
 
 def new_sender(rollouts: Rollouts, config: DemoConfig) -> WeightSender:
-    return WeightSender(rollouts.addresses(), timeout=config.timeout, delta=config.delta)
+    return WeightSender(
+        rollouts.addresses(), timeout=config.timeout, delta=config.delta, delta_policy=config.delta_policy
+    )
 
 
 def push(
