@@ -556,14 +556,18 @@ class Baseline:
         """Bring one tensor of the baseline to `tensor` as sent (no patch is kept): the bytes its
         patch would have taken, and whether memory was allocated on the way."""
         _check_yielded(spec, spec.name, tensor)
-        wire = dtype_from_name(spec.dtype)
-        old = self.tensors.get(spec.name)
-        if old is None or tuple(old.shape) != spec.shape or old.dtype != wire or old.element_size() not in _BITS:
-            self.tensors[spec.name] = _copy(tensor, wire)
+        if not self._holds(spec) or self.tensors[spec.name].element_size() not in _BITS:
+            self.tensors[spec.name] = _copy(tensor, dtype_from_name(spec.dtype))
             return dense_nbytes(spec), True
+        old = self.tensors[spec.name]
         indices, _ = self._changes(tensor, old)
         cold, self._cold = self._cold, False
         return _patch_nbytes(indices.size, old.numel(), spec), cold
+
+    def _holds(self, spec: TensorSpec) -> bool:
+        """Whether the baseline has tensor `spec` in its shape and wire dtype."""
+        old = self.tensors.get(spec.name)
+        return old is not None and tuple(old.shape) == spec.shape and old.dtype == dtype_from_name(spec.dtype)
 
     def _take(
         self,
@@ -572,21 +576,17 @@ class Baseline:
         compare: bool,
         keep_going: Callable[[Sample], bool] | None = None,
     ) -> Diff | None:
-        same_layout = [spec.name for spec in specs] == list(self.tensors) and all(
-            tuple(self.tensors[spec.name].shape) == spec.shape
-            and self.tensors[spec.name].dtype == dtype_from_name(spec.dtype)
-            for spec in specs
-        )
+        same_layout = [spec.name for spec in specs] == list(self.tensors) and all(map(self._holds, specs))
         held = self.content  # waits for the last push's digest: it reads what this overwrites
         base = held if same_layout and compare else ""
         self._content = ""  # until the new version is whole
         if not same_layout:
             self.tensors = {}
-        self._cold = self._patches.reset(sum(dense_nbytes(spec) for spec in specs))
+        full_bytes = sum(dense_nbytes(spec) for spec in specs)
+        self._cold = self._patches.reset(full_bytes)
         patched: list[TensorSpec] = []
         payloads: list[torch.Tensor] = []
         changed = total = 0
-        full_bytes = sum(dense_nbytes(spec) for spec in specs)
         started, done_bytes, patch_bytes = time.perf_counter(), 0, 0
         for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
             _check_yielded(spec, name, tensor)

@@ -184,11 +184,12 @@ class WeightSender:
         largest = max((tensor_nbytes(spec) for spec in specs), default=0)
         bucket_bytes = self._agree_bucket_bytes(largest, welcomes, failures)
         reachable = [address for address in self._addresses if address in welcomes and address not in failures]
-        step, at_base = self._next_step(specs, reachable, welcomes)
+        full_bytes = sum(dense_nbytes(spec) for spec in specs)
+        step, at_base = self._next_step(full_bytes, reachable, welcomes)
         diff = (
             None
             if step == "plain" or self._baseline is None
-            else self._take(self._baseline, step, specs, source, at_base)
+            else self._take(self._baseline, step, specs, source, full_bytes, at_base)
         )
         # the strictest verification any receiver asks for, or ours if stricter; a delta push
         # (a diff or a refresh) always verifies: a patch onto the wrong bytes must not commit
@@ -218,7 +219,7 @@ class WeightSender:
             replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures)
             if self._baseline is not None:
                 seconds = time.perf_counter() - delivered
-                self._measured(delivery, seconds, sum(dense_nbytes(spec) for spec in specs), verified=diff is not None)
+                self._measured(delivery, seconds, full_bytes, verified=diff is not None)
             failures |= failed
             committed |= replies
             contents.append(content)
@@ -228,7 +229,7 @@ class WeightSender:
 
         report = SyncReport(
             version=version,
-            total_bytes=sum(dense_nbytes(spec) for spec in specs),
+            total_bytes=full_bytes,
             num_tensors=len(specs),
             num_buckets=sum(len(delivery.plan.buckets) for delivery in deliveries),
             bucket_bytes=bucket_bytes,
@@ -256,17 +257,16 @@ class WeightSender:
         return report
 
     def _next_step(
-        self, specs: list[TensorSpec], reachable: list[str], welcomes: Mapping[str, Welcome]
+        self, full_bytes: int, reachable: list[str], welcomes: Mapping[str, Welcome]
     ) -> tuple[Step, list[str]]:
-        """plain without delta; with it, what `Costs` says, and the routes to receivers at the
-        baseline (those a patch would go to)."""
+        """plain without delta; with it, what `Costs` says for a version of `full_bytes`, and the
+        routes to receivers at the baseline (those a patch would go to)."""
         baseline = self._baseline
         if baseline is None:
             return "plain", []
         at_base = {a for a in reachable if baseline.content and welcomes[a].content == baseline.content}
         routes = [route.name for route in self._routes if at_base.intersection(route.addresses)]
         reached = [route.name for route in self._routes if set(route.addresses).intersection(reachable)]
-        full_bytes = sum(dense_nbytes(spec) for spec in specs)
         return self._costs.next_step(full_bytes, routes, reached, always=self._always), routes
 
     @property
@@ -274,13 +274,18 @@ class WeightSender:
         return self.options.delta_policy == "always"
 
     def _take(
-        self, baseline: Baseline, step: Step, specs: list[TensorSpec], source: WeightSource, routes: list[str]
+        self,
+        baseline: Baseline,
+        step: Step,
+        specs: list[TensorSpec],
+        source: WeightSource,
+        full_bytes: int,
+        routes: list[str],
     ) -> Diff | None:
         """The new version into the baseline: copied, or diffed (measured, for `Costs`), or None
         where the diff's first part measured as not paying over `routes` (the push goes plain)."""
         if step == "refresh":
             return baseline.refresh(specs, source)
-        full_bytes = sum(dense_nbytes(spec) for spec in specs)
 
         def keep_going(part: Sample) -> bool:
             self._costs.measured(part)  # a cold part is no measurement, but still says where it goes
