@@ -10,8 +10,10 @@ it completed. Where a tensor lands:
 - no destination, a sink that `borrows` (an engine's loader), and the tensor whole in one
   bucket: not copied at all. `load` gets a read-only view of the transport's buffer (a ring
   slot, a GPU slot, a reused receive buffer), valid for the call;
-- no destination, chunked over several buckets: assembled in the receiver's staging arena
-  (`Staging`), allocated once, pre-faulted and reused across syncs;
+- no destination, chunked over several buckets, a borrowing sink, and a transport that holds
+  the whole tensor in a buffer of its own (the shm ring's staging area): lent from there too;
+- no destination, chunked over several buckets otherwise: assembled in the receiver's staging
+  arena (`Staging`), allocated once, pre-faulted and reused across syncs;
 - anything else (a sink that keeps what it is handed): a host tensor of its own.
 """
 
@@ -168,12 +170,17 @@ class Landing:
         # patches too: staged until applied, in the reused arena rather than fresh memory each sync
         staged = sorted({*chunked, *(t for t in self._encoded if t in num_pieces)})
         self._arena_offsets, arena_bytes = arena_layout(plan, staged)
+        self.lends_chunked = bool(chunked)
+        """Whether the sink borrows tensors larger than a bucket that have no destination."""
         self._completes: list[list[int]] = [
             [p.tensor for p in bucket if p.tensor_offset + p.nbytes == tensor_nbytes(plan.tensors[p.tensor])]
             for bucket in plan.buckets
         ]
         self._check_staging_fits(arena_bytes)
-        self._arena = self._staging.arena(arena_bytes) if staged else None
+        self._arena_bytes = arena_bytes
+        self._arena: torch.Tensor | None = None
+        """Taken from `staging` when a piece first lands there (a ring that stages chunked
+        tensors itself lends them instead, and the arena is never needed)."""
 
     def _destination(self, index: int) -> torch.Tensor | None:
         spec = self.plan.tensors[index]
@@ -248,9 +255,8 @@ class Landing:
         if dest is not None and self.direct(piece.tensor):
             self.touched_live = self.touched_live or self.sink.destinations_live
             whole = byte_view(dest)
-        elif piece.tensor in self._arena_offsets and self._arena is not None:
-            start = self._arena_offsets[piece.tensor]
-            whole = self._arena[start : start + tensor_nbytes(self.plan.tensors[piece.tensor])].numpy()
+        elif (arena := self._in_arena(piece.tensor)) is not None:
+            whole = arena.numpy()
         else:
             whole = byte_view(self._stage(piece.tensor))
         return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
@@ -258,7 +264,11 @@ class Landing:
     def lends(self, piece: Piece) -> bool:
         """Whether `piece` is not copied at all: its bytes are lent, from the transport's buffer,
         to a sink that borrows them for the length of a `load`."""
-        return piece.tensor in self._whole and self.sink.borrows and self._stageable(piece.tensor)
+        return piece.tensor in self._whole and self.lendable(piece.tensor)
+
+    def lendable(self, tensor: int) -> bool:
+        """Whether tensor `tensor` may be lent to the sink from wherever a transport holds it whole."""
+        return self.sink.borrows and self._stageable(tensor)
 
     def host_site(self, tensor: int) -> np.ndarray | None:
         """All the host bytes tensor `tensor` lands in, in place, or None when it has no such
@@ -282,18 +292,29 @@ class Landing:
         whole = dest.detach().reshape(-1).view(torch.uint8)
         return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
 
-    def copy_in(self, piece: Piece, data: np.ndarray | torch.Tensor, *, pinned: bool = False) -> None:
+    def copy_in(
+        self,
+        piece: Piece,
+        data: np.ndarray | torch.Tensor,
+        *,
+        pinned: bool = False,
+        whole: np.ndarray | None = None,
+    ) -> None:
         """Copy `data`, the piece's bytes in a transport's buffer (host bytes, or a uint8 tensor
         on a device), to where the piece goes. `pinned`: host `data` is page-locked for CUDA
-        (hostpin), so a device copies it by DMA directly. Device copies are left in flight on
-        the current stream: synchronise before reusing `data`."""
+        (hostpin), so a device copies it by DMA directly. `whole`: the transport holds the
+        piece's entire tensor there, contiguous (`data` is part of it), until the tensor's last
+        bucket is finished: a borrowing sink is lent that, nothing copied. Device copies are
+        left in flight on the current stream: synchronise before reusing `data`."""
         started = time.perf_counter()
-        self._copy_in(piece, data, pinned)
+        self._copy_in(piece, data, pinned, whole)
         self.landing_s += time.perf_counter() - started
 
-    def _copy_in(self, piece: Piece, data: np.ndarray | torch.Tensor, pinned: bool) -> None:
+    def _copy_in(self, piece: Piece, data: np.ndarray | torch.Tensor, pinned: bool, whole: np.ndarray | None) -> None:
         device = self.device_view(piece)
-        if device is None and self.lends(piece):
+        if device is None and whole is not None and self.lendable(piece.tensor):
+            self._lent[piece.tensor] = whole
+        elif device is None and self.lends(piece):
             self._lent[piece.tensor] = data
         elif device is None:
             out = self.host_view(piece)
@@ -382,9 +403,8 @@ class Landing:
         if spec.count == 0 or dest is None:
             return  # unchanged (destinations of patches were checked at the start)
         payload = self._staged.pop(tensor, None)  # adopted whole (inproc), else in the arena
-        if payload is None and tensor in self._arena_offsets and self._arena is not None:
-            start = self._arena_offsets[tensor]
-            payload = self._arena[start : start + tensor_nbytes(spec)]
+        if payload is None:
+            payload = self._in_arena(tensor)
         if payload is None:
             raise PlanError(f"patch of {spec.name!r} completed with no bytes landed")
         self.touched_live = self.touched_live or self.sink.destinations_live
@@ -411,7 +431,8 @@ class Landing:
     def _landed(self, piece: Piece) -> np.ndarray:
         """The piece's bytes where they landed, in host memory (a copy for a device destination)."""
         lent = self._lent.get(piece.tensor)
-        if lent is not None:
+        if lent is not None:  # the piece's bytes, or its whole tensor's
+            lent = lent[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
             return lent if isinstance(lent, np.ndarray) else lent.cpu().numpy()
         device = self.device_view(piece)
         return self.host_view(piece) if device is None else device.cpu().numpy()
@@ -424,10 +445,19 @@ class Landing:
             return _typed(lent, spec.dtype, spec.shape)
         if tensor in self._staged:
             return self._staged.pop(tensor)
-        if tensor in self._arena_offsets and self._arena is not None:
-            start = self._arena_offsets[tensor]
-            return _typed(self._arena[start : start + tensor_nbytes(spec)], spec.dtype, spec.shape)
+        arena = self._in_arena(tensor)
+        if arena is not None:
+            return _typed(arena, spec.dtype, spec.shape)
         return self._stage(tensor)
+
+    def _in_arena(self, tensor: int) -> torch.Tensor | None:
+        """Tensor `tensor`'s bytes in the staging arena, or None when it is not assembled there."""
+        start = self._arena_offsets.get(tensor)
+        if start is None:
+            return None
+        if self._arena is None:
+            self._arena = self._staging.arena(self._arena_bytes)
+        return self._arena[start : start + tensor_nbytes(self.plan.tensors[tensor])]
 
     def _stage(self, tensor: int) -> torch.Tensor:
         staged = self._staged.get(tensor)

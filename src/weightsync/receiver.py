@@ -245,7 +245,7 @@ class WeightReceiver:
             link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
             return
         try:
-            link.send(Accept(offer.version), self._timeout)
+            link.send(Accept(offer.version, landing.lends_chunked), self._timeout)
             for index in range(len(offer.plan.buckets)):
                 link.bucket = index
                 plane.receive(index, landing)

@@ -36,10 +36,11 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a
 chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5: `NixlTarget`
-and `NixlWrites`, new messages in the union)."""
+and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the tensors
+larger than a bucket)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -113,10 +114,13 @@ class Auth(msgspec.Struct, frozen=True, tag=True):
 
 
 class Ring(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (shm only): the shared-memory slots buckets are written to."""
+    """Sender -> receiver (shm only): the shared-memory slots buckets are written to, and the
+    staging area tensors larger than a bucket are written to whole ("" and 0: none)."""
 
     segments: tuple[str, ...]
     slot_bytes: int
+    staging: str = ""
+    staging_bytes: int = 0
 
 
 class DeviceSlot(msgspec.Struct, frozen=True):
@@ -170,6 +174,9 @@ class Accept(msgspec.Struct, frozen=True, tag=True):
     """Receiver -> sender: the plan fits; send the buckets."""
 
     version: int
+    lends: bool = False
+    """Its sink is handed tensors larger than a bucket that have no destination: a transport
+    that can hold such a tensor whole (shm's staging area) spares it a copy, from the next sync."""
 
 
 class NixlTarget(msgspec.Struct, frozen=True, tag=True):

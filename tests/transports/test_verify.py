@@ -10,6 +10,7 @@ that exported it; the receiver, and the byte flipped in it, stay in this process
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,12 +38,19 @@ def zeros(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def flip_bucket_1(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Corrupt one landed byte of bucket 1 of version 1, before the checksum is checked."""
+    """Corrupt one landed byte of bucket 1 of version 1, before the checksum is checked (bytes
+    lent from a read-only transport buffer are swapped for a corrupted copy)."""
     original = Landing.finish_bucket
 
     def corrupted(self: Landing, index: int, checksum: int | None = None) -> None:
         if self.version == 1 and index == 1:
-            self.host_view(self.plan.buckets[1][0])[0] ^= 0x40
+            piece = self.plan.buckets[1][0]
+            lent = self._lent.get(piece.tensor)
+            if lent is None:
+                self.host_view(piece)[0] ^= 0x40
+            else:
+                self._lent[piece.tensor] = flipped = np.array(lent, copy=True)
+                flipped[piece.tensor_offset] ^= 0x40
         original(self, index, checksum)
 
     monkeypatch.setattr(Landing, "finish_bucket", corrupted)

@@ -121,6 +121,8 @@ class SenderChannel:
         self._links: dict[str, Link] = {}
         self._inboxes: dict[str, _Inbox] = {}
         self._welcomes: dict[str, Welcome] = {}
+        self._lends: dict[str, bool] = {}
+        """Each receiver's last `Accept.lends`."""
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
@@ -178,7 +180,9 @@ class SenderChannel:
         deadline = time.monotonic() + self.timeout
 
         def accepted(address: str, link: Link) -> None:
-            self._check_version(self.expect(address, Accept, deadline), offer.version)
+            accept = self.expect(address, Accept, deadline)
+            self._check_version(accept, offer.version)
+            self._lends[address] = accept.lends
 
         return failures | self.each([a for a in live if a not in failures], accepted)
 
@@ -284,10 +288,16 @@ class SenderChannel:
         inbox = self._inboxes.get(address)
         return inbox.reason() if inbox is not None else None
 
+    def lends(self, address: str) -> bool:
+        """Whether `address`'s last accepted plan had tensors larger than a bucket to lend to its
+        sink whole (`Accept.lends`); False until it accepted one."""
+        return self._lends.get(address, False)
+
     def drop(self, address: str) -> None:
         link = self._links.pop(address, None)
         self._inboxes.pop(address, None)
         self._welcomes.pop(address, None)
+        self._lends.pop(address, None)
         if link is not None:
             link.close()
 

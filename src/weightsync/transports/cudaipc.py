@@ -15,7 +15,7 @@ it copies device to host), but the ring is always on a GPU, so both processes ne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -38,8 +38,11 @@ def require_cuda(role: str) -> None:
 class DeviceRingSlots:
     """The sender's ring: `num_slots` uint8 tensors of `slot_bytes` on its current CUDA device."""
 
-    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, staging_bytes: int = 0) -> None:
+        if staging_bytes:
+            raise ValueError("a GPU ring has no staging area")
         self.slot_bytes = slot_bytes
+        self.staging_bytes = 0
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(num_slots)]
 
@@ -50,7 +53,9 @@ class DeviceRingSlots:
             shared.append(DeviceSlot(device, handle, size, offset, counter, counter_offset, event, sync))
         return DeviceRing(tuple(shared), self.slot_bytes)
 
-    def write(self, slot: int, items: Sequence[BucketItem], *, readback: bool) -> list[np.ndarray]:
+    def write(
+        self, slot: int, items: Sequence[BucketItem], *, readback: bool, staged: Mapping[int, int]
+    ) -> list[np.ndarray]:
         with torch.cuda.device(self.device):
             views = pack_bucket(items, self.slots[slot])
             torch.cuda.current_stream().synchronize()  # the receivers read the slot from other processes

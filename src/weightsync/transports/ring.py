@@ -3,6 +3,13 @@ memory): the sender owns `num_slots` slots, created once and reused across syncs
 k into slot k % num_slots while receivers copy bucket k-1 out, and every receiver reads the same
 slot (written once, read N times). A receiver acks each bucket (`BucketDone`) to free its slot.
 
+A ring may also have a staging area (shm): a tensor larger than a bucket is written there
+whole, piece by piece, rather than into the slots, so that a receiver whose sink borrows can be
+lent it whole instead of assembling a copy of its own. Both sides place tensors in it by the
+same pure function of the plan (`staging_layout`). A bucket wholly in the staging area takes no
+slot, so the sender packs it while receivers are still busy with earlier slots; before it writes
+into space an earlier tensor held, it waits for every ack of that tensor's last bucket.
+
 A ring is announced before the offer, so every receiver has mapped it before it accepts, and
 unlinked right after: a crash of either side leaves nothing behind. The rings themselves (how a
 slot is made, shared, written and read) live in shm.py and cudaipc.py.
@@ -10,21 +17,31 @@ slot is made, shared, written and read) live in shm.py and cudaipc.py.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ConfigError, ProtocolError
-from weightsync.landing import Landing
+from weightsync.landing import Landing, arena_layout
 from weightsync.pack import BucketItem
+from weightsync.plan import tensor_nbytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane
 from weightsync.transports.control import SenderChannel, expect_on
 from weightsync.types import BucketDone, BucketReady, Message, Piece, Plan
 
-__all__ = ["MAX_SLOTS", "ReceiveRing", "RingReceivePlane", "RingSendPlane", "SendRing"]
+__all__ = [
+    "MAX_SLOTS",
+    "ReceiveRing",
+    "RingReceivePlane",
+    "RingSendPlane",
+    "SendRing",
+    "StagingLayout",
+    "staging_layout",
+]
 
 MAX_SLOTS = 16
 
@@ -33,14 +50,19 @@ class SendRing(Protocol):
     """The sender's slots."""
 
     slot_bytes: int
+    staging_bytes: int
+    """The staging area's size; 0 for a ring without one."""
 
     def announcement(self) -> Message:
         """What tells a receiver how to open this ring."""
         ...
 
-    def write(self, slot: int, items: Sequence[BucketItem], *, readback: bool) -> list[np.ndarray]:
-        """Pack `items` into slot `slot`, ready for other processes to read; with `readback`,
-        returns their bytes in host memory (for checksums)."""
+    def write(
+        self, slot: int, items: Sequence[BucketItem], *, readback: bool, staged: Mapping[int, int]
+    ) -> list[np.ndarray]:
+        """Pack `items` into slot `slot`, those of the tensors in `staged` into the staging area
+        instead (at the tensor's offset there, `staging_layout`), ready for other processes to
+        read; with `readback`, returns their bytes in host memory (for checksums)."""
         ...
 
     def unlink(self) -> None:
@@ -64,30 +86,55 @@ class ReceiveRing(Protocol):
 
 
 class RingSendPlane(SendPlane):
-    """Buckets through a ring; `new_ring(num_slots, slot_bytes)` makes the ring."""
+    """Buckets through a ring; `new_ring(num_slots, slot_bytes, staging_bytes)` makes the ring.
+    `stages`: tensors larger than a bucket go through the ring's staging area."""
 
-    def __init__(self, channel: SenderChannel, options: PlaneOptions, new_ring: Callable[[int, int], SendRing]) -> None:
+    def __init__(
+        self,
+        channel: SenderChannel,
+        options: PlaneOptions,
+        new_ring: Callable[[int, int, int], SendRing],
+        *,
+        stages: bool = False,
+    ) -> None:
         super().__init__(channel, options)
         if not 1 <= options.num_slots <= MAX_SLOTS:
             raise ConfigError(f"num_slots must be in [1, {MAX_SLOTS}], got {options.num_slots}")
         self._new_ring = new_ring
+        self._stages = stages
         self._ring: SendRing | None = None
         self._members: set[Link] = set()
         """The links that have opened the ring; a reconnected receiver needs a new ring."""
         self._acked: dict[str, int] = {}
+        self._staging = StagingLayout()
+        """This sync's tensors in the staging area."""
+        self._slot_users: list[int] = []
+        """The last bucket written into each slot (-1: none this sync)."""
+        self._slots_used = 0
 
     def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
         plan_bytes = plan.bucket_bytes
+        self._slot_users, self._slots_used = [-1] * self.options.num_slots, 0
+        staging = staging_layout(plan) if self._stages else StagingLayout()
+        # a staging area costs memory: made only once a receiver said it would be lent from it;
+        # a ring that has one uses it for every plan that fits (receivers rely on that)
+        wanted = staging.nbytes > 0 and any(self.channel.lends(address) for address in live)
         links = {self.channel.link(address) for address in live}
         failures: Failures = {}
         ring = self._ring
-        if ring is None or ring.slot_bytes != plan_bytes or not links <= self._members:
+        if (
+            ring is None
+            or ring.slot_bytes != plan_bytes
+            or ring.staging_bytes < (staging.nbytes if wanted or ring.staging_bytes else 0)
+            or not links <= self._members
+        ):
             if ring is not None:
                 ring.close()
-            self._ring = ring = self._new_ring(self.options.num_slots, plan_bytes)
+            self._ring = ring = self._new_ring(self.options.num_slots, plan_bytes, staging.nbytes if wanted else 0)
             self._members = links
             message = ring.announcement()
             failures = self.channel.each(live, lambda address, link: link.send(message, self.options.timeout))
+        self._staging = staging if ring.staging_bytes else StagingLayout()
         self._acked = {address: -1 for address in live}
         try:
             return failures | offer()  # every receiver that accepts has opened the ring
@@ -98,12 +145,17 @@ class RingSendPlane(SendPlane):
         ring = self._ring
         if ring is None:
             raise ProtocolError("bucket sent before the ring was set up", transport=self.channel.scheme)
-        slot = index % self.options.num_slots
+        staged = self._staging.offsets
+        after = self._staging.frees.get(index, -1)  # the staging space it writes into is free
+        slot = 0
+        if any(item.piece.tensor not in staged for item in items):  # and its slot is free
+            slot = self._slots_used % self.options.num_slots
+            self._slots_used += 1
+            after = max(after, self._slot_users[slot])
+            self._slot_users[slot] = index
         deadline = time.monotonic() + self.options.timeout
-        failures = self.channel.each(
-            live, lambda address, link: self._wait_ack(address, index - self.options.num_slots, deadline)
-        )
-        views = ring.write(slot, items, readback=hashes is not None)
+        failures = self.channel.each(live, lambda address, link: self._wait_ack(address, after, deadline))
+        views = ring.write(slot, items, readback=hashes is not None, staged=staged)
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
         message = BucketReady(index, slot, checksum)
 
@@ -167,6 +219,37 @@ class RingReceivePlane(ReceivePlane):
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagingLayout:
+    """A plan's tensors in a ring's staging area."""
+
+    offsets: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Each staged tensor's offset in the area."""
+    nbytes: int = 0
+    """The area's size."""
+    frees: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Bucket -> the bucket every receiver must have acked before it is written: the last of
+    the earlier tensors whose space its staged tensors reuse."""
+
+
+def staging_layout(plan: Plan) -> StagingLayout:
+    """Where each tensor of `plan` larger than a bucket sits in a ring's staging area."""
+    spans: dict[int, list[int]] = {}
+    for index, bucket in enumerate(plan.buckets):
+        for piece in bucket:
+            spans.setdefault(piece.tensor, [index, index])[1] = index
+    chunked = sorted(tensor for tensor, (first, last) in spans.items() if last > first)
+    offsets, nbytes = arena_layout(plan, chunked)
+    frees: dict[int, int] = {}
+    for i, tensor in enumerate(chunked):
+        start, end = offsets[tensor], offsets[tensor] + tensor_nbytes(plan.tensors[tensor])
+        first = spans[tensor][0]
+        for earlier in chunked[:i]:
+            if offsets[earlier] < end and start < offsets[earlier] + tensor_nbytes(plan.tensors[earlier]):
+                frees[first] = max(frees.get(first, -1), spans[earlier][1])
+    return StagingLayout(offsets, nbytes, frees)
 
 
 def check_ring(num_slots: int, slot_bytes: int, options: PlaneOptions, transport: str) -> None:

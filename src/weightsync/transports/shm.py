@@ -5,6 +5,10 @@ bucket k into slot k % num_slots, every receiver copies it out into its destinat
 they are on a GPU: both sides page-lock the ring then). A Unix socket per receiver carries the
 control messages and the per-bucket acks.
 
+A tensor larger than a bucket goes into one more segment, the staging area, whole: a receiver
+with a destination copies each piece out as usual, and a receiver whose sink borrows (an
+engine's loader) is lent the whole tensor there, so nothing is assembled twice.
+
 Segments never outlive a sync's setup: every receiver maps the ring before it accepts a plan, and
 the sender unlinks the names right after, so a crash of either side leaves nothing in /dev/shm.
 A segment created by a process that died before unlinking is reaped by the next ring.
@@ -17,17 +21,18 @@ import os
 import re
 import secrets
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from weightsync import hostpin
 from weightsync.errors import ProtocolError, ResourceError
 from weightsync.landing import Landing
-from weightsync.pack import BucketItem, pack_bucket
+from weightsync.pack import BucketItem, write_piece
+from weightsync.plan import tensor_nbytes
 from weightsync.transports.base import PlaneOptions, TransportSpec
-from weightsync.transports.ring import RingReceivePlane, RingSendPlane, check_ring
-from weightsync.types import Message, Piece, Ring
+from weightsync.transports.ring import RingReceivePlane, RingSendPlane, StagingLayout, check_ring, staging_layout
+from weightsync.types import Message, Piece, Plan, Ring
 
 __all__ = ["SPEC", "MappedRing", "ShmRing", "reap_stale_segments"]
 
@@ -69,38 +74,58 @@ def _unlink(names: list[str]) -> None:
 
 
 class ShmRing:
-    """The sender's slots: `num_slots` shared-memory segments of `slot_bytes` each."""
+    """The sender's slots: `num_slots` shared-memory segments of `slot_bytes` each, and a staging
+    area of `staging_bytes` (none when 0)."""
 
-    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+    def __init__(self, num_slots: int, slot_bytes: int, staging_bytes: int = 0) -> None:
         reap_stale_segments()
         token = secrets.token_hex(6)
-        self.names = [f"weightsync-{os.getpid()}-{token}-{i}" for i in range(num_slots)]
+        self.names = [f"weightsync-{os.getpid()}-{token}-{i}" for i in range(num_slots + bool(staging_bytes))]
         self.slot_bytes = slot_bytes
+        self.staging_bytes = staging_bytes
         self._maps: list[mmap.mmap] = []
         self._unlinker = weakref.finalize(self, _unlink, list(self.names))
         self.pinned: bool | None = None
         """Page-locked for CUDA: None until CUDA tensors are packed, then whether it worked."""
         try:
-            for name in self.names:
-                self._maps.append(self._create(name, slot_bytes))
+            for i, name in enumerate(self.names):
+                self._maps.append(self._create(name, slot_bytes if i < num_slots else staging_bytes))
         except BaseException:
             self.close()
             raise
-        self.slots = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        regions = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
+        self.slots = regions[:num_slots]
+        self.staging = regions[num_slots] if staging_bytes else np.empty(0, dtype=np.uint8)
 
     def pin(self) -> None:
         """Page-lock the slots, so that CUDA tensors are packed into them by DMA."""
-        self.pinned = hostpin.pin_all(self.slots)
+        self.pinned = hostpin.pin_all(self._regions())
+
+    def _regions(self) -> list[np.ndarray]:
+        return [*self.slots, self.staging] if self.staging.size else list(self.slots)
 
     def announcement(self) -> Message:
         """What tells a receiver how to map this ring."""
-        return Ring(tuple(self.names), self.slot_bytes)
+        num_slots = len(self.slots)
+        staging = self.names[num_slots] if self.staging_bytes else ""
+        return Ring(tuple(self.names[:num_slots]), self.slot_bytes, staging, self.staging_bytes)
 
-    def write(self, slot: int, items: Sequence[BucketItem], *, readback: bool) -> list[np.ndarray]:
-        """Pack `items` into slot `slot`; returns their bytes there (for checksums)."""
+    def write(
+        self, slot: int, items: Sequence[BucketItem], *, readback: bool, staged: Mapping[int, int]
+    ) -> list[np.ndarray]:
+        """Pack `items` into slot `slot` (or the staging area); returns their bytes there (for checksums)."""
         if self.pinned is None and any(item.tensor.is_cuda for item in items):
             self.pin()
-        return [np.asarray(view) for view in pack_bucket(items, self.slots[slot])]
+        views = []
+        for item in items:
+            piece, start = item.piece, staged.get(item.piece.tensor)
+            if start is None:
+                view = self.slots[slot][piece.bucket_offset : piece.bucket_offset + piece.nbytes]
+            else:
+                view = self.staging[start + piece.tensor_offset : start + piece.tensor_offset + piece.nbytes]
+            write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, view)
+            views.append(view)
+        return views
 
     @staticmethod
     def _create(name: str, size: int) -> mmap.mmap:
@@ -128,40 +153,65 @@ class ShmRing:
     def close(self) -> None:
         self.unlink()
         if self.pinned:
-            hostpin.unpin_all(self.slots)
+            hostpin.unpin_all(self._regions())
             self.pinned = None
         self.slots = []
+        self.staging = np.empty(0, dtype=np.uint8)
         _unmap(self._maps)
         self._maps = []
 
 
 class MappedRing:
-    """A receiver's read-only mapping of a sender's ring."""
+    """A receiver's read-only mapping of a sender's ring (its slots, then its staging area if any)."""
 
-    def __init__(self, maps: list[mmap.mmap]) -> None:
-        self._maps = maps
+    def __init__(self, maps: list[mmap.mmap], staging: mmap.mmap | None = None) -> None:
+        self._maps = maps if staging is None else [*maps, staging]
         self.slots = [np.frombuffer(m, dtype=np.uint8) for m in maps]
+        self.staging = np.frombuffer(staging, dtype=np.uint8) if staging is not None else np.empty(0, dtype=np.uint8)
         self.slot_bytes = len(maps[0]) if maps else 0
         self.num_slots = len(maps)
         self.pinned: bool | None = None
         """Page-locked for CUDA: None until a bucket bound for a device arrives, then whether it worked."""
+        self._layout: tuple[Plan, dict[int, int]] | None = None
+        """The staging area's layout for the plan being received."""
+
+    def _regions(self) -> list[np.ndarray]:
+        return [*self.slots, self.staging] if self.staging.size else list(self.slots)
 
     def pin(self) -> None:
-        self.pinned = hostpin.pin_all(self.slots, read_only=True)
+        self.pinned = hostpin.pin_all(self._regions(), read_only=True)
+
+    def _staged(self, plan: Plan) -> dict[int, int]:
+        """Where `plan`'s tensors larger than a bucket sit in the staging area (none without one)."""
+        if self._layout is None or self._layout[0] is not plan:
+            layout = staging_layout(plan) if self.staging.size else StagingLayout()
+            if layout.nbytes > self.staging.size:
+                raise ProtocolError(
+                    f"the plan stages {layout.nbytes} bytes; the ring's staging area holds {self.staging.size}",
+                    transport="shm",
+                )
+            self._layout = (plan, layout.offsets)
+        return self._layout[1]
 
     def read(self, slot: int, pieces: Sequence[Piece], landing: Landing) -> None:
-        """Land `pieces` out of slot `slot`."""
+        """Land `pieces` out of slot `slot` (or the staging area)."""
         if self.pinned is None and any(landing.on_device(piece.tensor) for piece in pieces):
             self.pin()
-        out = self.slots[slot]
+        out, staged = self.slots[slot], self._staged(landing.plan)
         for piece in pieces:
-            data = out[piece.bucket_offset : piece.bucket_offset + piece.nbytes]
-            landing.copy_in(piece, data, pinned=bool(self.pinned))
+            start = staged.get(piece.tensor)
+            if start is None:
+                data, whole = out[piece.bucket_offset : piece.bucket_offset + piece.nbytes], None
+            else:
+                whole = self.staging[start : start + tensor_nbytes(landing.plan.tensors[piece.tensor])]
+                data = whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
+            landing.copy_in(piece, data, pinned=bool(self.pinned), whole=whole)
 
     def close(self) -> None:
         if self.pinned:
-            hostpin.unpin_all(self.slots)
+            hostpin.unpin_all(self._regions())
         self.slots = []
+        self.staging = np.empty(0, dtype=np.uint8)
         _unmap(self._maps)
         reap_stale_segments()  # a sender that died before unlinking its ring left names behind
 
@@ -171,9 +221,18 @@ def open_ring(message: Message, options: PlaneOptions) -> MappedRing | None:
     if not isinstance(message, Ring):
         return None
     check_ring(len(message.segments), message.slot_bytes, options, "shm")
-    if not all(_SEGMENT.fullmatch(name) for name in message.segments):
+    names = [*message.segments, message.staging] if message.staging else list(message.segments)
+    if not all(_SEGMENT.fullmatch(name) for name in names) or (message.staging_bytes > 0) != bool(message.staging):
         raise ProtocolError("ring names a segment that is not a weightsync segment", transport="shm")
-    ring = MappedRing([_map_readonly(name, message.slot_bytes) for name in message.segments])
+    maps: list[mmap.mmap] = []
+    try:
+        for i, name in enumerate(names):
+            maps.append(_map_readonly(name, message.slot_bytes if i < len(message.segments) else message.staging_bytes))
+    except BaseException:
+        _unmap(maps)
+        raise
+    slots, staging = (maps[:-1], maps[-1]) if message.staging else (maps, None)
+    ring = MappedRing(slots, staging)
     reap_stale_segments()
     return ring
 
@@ -204,7 +263,7 @@ def _map_readonly(name: str, size: int) -> mmap.mmap:
 SPEC = TransportSpec(
     name="shm",
     link="unix",
-    send_plane=lambda channel, options: RingSendPlane(channel, options, ShmRing),
+    send_plane=lambda channel, options: RingSendPlane(channel, options, ShmRing, stages=True),
     receive_plane=lambda link, options: RingReceivePlane(link, options, open_ring),
     summary="same host: source -> shared ring slot -> each receiver",
     uses_slots=True,
