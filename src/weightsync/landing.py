@@ -62,6 +62,10 @@ class Staging:
             self._arena = _prefaulted(nbytes + nbytes // 8)
         return self._arena
 
+    def release_arena(self) -> None:
+        """Give the arena back (a sync found its tensors lent from a transport's own buffer)."""
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
     def receive_buffer(self, nbytes: int) -> np.ndarray:
         """At least `nbytes` of receive buffer (grown, never shrunk)."""
         if self._receive.numel() < nbytes:
@@ -449,6 +453,12 @@ class Landing:
         if arena is not None:
             return _typed(arena, spec.dtype, spec.shape)
         return self._stage(tensor)
+
+    @property
+    def arena_unused(self) -> bool:
+        """The plan had tensors to assemble in the arena and none was: the transport lent them
+        whole from a buffer of its own (the shm ring's staging area)."""
+        return self._arena_bytes > 0 and self._arena is None
 
     def _in_arena(self, tensor: int) -> torch.Tensor | None:
         """Tensor `tensor`'s bytes in the staging arena, or None when it is not assembled there."""

@@ -257,6 +257,8 @@ class WeightReceiver:
             times = _times(landing, self._sink, started, committing)
             self._set(times=times)
             base = self._base
+            if landing.arena_unused:  # its tensors are lent from the ring now: no need to keep it
+                self._staging.release_arena()
         except BaseException as exc:
             self.abort(landing, exc)
             if isinstance(exc, WeightSyncError) and not isinstance(exc, (PeerClosedError, RemoteError)):
