@@ -88,6 +88,36 @@ sender.push(Slow(), version=version)
 print("UNEXPECTED END", flush=True)
 """
 
+STAGED_SENDER_CHILD = f"""
+import sys, time, torch
+from weightsync import WeightSender
+from weightsync.transports import ring
+
+address, version = sys.argv[1], int(sys.argv[2])
+N = {N}
+stall = [False]
+send = ring.RingSendPlane.send
+
+def stalling(self, index, *args):
+    if stall[0] and index == 1:  # the big tensor's first piece is in the staging area, the rest is not
+        print("STALLED staging_bytes", self._ring.staging_bytes, flush=True)
+        time.sleep(120)
+    return send(self, index, *args)
+
+ring.RingSendPlane.send = stalling
+
+def model(value):
+    return {{"big": torch.full((3 * N,), float(value)), "small": torch.full((N,), float(value))}}
+
+sender = WeightSender([address], bucket_bytes=N * 4, timeout=120)
+for earlier in (version - 2, version - 1):  # the first tells the sender the receiver lends; the second is staged
+    assert sender.push(model(earlier), version=earlier).ok
+print("PUSHED", flush=True)
+stall[0] = True
+sender.push(model(version), version=version)
+print("UNEXPECTED END", flush=True)
+"""
+
 RECEIVER_CHILD = """
 import sys, time
 from weightsync import WeightReceiver
@@ -229,6 +259,47 @@ def test_sender_killed_mid_sync(transport, stall_at, observe):
         observe(
             f"noticed in {noticed:.2f} s (timeout 60 s): `{receiver_error(sink)}`; state after: "
             f"{'dirty' if stall_at == 1 else 'ready, version 4'}; no segment of the dead sender left; version 6 committed"
+        )
+
+
+@pytest.mark.fault(
+    "kill -9 of the sender with a tensor larger than a bucket half written to the shm staging area (a loader sink)",
+    expected="receiver notices, names version and bucket, sink aborted; the loader is never handed the half-written tensor; the previous version stays; no segment left; next push commits",
+)
+def test_sender_killed_with_a_tensor_half_staged(observe):
+    sink = Recorder()  # no destinations: a loader, lent what it is handed
+    with (
+        receiving(sink, "shm", timeout=60) as receiver,
+        Child(STAGED_SENDER_CHILD, receiver.address, 5) as child,
+    ):
+        child.expect("PUSHED")
+        assert receiver.version == 4 and bool((sink.received["big"] == 4.0).all())
+        staging_bytes = int(child.expect("STALLED").split()[-1])
+        assert staging_bytes >= 3 * N * 4, "the sender's ring has a staging area for the big tensor"
+        assert wait_until(lambda: receiver.state == "syncing")
+        loads_before = [call for call in sink.calls if call[0] == "load"]
+        child.kill()
+        killed = time.monotonic()
+
+        assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
+        noticed = time.monotonic() - killed
+        assert "version=5" in receiver.last_error and "bucket=1" in receiver.last_error
+        assert [version for version, _ in sink.aborts] == [5]
+        assert isinstance(sink.aborts[0][1], PeerClosedError)
+        handed = [call for call in sink.calls if call[0] == "load"][len(loads_before) :]
+        assert not handed, "the loader was handed nothing of the broken sync"
+        assert (receiver.state, receiver.version) == ("ready", 4)
+        assert not segments_of(child.pid)
+
+        source = {"big": torch.full((3 * N,), 6.0), "small": torch.full((N,), 6.0)}
+        with sending(receiver.address, bucket_bytes=N * 4) as sender:
+            assert sender.push(source, version=6).ok
+        assert_all_bit_exact({name: sink.received[name] for name in source}, source)
+        observe(
+            f"noticed in {noticed:.2f} s (timeout 60 s): `{receiver_error(sink)}`; the loader was handed "
+            f"nothing of version 5 (its ring's staging area: {staging_bytes} bytes); state after: ready, "
+            "version 4; no segment of the dead sender left; "
+            "version 6 committed"
         )
 
 
