@@ -187,6 +187,14 @@ def segments_of(pid: int) -> set[str]:
     return shm_segments(pid)
 
 
+def killed_and_noticed(child: Child, receiver: WeightReceiver) -> float:
+    """kill -9 `child`, the sender of the sync `receiver` is in; seconds until the receiver noticed."""
+    child.kill()
+    killed = time.monotonic()
+    assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
+    return time.monotonic() - killed
+
+
 def healthy_push(receiver: WeightReceiver, dest: dict[str, torch.Tensor] | None, version: int) -> None:
     """A fresh sender in this process pushes to `receiver`, and it commits intact."""
     names = list(dest) if dest is not None else ["t0", "t1", "t2"]
@@ -238,11 +246,7 @@ def test_sender_killed_mid_sync(transport, stall_at, observe):
         if stall_at == 1:
             # bucket 0 went straight into the live tensor before the sender stalled
             assert wait_until(lambda: bool((dest["t0"] == 1.0).all()))
-        child.kill()
-        killed = time.monotonic()
-
-        assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
-        noticed = time.monotonic() - killed
+        noticed = killed_and_noticed(child, receiver)
         assert f"version={5}" in receiver.last_error and f"bucket={stall_at}" in receiver.last_error
         assert "version 5" in receiver.last_error
         assert [version for version, _ in sink.aborts] == [5]
@@ -278,11 +282,7 @@ def test_sender_killed_with_a_tensor_half_staged(observe):
         assert staging_bytes >= 3 * N * 4, "the sender's ring has a staging area for the big tensor"
         assert wait_until(lambda: receiver.state == "syncing")
         loads_before = [call for call in sink.calls if call[0] == "load"]
-        child.kill()
-        killed = time.monotonic()
-
-        assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
-        noticed = time.monotonic() - killed
+        noticed = killed_and_noticed(child, receiver)
         assert "version=5" in receiver.last_error and "bucket=1" in receiver.last_error
         assert [version for version, _ in sink.aborts] == [5]
         assert isinstance(sink.aborts[0][1], PeerClosedError)
@@ -621,10 +621,7 @@ def test_collective_sender_killed_mid_sync(observe):
         child.expect("PUSHED")
         child.expect("STALLED")
         assert wait_until(lambda: receiver.state == "syncing")
-        child.kill()
-        killed = time.monotonic()
-        assert wait_until(lambda: receiver.state != "syncing"), "the receiver noticed the dead sender"
-        noticed = time.monotonic() - killed
+        noticed = killed_and_noticed(child, receiver)
         assert "version=5" in receiver.last_error and "bucket=1" in receiver.last_error
         assert [version for version, _ in sink.aborts] == [5]
         assert isinstance(sink.aborts[0][1], (PeerClosedError, CollectiveError))
