@@ -329,7 +329,9 @@ class Costs:
         diff_s + sum over routes of delta_delivery_s  <  sum over routes of full_delivery_s
 
     `diff_s` and the patch fraction come from the last warm measurement (a diff, the first eighth
-    of one, or the sample a plain push diffs; one that allocated memory is none). A route's
+    of one, or the sample a plain push diffs). One that allocated memory on the way (cold: the
+    first diff) overstates the cost; it stands in only until a warm one is measured, so that the
+    first diff already counts and a route where diffs do not pay stops diffing a push sooner. A route's
     `full_delivery_s` is its last plain full delivery's, or failing that its last verified one's
     (a refresh: slower, which favours the diff); its `delta_delivery_s` is its last patch
     delivery's (the receiver applies and verifies it: it scales with the model, not the patch),
@@ -346,6 +348,8 @@ class Costs:
     """Per route: bytes per second of its last verified full delivery (a refresh)."""
     delta_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per route: seconds of its last patch delivery per byte of the full model."""
+    warm: bool = False
+    """Whether `diff_s_per_byte` comes from a warm measurement (a cold one only stands in)."""
 
     def next_step(self, full_bytes: int, at_base: Sequence[str], reached: Sequence[str], always: bool) -> Step:
         """What a push of `full_bytes` does: `at_base`, the routes to receivers holding the
@@ -390,10 +394,11 @@ class Costs:
         return at_pace.diff_pays(full_bytes, routes)
 
     def measured(self, sample: Sample) -> None:
-        """Take a diff's measurement (unless it was cold or empty)."""
-        if sample.nbytes > 0 and not sample.cold:
+        """Take a diff's measurement (a cold one only while no warm one was taken; never an empty one)."""
+        if sample.nbytes > 0 and not (sample.cold and self.warm):
             self.diff_s_per_byte = sample.seconds / sample.nbytes
             self.patch_fraction = sample.patch_bytes / sample.nbytes
+            self.warm = self.warm or not sample.cold
 
     def diffed(self, seconds: float, diff: Diff) -> None:
         if diff.base:

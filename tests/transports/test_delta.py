@@ -385,8 +385,13 @@ def test_a_diff_pays_only_when_it_and_the_patch_arrive_before_the_full_version()
     assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"  # nothing measured yet
     assert costs.next_step(gib, [], ["tcp"], always=False) == "refresh"  # nobody holds the base: make one
     assert costs.next_step(gib, [], [], always=False) == "plain"  # nobody reached at all
-    costs.measured(Sample(0.3 / 8, gib // 8, gib // 80, cold=False))  # a diff of 1 GiB: 0.3 s, 10% patch
+    costs.measured(Sample(0.6, gib, gib // 10, cold=True))  # the first diff allocates: it stands in...
+    assert costs.diff_s_per_byte == pytest.approx(0.6 / gib) and not costs.warm
+    costs.measured(Sample(0.5, gib, gib // 10, cold=True))  # ...as does the next cold one...
+    assert costs.diff_s_per_byte == pytest.approx(0.5 / gib)
+    costs.measured(Sample(0.3 / 8, gib // 8, gib // 80, cold=False))  # ...until a warm one: 0.3 s per GiB, 10% patch
     assert costs.diff_s_per_byte == pytest.approx(0.3 / gib) and costs.patch_fraction == pytest.approx(0.1)
+    assert costs.warm
     assert costs.diff_pays(gib, ["tcp"])  # no full delivery measured on tcp yet
     # full over tcp: 0.8 s (verified, a refresh), a patch's bytes 0.08 s: 0.38 s < 0.8 s
     costs.delivered("tcp", "full", gib, 0.8, verified=True)
@@ -469,7 +474,7 @@ def test_a_sender_whose_diffs_do_not_pay_pushes_plain_and_keeps_measuring_on_a_s
         receiving(dest, "tcp") as receiver,
         sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
     ):
-        # 0: nobody at a base, a refresh; 1: nothing measured yet, a diff (cold: no measurement)
+        # 0: nobody at a base, a refresh; 1: nothing measured yet, a diff (cold: it stands in)
         modes, digests = _push_steps(sender, dest, receiver, trainer, range(2))
         assert modes == ["full", "delta"] and all(digests)
         # as if a diff cost a second per byte: plain pushes as without delta (no checksums, no
