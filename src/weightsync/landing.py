@@ -36,7 +36,7 @@ from weightsync.errors import ChecksumError, PlanError
 from weightsync.hostmem import host_bytes
 from weightsync.hostpin import readable_tensor
 from weightsync.pack import byte_view, copy_bytes
-from weightsync.plan import tensor_nbytes
+from weightsync.plan import bucket_spans, tensor_nbytes
 from weightsync.sink import WeightSink, sink_errors
 from weightsync.types import Piece, Plan
 
@@ -89,15 +89,12 @@ def arena_layout(plan: Plan, tensors: Sequence[int]) -> tuple[dict[int, int], in
 
     A chunked tensor is live from its first bucket to its last; two can share a bucket (one ends
     where the next begins), so each goes at the lowest offset free of the ones still live."""
-    spans: dict[int, list[int]] = {}
-    for index, bucket in enumerate(plan.buckets):
-        for piece in bucket:
-            spans.setdefault(piece.tensor, [index, index])[1] = index
+    spans = bucket_spans(plan)
     offsets: dict[int, int] = {}
     live: list[tuple[int, int, int]] = []  # (offset, end, last bucket)
     size = 0
     for tensor in tensors:
-        first, last = spans.get(tensor, [0, 0])
+        first, last = spans.get(tensor, (0, 0))
         live = sorted(entry for entry in live if entry[2] >= first)
         nbytes = _aligned(tensor_nbytes(plan.tensors[tensor]))
         offset = 0
@@ -316,10 +313,8 @@ class Landing:
 
     def _copy_in(self, piece: Piece, data: np.ndarray | torch.Tensor, pinned: bool, whole: np.ndarray | None) -> None:
         device = self.device_view(piece)
-        if device is None and whole is not None and self.lendable(piece.tensor):
-            self._lent[piece.tensor] = whole
-        elif device is None and self.lends(piece):
-            self._lent[piece.tensor] = data
+        if device is None and (self.lends(piece) or (whole is not None and self.lendable(piece.tensor))):
+            self._lent[piece.tensor] = data if whole is None else whole
         elif device is None:
             out = self.host_view(piece)
             if isinstance(data, np.ndarray):

@@ -27,6 +27,7 @@ from weightsync.types import Piece, Plan, TensorSpec
 __all__ = [
     "ENCODINGS",
     "INDEX_BYTES",
+    "bucket_spans",
     "build_plan",
     "check_plan",
     "dense_nbytes",
@@ -51,6 +52,15 @@ INDEX_BYTES = 4
 def dense_nbytes(spec: TensorSpec) -> int:
     """The tensor's own size: every element in the wire dtype."""
     return math.prod(spec.shape) * itemsize(dtype_from_name(spec.dtype))
+
+
+def bucket_spans(plan: Plan) -> dict[int, tuple[int, int]]:
+    """Each planned tensor's first and last bucket (the same for a tensor in one piece)."""
+    spans: dict[int, tuple[int, int]] = {}
+    for index, bucket in enumerate(plan.buckets):
+        for piece in bucket:
+            spans[piece.tensor] = (spans.get(piece.tensor, (index, index))[0], index)
+    return spans
 
 
 def tensor_nbytes(spec: TensorSpec) -> int:

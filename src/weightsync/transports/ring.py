@@ -28,7 +28,7 @@ from weightsync.checksum import SyncHashes
 from weightsync.errors import ConfigError, ProtocolError
 from weightsync.landing import Landing, arena_layout
 from weightsync.pack import BucketItem
-from weightsync.plan import tensor_nbytes
+from weightsync.plan import bucket_spans, tensor_nbytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane
 from weightsync.transports.control import SenderChannel, expect_on
 from weightsync.types import BucketDone, BucketReady, Message, Piece, Plan
@@ -236,10 +236,7 @@ class StagingLayout:
 
 def staging_layout(plan: Plan) -> StagingLayout:
     """Where each tensor of `plan` larger than a bucket sits in a ring's staging area."""
-    spans: dict[int, list[int]] = {}
-    for index, bucket in enumerate(plan.buckets):
-        for piece in bucket:
-            spans.setdefault(piece.tensor, [index, index])[1] = index
+    spans = bucket_spans(plan)
     chunked = sorted(tensor for tensor, (first, last) in spans.items() if last > first)
     offsets, nbytes = arena_layout(plan, chunked)
     frees: dict[int, int] = {}
