@@ -219,7 +219,7 @@ class VLLMEngine(Engine):
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
 
     def _after_reload(self) -> None:
-        self._on_worker(reprocess_tied_layers)
+        self._on_worker(lambda worker: reprocess_tied_layers(worker.model_runner.get_model()))
         # KV computed with the old weights must never be reused; requests kept in flight
         # across the sync ("keep" pauses) are preempted and recompute their prefix.
         self._llm.reset_prefix_cache(reset_running_requests=True)

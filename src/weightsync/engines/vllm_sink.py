@@ -275,7 +275,7 @@ def _numel(shape: tuple[int, ...]) -> int:
     return count
 
 
-def reprocess_tied_layers(worker: Any) -> None:
+def reprocess_tied_layers(model: torch.nn.Module) -> None:
     """Re-run weight post-processing on layers that share their weight with another layer.
 
     The layerwise reload loads a tied pair once (through the input embeddings) and leaves the
@@ -284,7 +284,6 @@ def reprocess_tied_layers(worker: Any) -> None:
     """
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    model = worker.model_runner.get_model()
     owners: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         weight = module.__dict__.get("_parameters", {}).get("weight")

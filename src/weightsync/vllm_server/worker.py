@@ -133,7 +133,7 @@ class WorkerExtension:
         loader = ReloadSink(
             layout,
             self._weightsync_reload,
-            lambda: reprocess_tied_layers(worker),
+            lambda: reprocess_tied_layers(worker.model_runner.get_model()),
             lambda dirty: None,  # the receiver and the API process track dirty weights
             spec.sync_timeout,
         )

@@ -1,0 +1,115 @@
+"""How the trainer learns every vLLM worker's receiver address: a rendezvous store it hosts.
+
+vLLM's weight-update calls carry information one way, trainer to workers, and return nothing;
+yet a weightsync sender connects to its receivers, so the trainer must learn where each worker
+listens, for any number of workers on any number of hosts. The trainer therefore hosts a
+torch.distributed `TCPStore` for the length of `trainer_init`::
+
+    trainer   open_store()                      listen on HOST (127.0.0.1 unless told), any port
+    trainer   client.init_weight_transfer_engine({"rendezvous": "HOST:PORT", "session": ...})
+    worker    announce(...)                     one key per worker: its address, rank, bytes
+    trainer   collect(store, session)           every worker has announced once the init call
+                                                returned (vLLM runs it on every worker first)
+
+Why a store and not fixed addresses: the trainer does not know which host each worker runs on,
+nor its shm name, and a worker picks a free port itself. The store holds bytes only (no pickle):
+each value is a msgspec JSON `WorkerAddress`, decoded as exactly that type. It answers anyone who
+can reach it, so it listens on loopback by default and lives only during `trainer_init`; an
+address planted by someone else still cannot take weights when a shared token is set, since the
+sender requires every receiver to prove it holds the token.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import msgspec
+import torch.distributed as dist
+
+from weightsync.errors import ConnectError, ProtocolError, ResourceError
+
+__all__ = ["WorkerAddress", "announce", "collect", "open_store"]
+
+
+class WorkerAddress(msgspec.Struct, frozen=True, kw_only=True):
+    """One vLLM worker's receiver, as it announces itself."""
+
+    address: str
+    rank: int
+    """The worker's rank in its vLLM server, across its data parallel replicas (two servers
+    each have a rank 0)."""
+    weight_bytes: int
+    """Bytes of the weights a sync carries, in vLLM's dtype."""
+
+
+_WORKER = msgspec.json.Decoder(WorkerAddress)
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def open_store(host: str, timeout: float) -> tuple[dist.TCPStore, str]:
+    """A store listening on `host` (any free port); returns it and its "HOST:PORT".
+
+    The listening socket is bound here, so that the store listens on `host` only (TCPStore on
+    its own listens on every interface); the store owns the socket from then on.
+
+    Raises:
+        ResourceError: `host` cannot be listened on.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ResourceError(f"the rendezvous store cannot listen on {host}: {exc}") from exc
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    store = dist.TCPStore(
+        host,
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=_timeout(timeout),
+        master_listen_fd=fd,
+        use_libuv=False,
+    )
+    return store, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def announce(rendezvous: str, session: str, worker: WorkerAddress, *, timeout: float) -> None:
+    """Leave `worker` in the trainer's store at `rendezvous` ("HOST:PORT").
+
+    Raises:
+        ConnectError: the store could not be reached within `timeout`.
+    """
+    host, _, port = rendezvous.rpartition(":")
+    try:
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_timeout(timeout))
+        index = store.add(f"{session}/count", 1)
+        store.set(f"{session}/{index}", msgspec.json.encode(worker).decode())
+    except (ValueError, RuntimeError) as exc:  # torch raises DistStoreError, a RuntimeError
+        raise ConnectError(f"cannot reach the trainer's rendezvous store at {rendezvous}: {exc}") from exc
+
+
+def collect(store: dist.TCPStore, session: str) -> list[WorkerAddress]:
+    """Every worker that announced itself in `session`, in the order they did.
+
+    Raises:
+        ProtocolError: a value is not a `WorkerAddress`, or two workers claim one address.
+    """
+    count = store.add(f"{session}/count", 0)
+    workers = []
+    for index in range(1, count + 1):
+        try:
+            workers.append(_WORKER.decode(store.get(f"{session}/{index}")))
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"rendezvous entry {index} of {count} is not a worker address: {exc}") from exc
+    addresses = [worker.address for worker in workers]
+    if len(set(addresses)) != len(addresses):
+        raise ProtocolError(f"two workers announced the same address: {sorted(addresses)}")
+    return workers

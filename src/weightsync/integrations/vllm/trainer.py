@@ -1,0 +1,220 @@
+"""The trainer half of vLLM's `weightsync` backend: a `WeightSender` behind vLLM's trainer API.
+
+Code written against vLLM's own trainer API switches to weightsync by naming it::
+
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        WeightsyncTrainerInitInfo(rank=0, transport="shm"),
+        client=HTTPVLLMWeightSyncClient("http://127.0.0.1:8000"),
+        source=ModuleSource(model),
+    )
+    engine.send_weights()          # after every optimizer step
+
+One round of `send_weights`, every phase at its call site::
+
+    client.start_weight_update()                 every worker: vLLM's layerwise reload begins
+    client.update_weights({"version": v})  ||    every worker lands version v as it arrives
+    sender.push(source, v)                       one push to every worker's receiver
+    client.finish_weight_update(str(v))          every worker: reload ends; vLLM labels v
+
+The update call and the push run side by side (a worker's `update_weights` returns once its
+receiver has landed the sync), and a version is labelled only when the push committed on every
+worker and every worker's update returned. Otherwise `send_weights` raises `SyncFailed` and no
+version is labelled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
+
+from weightsync.errors import ConfigError, ConnectError, SyncFailed
+from weightsync.integrations.vllm import register
+from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
+from weightsync.integrations.vllm.worker import WeightsyncInitInfo
+from weightsync.options import SenderOptions
+from weightsync.sender import WeightSender
+from weightsync.source import TensorMeta, WeightSource
+from weightsync.types import SyncReport
+
+__all__ = ["WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
+
+log = logging.getLogger(__name__)
+
+RPC_MARGIN_S = 30.0
+"""Seconds the workers' update call may outlast the sender's own timeout (the HTTP round trip,
+vLLM's own RPC): every wait on the worker's side is bounded by that timeout too."""
+
+
+@dataclasses.dataclass
+class WeightsyncTrainerInitInfo(TrainerInitInfo):
+    """What the trainer's engine is built from (`rank` is vLLM's: 0 sends, the others only walk
+    the source, which may be a collective).
+
+    Attributes:
+        transport: how the bytes travel: "shm" (same host; one ring read by every worker),
+            "tcp", "collective" or "nixl" (any host).
+        rendezvous_host: where the trainer's rendezvous store listens while it learns the
+            workers' addresses (rendezvous.py); loopback by default, the trainer's reachable
+            address when the workers run on other hosts.
+        receiver_host: where each worker's receiver listens (networked transports).
+        options: the sender's options: bucket size, cast, verification, delta, timeout, token.
+    """
+
+    backend: ClassVar[str] = "weightsync"
+
+    transport: str = "shm"
+    rendezvous_host: str = "127.0.0.1"
+    receiver_host: str = "127.0.0.1"
+    options: SenderOptions = dataclasses.field(default_factory=SenderOptions)
+
+
+class _Source:
+    """vLLM's `WeightSource` (`metadata()`, iteration) as weightsync's (`metas()`, `tensors()`)."""
+
+    def __init__(self, source: Any) -> None:
+        self._source = source
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(meta.name, tuple(meta.shape), meta.dtype) for meta in self._source.metadata()]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._source)
+
+
+class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitInfo]):
+    """vLLM's trainer-side weight transfer engine for `backend="weightsync"` (module docstring).
+
+    Built by `WeightTransferTrainerFactory.trainer_init` (or this class's `trainer_init`).
+    """
+
+    init_info_cls = WeightsyncTrainerInitInfo
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: Any,
+        is_sender: bool = True,
+        sender: WeightSender | None = None,
+        workers: list[WorkerAddress] | None = None,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.sender = sender
+        self.workers = workers or []
+        """The workers' receivers, as they announced themselves (empty on non-sender ranks)."""
+        self.version = 0
+        """The last version labelled in vLLM (0: none yet)."""
+        self._timeout = sender.options.timeout if sender is not None else 0.0
+
+    @classmethod
+    def trainer_init(
+        cls, init_info: WeightsyncTrainerInitInfo, *, client: VLLMWeightSyncClient, source: Any = None
+    ) -> Self:
+        """Start every worker's receiver and connect a sender to all of them (rank 0 only).
+
+        Raises:
+            ConfigError: no source was given.
+            ConnectError: no worker announced itself.
+            ResourceError: the rendezvous store could not listen.
+        """
+        if source is None:
+            raise ConfigError("the weightsync backend sends a WeightSource: pass source=")
+        if not init_info.is_sender:
+            return cls(client=client, source=source, is_sender=False)
+        options = init_info.options
+        session = secrets.token_hex(8)
+        store, where = open_store(init_info.rendezvous_host, options.timeout)
+        try:
+            worker_info = WeightsyncInitInfo(
+                rendezvous=where,
+                session=session,
+                transport=init_info.transport,
+                host=init_info.receiver_host,
+                verify=options.verify,
+                timeout=options.timeout,
+            )
+            client.init_weight_transfer_engine(dataclasses.asdict(worker_info))
+            workers = collect(store, session)
+        finally:
+            del store  # stops listening: the workers are done with it
+        if not workers:
+            raise ConnectError("no vLLM worker announced its receiver; is the server's backend 'weightsync'?")
+        sender = WeightSender([worker.address for worker in workers], options=options)
+        log.info("weightsync: %d vLLM worker(s) over %s", len(workers), init_info.transport)
+        return cls(client=client, source=source, sender=sender, workers=workers)
+
+    def send_weights(self, version: int | None = None) -> SyncReport | None:
+        """Push the source to every worker and label it in vLLM as `version` (default: the last
+        version + 1). Returns the push's report (None on ranks other than 0, which only walk the
+        source).
+
+        Raises:
+            ConfigError: `version` is not larger than the last one.
+            SyncFailed: some worker did not land the version; none was labelled.
+        """
+        if self.sender is None:
+            for _ in self.source:  # materialising a tensor may be a collective: stay in step
+                pass
+            return None
+        version = self.version + 1 if version is None else version
+        if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
+            raise ConfigError(f"version must be an integer above the last one ({self.version}), got {version!r}")
+        source: WeightSource = self.source if isinstance(self.source, WeightSource) else _Source(self.source)
+
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-update")
+        try:
+            landing = pool.submit(self.client.update_weights, {"version": version})
+            report = self.sender.push(source, version)
+            landed = _error_of(landing, self._timeout + RPC_MARGIN_S)
+        finally:
+            pool.shutdown(wait=False)  # never join a control-plane thread on the error path
+        if report.ok and landed is None:
+            self.client.finish_weight_update(str(version))
+            self.version = version
+            return report
+
+        self._end_failed_update()
+        why = [f"{outcome.address}: {outcome.kind}: {outcome.error}" for outcome in report.failed]
+        if landed is not None:
+            why.append(f"vLLM's update_weights: {landed}")
+        raise SyncFailed(f"version {version} was not labelled: " + "; ".join(why), report)
+
+    def _end_failed_update(self) -> None:
+        """End the update on every worker still inside it, so that the next round can start;
+        the weights are then no version vLLM can name (it keeps the last label)."""
+        try:
+            self.client.finish_weight_update()
+        except Exception as exc:  # a worker that failed already ended its own update
+            log.info("ending the failed update: %s", exc)
+
+    def shutdown(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()
+
+
+def _error_of(future: Any, timeout: float) -> BaseException | None:
+    """The error `future` ended with, None if it succeeded, or a timeout error after `timeout`."""
+    try:
+        future.result(timeout=timeout)
+    except TimeoutError:
+        return TimeoutError(f"no answer within {timeout:g} s")
+    except Exception as exc:
+        return exc
+    return None
+
+
+register()  # a trainer process loads no vLLM plugins: taking these classes registers the backend
