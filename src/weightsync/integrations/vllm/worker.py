@@ -19,8 +19,8 @@ dtype, an empty sync): vLLM's layerwise reload counts elements, not names, and w
 finish a reload with a layer silently left as it was.
 
 A sync that fails part way (the trainer died, a timeout, a loader error) still ends vLLM's
-layerwise reload here, so that the model stays whole, and then raises: vLLM's `update_weights`
-fails, and the trainer does not label a new version.
+layerwise reload here, so that the model stays whole; the sender's report names the worker and
+the reason, and the trainer labels no new version (`receive_weights` says why it does not raise).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.engines.vllm_sink import CheckpointLayout, check_plan_layout, checkpoint_layout, reprocess_tied_layers
-from weightsync.errors import SinkError, WeightSyncError
+from weightsync.errors import PlanError, SinkError
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import WeightReceiver
@@ -109,8 +109,14 @@ class _WindowSink(StreamSink):
                 f"version {version} refused: no weight update is open on this vLLM worker "
                 "(the trainer calls start_weight_update before it pushes)"
             )
-        self.feed = check_plan_layout(plan, self.layout)
         super().begin(plan, version)
+        try:
+            self.feed = check_plan_layout(plan, self.layout)
+        except PlanError as exc:
+            # vLLM's update call waits on this sync: it fails now, on every worker alike, rather
+            # than after its timeout (vLLM answers a collective call at the first worker's error).
+            self.abort(version, exc, intact=True)
+            raise
 
 
 class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -126,6 +132,10 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         super().__init__(config, vllm_config, device, model)
         self._receiver: WeightReceiver | None = None
         self._sink: _WindowSink | None = None
+        self._reloading = False
+        """Between vLLM's initialize and finalize of its layerwise reload."""
+        self.last_error = ""
+        """Why the last sync did not land on this worker ("" if it did)."""
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         self.shutdown()  # a trainer that starts again gets a fresh receiver
@@ -157,6 +167,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
 
         sink = self._require()
         initialize_layerwise_reload(self.model)
+        self._reloading = True
         sink.open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -166,20 +177,27 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        """Land the sync of `update_info.version` through the model's `load_weights`.
+
+        A failed sync does not raise here: vLLM answers a call to all workers at the first
+        worker's error and leaves the other workers' answers queued, where they would answer the
+        next calls. The sender's report says which worker failed and why, and the receiver's
+        status keeps it; here the reload ends (the model stays whole) and the failure is logged.
+        """
         sink = self._require()
+        self.last_error = ""
         try:
             with sink.stream(version=update_info.version) as tensors:
                 for name, tensor in tensors:
                     fed = sink.feed[name]
                     if fed is not None:
                         self.model.load_weights([(fed, tensor)])
-        except BaseException as exc:
+        except Exception as exc:
+            self.last_error = f"version {update_info.version} did not land on this worker: {exc}"
+            log.warning("%s", self.last_error)
+            self._end_reload()  # layers that got nothing keep their weights: the model stays whole
+        finally:
             sink.open = False
-            self._end_reload()  # the model stays whole: layers that got nothing keep their weights
-            if isinstance(exc, WeightSyncError):
-                raise SinkError(f"version {update_info.version} did not land on this worker: {exc}") from exc
-            raise
-        sink.open = False
 
     def finish_weight_update(self) -> None:
         self._require().open = False
@@ -193,6 +211,9 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
     def _end_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        if not self._reloading:  # ended already, by a sync that failed
+            return
+        self._reloading = False
         finalize_layerwise_reload(self.model, self.model_config)
         reprocess_tied_layers(self.model)
 
