@@ -1,0 +1,105 @@
+"""The vLLM backend's parts that need no vLLM server: the rendezvous store, the registration
+through vLLM's plugin entry point, and the shape of vLLM's weight-transfer API the backend is
+written against (fails loudly on a vLLM upgrade that changes it)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import socket
+
+import msgspec
+import psutil
+import pytest
+
+from weightsync.errors import ConnectError, ProtocolError, ResourceError
+from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce, collect, open_store
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+
+def _listening_on(port: int) -> set[str]:
+    return {c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.laddr.port == port}
+
+
+def test_workers_announce_and_the_trainer_collects_them_in_order() -> None:
+    store, where = open_store("127.0.0.1", timeout=5)
+    port = int(where.rpartition(":")[2])
+    assert _listening_on(port) == {"127.0.0.1"}  # loopback only, not every interface
+    workers = [WorkerAddress(address=f"shm://@w{rank}", rank=rank, weight_bytes=100) for rank in (1, 0)]
+    for worker in workers:
+        announce(where, "s1", worker, timeout=5)
+    announce(where, "other", WorkerAddress(address="tcp://x:1", rank=0, weight_bytes=1), timeout=5)
+    assert collect(store, "s1") == workers
+    assert collect(store, "nobody") == []
+    del store
+
+
+def test_a_store_entry_that_is_no_worker_address_is_refused() -> None:
+    store, where = open_store("127.0.0.1", timeout=5)
+    announce(where, "s", WorkerAddress(address="shm://@a", rank=0, weight_bytes=1), timeout=5)
+    store.add("s/count", 1)
+    store.set("s/2", msgspec.json.encode({"address": 3}).decode())
+    with pytest.raises(ProtocolError, match="not a worker address"):
+        collect(store, "s")
+    store.set("s/2", msgspec.json.encode(WorkerAddress(address="shm://@a", rank=1, weight_bytes=1)).decode())
+    with pytest.raises(ProtocolError, match="same address"):
+        collect(store, "s")
+    del store
+
+
+def test_an_unreachable_store_and_an_unusable_host_fail_clearly() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there
+    with pytest.raises(ConnectError, match="rendezvous store"):
+        announce(f"127.0.0.1:{port}", "s", WorkerAddress(address="a", rank=0, weight_bytes=1), timeout=1)
+    with pytest.raises(ResourceError, match="cannot listen"):
+        open_store("192.0.2.1", timeout=1)  # TEST-NET-1: not an address of this host
+
+
+def test_the_plugin_entry_point_registers_both_halves() -> None:
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    (entry,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.name == "weightsync"]
+    register = entry.load()
+    register()
+    register()  # vLLM may load plugins more than once
+    from weightsync.integrations.vllm.trainer import WeightsyncTrainerEngine
+    from weightsync.integrations.vllm.worker import WeightsyncWorkerEngine
+
+    assert WeightTransferEngineFactory._registry["weightsync"]() is WeightsyncWorkerEngine
+    assert WeightTransferTrainerFactory._registry["weightsync"]() is WeightsyncTrainerEngine
+
+
+RECHECK = "vLLM's weight-transfer API changed: re-read weightsync/integrations/vllm against it"
+
+
+def test_vllms_weight_transfer_api_is_the_one_the_backend_implements() -> None:
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, WeightTransferEngine
+
+    from weightsync.integrations.vllm.trainer import WeightsyncTrainerEngine
+    from weightsync.integrations.vllm.worker import WeightsyncWorkerEngine
+
+    assert WeightsyncWorkerEngine.__abstractmethods__ == frozenset(), RECHECK
+    assert WeightsyncTrainerEngine.__abstractmethods__ == frozenset(), RECHECK
+    worker_verbs = {"init_transfer_engine", "start_weight_update", "receive_weights", "finish_weight_update"}
+    assert worker_verbs | {"shutdown", "update_weights"} <= set(vars(WeightTransferEngine)), RECHECK
+    assert list(inspect.signature(WeightTransferEngine.__init__).parameters) == [
+        "self",
+        "config",
+        "vllm_config",
+        "device",
+        "model",
+    ], RECHECK
+    assert {"client", "source"} <= set(inspect.signature(TrainerWeightTransferEngine.trainer_init).parameters)
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    assert list(inspect.signature(initialize_layerwise_reload).parameters) == ["model"], RECHECK
+    assert callable(finalize_layerwise_reload), RECHECK
