@@ -59,7 +59,7 @@ from weightsync.transports.control import SenderChannel, expect_on, next_message
 from weightsync.transports.links import socket_link
 from weightsync.types import BucketReady, Group, Message, Plan
 
-__all__ = ["SPEC", "ChainReceivePlane", "ChainSendPlane"]
+__all__ = ["SPEC", "ChainReceivePlane", "ChainSendPlane", "host_store"]
 
 BACKEND = "gloo"
 MAX_WORLD_SIZE = 4096
@@ -293,7 +293,7 @@ class ChainSendPlane(SendPlane):
         self._disband()
         host = socket_link(members[0]).sock.getsockname()[0]  # our address as the receivers reach us
         if self._store is None or self._store_host != host:
-            self._store, self._store_host = _host_store(host, self.options.timeout), host
+            self._store, self._store_host = host_store(host, self.options.timeout), host
         store, prefix, world_size = self._store, secrets.token_hex(16), len(ordered) + 1
 
         def invite(address: str, link: Link) -> None:
@@ -490,8 +490,13 @@ class ChainReceivePlane(ReceivePlane):
             member.close()
 
 
-def _host_store(host: str, timeout: float) -> dist.TCPStore:
-    """A store listening on `host` only (a free port), for the groups' rendezvous."""
+def host_store(host: str, timeout: float) -> dist.TCPStore:
+    """A store listening on `host` only (a free port), for a rendezvous (TCPStore on its own
+    listens on every interface).
+
+    Raises:
+        ResourceError: `host` cannot be listened on.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -499,7 +504,7 @@ def _host_store(host: str, timeout: float) -> dist.TCPStore:
         listener.listen(128)
     except OSError as exc:
         listener.close()
-        raise ResourceError(f"cannot host the collective rendezvous on {host}: {exc.strerror or exc}") from exc
+        raise ResourceError(f"cannot host a rendezvous store on {host}: {exc.strerror or exc}") from exc
     port = listener.getsockname()[1]
     # The store takes the listening socket over (and closes it when it goes).
     return dist.TCPStore(

@@ -22,12 +22,12 @@ sender requires every receiver to prove it holds the token.
 from __future__ import annotations
 
 import datetime
-import socket
 
 import msgspec
 import torch.distributed as dist
 
-from weightsync.errors import ConnectError, ProtocolError, ResourceError
+from weightsync.errors import ConnectError, ProtocolError
+from weightsync.transports.collective import host_store
 
 __all__ = ["WorkerAddress", "announce", "collect", "open_store"]
 
@@ -51,34 +51,13 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def open_store(host: str, timeout: float) -> tuple[dist.TCPStore, str]:
-    """A store listening on `host` (any free port); returns it and its "HOST:PORT".
-
-    The listening socket is bound here, so that the store listens on `host` only (TCPStore on
-    its own listens on every interface); the store owns the socket from then on.
+    """A store listening on `host` only (any free port); returns it and its "HOST:PORT".
 
     Raises:
         ResourceError: `host` cannot be listened on.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.bind((host, 0))
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise ResourceError(f"the rendezvous store cannot listen on {host}: {exc}") from exc
-    port = sock.getsockname()[1]
-    fd = sock.detach()
-    store = dist.TCPStore(
-        host,
-        port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=_timeout(timeout),
-        master_listen_fd=fd,
-        use_libuv=False,
-    )
-    return store, f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    store = host_store(host, timeout)
+    return store, f"[{host}]:{store.port}" if ":" in host else f"{host}:{store.port}"
 
 
 def announce(rendezvous: str, session: str, worker: WorkerAddress, *, timeout: float) -> None:
