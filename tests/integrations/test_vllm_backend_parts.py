@@ -103,3 +103,25 @@ def test_vllms_weight_transfer_api_is_the_one_the_backend_implements() -> None:
 
     assert list(inspect.signature(initialize_layerwise_reload).parameters) == ["model"], RECHECK
     assert callable(finalize_layerwise_reload), RECHECK
+
+
+def test_a_rank_other_than_0_only_walks_the_source_whatever_its_kind() -> None:
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
+
+    from weightsync import ModuleSource
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+    from weightsync.integrations.vllm.trainer import WeightsyncTrainerEngine
+
+    class Untouchable:  # a non-sending rank never calls the client
+        def __getattr__(self, name: str) -> None:
+            raise AssertionError(f"rank 1 called the client's {name}")
+
+    model = torch.nn.Linear(3, 2)
+    for source in (ModuleSource(model), VLLMModuleSource(model)):
+        engine = WeightsyncTrainerEngine.trainer_init(
+            WeightsyncTrainerInitInfo(rank=1), client=Untouchable(), source=source
+        )  # type: ignore[arg-type]
+        assert engine.sender is None and engine.workers == []
+        assert engine.send_weights() is None

@@ -46,10 +46,6 @@ class WorkerAddress(msgspec.Struct, frozen=True, kw_only=True):
 _WORKER = msgspec.json.Decoder(WorkerAddress)
 
 
-def _timeout(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
 def open_store(host: str, timeout: float) -> tuple[dist.TCPStore, str]:
     """A store listening on `host` only (any free port); returns it and its "HOST:PORT".
 
@@ -68,7 +64,7 @@ def announce(rendezvous: str, session: str, worker: WorkerAddress, *, timeout: f
     """
     host, _, port = rendezvous.rpartition(":")
     try:
-        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=_timeout(timeout))
+        store = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout))
         index = store.add(f"{session}/count", 1)
         store.set(f"{session}/{index}", msgspec.json.encode(worker).decode())
     except (ValueError, RuntimeError) as exc:  # torch raises DistStoreError, a RuntimeError

@@ -93,6 +93,11 @@ class _Source:
         return iter(self._source)
 
 
+def _as_weightsync(source: Any) -> WeightSource:
+    """A weightsync `WeightSource` as it is; vLLM's wrapped."""
+    return source if isinstance(source, WeightSource) else _Source(source)
+
+
 class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitInfo]):
     """vLLM's trainer-side weight transfer engine for `backend="weightsync"` (module docstring).
 
@@ -116,7 +121,6 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         """The workers' receivers, as they announced themselves (empty on non-sender ranks)."""
         self.version = 0
         """The last version labelled in vLLM (0: none yet)."""
-        self._timeout = sender.options.timeout if sender is not None else 0.0
 
     @classmethod
     def trainer_init(
@@ -164,21 +168,21 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             ConfigError: `version` is not larger than the last one.
             SyncFailed: some worker did not land the version; none was labelled.
         """
+        source = _as_weightsync(self.source)
         if self.sender is None:
-            for _ in self.source:  # materialising a tensor may be a collective: stay in step
+            for _ in source.tensors():  # materialising a tensor may be a collective: stay in step
                 pass
             return None
         version = self.version + 1 if version is None else version
         if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
             raise ConfigError(f"version must be an integer above the last one ({self.version}), got {version!r}")
-        source: WeightSource = self.source if isinstance(self.source, WeightSource) else _Source(self.source)
 
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-update")
         try:
             landing = pool.submit(self.client.update_weights, {"version": version})
             report = self.sender.push(source, version)
-            landed = _error_of(landing, self._timeout + RPC_MARGIN_S)
+            landed = _error_of(landing, self.sender.options.timeout + RPC_MARGIN_S)
         finally:
             pool.shutdown(wait=False)  # never join a control-plane thread on the error path
         if report.ok and landed is None:

@@ -41,7 +41,6 @@ from weightsync.errors import PlanError, SinkError
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import WeightReceiver
-from weightsync.sizing import DEFAULT_MEMORY_BUDGET_BYTES
 from weightsync.stream import StreamSink
 from weightsync.types import Plan
 
@@ -70,8 +69,6 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     """Where a networked receiver (tcp, collective, nixl) listens."""
     verify: str = "off"
     timeout: float = DEFAULT_TIMEOUT_S
-    max_bucket_bytes: int | str = "auto"
-    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
 
 
 @dataclasses.dataclass
@@ -113,8 +110,8 @@ class _WindowSink(StreamSink):
         try:
             self.feed = check_plan_layout(plan, self.layout)
         except PlanError as exc:
-            # vLLM's update call waits on this sync: it fails now, on every worker alike, rather
-            # than after its timeout (vLLM answers a collective call at the first worker's error).
+            # vLLM's update call waits on this sync: it ends now, on every worker alike, rather
+            # than after its timeout.
             self.abort(version, exc, intact=True)
             raise
 
@@ -134,8 +131,6 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         self._sink: _WindowSink | None = None
         self._reloading = False
         """Between vLLM's initialize and finalize of its layerwise reload."""
-        self.last_error = ""
-        """Why the last sync did not land on this worker ("" if it did)."""
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         self.shutdown()  # a trainer that starts again gets a fresh receiver
@@ -143,8 +138,6 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
             host=init_info.host,
             timeout=init_info.timeout,
             verify=init_info.verify,  # type: ignore[arg-type]  # checked by ReceiverOptions
-            max_bucket_bytes=init_info.max_bucket_bytes,
-            memory_budget_bytes=init_info.memory_budget_bytes,
         )
         layout = checkpoint_layout(self.model_config.model, self.model_config.dtype)
         self._sink = _WindowSink(layout, timeout=options.timeout)
@@ -185,7 +178,6 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         status keeps it; here the reload ends (the model stays whole) and the failure is logged.
         """
         sink = self._require()
-        self.last_error = ""
         try:
             with sink.stream(version=update_info.version) as tensors:
                 for name, tensor in tensors:
@@ -193,8 +185,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
                     if fed is not None:
                         self.model.load_weights([(fed, tensor)])
         except Exception as exc:
-            self.last_error = f"version {update_info.version} did not land on this worker: {exc}"
-            log.warning("%s", self.last_error)
+            log.warning("version %d did not land on this worker: %s", update_info.version, exc)
             self._end_reload()  # layers that got nothing keep their weights: the model stays whole
         finally:
             sink.open = False
