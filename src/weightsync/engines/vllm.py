@@ -25,8 +25,9 @@ import torch
 
 from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
 from weightsync.engines.malloc import return_large_frees_to_os
-from weightsync.engines.vllm_sink import CheckpointLayout, ReloadSink, checkpoint_layout, reprocess_tied_layers
+from weightsync.engines.vllm_sink import ReloadSink
 from weightsync.errors import ConfigError, RequestError, SinkError
+from weightsync.integrations.vllm.layout import CheckpointLayout, checkpoint_layout, reprocess_tied_layers
 from weightsync.sink import StagedSink, WeightSink
 
 __all__ = ["DEFAULT_KV_CACHE_BYTES", "VLLMEngine", "config_dtype"]

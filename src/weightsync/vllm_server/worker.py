@@ -24,8 +24,9 @@ from typing import Any
 
 import msgspec
 
-from weightsync.engines.vllm_sink import ReloadSink, checkpoint_layout, reprocess_tied_layers
+from weightsync.engines.vllm_sink import ReloadSink
 from weightsync.errors import SinkError
+from weightsync.integrations.vllm.layout import checkpoint_layout, reprocess_tied_layers
 from weightsync.options import ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
 from weightsync.sink import StagedSink, WeightSink, WrappingSink

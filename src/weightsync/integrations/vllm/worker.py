@@ -36,8 +36,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.engines.vllm_sink import CheckpointLayout, check_plan_layout, checkpoint_layout, reprocess_tied_layers
 from weightsync.errors import PlanError, SinkError
+from weightsync.integrations.vllm.layout import (
+    CheckpointLayout,
+    check_plan_layout,
+    checkpoint_layout,
+    reprocess_tied_layers,
+)
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import WeightReceiver
