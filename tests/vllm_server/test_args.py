@@ -1,5 +1,6 @@
 """vLLM's serve arguments come from vLLM's own parser: weightsync's settings first, --vllm-args
-after them; what vLLM refuses, and weightsync's own worker extension, fail before the port is taken."""
+after them; what vLLM refuses, a replaced weight-transfer backend, and data parallel replicas in
+one server fail before the port is taken."""
 
 from __future__ import annotations
 
@@ -27,21 +28,21 @@ def config(tmp_path: Path) -> ServeConfig:
 
 def test_weightsync_settings_and_extra_vllm_flags_reach_vllm(config: ServeConfig) -> None:
     from weightsync.vllm_server.engine import vllm_namespace
-    from weightsync.vllm_server.worker import EXTENSION
 
-    args = vllm_namespace(config, ["--max-model-len", "256", "--enable-prefix-caching"])
+    args = vllm_namespace(config, ["--max-model-len", "256", "--enable-prefix-caching", "-tp", "2"])
     assert (args.model, args.load_format, args.dtype) == (config.model, "dummy", "float32")
-    assert args.worker_extension_cls == EXTENSION and args.served_model_name == [config.model_name]
+    assert args.weight_transfer_config.backend == "weightsync" and args.served_model_name == [config.model_name]
+    assert args.tensor_parallel_size == 2
     assert args.max_model_len == 256 and args.enable_prefix_caching is True
     assert args.enforce_eager is True and args.kv_cache_memory_bytes == 1 << 30
 
 
-def test_what_vllm_refuses_and_a_replaced_worker_extension_are_config_errors(config: ServeConfig) -> None:
+def test_what_vllm_refuses_a_replaced_backend_and_replicas_are_config_errors(config: ServeConfig) -> None:
     from weightsync.vllm_server.engine import vllm_namespace
 
     with pytest.raises(ConfigError, match="vLLM refused"):
         vllm_namespace(config, ["--no-such-flag"])
-    with pytest.raises(ConfigError, match="worker-extension-cls is weightsync's own"):
-        vllm_namespace(config, ["--worker-extension-cls", "my.Extension"])
-    with pytest.raises(ConfigError, match="one vLLM worker per server"):
-        vllm_namespace(config, ["--tensor-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="weight-transfer-config is weightsync's own"):
+        vllm_namespace(config, ["--weight-transfer-config", '{"backend": "nccl"}'])
+    with pytest.raises(ConfigError, match="one weightsync serve per replica"):
+        vllm_namespace(config, ["--data-parallel-size", "2"])

@@ -1,5 +1,6 @@
-"""The API process's sync control with a stand-in for AsyncLLM: who holds the pause, when
-generation resumes, what a failed sync leaves behind. No vLLM needed."""
+"""The API process's sync control with a stand-in for vLLM's engine: one update window per
+version across every worker, who holds the pause, when generation resumes, when a version is
+labelled, and what a failed sync leaves behind. No vLLM needed."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ from weightsync.vllm_server.events import Abort, Begin, Commit, Status
 
 
 class Engine:
-    """What SyncControl calls on AsyncLLM, recorded; `drained` gates a "wait" pause."""
+    """What SyncControl calls on vLLM, recorded. `drained` gates a "wait" pause; `landed` ends
+    vLLM's update call (every worker's stream ended)."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.drained = asyncio.Event()
         self.drained.set()
+        self.landed = asyncio.Event()
+        self.landed.set()
+        self.errored = False
 
     async def pause_generation(self, *, mode: str) -> None:
         self.calls.append(("pause", mode))
@@ -31,23 +36,44 @@ class Engine:
     async def resume_generation(self) -> None:
         self.calls.append(("resume", None))
 
-    async def update_weight_version(self, version: str) -> None:
-        self.calls.append(("version", version))
+    async def start_weight_update(self) -> None:
+        self.calls.append(("start", None))
+
+    async def update_weights(self, version: int) -> None:
+        self.calls.append(("update", version))
+        await self.landed.wait()
+
+    async def finish_weight_update(self, version: int | None) -> None:
+        self.calls.append(("finish", version))
 
 
-def control(engine: Engine, mode: str = "wait", drain_timeout: float = 5.0) -> SyncControl:
-    return SyncControl(engine, mode=mode, drain_timeout=drain_timeout, metrics=ServerMetrics(), version=None)  # type: ignore[arg-type]
+def control(engine: Engine, mode: str = "wait", workers: int = 1, **timeouts: float) -> SyncControl:
+    return SyncControl(
+        engine,  # type: ignore[arg-type]
+        workers=workers,
+        mode=mode,  # type: ignore[arg-type]
+        drain_timeout=timeouts.get("drain_timeout", 5.0),
+        sync_timeout=timeouts.get("sync_timeout", 5.0),
+        metrics=ServerMetrics(),
+        version=None,
+    )
 
 
-def test_a_sync_pauses_lands_labels_and_resumes() -> None:
+async def sync_on(sync: SyncControl, version: int, *outcomes: Commit | Abort) -> list[BaseException | None]:
+    """Every worker rings Begin (opening the window), then its outcome, as workers do: at once.
+    Returns what each outcome's ring got (None: ok)."""
+    await asyncio.gather(*(sync.on_event(Begin(version=version, rank=o.rank, park=True)) for o in outcomes))
+    results = await asyncio.gather(*(sync.on_event(o) for o in outcomes), return_exceptions=True)
+    return [r if isinstance(r, BaseException) else None for r in results]
+
+
+def test_one_window_for_every_worker_labels_the_version_once_all_landed_it() -> None:
     async def scenario() -> None:
         engine = Engine()
-        sync = control(engine, mode="keep")
+        sync = control(engine, mode="keep", workers=2)
         assert sync.health(False).state == "waiting for weights"
-        await sync.on_event(Begin(version=1, bucket_bytes=4, park=True, total_bytes=10))
-        assert sync.paused_by == ["sync"]
-        await sync.on_event(Commit(version=1))
-        assert engine.calls == [("pause", "keep"), ("version", "1"), ("resume", None)]
+        assert await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1)) == [None, None]
+        assert engine.calls == [("pause", "keep"), ("start", None), ("update", 1), ("finish", 1), ("resume", None)]
         assert sync.version == 1 and sync.health(False).ok and sync.stats.to_json()["num_committed"] == 1
         assert await sync.wait_servable(0.01)
 
@@ -59,8 +85,7 @@ def test_a_users_pause_outlasts_a_sync() -> None:
         engine = Engine()
         sync = control(engine)
         assert await sync.pause("user", "keep", 5.0)
-        await sync.on_event(Begin(version=1, park=True))
-        await sync.on_event(Commit(version=1))
+        await sync_on(sync, 1, Commit(version=1))
         assert ("resume", None) not in engine.calls and sync.paused_by == ["user"]
         assert engine.calls.count(("pause", "keep")) == 1  # the sync did not re-pause in another mode
         await sync.resume("user")
@@ -69,58 +94,115 @@ def test_a_users_pause_outlasts_a_sync() -> None:
     asyncio.run(scenario())
 
 
-def test_a_sync_that_cannot_park_is_refused_and_pauses_nothing() -> None:
+def test_a_sync_that_cannot_park_is_refused_and_opens_nothing() -> None:
     async def scenario() -> None:
         engine = Engine()
         engine.drained.clear()  # requests that never finish
         sync = control(engine, mode="wait", drain_timeout=0.05)
         with pytest.raises(SinkError, match="did not pause within 0.05 s"):
             await sync.on_event(Begin(version=1, park=True))
+        await sync.on_event(Abort(version=1, intact=True, error="refused"))
         assert sync.paused_by == [] and engine.calls[-1] == ("resume", None)
+        assert ("start", None) not in engine.calls and sync.state() != "dirty"
         engine.drained.set()
 
     asyncio.run(scenario())
 
 
-def test_a_dirty_failure_stops_serving_until_the_next_good_sync() -> None:
+def test_one_worker_failing_refuses_the_others_commit_and_serves_nothing_until_a_good_sync() -> None:
     async def scenario() -> None:
         engine = Engine()
-        sync = control(engine, mode="keep")
-        await sync.on_event(Begin(version=1, park=True))
-        await sync.on_event(Commit(version=1))
-        await sync.on_event(Begin(version=2, park=True))
-        await sync.on_event(Abort(version=2, intact=False, error="sender died"))
+        sync = control(engine, mode="keep", workers=2)
+        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
+        got = await sync_on(sync, 2, Commit(version=2, rank=0), Abort(version=2, rank=1, intact=True, error="killed"))
+        assert isinstance(got[0], SinkError) and "worker 1: killed" in str(got[0]) and got[1] is None
         now = sync.health(False)
-        assert (now.ok, now.state, sync.version) == (False, "dirty", None) and "sender died" in now.reason
-        assert ("pause", "abort") in engine.calls and engine.calls[-1] != ("resume", None)
+        assert (now.ok, now.state, sync.version) == (False, "dirty", None) and "killed" in now.reason
+        assert ("finish", None) in engine.calls and ("pause", "abort") in engine.calls
+        assert ("resume", None) not in engine.calls[-3:] and sync.paused_by == ["dirty"]  # still paused: dirty
         assert not await sync.wait_servable(0.01)
-        await sync.on_event(Begin(version=3, park=True))
-        await sync.on_event(Commit(version=3))
-        assert sync.health(False).ok and sync.version == 3 and engine.calls[-1] == ("resume", None)
+        assert await sync_on(sync, 3, Commit(version=3, rank=0), Commit(version=3, rank=1)) == [None, None]
+        assert sync.health(False).ok and sync.version == 3 and sync.paused_by == []
 
     asyncio.run(scenario())
 
 
-def test_an_intact_failure_keeps_serving_the_previous_version() -> None:
+def test_workers_that_all_failed_before_landing_anything_keep_the_previous_version() -> None:
     async def scenario() -> None:
         engine = Engine()
-        sync = control(engine)
-        await sync.on_event(Begin(version=1, park=True))
-        await sync.on_event(Commit(version=1))
-        await sync.on_event(Begin(version=2, park=False))  # staged: no pause yet
-        await sync.on_event(Abort(version=2, intact=True, error="checksum"))
+        sync = control(engine, workers=2)
+        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
+        failed = [Abort(version=2, rank=rank, intact=True, error="checksum") for rank in (0, 1)]
+        assert await sync_on(sync, 2, *failed) == [None, None]
         assert sync.health(False).ok and sync.version == 1 and sync.stats.to_json()["num_failed"] == 1
+        assert engine.calls[-2:] == [("finish", None), ("resume", None)]
 
     asyncio.run(scenario())
 
 
-def test_a_dead_engine_fails_health_and_a_status_event_is_kept_whole() -> None:
+def test_a_staged_transfer_that_fails_before_its_window_pauses_nothing() -> None:
     async def scenario() -> None:
-        sync = control(Engine())
+        engine = Engine()
+        sync = control(engine, workers=2)
+        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
+        calls = len(engine.calls)
+        for rank in (0, 1):
+            await sync.on_event(Begin(version=2, rank=rank, park=False))
+        for rank in (0, 1):
+            await sync.on_event(Abort(version=2, rank=rank, intact=True, error="sender died"))
+        assert engine.calls[calls:] == [] and sync.version == 1 and sync.stats.to_json()["num_failed"] == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_never_answers_fails_the_sync_within_the_timeout() -> None:
+    async def scenario() -> None:
+        engine = Engine()
+        sync = control(engine, workers=2, sync_timeout=0.2)
+        got = await sync_on(sync, 1, Commit(version=1, rank=0))
+        assert isinstance(got[0], SinkError) and "no outcome from worker(s) [1]" in str(got[0])
+        assert sync.state() == "dirty"  # worker 0 landed it, worker 1 is unknown
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_that_dies_during_the_update_fails_the_sync() -> None:
+    async def scenario() -> None:
+        engine = Engine()
+        engine.landed.clear()  # vLLM's update call never returns: a worker process died
+        sync = control(engine, workers=2, sync_timeout=0.2)
+        await sync.on_event(Begin(version=1, rank=0, park=True))
+        engine.errored = True
+        got = await asyncio.gather(sync.on_event(Commit(version=1, rank=0)), return_exceptions=True)
+        assert isinstance(got[0], SinkError) and "engine died" in str(got[0])
+        assert sync.health(True).state == "failed" and sync.state() == "dirty"
+
+    asyncio.run(scenario())
+
+
+def test_a_second_version_waits_for_none_while_one_is_open() -> None:
+    async def scenario() -> None:
+        engine = Engine()
+        engine.landed.clear()
+        sync = control(engine, workers=1, sync_timeout=0.2)
+        await sync.on_event(Begin(version=1, park=True))
+        with pytest.raises(SinkError, match="the sync of version 1 is in progress"):
+            await sync.on_event(Begin(version=2, park=True))
+        engine.landed.set()
+        await sync.on_event(Commit(version=1))
+        assert sync.version == 1
+
+    asyncio.run(scenario())
+
+
+def test_each_workers_status_is_kept_and_counted_once() -> None:
+    async def scenario() -> None:
+        sync = control(Engine(), workers=2)
         assert sync.health(True).state == "failed"
         times = SyncTimes(total_s=0.5, transfer_s=0.1, landing_s=0.2, load_s=0.2)
-        await sync.on_event(Status(state="syncing", content_digest="ab", times=times, mode="delta"))
-        assert sync.receiver == Status(state="syncing", content_digest="ab", times=times, mode="delta")
+        for rank in (0, 1):
+            await sync.on_event(Status(rank=rank, state="syncing", content_digest="ab", times=times, mode="delta"))
+        assert sync.receiver == Status(rank=0, state="syncing", content_digest="ab", times=times, mode="delta")
         assert sync.health(False).state == "syncing" and sync.state() == "syncing"
         assert 'weightsync_sync_modes_total{mode="delta"} 1.0' in sync.metrics.render().decode()
 

@@ -1,27 +1,36 @@
 """The API process's side of syncs and pauses: who holds vLLM paused, which version it serves,
 and what /health and /weight_info say.
 
-vLLM has one pause switch (`AsyncLLM.pause_generation` / `resume_generation`); weightsync has
-several owners of a pause (a user's POST /pause, a sync, dirty weights). Generation resumes when
-the last owner lets go; a sync never resumes what a user paused.
+vLLM has one pause switch (`pause_generation` / `resume_generation`); weightsync has several
+owners of a pause (a user's POST /pause, a sync, dirty weights). Generation resumes when the last
+owner lets go; a sync never resumes what a user paused.
 
-The doorbell events of the worker's sink (worker.py, events.py) land in `on_event`:
+Each vLLM worker's sink rings the doorbell (events.py) as a push reaches it; `on_event` answers:
 
-    Begin   note the sync; with `park`, pause generation in the sync mode (bounded by the drain
-            timeout: a sync that cannot park is refused, and nothing is paused)
-    Park    pause for a staged sync's commit
-    Commit  label the new version in vLLM (`update_weight_version`), then resume
-    Abort   intact: resume the previous version; dirty: abort every request and stay paused,
-            answering 503, until the next good sync
-    Status  the receiver's state, digest, last error and phase times
+    Begin   note the sync; with `park`, open the window (below)
+    Park    a staged sync's transfer is done on this worker: open the window
+    Commit  this worker landed the version: answered once the window is decided, refused
+            unless every worker landed it
+    Abort   this worker failed the sync: answered once the window is decided
+    Status  this worker's receiver state, digest, last error and phase times
+
+One window per version, opened once for every worker: pause generation in the sync mode
+(bounded by the drain timeout: a sync that cannot park is refused, nothing paused), then vLLM's
+`start_weight_update` and `update_weights` on every worker. It is decided once every worker's
+outcome is in (or the wait for one times out, or the engine dies): vLLM's
+`finish_weight_update`, labelled with the version only when every worker committed it. Then
+generation resumes, or, when some worker's weights changed and another's did not, the server
+stays paused and answers 503 "dirty" until the next good sync: no response from a mix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Protocol
 
 from weightsync.errors import SinkError
 from weightsync.server.loop import PauseMode
@@ -30,41 +39,95 @@ from weightsync.server.runtime import Health
 from weightsync.server.sync import SyncStats
 from weightsync.vllm_server.events import Abort, Begin, Commit, Park, Status, SyncEvent
 
-__all__ = ["SyncControl"]
+__all__ = ["Engine", "SyncControl"]
 
 log = logging.getLogger(__name__)
+
+POLL_S = 1.0
+"""How often a window's wait for vLLM's update call looks whether the engine died."""
+
+
+class Engine(Protocol):
+    """What the control calls on vLLM (server.py adapts `AsyncLLM`)."""
+
+    @property
+    def errored(self) -> bool: ...
+
+    async def pause_generation(self, *, mode: PauseMode) -> None: ...
+
+    async def resume_generation(self) -> None: ...
+
+    async def start_weight_update(self) -> None: ...
+
+    async def update_weights(self, version: int) -> None: ...
+
+    async def finish_weight_update(self, version: int | None) -> None: ...
+
+
+@dataclasses.dataclass(eq=False)
+class _Window:
+    """vLLM's update window for one version, across every worker."""
+
+    version: int
+    opening: asyncio.Future[None]
+    outcomes: dict[int, Commit | Abort] = dataclasses.field(default_factory=dict)
+    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    decided: asyncio.Future[str] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """"" once the version is labelled, else why it was not."""
+    updating: asyncio.Future[None] | None = None
 
 
 class SyncControl:
     """Pauses, version and sync state of one vLLM server.
 
     Args:
-        engine: vLLM's `AsyncLLM`.
+        engine: vLLM's engine, as `Engine`.
+        workers: how many workers each sync must reach (tensor x pipeline parallel size).
         mode: how a sync pauses generation ("wait", "abort" or "keep").
         drain_timeout: seconds a sync waits for generation to pause before it is refused.
+        sync_timeout: seconds the window waits for a worker's outcome once vLLM's update call
+            returned, and for vLLM's finish call.
         metrics: weightsync's metrics.
         version: the version served from the start (a checkpoint loaded), or None.
     """
 
     def __init__(
-        self, engine: Any, *, mode: PauseMode, drain_timeout: float, metrics: ServerMetrics, version: int | None
+        self,
+        engine: Engine,
+        *,
+        workers: int = 1,
+        mode: PauseMode,
+        drain_timeout: float,
+        sync_timeout: float = 60.0,
+        metrics: ServerMetrics,
+        version: int | None,
     ) -> None:
         self.engine = engine
+        self.workers = workers
         self.mode = mode
         self.drain_timeout = drain_timeout
+        self.sync_timeout = sync_timeout
         self.metrics = metrics
         self.version = version
         self.dirty = False
         self.stats = SyncStats()
-        self.receiver = Status()
-        """The worker's receiver, as its last `Status` event said."""
+        self.receivers: dict[int, Status] = {}
+        """Each worker's receiver, as its last `Status` event said."""
         self.changed = asyncio.Event()
         """Set (and cleared at once) whenever the version or the dirty flag changes."""
         self._owners: dict[str, PauseMode] = {}
         self._pausing: asyncio.Future[None] | None = None
+        self._window: _Window | None = None
+        self._counting: int | None = None
+        """The version whose sync the stats count now (None: no sync in progress)."""
         self._started = 0.0
         if version is not None:
             metrics.version.set(version)
+
+    @property
+    def receiver(self) -> Status:
+        """The first worker's receiver (every worker receives the same sync)."""
+        return self.receivers.get(min(self.receivers, default=0), Status())
 
     # --- pauses ---------------------------------------------------------------------------------
 
@@ -96,46 +159,155 @@ class SyncControl:
     # --- sync events ----------------------------------------------------------------------------
 
     async def on_event(self, event: SyncEvent) -> None:
-        """One doorbell event from the worker's sink; raising refuses it (the sync then fails)."""
+        """One doorbell event from a worker's sink; raising refuses it (the sync then fails there)."""
         match event:
             case Status():
                 self._status(event)
             case Begin():
                 self._begin(event)
                 if event.park:
-                    await self._park(event.version)
+                    await self._open(event.version)
             case Park():
-                await self._park(event.version)
-            case Commit():
-                await self._commit(event.version)
-            case Abort():
-                await self._abort(event.version, event.intact, event.error)
+                await self._open(event.version)
+            case Commit() | Abort():
+                await self._outcome(event)
 
     def _begin(self, event: Begin) -> None:
-        self._started = time.perf_counter()
-        self.stats = self.stats.next(event.version, event.total_bytes, event.bucket_bytes, self.metrics)
+        window = self._window
+        if window is not None and window.version != event.version and not window.decided.done():
+            raise SinkError(f"version {event.version} refused: the sync of version {window.version} is in progress")
+        if self._counting != event.version:
+            self._counting = event.version
+            self._started = time.perf_counter()
+            self.stats = self.stats.next(event.version, event.total_bytes, event.bucket_bytes, self.metrics)
 
-    async def _park(self, version: int) -> None:
+    async def _open(self, version: int) -> None:
+        """Open the window of `version` (once, whichever worker asks first) and wait until it is."""
+        window = self._window
+        if window is None or window.version != version:
+            if window is not None and not window.decided.done():
+                raise SinkError(f"version {version} refused: the sync of version {window.version} is in progress")
+            opening = asyncio.ensure_future(self._open_window(version))
+            window = self._window = _Window(version, opening)
+            asyncio.ensure_future(self._decide(window))
+        await asyncio.shield(window.opening)
+
+    async def _open_window(self, version: int) -> None:
         if not await self.pause("sync", self.mode, self.drain_timeout):
-            await self.resume("sync")
             raise SinkError(
                 f"generation did not pause within {self.drain_timeout} s (sync mode {self.mode!r}); "
                 f"version {version} refused"
             )
+        await self.engine.start_weight_update()  # every worker's layerwise reload begins
 
-    async def _commit(self, version: int) -> None:
-        await self.engine.update_weight_version(str(version))
+    async def _outcome(self, event: Commit | Abort) -> None:
+        window = self._window
+        if window is None or window.version != event.version or window.decided.done():
+            if isinstance(event, Commit):
+                raise SinkError(f"commit of version {event.version} refused: no update window is open for it")
+            self._failed_before_the_window(event)  # refused at begin, or a staged transfer that failed
+            return
+        window.outcomes[event.rank] = event
+        window.changed.set()
+        # Answered once decided, so that a sender's push returns (or fails) only after the
+        # server serves its outcome. The worker's ring waits longer than this (worker.py).
+        why = await asyncio.wait_for(asyncio.shield(window.decided), 2 * self.sync_timeout + self.drain_timeout)
+        if why and isinstance(event, Commit):
+            raise SinkError(why)
+
+    def _failed_before_the_window(self, event: Abort) -> None:
+        if self._counting != event.version:
+            return  # counted already (another worker's abort)
+        self._counting = None
+        self.stats.failed(time.perf_counter() - self._started, event.error, self.metrics)
+        log.warning("sync of version %d failed on worker %d: %s; still serving", event.version, event.rank, event.error)
+
+    async def _decide(self, window: _Window) -> None:
+        """Wait for every worker's outcome, then label the version or refuse it (module docstring)."""
+        why = ""
+        started = False
+        try:
+            try:
+                await window.opening
+                started = True
+                update = asyncio.ensure_future(self.engine.update_weights(window.version))
+                window.updating = update
+                why = await self._wait_update(update)
+            except Exception as exc:
+                why = f"vLLM's update window did not open: {exc}"
+            if not await self._wait_outcomes(window) and not why:
+                missing = sorted(set(range(self.workers)) - set(window.outcomes))
+                why = f"no outcome from worker(s) {missing} within {self.sync_timeout} s"
+            failed = [o for o in window.outcomes.values() if isinstance(o, Abort)]
+            if failed and not why:
+                why = "; ".join(f"worker {o.rank}: {o.error}" for o in sorted(failed, key=lambda o: o.rank))
+            if not why:
+                why = await self._finish(window.version if started else None, started)
+                if not why:
+                    self._committed(window.version)
+                    return
+            elif started:
+                await self._finish(None, started)
+            changed = any(isinstance(o, Commit) or not o.intact for o in window.outcomes.values())
+            unknown = started and len(window.outcomes) < self.workers
+            await self._failed(window.version, why, intact=not (changed or unknown))
+        except Exception as exc:  # never leave a worker's commit waiting on an undecided window
+            why = why or f"the sync could not be decided: {exc}"
+            log.exception("deciding version %d", window.version)
+        finally:
+            await self.resume("sync")
+            if not window.decided.done():
+                window.decided.set_result(why)
+
+    async def _wait_update(self, update: asyncio.Future[None]) -> str:
+        """Wait for vLLM's update call on every worker (each bounded by its receiver's timeouts);
+        returns why it failed, "" if it did not."""
+        while not update.done():
+            await asyncio.wait([update], timeout=POLL_S)
+            if self.engine.errored:
+                update.cancel()
+                return "vLLM's engine died during the sync"
+        error = update.exception()
+        return "" if error is None else f"vLLM's update_weights failed: {error}"
+
+    async def _wait_outcomes(self, window: _Window) -> bool:
+        deadline = time.monotonic() + self.sync_timeout
+        while len(window.outcomes) < self.workers and not self.engine.errored:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            window.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(window.changed.wait(), min(left, POLL_S))
+        return len(window.outcomes) >= self.workers
+
+    async def _finish(self, version: int | None, started: bool) -> str:
+        """vLLM's finish call (labelling `version`, if any); returns why it failed, "" if not."""
+        if not started:
+            return ""
+        try:
+            await asyncio.wait_for(self.engine.finish_weight_update(version), self.sync_timeout)
+        except Exception as exc:
+            return f"vLLM's finish_weight_update failed: {type(exc).__name__}: {exc}"
+        return ""
+
+    def _committed(self, version: int) -> None:
         self.version = version
         self.dirty = False
         self._owners.pop("dirty", None)
+        self._counting = None
         self.stats.committed(time.perf_counter() - self._started, self.metrics)
-        await self.resume("sync")
         self._changed()
         log.info(
-            "sync of version %d committed: %d bytes in %.3f s", version, self.stats.total_bytes, self.stats.seconds
+            "sync of version %d committed on %d worker(s): %d bytes in %.3f s",
+            version,
+            self.workers,
+            self.stats.total_bytes,
+            self.stats.seconds,
         )
 
-    async def _abort(self, version: int, intact: bool, error: str) -> None:
+    async def _failed(self, version: int, error: str, *, intact: bool) -> None:
+        self._counting = None
         self.stats.failed(time.perf_counter() - self._started, error, self.metrics)
         if not intact or self.dirty:  # the live weights are no version we can name: serve nothing
             self.dirty = True
@@ -143,7 +315,6 @@ class SyncControl:
             self.metrics.version.set(-1)
             await self.pause("dirty", "abort", self.drain_timeout)
             self._changed()
-        await self.resume("sync")
         log.warning(
             "sync of version %d failed: %s; %s",
             version,
@@ -152,9 +323,11 @@ class SyncControl:
         )
 
     def _status(self, status: Status) -> None:
-        if status.times is not None and status.times != self.receiver.times:
-            self.metrics.observe_times(status.times, status.mode)
-        self.receiver = status
+        before = self.receivers.get(status.rank)
+        if status.rank == min(self.receivers.keys() | {status.rank}) and status.times is not None:
+            if before is None or status.times != before.times:
+                self.metrics.observe_times(status.times, status.mode)
+        self.receivers[status.rank] = status
 
     def _changed(self) -> None:
         self.changed.set()
@@ -168,7 +341,7 @@ class SyncControl:
         if self.dirty:
             reason = f"weights are dirty: {self.receiver.last_error or self.stats.error}; push a new version"
             return Health(False, "dirty", reason)
-        syncing = self.receiver.state == "syncing"
+        syncing = self._syncing()
         if self.version is None:
             if syncing:
                 return Health(False, "syncing", "the first weight sync is in progress")
@@ -179,8 +352,15 @@ class SyncControl:
     def state(self) -> str:
         if self.dirty:
             return "dirty"
+        if self._syncing():
+            return "syncing"
         state = self.receiver.state
         return "ready" if state == "empty" and self.version is not None else state
+
+    def _syncing(self) -> bool:
+        window = self._window
+        open_window = window is not None and not window.decided.done()
+        return open_window or any(status.state == "syncing" for status in self.receivers.values())
 
     async def wait_servable(self, timeout: float) -> bool:
         """Wait up to `timeout` for a committed, intact version (the gate before the first sync)."""

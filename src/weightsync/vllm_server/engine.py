@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import logging
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from weightsync.engines.vllm import DEFAULT_KV_CACHE_BYTES, VLLMEngine, config_dtype
 from weightsync.errors import ConfigError
+from weightsync.integrations.vllm import BACKEND
 from weightsync.server.runtime import ServeConfig
-from weightsync.vllm_server.worker import EXTENSION
 
 __all__ = ["build_engine", "preload", "vllm_namespace", "warm_up"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+"""KV cache vLLM reserves unless told otherwise (on CPU it would take most of RAM)."""
+
+TRANSFER_CONFIG = json.dumps({"backend": BACKEND})
+"""vLLM's `--weight-transfer-config`: weightsync's backend in every worker."""
 
 WARM_UP_TIMEOUT_S = 300.0
 """Seconds the one-token warm-up generation may take (a first forward compiles kernels)."""
@@ -44,8 +51,8 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
         config.load_format,
         "--dtype",
         config_dtype(Path(config.model)),
-        "--worker-extension-cls",
-        EXTENSION,
+        "--weight-transfer-config",
+        TRANSFER_CONFIG,
         "--host",
         config.host,
     ]
@@ -62,13 +69,12 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
         raise ConfigError(f"vLLM refused the arguments {shlex.join(extra)!r}") from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"vLLM refused the arguments: {exc}") from exc
-    if args.worker_extension_cls != EXTENSION:
-        raise ConfigError("--worker-extension-cls is weightsync's own (its receiver lives there)")
-    parallel = {"tensor": args.tensor_parallel_size, "pipeline": args.pipeline_parallel_size}
-    parallel["data"] = args.data_parallel_size
-    if any(size != 1 for size in parallel.values()):
-        # Each worker would start its own receiver holding one shard, and one address is advertised.
-        raise ConfigError(f"one vLLM worker per server for now; got parallel sizes {parallel}")
+    if getattr(args.weight_transfer_config, "backend", None) != BACKEND:
+        raise ConfigError(f"--weight-transfer-config is weightsync's own (backend {BACKEND!r}: its receivers)")
+    if args.data_parallel_size != 1:
+        # One server labels one version for its workers; data parallel replicas are several
+        # servers to a trainer (push to each).
+        raise ConfigError(f"--data-parallel-size {args.data_parallel_size}: run one weightsync serve per replica")
     return args
 
 
@@ -79,6 +85,7 @@ PRELOADED_MODULES = (
     "vllm.entrypoints.launchers.app",
     "vllm.entrypoints.launchers.api_server.app_state",
     "vllm.v1.metrics.prometheus",
+    "vllm.model_executor.model_loader",
 )
 """What building the engine and the app imports, imported by `preload` before the port listens."""
 
@@ -89,12 +96,29 @@ def preload(model: str) -> None:
     answers 503 (imports; vLLM's full garbage collections, each scanning every object there is)."""
     import gc
     import importlib
+    import importlib.metadata
 
     for name in PRELOADED_MODULES:
         importlib.import_module(name)
-    VLLMEngine.preload(model)  # vLLM's plugin scan and the model's own module
+    importlib.metadata.entry_points()  # vLLM scans them for plugins; cached from now on
+    config = json.loads((Path(model) / "config.json").read_text())
+    for architecture in config.get("architectures") or []:  # the model's module, as the build imports it
+        from vllm.model_executor.models import ModelRegistry
+
+        module = getattr(ModelRegistry.models.get(architecture), "module_name", None)
+        with contextlib.suppress(Exception):  # an unsupported model fails in the build, with vLLM's reason
+            importlib.import_module(module or "")
     gc.collect()
     gc.freeze()
+
+
+def config_dtype(model_dir: Path) -> str:
+    """The dtype config.json names ("dtype", or the older "torch_dtype"), else vLLM's "auto"
+    (which would run a float32 checkpoint in bfloat16 on CPU, and a push of that checkpoint
+    would then be refused)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value) if isinstance(value, str) else "auto"
 
 
 def build_engine(args: argparse.Namespace) -> Any:

@@ -1,14 +1,17 @@
 """What vLLM's worker tells the API process about a sync: a closed set of typed messages.
 
-The worker's sink (worker.py) rings the doorbell (doorbell.py) with one of these; the API process
-(control.py) decodes exactly these types and nothing else, and answers with a `Reply`. JSON on
-the socket (msgspec tagged structs), so a message is a value with a schema, never a dict.
+Each worker's sink (integrations/vllm/worker.py) rings the doorbell (doorbell.py) with one of
+these, naming its rank; the API process (control.py) decodes exactly these types and nothing
+else, and answers with a `Reply`. JSON on the socket (msgspec tagged structs), so a message is a
+value with a schema, never a dict.
 
-    Begin   a sync starts; `park`: pause generation first (a staged sync parks at its commit)
-    Park    a staged sync's commit: pause now
-    Commit  the version is in vLLM's weights: label it and resume
-    Abort   the sync failed; `intact`: the served weights are still the previous version
-    Status  the receiver's state changed (for /health, /weight_info and the metrics)
+    Begin   a push reached this worker and its plan fits the model; `park`: open vLLM's update
+            window now (a staged sync opens it at its commit, with Park)
+    Park    a staged sync's transfer is done: open the window now
+    Commit  this worker landed the version; answered once every worker's outcome is in: ok when
+            all landed it and vLLM labelled it, else refused (the worker's commit then fails)
+    Abort   this worker failed the sync; `intact`: nothing of it reached vLLM's weights here
+    Status  this worker's receiver changed state (for /health, /weight_info and the metrics)
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ __all__ = ["Abort", "Begin", "Commit", "Park", "Reply", "Status", "SyncEvent", "
 
 class Begin(msgspec.Struct, frozen=True, kw_only=True, tag="begin"):
     version: int
+    rank: int = 0
     total_bytes: int = 0
     bucket_bytes: int = 0
     park: bool = False
@@ -32,21 +36,25 @@ class Begin(msgspec.Struct, frozen=True, kw_only=True, tag="begin"):
 
 class Park(msgspec.Struct, frozen=True, kw_only=True, tag="park"):
     version: int
+    rank: int = 0
 
 
 class Commit(msgspec.Struct, frozen=True, kw_only=True, tag="commit"):
     version: int
+    rank: int = 0
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
     version: int
+    rank: int = 0
     intact: bool
     error: str = ""
 
 
 class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
-    """The worker's `ReceiverStatus`, as the API process keeps it."""
+    """A worker's `ReceiverStatus`, as the API process keeps it."""
 
+    rank: int = 0
     state: ReceiverState = "empty"
     receiver_version: int | None = None
     content_digest: str = ""

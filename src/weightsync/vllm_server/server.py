@@ -11,8 +11,11 @@ How it is put together, and why this way (docs/server.md has the longer account)
    meanwhile instead of hanging.
 3. The app is vLLM's `build_app(...)`, its state set by vLLM's `init_app_state(...)`: every
    route, handler, chat template, tool parser and sampling parameter is vLLM's own code.
-4. The worker gets weightsync's receiver through `worker_extension_cls` (worker.py), started by
-   a `collective_rpc`; syncs land in the worker through vLLM's layerwise reload.
+4. Every worker runs weightsync's receiver as vLLM's own weight-transfer backend `weightsync`
+   (integrations/vllm), started with vLLM's `init_weight_transfer_engine`; the workers tell
+   this process their addresses through a rendezvous store it hosts for that call, and ring its
+   doorbell as a push reaches them: this process then runs vLLM's update window on every worker
+   (control.py), and syncs land through vLLM's layerwise reload.
 5. weightsync adds its routes and one middleware (http.py): /health, /weight_info, /pause,
    /resume, the gate, bearer auth, weight versions on responses; its metrics join vLLM's
    registry, so /metrics shows both.
@@ -23,7 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
+import secrets
 import signal
 import socket
 import time
@@ -35,7 +41,9 @@ import uvicorn
 from fastapi.responses import JSONResponse
 
 from weightsync.errors import ResourceError
+from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
 from weightsync.server.body_limit import BodyLimit
+from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.runtime import AUTO_VERSION, Health, ServeConfig
 from weightsync.vllm_server.control import SyncControl
@@ -43,14 +51,13 @@ from weightsync.vllm_server.doorbell import Doorbell
 from weightsync.vllm_server.engine import build_engine, vllm_namespace, warm_up
 from weightsync.vllm_server.http import WeightsyncMiddleware, add_routes, error
 from weightsync.vllm_server.versions import VersionedEngine
-from weightsync.vllm_server.worker import ReceiverSpec
 
 __all__ = ["serve"]
 
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 120.0
-"""Seconds a start-up or shut-down call into vLLM's worker may take."""
+"""Seconds a start-up or shut-down call into vLLM's workers may take."""
 
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds requests in flight get to finish when the server is stopped."""
@@ -95,6 +102,73 @@ class _MetricsBridge:
         yield from self.registry.collect()
 
 
+class _Engine:
+    """vLLM's `AsyncLLM` as the sync control calls it (`control.Engine`)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.engine.errored)
+
+    async def pause_generation(self, *, mode: PauseMode) -> None:
+        await self.engine.pause_generation(mode=mode)
+
+    async def resume_generation(self) -> None:
+        await self.engine.resume_generation()
+
+    async def start_weight_update(self) -> None:
+        await self.engine.start_weight_update()
+
+    async def update_weights(self, version: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"version": version}))
+
+    async def finish_weight_update(self, version: int | None) -> None:
+        await self.engine.finish_weight_update(None if version is None else str(version))
+
+
+async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[WorkerAddress]:
+    """Start weightsync's receiver in every vLLM worker (vLLM's `init_weight_transfer_engine`)
+    and return the workers' addresses, in rank order.
+
+    Raises:
+        ResourceError: a worker's receiver did not start, or not every worker announced one.
+    """
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    from weightsync.integrations.vllm.worker import WeightsyncInitInfo
+
+    store, where = open_store("127.0.0.1", RPC_TIMEOUT_S)
+    session = secrets.token_hex(8)
+    info = WeightsyncInitInfo(
+        rendezvous=where,
+        session=session,
+        transport=config.transport,
+        host=config.receiver_host,
+        port=config.receiver_port,
+        verify=config.verify,
+        timeout=config.sync_timeout,
+        bell=bell,
+        staged=config.staged,
+        drain_timeout=config.drain_timeout,
+    )
+    try:
+        request = WeightTransferInitRequest(init_info=dataclasses.asdict(info))
+        await asyncio.wait_for(engine.init_weight_transfer_engine(request), RPC_TIMEOUT_S)
+        workers = sorted(collect(store, session), key=lambda worker: worker.rank)
+    except Exception as exc:
+        raise ResourceError(f"weightsync's receivers did not start in vLLM's workers: {exc}") from exc
+    finally:
+        del store  # stops listening: the workers are done with it
+    expected = engine.vllm_config.parallel_config.world_size
+    if len(workers) != expected:
+        raise ResourceError(f"{len(workers)} of vLLM's {expected} workers started a receiver")
+    return workers
+
+
 @contextlib.contextmanager
 def _signals(http: uvicorn.Server) -> Iterator[list[int]]:
     """SIGTERM/SIGINT stop the server gracefully (exit status 0: how a server is stopped)."""
@@ -126,13 +200,15 @@ async def serve(
     log_level: str = "info",
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(receiver_address)` once ready.
+    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(addresses)` once ready (every worker's receiver, comma-separated).
 
     Raises:
         ConfigError: vLLM refused the arguments.
         ResourceError: the engine or the receiver could not start.
     """
     args = vllm_namespace(config, extra_args)
+    if config.auth_token is not None:  # vLLM's workers inherit it: their receivers require it
+        os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
     front = _Front()
     http = _Server(
         uvicorn.Config(
@@ -196,7 +272,13 @@ async def _serve_engine(
     if initial is not None:
         await engine.update_weight_version(str(initial))
     control = SyncControl(
-        engine, mode=config.sync_mode, drain_timeout=config.drain_timeout, metrics=metrics, version=initial
+        _Engine(engine),
+        workers=engine.vllm_config.parallel_config.world_size,
+        mode=config.sync_mode,
+        drain_timeout=config.drain_timeout,
+        sync_timeout=config.sync_timeout,
+        metrics=metrics,
+        version=initial,
     )
     bell = Doorbell(control.on_event, timeout=config.sync_timeout)
     await bell.start()
@@ -204,25 +286,8 @@ async def _serve_engine(
     registry = get_prometheus_registry()
     registry.register(bridge)
     try:
-        spec = ReceiverSpec(
-            model=config.model,
-            transport=config.transport,
-            bell=bell.path,
-            staged=config.staged,
-            host=config.receiver_host,
-            port=config.receiver_port,
-            verify=config.verify,
-            auth_token=config.auth_token,
-            sync_timeout=config.sync_timeout,
-            drain_timeout=config.drain_timeout,
-        )
-        try:
-            (started, *_) = await engine.collective_rpc(
-                "weightsync_start_receiver", timeout=RPC_TIMEOUT_S, args=(msgspec.json.encode(spec).decode(),)
-            )
-        except Exception as exc:
-            raise ResourceError(f"weightsync's receiver did not start in vLLM's worker: {exc}") from exc
-        address = str(started["address"])
+        workers = await _start_receivers(engine, config, bell.path)
+        addresses = [worker.address for worker in workers]
 
         def engine_dead() -> bool:
             return bool(engine.errored)
@@ -241,10 +306,11 @@ async def _serve_engine(
                 },
                 "content_digest": control.receiver.content_digest,
                 "transport": config.transport,
-                "addresses": [address],
+                "addresses": addresses,
                 "sync_mode": config.sync_mode,
                 "paused_by": control.paused_by,
-                "weight_bytes": int(started["weight_bytes"]),
+                "weight_bytes": workers[0].weight_bytes,
+                "workers": len(workers),
                 "engine": "vllm",
                 "model": config.model_name,
             }
@@ -263,13 +329,13 @@ async def _serve_engine(
         try:
             async with app.router.lifespan_context(app):
                 front.app = outer
-                announce(address)
+                announce(",".join(addresses))
                 await serving
         finally:
             front.app = None
             front.health = Health(False, "failed", "the server is stopping")
             with contextlib.suppress(Exception):
-                await engine.collective_rpc("weightsync_stop_receiver", timeout=RPC_TIMEOUT_S)
+                await asyncio.wait_for(engine.shutdown_weight_transfer_engine(), RPC_TIMEOUT_S)
     finally:
         registry.unregister(bridge)
         await bell.close()

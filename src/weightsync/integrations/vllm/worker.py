@@ -21,12 +21,19 @@ finish a reload with a layer silently left as it was.
 A sync that fails part way (the trainer died, a timeout, a loader error) still ends vLLM's
 layerwise reload here, so that the model stays whole; the sender's report names the worker and
 the reason, and the trainer labels no new version (`receive_weights` says why it does not raise).
+
+Who opens the window: a trainer, through vLLM's API (`WeightsyncTrainerEngine`); or, under
+`weightsync serve --engine vllm`, the server itself. There the init info names the server's
+doorbell (`bell`), and each worker's sink (`_ServedSink`) rings it as a push arrives: the API
+process pauses generation and opens the window on every worker, then answers; it labels the
+version only once every worker rang its commit, and refuses every worker's commit otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +43,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.errors import PlanError, SinkError
+from weightsync.engines.malloc import return_large_frees_to_os
+from weightsync.errors import SinkError
 from weightsync.integrations.vllm.layout import (
     CheckpointLayout,
     check_plan_layout,
@@ -45,9 +53,12 @@ from weightsync.integrations.vllm.layout import (
 )
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
-from weightsync.receiver import WeightReceiver
+from weightsync.receiver import ReceiverStatus, WeightReceiver
+from weightsync.sink import StagedSink, WeightSink, WrappingSink
 from weightsync.stream import StreamSink
 from weightsync.types import Plan
+from weightsync.vllm_server.doorbell import ring
+from weightsync.vllm_server.events import Abort, Begin, Commit, Park, Status
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,8 +83,16 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     transport: str = "shm"
     host: str = "127.0.0.1"
     """Where a networked receiver (tcp, collective, nixl) listens."""
+    port: int = 0
+    """The first worker's port (worker r listens on port + r); 0: any free port."""
     verify: str = "off"
     timeout: float = DEFAULT_TIMEOUT_S
+    bell: str = ""
+    """`weightsync serve`'s doorbell socket: the server, not a trainer, opens the update window."""
+    staged: bool = False
+    """(with `bell`) land each sync in host memory first; generation pauses only for the reload."""
+    drain_timeout: float = DEFAULT_TIMEOUT_S
+    """(with `bell`) seconds the server may take to pause generation for a sync."""
 
 
 @dataclasses.dataclass
@@ -93,32 +112,146 @@ class _WindowSink(StreamSink):
 
     Its tensors are the receiver's own (`borrows = False`): vLLM's layerwise loader keeps a
     layer's tensors until the layer is complete, after the bucket's buffer was reused.
+
+    `deferred`: `begin` only checks the plan; the sync reaches the stream at its first bucket
+    (or commit), by when the server opened the window (`_ServedSink`, `StagedSink`).
     """
 
     borrows = False
 
-    def __init__(self, layout: CheckpointLayout, *, timeout: float) -> None:
+    def __init__(self, layout: CheckpointLayout, *, timeout: float, deferred: bool = False) -> None:
         super().__init__(timeout=timeout)
         self.layout = layout
+        self.deferred = deferred
         self.open = False
         """True between vLLM's start_weight_update and the end of its update."""
         self.feed: dict[str, str | None] = {}
         """The name each planned tensor is loaded under (None: a tied duplicate, not loaded)."""
+        self._pending: tuple[Plan, int] | None = None
 
     def begin(self, plan: Plan, version: int) -> None:
+        self._pending = None
+        try:
+            feed = check_plan_layout(plan, self.layout)
+            if not self.deferred:
+                self._require_open(version)
+        except BaseException as exc:
+            self._end_waiting_stream(plan, version, exc)
+            raise
+        self.feed = feed
+        if self.deferred:
+            self._pending = (plan, version)
+        else:
+            super().begin(plan, version)
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self._start()
+        super().load(named_tensors)
+
+    def commit(self, version: int) -> None:
+        self._start()
+        super().commit(version)
+
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._end_waiting_stream(*pending, error)
+        super().abort(version, error, intact=intact)
+
+    def _start(self) -> None:
+        if self._pending is None:
+            return
+        plan, version = self._pending
+        self._pending = None
+        self._require_open(version)
+        super().begin(plan, version)
+
+    def _require_open(self, version: int) -> None:
         if not self.open:
             raise SinkError(
                 f"version {version} refused: no weight update is open on this vLLM worker "
                 "(the trainer calls start_weight_update before it pushes)"
             )
-        super().begin(plan, version)
+
+    def _end_waiting_stream(self, plan: Plan, version: int, error: BaseException) -> None:
+        """vLLM's update call may already wait on this sync: end it now, on every worker alike,
+        rather than after its timeout."""
+        if self.open:
+            super().begin(plan, version)
+            super().abort(version, error, intact=True)
+
+
+class _ServedSink(WrappingSink):
+    """The worker's sink under `weightsync serve`: rings the server (module docstring) around
+    `inner` (a deferred `_WindowSink`, or a `StagedSink` around one: then the window opens at
+    commit, with `Park`, rather than at `begin`).
+
+    Args:
+        inner: where the sync lands.
+        bell: the server's doorbell socket.
+        rank: this worker's rank, named in every ring.
+        drain_timeout: seconds the server may take to pause generation.
+        timeout: seconds any other ring may take.
+    """
+
+    def __init__(self, inner: WeightSink, bell: str, *, rank: int, drain_timeout: float, timeout: float) -> None:
+        super().__init__(inner)
+        self.bell = bell
+        self.rank = rank
+        self.drain_timeout = drain_timeout
+        self.timeout = timeout
+
+    def begin(self, plan: Plan, version: int) -> None:
+        self.inner.begin(plan, version)  # a refused plan opens nothing
+        park = not self.staged
+        event = Begin(
+            version=version,
+            rank=self.rank,
+            total_bytes=plan.total_bytes,
+            bucket_bytes=plan.bucket_bytes,
+            park=park,
+        )
+        self._paused_s = self._ring(event, self.drain_timeout + self.timeout if park else self.timeout)
+
+    def commit(self, version: int) -> None:
+        if self.staged:
+            self._paused_s = self._ring(Park(version=version, rank=self.rank), self.drain_timeout + self.timeout)
+        self.inner.commit(version)  # the last tensors land; this worker's update call returns
+        # Answered once every worker's outcome is in and vLLM finished: the server waits up to
+        # twice its own timeout plus the drain timeout (control.py); this ring waits longer.
+        self._ring(Commit(version=version, rank=self.rank), self.drain_timeout + 3 * self.timeout)
+
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         try:
-            self.feed = check_plan_layout(plan, self.layout)
-        except PlanError as exc:
-            # vLLM's update call waits on this sync: it ends now, on every worker alike, rather
-            # than after its timeout.
-            self.abort(version, exc, intact=True)
-            raise
+            self.inner.abort(version, error, intact=intact)
+        finally:
+            event = Abort(version=version, rank=self.rank, intact=intact, error=str(error))
+            try:
+                self._ring(event, self.drain_timeout + 3 * self.timeout)  # answered once the server decided
+            except SinkError as exc:  # the sync fails anyway; the server's wait for this worker ends in its timeout
+                log.warning("could not tell the server that version %d failed here: %s", version, exc)
+
+    def observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
+        """Receiver status changes go to the server (/weight_info, /health, metrics)."""
+        status = Status(
+            rank=self.rank,
+            state=after.state,
+            receiver_version=after.version,
+            content_digest=after.content_digest,
+            last_error=after.last_error,
+            times=after.times,
+            mode=after.mode,
+        )
+        try:
+            self._ring(status, self.timeout)
+        except SinkError as exc:
+            log.warning("could not tell the server this worker's receiver state: %s", exc)
+
+    def _ring(self, event: Begin | Park | Commit | Abort | Status, timeout: float) -> float:
+        """Ring the server; returns the seconds its answer took."""
+        started = time.perf_counter()
+        ring(self.bell, event, timeout)
+        return time.perf_counter() - started
 
 
 class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -139,20 +272,32 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
 
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         self.shutdown()  # a trainer that starts again gets a fresh receiver
+        return_large_frees_to_os()  # each reload frees a model's worth of layer temporaries
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
         options = ReceiverOptions(
             host=init_info.host,
+            port=init_info.port + rank if init_info.port else 0,
             timeout=init_info.timeout,
             verify=init_info.verify,  # type: ignore[arg-type]  # checked by ReceiverOptions
         )
         layout = checkpoint_layout(self.model_config.model, self.model_config.dtype)
-        self._sink = _WindowSink(layout, timeout=options.timeout)
-        self._receiver = WeightReceiver(self._sink, init_info.transport, options=options)
-        parallel = self.parallel_config
-        me = WorkerAddress(
-            address=self._receiver.address,
-            rank=parallel.data_parallel_index * parallel.world_size + parallel.rank,
-            weight_bytes=layout.total_bytes,
-        )
+        served = bool(init_info.bell)
+        self._sink = _WindowSink(layout, timeout=options.timeout, deferred=served)
+        sink: WeightSink = self._sink
+        if served:
+            inner = StagedSink(self._sink) if init_info.staged else self._sink
+            sink = _ServedSink(
+                inner,
+                init_info.bell,
+                rank=rank,
+                drain_timeout=init_info.drain_timeout,
+                timeout=options.timeout,
+            )
+        self._receiver = WeightReceiver(sink, init_info.transport, options=options)
+        if isinstance(sink, _ServedSink):
+            self._receiver.watch(sink.observe)
+        me = WorkerAddress(address=self._receiver.address, rank=rank, weight_bytes=layout.total_bytes)
         try:
             announce(init_info.rendezvous, init_info.session, me, timeout=options.timeout)
         except BaseException:
