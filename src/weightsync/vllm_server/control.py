@@ -255,7 +255,8 @@ class SyncControl:
             why = why or f"the sync could not be decided: {exc}"
             log.exception("deciding version %d", window.version)
         finally:
-            await self.resume("sync")
+            with contextlib.suppress(Exception):  # an engine that died cannot resume
+                await self.resume("sync")
             if not window.decided.done():
                 window.decided.set_result(why)
 
@@ -313,8 +314,9 @@ class SyncControl:
             self.dirty = True
             self.version = None
             self.metrics.version.set(-1)
-            await self.pause("dirty", "abort", self.drain_timeout)
-            self._changed()
+            self._changed()  # the gate refuses from now on, whatever the pause below does
+            with contextlib.suppress(Exception):  # an engine that died cannot pause: nothing runs anyway
+                await self.pause("dirty", "abort", self.drain_timeout)
         log.warning(
             "sync of version %d failed: %s; %s",
             version,

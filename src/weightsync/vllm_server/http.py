@@ -13,7 +13,8 @@ The middleware, outermost, in this order:
              has a token (--allow-unauthenticated-generation opens /v1/* as well)
     gate     every POST that may run the model (all but tokenize, render, /pause, /resume...)
              waits up to --ready-timeout for the first committed, intact version, then gets an
-             OpenAI-style 503 naming the state
+             OpenAI-style 503 naming the state; once vLLM's engine died (a worker process
+             killed, say), every such POST gets that 503, also one already inside vLLM
     version  /v1/completions and /v1/chat/completions: `weight_version` (int) on the response and
              on every streamed chunk, and per choice `weight_versions` spans
              [{"version", "start", "end"}] over its output tokens once the choice ends
@@ -111,11 +112,15 @@ class WeightsyncMiddleware:
             response = error(401, "missing or wrong auth token (Authorization: Bearer ...)", "authentication_error")
             await response(scope, receive, send)
             return
-        if gated(method, path) and not await self.control.wait_servable(self.ready_timeout):
-            now = self.control.health(self.engine_dead())
-            message = f"not serving after {self.ready_timeout} s: {now.reason}"
-            await error(503, message, "service_unavailable", state=now.state)(scope, receive, send)
-            return
+        if gated(method, path):
+            if self.engine_dead() or not await self.control.wait_servable(self.ready_timeout):
+                now = self.control.health(self.engine_dead())
+                message = (
+                    now.reason if now.state == "failed" else f"not serving after {self.ready_timeout} s: {now.reason}"
+                )
+                await error(503, message, "service_unavailable", state=now.state)(scope, receive, send)
+                return
+            send = _Unavailable(send, self.control, self.engine_dead)
         if method != "POST" or path not in VERSIONED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -134,6 +139,32 @@ class WeightsyncMiddleware:
         headers = dict(scope.get("headers") or [])
         scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), self.token.encode())
+
+
+class _Unavailable:
+    """The `send` of a gated request: a 5xx that vLLM answers because its engine died on the way
+    (a worker process killed, say) goes out as weightsync's 503 naming the state instead."""
+
+    def __init__(self, send: Send, control: SyncControl, engine_dead: Callable[[], bool]) -> None:
+        self.send = send
+        self.control = control
+        self.engine_dead = engine_dead
+        self.replaced = False
+
+    async def __call__(self, message: Message) -> None:
+        if self.replaced:
+            return
+        if message["type"] == "http.response.start" and int(message["status"]) >= 500 and self.engine_dead():
+            self.replaced = True
+            now = self.control.health(True)
+            body = json.dumps(
+                {"error": {"message": now.reason, "type": "service_unavailable", "code": 503}, "state": now.state}
+            ).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await self.send({"type": "http.response.start", "status": 503, "headers": headers})
+            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await self.send(message)
 
 
 class Labeller:
