@@ -40,7 +40,11 @@ def check_stop_strings(server: LiveServer) -> None:
 def check_top_logprobs(server: LiveServer, reference: torch.nn.Module, k: int = 3) -> None:
     """`logprobs: k` gives, per token, the k most likely tokens with the logprobs the same
     weights give in transformers, and the chosen token's logprob among them."""
-    tokenizer = server.server.tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = (
+        server.server.tokenizer if server.server is not None else AutoTokenizer.from_pretrained(server.config.model)
+    )
     choice = server.client.completions(PROMPT, max_tokens=6, temperature=0, logprobs=k)["choices"][0]
     tokens, logprobs = choice["token_ids"], choice["logprobs"]
     with torch.inference_mode():

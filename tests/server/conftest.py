@@ -43,8 +43,15 @@ class LiveServer(BackgroundServer):
         from weightsync.server.client import RolloutClient
         from weightsync.server.runtime import ServeConfig
 
-        super().__init__(ServeConfig(model=str(model), **options), start_timeout=WAIT_S)  # type: ignore[arg-type]
+        config = ServeConfig(model=str(model), **options)  # type: ignore[arg-type]
+        super().__init__(config, start_timeout=None if config.engine == "vllm" else WAIT_S)
         self.client = RolloutClient(self.url, timeout=WAIT_S * 3)
+
+    @property
+    def address(self) -> str:
+        """Its one receiver (the hf engine's)."""
+        (address,) = self.addresses
+        return address
 
     def close(self) -> None:  # type: ignore[override]
         self.client.close()

@@ -150,4 +150,4 @@ def test_vllm_refuses_to_start_on_a_model_its_cpu_backend_cannot_run(tmp_path) -
     assert "Unsupported CPU attention configuration: head_dim=16" in done.stdout + done.stderr
     # vLLM's engine-core process logs its own traceback of the root cause (sometimes, as it exits);
     # ours must print none: no frame of weightsync's command in any traceback.
-    assert not re.search(r'File ".*weightsync/(cli|__main__|vllm_server)', done.stderr), done.stderr[-3000:]
+    assert not re.search(r'File ".*weightsync/(cli|__main__|integrations/vllm)', done.stderr), done.stderr[-3000:]

@@ -164,17 +164,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_vllm(config: ServeConfig, args: argparse.Namespace) -> int:
-    """vLLM's own OpenAI server with weightsync's parts on top (weightsync.vllm_server)."""
+    """vLLM's own OpenAI server with weightsync's parts on top (weightsync.integrations.vllm)."""
     import asyncio
     import gc
     import shlex
 
     from weightsync.server.background import bind
-    from weightsync.server.runtime import engine_class
+    from weightsync.server.runtime import require_engine
 
-    engine_class("vllm")  # a missing vLLM fails here, before the port is taken
-    from weightsync.vllm_server.engine import preload, vllm_namespace
-    from weightsync.vllm_server.server import serve
+    require_engine("vllm")  # a missing vLLM fails here, before the port is taken
+    from weightsync.integrations.vllm.launch import preload, vllm_namespace
+    from weightsync.integrations.vllm.server import serve
 
     extra = shlex.split(args.vllm_args)
     vllm_namespace(config, extra)  # vLLM's refusal of the arguments, before the port is taken

@@ -60,10 +60,10 @@ class ServerActor:
 
     def describe(self) -> dict[str, Any]:
         """Who this server is right now: its URLs, process and weight version."""
-        info = self._server.server.weight_info()
+        info = self._server.weight_info()
         return {
             "url": self._server.url,
-            "address": self._server.address,
+            "addresses": self._server.addresses,
             "pid": os.getpid(),
             "version": info["version"],
             "state": info["state"],
@@ -80,7 +80,8 @@ class ServerInfo:
 
     name: str
     url: str
-    address: str
+    addresses: tuple[str, ...]
+    """Its receivers (one per vLLM worker; one for hf): a push reaches all of them."""
     pid: int
     version: int | None
     """The version it holds intact, as of the last push or describe."""
@@ -263,7 +264,7 @@ class RolloutFleet:
                     self._digests[version] = report.content_digest
             died = self._drop_dead_among(report)
             self._mark_ready()
-            addresses = frozenset(info.address for info in members if info.name in died)
+            addresses = frozenset(a for info in members if info.name in died for a in info.addresses)
             return FleetReport(report, dropped | died, joined, addresses)
 
     def _drop_dead_among(self, report: SyncReport) -> dict[str, str]:
@@ -272,7 +273,9 @@ class RolloutFleet:
         import ray
 
         failed = {outcome.address for outcome in report.failed}
-        suspects = {name: self._actors[name] for name, info in self._members.items() if info.address in failed}
+        suspects = {
+            name: self._actors[name] for name, info in self._members.items() if failed.intersection(info.addresses)
+        }
         if not suspects:
             return {}
         alive = self._describe(suspects)
@@ -298,7 +301,8 @@ class RolloutFleet:
             behind = [info for info in self._members.values() if info.version != self.version]
             if not behind:
                 return None
-            with WeightSender([info.address for info in behind], options=self._sender_options) as sender:
+            addresses = [a for info in behind for a in info.addresses]
+            with WeightSender(addresses, options=self._sender_options) as sender:
                 report = sender.push(source, self.version)
             self._record(behind, report)
             expected = self._digests.get(self.version, "")
@@ -350,13 +354,13 @@ class RolloutFleet:
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
                 log.info("fleet: %s is gone: %s", name, exc)
                 continue
-            described[name] = ServerInfo(name, info["url"], info["address"], info["pid"], info["version"])
+            described[name] = ServerInfo(name, info["url"], tuple(info["addresses"]), info["pid"], info["version"])
         return described
 
     def _sender_for(self, members: list[ServerInfo]) -> WeightSender:
         """The sender for these members' addresses: kept while they stay the same (so a shm
         ring or a collective group is reused), rebuilt when the fleet changes."""
-        addresses = [info.address for info in members]
+        addresses = [a for info in members for a in info.addresses]
         if not addresses:
             raise WeightSyncError("the fleet has no live server to push to")
         if self._sender is None or self._sender.addresses != addresses:
@@ -369,8 +373,8 @@ class RolloutFleet:
         by_address = {outcome.address: outcome for outcome in report.outcomes}
         self._synced.update((info.name, info.pid) for info in members)
         for info in members:
-            outcome = by_address.get(info.address)
-            if outcome is not None and outcome.committed:
+            outcomes = [by_address.get(address) for address in info.addresses]
+            if all(outcome is not None and outcome.committed for outcome in outcomes):
                 info.version = report.version
 
     def _mark_ready(self) -> None:

@@ -113,11 +113,13 @@ class _Server:
         command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout), "--log-level", "warning"]
         quiet = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
         self.child = ChildProcess(command, env=quiet | os.environ | {"OMP_NUM_THREADS": "1"})
-        self.url = self.address = ""
+        self.url = ""
+        self.addresses: list[str] = []
+        """Its workers' receivers (one per vLLM worker; one for hf)."""
         self.client: httpx.Client | None = None
 
     def wait_ready(self) -> None:
-        """Wait for the server's announcement (its URL and receiver address).
+        """Wait for the server's announcement (its URL and receiver addresses).
 
         Raises:
             ResourceError: it exited or did not announce itself within the timeout.
@@ -128,7 +130,7 @@ class _Server:
         if line is None:
             raise ResourceError(self.child.why_not_started(f"rollout server {self.index}", self.timeout))
         fields = line.split()
-        self.url, self.address = fields[2], fields[4]
+        self.url, self.addresses = fields[2], fields[4].split(",")
         token = resolve_token(None)  # the servers inherit $WEIGHTSYNC_AUTH_TOKEN, if set
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=headers)
@@ -197,12 +199,12 @@ class ServerFleet:
             raise
 
     def addresses(self) -> list[str]:
-        """Every server's receiver address; waits for restarted servers to announce theirs."""
+        """Every server's receiver addresses; waits for restarted servers to announce theirs."""
         with self._lock:
             servers = self.servers + self.joining
         for server in servers:  # outside the lock: a start-up wait must not hold up close()
             server.wait_ready()
-        return [server.address for server in servers]
+        return [address for server in servers for address in server.addresses]
 
     def generate(self, request: Request) -> list[Sample]:
         """Spread the prompts over the live servers; a server that fails is dropped and its
@@ -254,7 +256,7 @@ class ServerFleet:
 
     def by_address(self, address: str) -> _Server | None:
         with self._lock:
-            return next((s for s in self.servers + self.joining if s.address == address), None)
+            return next((s for s in self.servers + self.joining if address in s.addresses), None)
 
     def check_alive(self) -> None:
         with self._lock:
@@ -266,7 +268,7 @@ class ServerFleet:
         """Move restarted servers whose receiver committed the last push into the fleet."""
         with self._lock:
             for server in list(self.joining):
-                if server.address in committed:
+                if set(server.addresses) <= committed:
                     self.joining.remove(server)
                     self.servers.append(server)
                     self.events.append(f"server {server.index} rejoined with the current weights")

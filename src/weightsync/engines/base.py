@@ -58,7 +58,7 @@ class StepOutput:
 
 
 class Engine(ABC):
-    """One model behind the rollout server. Subclasses: `engines/hf.py`, `engines/vllm.py`."""
+    """One model behind weightsync's own rollout server (`engines/hf.py`; vLLM runs its own server)."""
 
     name: str = ""
 

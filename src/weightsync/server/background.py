@@ -1,17 +1,23 @@
 """A rollout server with its HTTP API on a background thread, for hosts that own the main
-thread themselves: a Ray actor, a test, a notebook. `weightsync serve` runs the same app in
-the foreground."""
+thread themselves: a Ray actor, a test, a notebook. `weightsync serve` runs the same servers in
+the foreground: weightsync's own app around the transformers engine ("hf"), or vLLM's own
+OpenAI server with weightsync's backend in every worker ("vllm", weightsync.integrations.vllm)."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
+from typing import Any
 
 from weightsync.errors import ResourceError
 from weightsync.server.runtime import RolloutServer, ServeConfig
 
 __all__ = ["BackgroundServer", "bind"]
+
+VLLM_START_TIMEOUT_S = 300.0
+"""Seconds vLLM's server may take to start (20-75 s alone on a 2-core host; more when loaded)."""
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -34,46 +40,116 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class BackgroundServer:
-    """`RolloutServer(config)` behind uvicorn on a daemon thread, listening on `config.host`.
+    """The rollout server of `config` on a daemon thread, listening on `config.host`.
 
     Args:
         config: what to serve.
         port: the HTTP port (0: any free one).
-        start_timeout: seconds uvicorn may take to start.
+        start_timeout: seconds the server may take to start (None: 30 s for hf, 300 s for vllm).
+
+    Raises:
+        ConfigError: the config is refused (vLLM refused its arguments, say).
+        ResourceError: the server did not start within `start_timeout`, or failed to.
     """
 
-    def __init__(self, config: ServeConfig, port: int = 0, start_timeout: float = 30.0) -> None:
+    def __init__(self, config: ServeConfig, port: int = 0, start_timeout: float | None = None) -> None:
+        self.config = config
+        self.server: RolloutServer | None = None
+        """The hf engine's server (None for vllm, whose parts live in vLLM's own processes)."""
+        self.addresses: list[str] = []
+        """Where a sender pushes weights to this server: one receiver per vLLM worker, one for hf."""
+        self._sock = bind(config.host, port)
+        host, bound_port = self._sock.getsockname()[:2]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
+        try:
+            if config.engine == "vllm":
+                self._close = self._start_vllm(VLLM_START_TIMEOUT_S if start_timeout is None else start_timeout)
+            else:
+                self._close = self._start_hf(30.0 if start_timeout is None else start_timeout)
+        except BaseException:
+            self._sock.close()
+            raise
+
+    def _start_hf(self, start_timeout: float) -> Any:
         import uvicorn
 
         from weightsync.server.app import create_app
 
-        self.server = RolloutServer(config)
-        try:
-            self._sock = bind(config.host, port)
-            host, bound_port = self._sock.getsockname()[:2]
-            self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
-            self._http = uvicorn.Server(uvicorn.Config(create_app(self.server), log_level="warning", lifespan="off"))
-            self._thread = threading.Thread(
-                target=self._http.run, kwargs={"sockets": [self._sock]}, name="weightsync-http", daemon=True
-            )
-            self._thread.start()
-            deadline = time.monotonic() + start_timeout
-            while not self._http.started:
-                if not self._thread.is_alive() or time.monotonic() > deadline:
-                    raise ResourceError(f"the HTTP server on {self.url} did not start within {start_timeout} s")
-                time.sleep(0.01)
-        except BaseException:
-            self.server.close()
-            raise
+        server = self.server = RolloutServer(self.config)
+        self.addresses = [server.receiver.address]
+        http = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
+        thread = threading.Thread(
+            target=http.run, kwargs={"sockets": [self._sock]}, name="weightsync-http", daemon=True
+        )
+        thread.start()
 
-    @property
-    def address(self) -> str:
-        """Where a sender pushes weights to this server."""
-        return self.server.receiver.address
+        def close(timeout: float) -> None:
+            http.should_exit = True
+            thread.join(timeout)
+            server.close()
+
+        deadline = time.monotonic() + start_timeout
+        while not http.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                close(start_timeout)
+                raise ResourceError(f"the HTTP server on {self.url} did not start within {start_timeout} s")
+            time.sleep(0.01)
+        return close
+
+    def _start_vllm(self, start_timeout: float) -> Any:
+        from weightsync.integrations.vllm.launch import vllm_namespace
+        from weightsync.integrations.vllm.server import serve
+
+        vllm_namespace(self.config)  # vLLM's refusal of the arguments, raised here
+        ready = threading.Event()
+        started: dict[str, Any] = {}
+
+        def announce(addresses: str) -> None:
+            self.addresses = addresses.split(",")
+            ready.set()
+
+        async def main() -> None:
+            started["loop"], started["stop"] = asyncio.get_running_loop(), asyncio.Event()
+            await serve(self.config, self._sock, announce=announce, log_level="warning", stop=started["stop"])
+
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            except BaseException as exc:
+                started["error"] = exc
+            finally:
+                ready.set()
+
+        thread = threading.Thread(target=run, name="weightsync-vllm-server", daemon=True)
+        thread.start()
+
+        def close(timeout: float) -> None:
+            loop, stop = started.get("loop"), started.get("stop")
+            if loop is not None and stop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(stop.set)
+            thread.join(timeout)
+
+        if not ready.wait(start_timeout) or "error" in started:
+            close(start_timeout)
+            error = started.get("error")
+            if isinstance(error, Exception):
+                raise error
+            raise ResourceError(f"vLLM's server on {self.url} did not start within {start_timeout} s")
+        return close
+
+    def weight_info(self) -> dict[str, Any]:
+        """What GET /weight_info answers (version, state, addresses, digest, last sync)."""
+        if self.server is not None:
+            return self.server.weight_info()
+        from weightsync.server.client import RolloutClient
+
+        client = RolloutClient(self.url, auth_token=self.config.auth_token)
+        try:
+            return client.weight_info()
+        finally:
+            client.close()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the HTTP server, then the engine and receiver."""
-        self._http.should_exit = True
-        self._thread.join(timeout)
+        """Stop the HTTP server, then the engine and receivers."""
+        self._close(timeout)
         self._sock.close()
-        self.server.close()

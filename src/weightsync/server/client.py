@@ -48,7 +48,8 @@ class RolloutClient:
         return info
 
     def completions(self, prompt: Any, **fields: Any) -> dict[str, Any]:
-        return self._call("POST", "/v1/completions", json={"prompt": prompt, **fields})
+        """POST /v1/completions; each choice lists its token ids (vLLM's server only when asked)."""
+        return self._call("POST", "/v1/completions", json={"prompt": prompt, "return_token_ids": True, **fields})
 
     def pause(self, mode: str = "wait", timeout: float = 60.0) -> dict[str, Any]:
         return self._call("POST", "/pause", params={"mode": mode, "timeout": timeout})

@@ -36,16 +36,20 @@ __all__ = [
     "ServerState",
     "build_engine",
     "engine_class",
+    "require_engine",
 ]
 
 log = logging.getLogger(__name__)
 
 EngineName = Literal["hf", "vllm"]
-ENGINES: dict[EngineName, str] = {"hf": "weightsync.engines.hf:HFEngine", "vllm": "weightsync.engines.vllm:VLLMEngine"}
-"""Engine name -> "module:Class", imported only when chosen."""
+"""The engines a server runs: "hf" in this process behind weightsync's own app (`RolloutServer`),
+"vllm" as vLLM's own server with weightsync's backend in its workers (weightsync.integrations.vllm)."""
 
-ENGINE_PACKAGES = {"hf": "transformers", "vllm": "vllm"}
-"""Engine name -> the package it runs on, imported by `engine_class` to fail early where it is missing."""
+ENGINES: dict[str, str] = {"hf": "weightsync.engines.hf:HFEngine"}
+"""In-process engine name -> "module:Class", imported only when chosen."""
+
+ENGINE_PACKAGES: dict[str, str] = {"hf": "transformers", "vllm": "vllm"}
+"""Engine name -> the package it runs on, imported by `require_engine` to fail early where it is missing."""
 
 AUTO_VERSION = 0
 """The version a server started with --load-format auto serves: the checkpoint on disk."""
@@ -122,7 +126,7 @@ class ServeConfig:
         if not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"model {self.model!r} is not a directory with a config.json")
         choices = {
-            "engine": tuple(ENGINES),
+            "engine": tuple(ENGINE_PACKAGES),
             "load_format": ("dummy", "auto"),
             "transport": tuple(serving_transports()),
             "sync_mode": PAUSE_MODES,
@@ -162,24 +166,37 @@ class ServeConfig:
         return default_max_request_bytes(self.model)
 
 
-def engine_class(name: str) -> type[Engine]:
-    """Import engine `name`'s class (vLLM is heavy and optional, so only when chosen).
+def require_engine(name: str) -> None:
+    """Import the package engine `name` runs on (vLLM is heavy and optional, so only when chosen).
 
     Raises:
-        ConfigError: the engine is unknown, or its packages are missing or do not import here.
+        ConfigError: the engine is unknown, or its package is missing or does not import here.
     """
-    if name not in ENGINES:
-        raise ConfigError(f"engine must be one of {', '.join(ENGINES)}; got {name!r}")
-    module_name, _, class_name = ENGINES[name].partition(":")
+    if name not in ENGINE_PACKAGES:
+        raise ConfigError(f"engine must be one of {', '.join(ENGINE_PACKAGES)}; got {name!r}")
     try:
         importlib.import_module(ENGINE_PACKAGES[name])
-        module = importlib.import_module(module_name)
     except (ImportError, RuntimeError) as exc:  # RuntimeError: a vLLM build that does not match torch
         hint = "run scripts/install-vllm.sh (vLLM's CPU build; pip install vllm on a GPU host)"
         if name != "vllm":
             hint = "pip install -e '.[hf]' in your weightsync checkout"
         raise ConfigError(f"engine {name!r} is not available here ({exc}); {hint}") from exc
-    cls: type[Engine] = getattr(module, class_name)
+
+
+def engine_class(name: str) -> type[Engine]:
+    """Import in-process engine `name`'s class.
+
+    Raises:
+        ConfigError: the engine is not an in-process one, or its package is missing here.
+    """
+    if name not in ENGINES:
+        raise ConfigError(
+            f"engine {name!r} does not run inside weightsync's own server; the vllm engine is vLLM's own "
+            "server (weightsync serve --engine vllm, or BackgroundServer)"
+        )
+    require_engine(name)
+    module_name, _, class_name = ENGINES[name].partition(":")
+    cls: type[Engine] = getattr(importlib.import_module(module_name), class_name)
     return cls
 
 

@@ -9,7 +9,21 @@ through the `vllm.general_plugins` entry point, which calls `register`. Then::
     worker.py      WeightsyncWorkerEngine: a WeightReceiver in each worker, driven by vLLM's
                    start / update / finish lifecycle through the model's own load_weights
     trainer.py     WeightsyncTrainerEngine: a WeightSender behind vLLM's trainer API
-    rendezvous.py  how the trainer learns every worker's receiver address
+    rendezvous.py  how the trainer (or the server) learns every worker's receiver address
+    layout.py      the checkpoint layout a worker checks a push against
+
+`weightsync serve --engine vllm` (and BackgroundServer, RolloutFleet with engine="vllm"): vLLM's
+own OpenAI server with this backend in every worker, and weightsync's parts on top:
+
+    server.py      assembly and lifecycle: the port, vLLM's app (build_app + init_app_state),
+                   the receivers (init_weight_transfer_engine), start-up 503s, SIGTERM
+    launch.py      vLLM's arguments (its own parser), preload, AsyncLLM, the warm-up
+    doorbell.py    a worker rings the API process as a push reaches it (Unix socket, JSON)
+    events.py      what a worker rings with: a closed set of typed messages
+    control.py     the API process's pauses, the update window across workers, the version
+    http.py        weightsync's routes and middleware (auth, gate, weight versions on responses)
+    versions.py    weight versions recorded per HTTP request as vLLM's outputs pass
+    internals.py   the one module that reads vLLM internals (streamed tokens' versions)
 
 Importing this package imports no vLLM; its modules do.
 """

@@ -45,6 +45,8 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.engines.malloc import return_large_frees_to_os
 from weightsync.errors import SinkError
+from weightsync.integrations.vllm.doorbell import ring
+from weightsync.integrations.vllm.events import Abort, Begin, Commit, Park, Status
 from weightsync.integrations.vllm.layout import (
     CheckpointLayout,
     check_plan_layout,
@@ -57,8 +59,6 @@ from weightsync.receiver import ReceiverStatus, WeightReceiver
 from weightsync.sink import StagedSink, WeightSink, WrappingSink
 from weightsync.stream import StreamSink
 from weightsync.types import Plan
-from weightsync.vllm_server.doorbell import ring
-from weightsync.vllm_server.events import Abort, Begin, Commit, Park, Status
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

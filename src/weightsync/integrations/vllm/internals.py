@@ -8,7 +8,7 @@ streamed chunk needs the version of its newest token before the request ends, wh
 per-request record holds. Everything else weightsync does with vLLM goes through public entry
 points (build_app, init_app_state, AsyncLLM, worker_extension_cls, collective_rpc).
 
-`tests/vllm_server/test_internals_guard.py` fails loudly when an upgrade moves any of this:
+`tests/integrations/vllm/test_internals_guard.py` fails loudly when an upgrade moves any of this:
 `TESTED_VLLM` is the release it was checked against.
 """
 

@@ -41,16 +41,16 @@ import uvicorn
 from fastapi.responses import JSONResponse
 
 from weightsync.errors import ResourceError
+from weightsync.integrations.vllm.control import SyncControl
+from weightsync.integrations.vllm.doorbell import Doorbell
+from weightsync.integrations.vllm.http import WeightsyncMiddleware, add_routes, error
+from weightsync.integrations.vllm.launch import build_engine, vllm_namespace, warm_up
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
+from weightsync.integrations.vllm.versions import VersionedEngine
 from weightsync.server.body_limit import BodyLimit
 from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.runtime import AUTO_VERSION, Health, ServeConfig
-from weightsync.vllm_server.control import SyncControl
-from weightsync.vllm_server.doorbell import Doorbell
-from weightsync.vllm_server.engine import build_engine, vllm_namespace, warm_up
-from weightsync.vllm_server.http import WeightsyncMiddleware, add_routes, error
-from weightsync.vllm_server.versions import VersionedEngine
 
 __all__ = ["serve"]
 

@@ -21,7 +21,7 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from weightsync.vllm_server.internals import token_version
+from weightsync.integrations.vllm.internals import token_version
 
 __all__ = ["RECORDER", "Recorder", "VersionedEngine", "version_number"]
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from weightsync.errors import SinkError
+from weightsync.integrations.vllm.control import SyncControl
+from weightsync.integrations.vllm.events import Abort, Begin, Commit, Status
 from weightsync.server.metrics import ServerMetrics
 from weightsync.types import SyncTimes
-from weightsync.vllm_server.control import SyncControl
-from weightsync.vllm_server.events import Abort, Begin, Commit, Status
 
 
 class Engine:

@@ -33,11 +33,11 @@ import time
 from typing import Protocol
 
 from weightsync.errors import SinkError
+from weightsync.integrations.vllm.events import Abort, Begin, Commit, Park, Status, SyncEvent
 from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.runtime import Health
 from weightsync.server.sync import SyncStats
-from weightsync.vllm_server.events import Abort, Begin, Commit, Park, Status, SyncEvent
 
 __all__ = ["Engine", "SyncControl"]
 

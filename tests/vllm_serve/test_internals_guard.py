@@ -1,4 +1,4 @@
-"""Fails loudly when a vLLM upgrade moves the internals weightsync reads (vllm_server/internals.py):
+"""Fails loudly when a vLLM upgrade moves the internals weightsync reads (integrations/vllm/internals.py):
 the output processor's per-request weight version records behind streamed chunks' versions."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 from weightsync.errors import ConfigError
-from weightsync.vllm_server.internals import TESTED_VLLM, token_version
+from weightsync.integrations.vllm.internals import TESTED_VLLM, token_version
 
 pytest.importorskip("vllm")
 
@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 
-RECHECK = "vLLM was upgraded: re-read weightsync/vllm_server/internals.py against it, then update TESTED_VLLM"
+RECHECK = "vLLM was upgraded: re-read weightsync/integrations/vllm/internals.py against it, then update TESTED_VLLM"
 
 
 def test_the_vllm_release_is_the_one_internals_was_checked_against() -> None:

@@ -1,6 +1,6 @@
 """What vLLM's worker tells the API process about a sync: a closed set of typed messages.
 
-Each worker's sink (integrations/vllm/worker.py) rings the doorbell (doorbell.py) with one of
+Each worker's sink (worker.py) rings the doorbell (doorbell.py) with one of
 these, naming its rank; the API process (control.py) decodes exactly these types and nothing
 else, and answers with a `Reply`. JSON on the socket (msgspec tagged structs), so a message is a
 value with a schema, never a dict.
