@@ -53,13 +53,9 @@ from typing import Any
 import httpx
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
-from vllm.distributed.weight_transfer.base import ModuleSource
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from weightsync import SenderOptions
 from weightsync.bench.measure import environment, loader_copy_gbps, memcpy_gbps
-from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
 from weightsync.server.process import PARENT_FD_ENV, ChildProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -290,6 +286,12 @@ def measure_transport(
 
 def trainer_engine(server: VLLMServer, trainer: torch.nn.Module, transport: str, timeout: float) -> Any:
     """The trainer's side, written against vLLM's own trainer API with `backend="weightsync"`."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
+
     return WeightTransferTrainerFactory.trainer_init(
         WeightsyncTrainerInitInfo(rank=0, transport=transport, options=SenderOptions(timeout=timeout)),
         client=HTTPVLLMWeightSyncClient(server.url, timeout=timeout),
@@ -321,6 +323,10 @@ def transport_row(init_s: float, pushes: list[dict[str, Any]], weight_bytes: int
 
 
 def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
+    # vLLM is imported here rather than at the top, so that --help works without it, and before
+    # anything is timed, so that `init_s` does not include the import (about 10 s).
+    import vllm.distributed.weight_transfer.factory  # noqa: F401
+
     model = scratch / "model"
     progress(f"building a {args.size_gb:g} GiB {DTYPE} Qwen2-shaped model")
     args.weight_bytes = build_model(model, args.size_gb, dtype=DTYPE)
