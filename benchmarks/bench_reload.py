@@ -1,16 +1,18 @@
-"""Push into a live engine against that engine's own in-memory reload, in the same run.
+"""Push into a live transformers engine against that engine's own in-memory reload, in the same run.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_reload.py --engine vllm --size-gb 1
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_reload.py --engine hf --size-gb 1
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_reload.py --size-gb 1
+
+For vLLM, use `benchmarks/bench_vllm.py`: stock vLLM's server with the `weightsync` backend, a
+push through vLLM's own trainer API against vLLM's own reload from disk, at TP=1 and TP=2.
 
 Builds a Qwen2-shaped bf16 model of about `--size-gb` (bench_server.build_model), starts the
-engine in this process on dummy weights, and measures, alternating, `--repeat` times each:
+transformers engine in this process on dummy weights, and measures, alternating, `--repeat`
+times each:
 - floor: the engine takes the checkpoint's tensors from this process's memory, with no transfer
-  (vLLM: its worker's `reload_weights` over an iterator of the tensors; transformers: a
-  `copy_` of each tensor into its parameter);
+  (a `copy_` of each tensor into its parameter);
 - push: a `WeightSender` in a child process pushes the same tensors over `--transport` to a
   `WeightReceiver` on the engine's own sink (what `weightsync serve` runs), with the receiver's
-  breakdown: transfer, landing, load (the engine's reload) and pause.
+  breakdown: transfer, landing, load and pause.
 Prints a table and, with --json, one JSON object.
 """
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import tempfile
@@ -47,24 +48,15 @@ def _push(address: str, model: str, go: Any, results: Any) -> None:
             results.put((report.ok, report.seconds, phases))
 
 
-def floor_reload(engine: Any, kind: str, tensors: dict[str, torch.Tensor]) -> float:
+def floor_reload(engine: Any, tensors: dict[str, torch.Tensor]) -> float:
     started = time.perf_counter()
-    if kind == "vllm":
-        engine._reload(iter(tensors.items()))
-        engine._after_reload()
-    else:
-        sink = engine.weight_sink()
-        for name, tensor in tensors.items():
-            sink.destination(name).copy_(tensor)
+    sink = engine.weight_sink()
+    for name, tensor in tensors.items():
+        sink.destination(name).copy_(tensor)
     return time.perf_counter() - started
 
 
-def build_engine(kind: str, model: Path) -> Any:
-    if kind == "vllm":
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        from weightsync.engines.vllm import VLLMEngine
-
-        return VLLMEngine(model, load_format="dummy")
+def build_engine(model: Path) -> Any:
     from weightsync.engines.hf import HFEngine
 
     return HFEngine(model, load_format="dummy")
@@ -72,7 +64,7 @@ def build_engine(kind: str, model: Path) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
+    parser.add_argument("--engine", choices=("hf",), default="hf", help="hf only; for vLLM: bench_vllm.py")
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--transport", default="shm")
@@ -81,7 +73,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         weight_bytes = build_model(model, args.size_gb)
-        engine = build_engine(args.engine, model)
+        engine = build_engine(model)
         tensors = {name: tensor.clone() for name, tensor in load_file(model / "model.safetensors").items()}
         context = multiprocessing.get_context("spawn")
         go, results = context.Queue(), context.Queue()
@@ -89,7 +81,7 @@ def main() -> None:
         with WeightReceiver(engine.weight_sink(), args.transport, timeout=300.0) as receiver:
             child = context.Process(target=_push, args=(receiver.address, str(model), go, results))
             child.start()
-            floors.append(floor_reload(engine, args.engine, tensors))  # warm both paths once
+            floors.append(floor_reload(engine, tensors))  # warm both paths once
             for version in range(args.repeat + 1):
                 go.put(version)  # push and floor alternate, never at the same time
                 ok, seconds, phases = results.get(timeout=600)
@@ -97,7 +89,7 @@ def main() -> None:
                     raise SystemExit("a push failed")
                 pushes.append(seconds)
                 breakdowns.append(phases)
-                floors.append(floor_reload(engine, args.engine, tensors))
+                floors.append(floor_reload(engine, tensors))
             go.put(None)
             child.join(60)
         pushes, breakdowns = pushes[1:], breakdowns[1:]  # the first push connects and maps the ring

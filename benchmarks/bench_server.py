@@ -52,14 +52,16 @@ VOCAB_SIZE = 128
 """The model's vocabulary size: the tokenizer's ids, padded (ids it never produces are fine)."""
 
 
-def build_model(path: Path, size_gb: float) -> int:
-    """A Qwen2-shaped bf16 model of about `size_gb` GiB saved at `path`; returns its parameter bytes."""
+def build_model(path: Path, size_gb: float, dtype: str = "bfloat16") -> int:
+    """A Qwen2-shaped model of about `size_gb` GiB in `dtype` (a torch dtype's name) saved at
+    `path`; returns its parameter bytes."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     hidden, intermediate = 1536, 4096
-    per_layer = 2 * (2 * hidden * hidden + 2 * hidden * 256 + 3 * hidden * intermediate)
-    layers = max(1, round((size_gb * GIB - 2 * VOCAB_SIZE * hidden) / per_layer))
+    element_bytes = getattr(torch, dtype).itemsize
+    per_layer = element_bytes * (2 * hidden * hidden + 2 * hidden * 256 + 3 * hidden * intermediate)
+    layers = max(1, round((size_gb * GIB - element_bytes * 2 * VOCAB_SIZE * hidden) / per_layer))
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE,
         hidden_size=hidden,
@@ -74,7 +76,7 @@ def build_model(path: Path, size_gb: float) -> int:
         bos_token_id=None,
     )
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(path)
     save_char_tokenizer(path, VOCAB)
     return sum(p.numel() * p.element_size() for p in model.parameters())
