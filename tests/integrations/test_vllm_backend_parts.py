@@ -1,7 +1,7 @@
 """The vLLM backend's parts that need no vLLM server: the checkpoint layout a worker checks
 plans against, the rendezvous store, the registration through vLLM's plugin entry point, the
 shape of vLLM's weight-transfer API the backend is written against (fails loudly on a vLLM
-upgrade that changes it)."""
+upgrade that changes it), and a weightsync source handed over as vLLM's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import psutil
 import pytest
 import torch
 
-from tests.models import save_model
+from tests.helpers import assert_all_bit_exact
+from tests.models import model_config, save_model
 from weightsync import HFCheckpointSource, ModuleSource
 from weightsync.errors import ConnectError, PlanError, ProtocolError, ResourceError
 from weightsync.integrations.vllm.layout import check_plan_layout, checkpoint_layout
@@ -57,6 +58,23 @@ def test_a_plan_of_fused_experts_is_refused_and_one_per_expert_accepted(tmp_path
     feed = check_plan_layout(build_plan(wire_specs(HFCheckpointSource(model).metas()), 1 << 20), layout)
     expert = "model.layers.1.mlp.experts.3.up_proj.weight"
     assert len(feed) == 45 and feed[expert] == expert
+
+
+def test_a_weightsync_source_serves_as_vllms() -> None:
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.integrations.vllm import VLLMSource
+
+    torch.manual_seed(0)
+    source = HFCheckpointSource(AutoModelForCausalLM.from_config(model_config("qwen3_moe")))
+    wrapped = VLLMSource(source)
+    assert [(m.name, m.shape, m.dtype) for m in wrapped.metadata()] == [
+        (m.name, m.shape, m.dtype) for m in source.metas()
+    ]
+    batches = list(wrapped.iter_groups())  # vLLM's own check that iteration follows metadata()
+    assert [name for names, _ in batches for name in names] == [meta.name for meta in source.metas()]
+    assert_all_bit_exact(dict(wrapped), dict(source.tensors()))
 
 
 def _listening_on(port: int) -> set[str]:
