@@ -158,6 +158,13 @@ def test_vllms_weight_transfer_api_is_the_one_the_backend_implements() -> None:
 
     assert list(inspect.signature(initialize_layerwise_reload).parameters) == ["model"], RECHECK
     assert callable(finalize_layerwise_reload), RECHECK
+    # what the CPU MoE repack after a reload reads (layout.cpu_experts_to_prepack)
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    info = get_layerwise_info(torch.nn.Linear(1, 1))
+    assert callable(info.can_load) and isinstance(info.load_numel, int), RECHECK
+    assert "process_weights_after_loading" in vars(CPUUnquantizedExperts), RECHECK
 
 
 def test_a_rank_other_than_0_only_walks_the_source_whatever_its_kind() -> None:

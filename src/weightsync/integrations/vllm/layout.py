@@ -9,12 +9,15 @@ before any byte moves:
     checkpoint_layout        name -> (shape, dtype) of every tensor, and which names are tied
     check_plan_layout        PlanError naming every way a plan disagrees; else each tensor's feed name
     reprocess_tied_layers    after a reload, re-derive what the CPU backend cached from tied weights
+    cpu_experts_to_prepack   before a reload ends: the CPU MoE layers it gave new weights...
+    prepack_cpu_experts      ...which vLLM's CPU backend then leaves unpacked (wrong output)
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +27,14 @@ from weightsync.hf_checkpoint import checkpoint_metas
 from weightsync.source import TensorMeta
 from weightsync.types import Plan
 
-__all__ = ["CheckpointLayout", "check_plan_layout", "checkpoint_layout", "reprocess_tied_layers"]
+__all__ = [
+    "CheckpointLayout",
+    "check_plan_layout",
+    "checkpoint_layout",
+    "cpu_experts_to_prepack",
+    "prepack_cpu_experts",
+    "reprocess_tied_layers",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,3 +151,36 @@ def reprocess_tied_layers(model: torch.nn.Module) -> None:
             method = getattr(module, "quant_method", None)
             if isinstance(method, UnquantizedEmbeddingMethod):
                 method.process_weights_after_loading(module)
+
+
+def cpu_experts_to_prepack(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """The MoE layers on vLLM's CPU expert kernels that the current layerwise reload gave new
+    weights, each with its kernel's experts; call it before `finalize_layerwise_reload`.
+
+    A layer counts when vLLM processed it during loading or will process it at the end (some
+    of its elements loaded); a layer that got nothing keeps its (packed) weights.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    found = []
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            info = get_layerwise_info(module)
+            if not info.can_load() or info.load_numel > 0:
+                found.append((module, experts))
+    return found
+
+
+def prepack_cpu_experts(layers: list[tuple[torch.nn.Module, Any]]) -> None:
+    """Pack the new expert weights of `layers` (from `cpu_experts_to_prepack`) into the CPU
+    kernel's grouped-gemm layout, after the reload ended.
+
+    vLLM 0.32 packs them there on the first load only: on a reload its unquantized MoE method
+    copies the new weights in and skips the experts' own post-processing, which is where the CPU
+    experts pack them, so the CPU kernel would compute with unpacked weights, silently. Should vLLM pack them itself one day, they would be packed
+    twice and the vLLM backend's greedy-output test fails.
+    """
+    for module, experts in layers:
+        experts.process_weights_after_loading(module)

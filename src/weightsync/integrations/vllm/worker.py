@@ -41,6 +41,8 @@ from weightsync.integrations.vllm.layout import (
     CheckpointLayout,
     check_plan_layout,
     checkpoint_layout,
+    cpu_experts_to_prepack,
+    prepack_cpu_experts,
     reprocess_tied_layers,
 )
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
@@ -210,8 +212,10 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         if not self._reloading:  # ended already, by a sync that failed
             return
         self._reloading = False
+        experts = cpu_experts_to_prepack(self.model)
         finalize_layerwise_reload(self.model, self.model_config)
         reprocess_tied_layers(self.model)
+        prepack_cpu_experts(experts)
 
     def _require(self) -> _WindowSink:
         if self._sink is None:
