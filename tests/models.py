@@ -1,5 +1,5 @@
 """Tiny models and a character tokenizer, built locally (no downloads), shared by the server and
-engine tests. Shapes suit the vLLM CPU engine too (head_dim 64 >= 32)."""
+engine tests. Shapes suit the vLLM CPU engine too (head_dim >= 32)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ VOCAB_SIZE = 128  # >= len(VOCAB); the extra ids are never produced by the token
 EOS_ID = VOCAB["<eos>"]
 
 MODEL_KINDS = ("qwen2", "llama")
+"""The dense kinds every engine test runs; "qwen3_moe" is built on request (the vLLM backend's tests)."""
 
 
 CHAT_TEMPLATE = (
@@ -33,8 +34,9 @@ def save_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -> Non
 
 
 def model_config(kind: str):  # type: ignore[no-untyped-def]
-    """Qwen2: tied embeddings, GQA, fp32. Llama: untied lm_head, bf16."""
-    from transformers import LlamaConfig, Qwen2Config
+    """Qwen2: tied embeddings, GQA, fp32. Llama: untied lm_head, bf16. Qwen3-MoE: 4 experts,
+    top-2 routing, 4 heads over 2 KV heads (both divide by a tensor parallel size of 2), fp32."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -52,6 +54,10 @@ def model_config(kind: str):  # type: ignore[no-untyped-def]
         return Qwen2Config(num_key_value_heads=1, tie_word_embeddings=True, **common)
     if kind == "llama":
         return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common)
+    if kind == "qwen3_moe":
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+        common.update(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+        return Qwen3MoeConfig(**moe, **common)
     raise ValueError(kind)
 
 

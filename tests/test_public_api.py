@@ -19,6 +19,7 @@ EXPECTED = [
     "CollectiveError",
     "ConfigError",
     "ConnectError",
+    "HFCheckpointSource",
     "ModuleSource",
     "NegotiationError",
     "PeerClosedError",

@@ -26,6 +26,7 @@ from weightsync.errors import (
     TransportError,
     WeightSyncError,
 )
+from weightsync.hf_checkpoint import HFCheckpointSource
 from weightsync.module_source import ModuleSource
 from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.plan import build_plan
@@ -58,6 +59,7 @@ __all__ = [
     "CollectiveError",
     "ConfigError",
     "ConnectError",
+    "HFCheckpointSource",
     "ModuleSource",
     "NegotiationError",
     "PeerClosedError",

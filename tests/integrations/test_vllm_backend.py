@@ -4,17 +4,22 @@ A real `python -m vllm.entrypoints.openai.api_server` (what `vllm serve` runs) s
 weights with `--weight-transfer-config '{"backend": "weightsync"}'`, at tensor parallel size 1
 and 2. The trainer side is written only against vLLM's own trainer API
 (`WeightTransferTrainerFactory`, `HTTPVLLMWeightSyncClient`, vLLM's `ModuleSource`), with
-`WeightsyncTrainerInitInfo` as the one weightsync name. Checked on the dense tiny Qwen2 (one KV
-head, replicated under TP=2; tied embeddings; biases): every push is bit-exact (the committed
-content digest equals the checkpoint's) and greedy output equals transformers' on the same
-weights; a plan with a tensor twice and another missing, and an empty sync, fail loudly and
-label no version; a push outside vLLM's update window is refused.
+`WeightsyncTrainerInitInfo` as the one weightsync name (and, for the MoE, `HFCheckpointSource`
+wrapped as vLLM's source by `VLLMSource`). Checked on two tiny models: a dense Qwen2 (one KV
+head, replicated under TP=2; tied embeddings; biases), pushed from vLLM's `ModuleSource`, and a
+Qwen3-MoE (4 experts, top-2), whose transformers 5 model stacks its experts while the checkpoint
+and vLLM's loader have one tensor per expert. Every push is bit-exact (the committed content
+digest equals that of the checkpoint's own tensors) and greedy output equals transformers' on
+the same weights; a plan with a tensor twice and another missing, an empty sync and (MoE) the
+fused stacks as transformers holds them fail loudly and label no version; a push outside vLLM's
+update window is refused.
 
 Skipped where vLLM is not installed (scripts/install-vllm.sh installs it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -34,9 +39,9 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  #
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
 
 from tests.models import save_model  # noqa: E402
-from weightsync import SenderOptions, SyncFailed, WeightSender  # noqa: E402
+from weightsync import HFCheckpointSource, SenderOptions, SyncFailed, WeightSender  # noqa: E402
 from weightsync.digest import source_digest  # noqa: E402
-from weightsync.integrations.vllm import WeightsyncTrainerInitInfo  # noqa: E402
+from weightsync.integrations.vllm import VLLMSource, WeightsyncTrainerInitInfo  # noqa: E402
 from weightsync.server.process import ChildProcess  # noqa: E402
 
 pytestmark = [
@@ -56,19 +61,31 @@ def _vllm_leftovers() -> set[Path]:
     return {path for place in places for path in place.glob("vllm_dist_*")}
 
 
+@dataclasses.dataclass(frozen=True)
+class Served:
+    url: str
+    kind: str
+    checkpoint: Path
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("qwen2")
-    save_model("qwen2", path)
-    return path
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    paths = {kind: tmp_path_factory.mktemp(kind) for kind in ("qwen2", "qwen3_moe")}
+    for kind, path in paths.items():
+        save_model(kind, path)
+    return paths
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def server(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[str]:
-    """Stock vLLM on dummy weights with the weightsync backend; yields its URL."""
-    tp = request.param
+@pytest.fixture(
+    scope="module",
+    params=[("qwen2", 1), ("qwen2", 2), ("qwen3_moe", 1), ("qwen3_moe", 2)],
+    ids=["qwen2-tp1", "qwen2-tp2", "moe-tp1", "moe-tp2"],
+)
+def server(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Iterator[Served]:
+    """Stock vLLM on dummy weights with the weightsync backend."""
+    kind, tp = request.param
     port = _free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint)]
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints[kind])]
     command += ["--weight-transfer-config", '{"backend": "weightsync"}', "--load-format", "dummy"]
     command += ["--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp" if tp > 1 else "uni"]
@@ -82,7 +99,7 @@ def server(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, child)
-        yield url
+        yield Served(url, kind, checkpoints[kind])
     finally:
         child.close()
         for path in _vllm_leftovers() - before:
@@ -111,10 +128,31 @@ def _wait_healthy(url: str, child: ChildProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def trainer_model(checkpoint: Path) -> torch.nn.Module:
+def trainer_models(checkpoints: dict[str, Path]) -> dict[str, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    return {kind: AutoModelForCausalLM.from_pretrained(path).eval() for kind, path in checkpoints.items()}
+
+
+@pytest.fixture
+def trainer_model(server: Served, trainer_models: dict[str, torch.nn.Module]) -> torch.nn.Module:
+    return trainer_models[server.kind]
+
+
+def _source(kind: str, model: torch.nn.Module) -> VLLMWeightSource:
+    """What a trainer hands vLLM's trainer API: the dense model's parameters as they are; the
+    MoE's in its checkpoint's names, one tensor per expert (transformers 5 holds stacks)."""
+    return ModuleSource(model) if kind == "qwen2" else VLLMSource(HFCheckpointSource(model))
+
+
+def _checkpoint_digest(served: Served, source: VLLMWeightSource) -> str:
+    """The content digest of the checkpoint's own tensors, in the order `source` sends them."""
+    from safetensors.torch import load_file
+
+    written = load_file(served.checkpoint / "model.safetensors")
+    names = [meta.name for meta in source.metadata()]
+    assert sorted(names) == sorted(written)
+    return source_digest([(name, written[name]) for name in names])
 
 
 def _engine(url: str, source: object, transport: str = "shm"):  # type: ignore[no-untyped-def]
@@ -157,50 +195,53 @@ class _Listed(VLLMWeightSource):
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_stock_vllm_takes_pushes_bit_exact_through_its_own_api(server, trainer_model, transport) -> None:
-    engine = _engine(server, ModuleSource(trainer_model), transport)
+    source = _source(server.kind, trainer_model)
+    engine = _engine(server.url, source, transport)
     try:
-        httpx.post(f"{server}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+        httpx.post(f"{server.url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
         report = engine.send_weights()
-        httpx.post(f"{server}/resume", timeout=30).raise_for_status()
+        httpx.post(f"{server.url}/resume", timeout=30).raise_for_status()
         assert report is not None and report.ok, report
         assert len(report.outcomes) == len(engine.workers) >= 1
-        expected = source_digest([(name, p.detach()) for name, p in trainer_model.named_parameters()])
-        assert report.content_digest == expected
-        assert _label(server) == "1"
+        assert report.content_digest == _checkpoint_digest(server, source)
+        assert _label(server.url) == "1"
         for prompt in PROMPTS:
-            assert _greedy(server, prompt) == _reference(trainer_model, prompt)
+            assert _greedy(server.url, prompt) == _reference(trainer_model, prompt)
     finally:
         engine.shutdown()
 
 
 def test_bad_plans_fail_loudly_and_label_nothing(server, trainer_model) -> None:
-    pairs = [(name, p.detach()) for name, p in trainer_model.named_parameters()]
+    pairs = list(_source(server.kind, trainer_model))
     twice = pairs[:-1] + [pairs[0]]  # one tensor twice, the last missing: the same element count
-    engine = _engine(server, _Listed(twice))
+    bad = [(_Listed(twice), "twice"), (_Listed([]), "plan lacks")]
+    if server.kind == "qwen3_moe":  # the stacks as transformers 5 holds them
+        bad.append((ModuleSource(trainer_model), "unknown tensor 'model.layers.0.mlp.experts.gate_up_proj'"))
+    engine = _engine(server.url, bad[0][0])
     try:
-        httpx.post(f"{server}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
-        with pytest.raises(SyncFailed, match="twice"):
-            engine.send_weights(version=7)
-        engine.source = _Listed([])
-        with pytest.raises(SyncFailed, match="plan lacks"):
-            engine.send_weights(version=8)
-        assert _label(server) != "7" and _label(server) != "8"
+        httpx.post(f"{server.url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+        for version, (source, why) in enumerate(bad, start=7):
+            engine.source = source
+            with pytest.raises(SyncFailed, match=why):
+                engine.send_weights(version=version)
+            assert _label(server.url) != str(version)
         engine.source = _Listed(pairs)  # the update window opens again after a failed round
-        report = engine.send_weights(version=9)
-        httpx.post(f"{server}/resume", timeout=30).raise_for_status()
+        report = engine.send_weights(version=20)
+        httpx.post(f"{server.url}/resume", timeout=30).raise_for_status()
         assert report is not None and report.ok
-        assert _label(server) == "9"
-        assert _greedy(server, PROMPTS[0]) == _reference(trainer_model, PROMPTS[0])
+        assert _label(server.url) == "20"
+        assert _greedy(server.url, PROMPTS[0]) == _reference(trainer_model, PROMPTS[0])
     finally:
         engine.shutdown()
 
 
 def test_a_push_outside_the_update_window_is_refused(server, trainer_model) -> None:
-    engine = _engine(server, ModuleSource(trainer_model))
+    source = _source(server.kind, trainer_model)
+    engine = _engine(server.url, source)
     try:
         addresses = [worker.address for worker in engine.workers]
         with WeightSender(addresses, timeout=20) as sender:
-            report = sender.push(dict(trainer_model.named_parameters()), version=50)
+            report = sender.push(list(source), version=50)
         assert not report.ok
         assert all("no weight update is open" in (outcome.error or "") for outcome in report.failed)
     finally:

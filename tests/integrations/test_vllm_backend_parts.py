@@ -1,25 +1,80 @@
-"""The vLLM backend's parts that need no vLLM server: the rendezvous store, the registration
-through vLLM's plugin entry point, and the shape of vLLM's weight-transfer API the backend is
-written against (fails loudly on a vLLM upgrade that changes it)."""
+"""The vLLM backend's parts that need no vLLM server: the checkpoint layout a worker checks
+plans against, the rendezvous store, the registration through vLLM's plugin entry point, the
+shape of vLLM's weight-transfer API the backend is written against (fails loudly on a vLLM
+upgrade that changes it), and a weightsync source handed over as vLLM's."""
 
 from __future__ import annotations
 
 import importlib.metadata
 import inspect
 import socket
+from pathlib import Path
 
 import msgspec
 import psutil
 import pytest
+import torch
 
-from weightsync.errors import ConnectError, ProtocolError, ResourceError
+from tests.helpers import assert_all_bit_exact
+from tests.models import model_config, save_model
+from weightsync import HFCheckpointSource, ModuleSource
+from weightsync.errors import ConnectError, PlanError, ProtocolError, ResourceError
+from weightsync.integrations.vllm.layout import check_plan_layout, checkpoint_layout
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce, collect, open_store
+from weightsync.plan import build_plan, wire_specs
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2", "llama"])
+def test_the_layout_is_the_checkpoints_from_config_alone(tmp_path: Path, kind: str) -> None:
+    from safetensors.torch import load_file
+
+    save_model(kind, tmp_path)
+    written = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()  # what a --load-format dummy server may have
+    dtype = next(iter(written.values())).dtype
+    layout = checkpoint_layout(tmp_path, dtype)
+    tied = {name for group in layout.ties for name in group[1:]}
+    assert {name: spec for name, spec in layout.tensors.items() if name not in tied} == {
+        name: (tuple(tensor.shape), tensor.dtype) for name, tensor in written.items()
+    }
+    assert layout.ties == ((("model.embed_tokens.weight", "lm_head.weight"),) if kind == "qwen2" else ())
+
+
+def test_a_plan_of_fused_experts_is_refused_and_one_per_expert_accepted(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    save_model("qwen3_moe", tmp_path)
+    layout = checkpoint_layout(tmp_path, torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    fused = build_plan(wire_specs(ModuleSource(model).metas()), 1 << 20)
+    with pytest.raises(PlanError, match=r"unknown tensor 'model.layers.0.mlp.experts.gate_up_proj'.*plan lacks"):
+        check_plan_layout(fused, layout)
+    feed = check_plan_layout(build_plan(wire_specs(HFCheckpointSource(model).metas()), 1 << 20), layout)
+    expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+    assert len(feed) == 45 and feed[expert] == expert
+
+
+def test_a_weightsync_source_serves_as_vllms() -> None:
+    pytest.importorskip("vllm")
+    from transformers import AutoModelForCausalLM
+
+    from weightsync.integrations.vllm import VLLMSource
+
+    torch.manual_seed(0)
+    source = HFCheckpointSource(AutoModelForCausalLM.from_config(model_config("qwen3_moe")))
+    wrapped = VLLMSource(source)
+    assert [(m.name, m.shape, m.dtype) for m in wrapped.metadata()] == [
+        (m.name, m.shape, m.dtype) for m in source.metas()
+    ]
+    batches = list(wrapped.iter_groups())  # vLLM's own check that iteration follows metadata()
+    assert [name for names, _ in batches for name in names] == [meta.name for meta in source.metas()]
+    assert_all_bit_exact(dict(wrapped), dict(source.tensors()))
 
 
 def _listening_on(port: int) -> set[str]:
@@ -103,6 +158,13 @@ def test_vllms_weight_transfer_api_is_the_one_the_backend_implements() -> None:
 
     assert list(inspect.signature(initialize_layerwise_reload).parameters) == ["model"], RECHECK
     assert callable(finalize_layerwise_reload), RECHECK
+    # what the CPU MoE repack after a reload reads (layout.cpu_experts_to_prepack)
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    info = get_layerwise_info(torch.nn.Linear(1, 1))
+    assert callable(info.can_load) and isinstance(info.load_numel, int), RECHECK
+    assert "process_weights_after_loading" in vars(CPUUnquantizedExperts), RECHECK
 
 
 def test_a_rank_other_than_0_only_walks_the_source_whatever_its_kind() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 
 from weightsync.errors import ConfigError
 from weightsync.integrations.vllm.internals import TESTED_VLLM, token_version
@@ -50,3 +51,15 @@ def test_token_version_reads_the_span_that_holds_the_token() -> None:
     engine = type("Engine", (), {"output_processor": processor})()
     assert [token_version(engine, "r", 1, position) for position in (0, 3, 4, 9)] == ["1", "1", "2", "2"]
     assert token_version(engine, "r", 0, 0) is None  # another choice of the request
+
+
+def test_the_reload_fixes_still_find_what_they_read() -> None:
+    """What reprocess_tied_layers and the CPU experts' repacking read after a layerwise reload."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    assert callable(getattr(UnquantizedEmbeddingMethod, "process_weights_after_loading", None)), RECHECK
+    assert callable(getattr(CPUUnquantizedExperts, "process_weights_after_loading", None)), RECHECK
+    info = get_layerwise_info(torch.nn.Linear(2, 2))
+    assert callable(getattr(info, "can_load", None)) and hasattr(info, "load_numel"), RECHECK

@@ -8,7 +8,8 @@ through the `vllm.general_plugins` entry point, which calls `register`. Then::
 
     worker.py      WeightsyncWorkerEngine: a WeightReceiver in each worker, driven by vLLM's
                    start / update / finish lifecycle through the model's own load_weights
-    trainer.py     WeightsyncTrainerEngine: a WeightSender behind vLLM's trainer API
+    trainer.py     WeightsyncTrainerEngine: a WeightSender behind vLLM's trainer API;
+                   VLLMSource: a weightsync WeightSource as vLLM's
     rendezvous.py  how the trainer (or the server) learns every worker's receiver address
     layout.py      the checkpoint layout a worker checks a push against
 
@@ -33,9 +34,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from weightsync.integrations.vllm.trainer import WeightsyncTrainerEngine, WeightsyncTrainerInitInfo
+    from weightsync.integrations.vllm.trainer import VLLMSource, WeightsyncTrainerEngine, WeightsyncTrainerInitInfo
 
-__all__ = ["BACKEND", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo", "register"]
+__all__ = ["BACKEND", "VLLMSource", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo", "register"]
 
 BACKEND = "weightsync"
 """The name vLLM's config gives: `--weight-transfer-config '{"backend": "weightsync"}'`."""
@@ -60,7 +61,7 @@ def register() -> None:
 
 def __getattr__(name: str) -> Any:
     """The trainer's classes, imported (with vLLM) only when asked for."""
-    if name in ("WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"):
+    if name in ("VLLMSource", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"):
         from weightsync.integrations.vllm import trainer
 
         return getattr(trainer, name)

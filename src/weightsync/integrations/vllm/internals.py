@@ -1,4 +1,9 @@
-"""The one place weightsync reaches into vLLM's internals: the weight version of streamed tokens.
+"""The one place weightsync reaches into vLLM's internals.
+
+- The weight version of streamed tokens (`token_version`, below).
+- After a layerwise reload, what vLLM 0.32's CPU backend leaves stale: a tied layer's repacked
+  copy (`reprocess_tied_layers`) and reloaded MoE experts left unpacked
+  (`cpu_experts_to_prepack`, `prepack_cpu_experts`).
 
 vLLM labels every batch of outputs with the engine's weight version and records, per request,
 where each version's tokens start (`RequestState.weight_version_starts` in
@@ -6,7 +11,7 @@ where each version's tokens start (`RequestState.weight_version_starts` in
 final output (`CompletionOutput.weight_versions`), and its OpenAI responses not at all. A
 streamed chunk needs the version of its newest token before the request ends, which only that
 per-request record holds. Everything else weightsync does with vLLM goes through public entry
-points (build_app, init_app_state, AsyncLLM, worker_extension_cls, collective_rpc).
+points (build_app, init_app_state, AsyncLLM, the weight-transfer registries and lifecycle).
 
 `tests/integrations/vllm/test_internals_guard.py` fails loudly when an upgrade moves any of this:
 `TESTED_VLLM` is the release it was checked against.
@@ -16,9 +21,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from weightsync.errors import ConfigError
 
-__all__ = ["TESTED_VLLM", "token_version"]
+__all__ = [
+    "TESTED_VLLM",
+    "cpu_experts_to_prepack",
+    "prepack_cpu_experts",
+    "reprocess_tied_layers",
+    "token_version",
+]
 
 TESTED_VLLM = "0.32."
 """The vLLM release line these attribute paths were read from."""
@@ -55,3 +68,59 @@ def token_version(engine: Any, request_id: str, index: int, position: int) -> st
                 version = label
         return version
     return None
+
+
+def reprocess_tied_layers(model: torch.nn.Module) -> None:
+    """Re-run weight post-processing on layers that share their weight with another layer.
+
+    The layerwise reload loads a tied pair once (through the input embeddings) and leaves the
+    other layer (lm_head) as it was; on CPU that layer holds a repacked copy of the old weight
+    for its matmul, so it must be processed again from the new values.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        weight = module.__dict__.get("_parameters", {}).get("weight")
+        if weight is not None:
+            owners.setdefault(id(weight), []).append(module)
+    for modules in owners.values():
+        if len(modules) < 2:
+            continue
+        for module in modules:
+            method = getattr(module, "quant_method", None)
+            if isinstance(method, UnquantizedEmbeddingMethod):
+                method.process_weights_after_loading(module)
+
+
+def cpu_experts_to_prepack(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
+    """The MoE layers on vLLM's CPU expert kernels that the current layerwise reload gave new
+    weights, each with its kernel's experts; call it before `finalize_layerwise_reload`.
+
+    A layer counts when vLLM processed it during loading or will process it at the end (some
+    of its elements loaded); a layer that got nothing keeps its (packed) weights.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    found = []
+    for module in model.modules():
+        experts = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            info = get_layerwise_info(module)
+            if not info.can_load() or info.load_numel > 0:
+                found.append((module, experts))
+    return found
+
+
+def prepack_cpu_experts(layers: list[tuple[torch.nn.Module, Any]]) -> None:
+    """Pack the new expert weights of `layers` (from `cpu_experts_to_prepack`) into the CPU
+    kernel's grouped-gemm layout, after the reload ended.
+
+    vLLM 0.32 packs them there on the first load only: on a reload its unquantized MoE method
+    copies the new weights in and skips the experts' own post-processing, which is where the CPU
+    experts pack them, so the CPU kernel would compute with unpacked weights, silently. Should vLLM pack them itself one day, they would be packed
+    twice and the vLLM backend's greedy-output test fails.
+    """
+    for module, experts in layers:
+        experts.process_weights_after_loading(module)

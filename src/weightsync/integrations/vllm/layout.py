@@ -1,12 +1,13 @@
 """What a vLLM worker's model expects a sync to carry: the Hugging Face checkpoint's tensors.
 
 vLLM does not keep weights in checkpoint layout (q/k/v become one `qkv_proj`, gate/up one
-`gate_up_proj`, the CPU backend repacks every linear layer), but its `load_weights` takes the
-checkpoint's names and layouts. A sync is checked against that layout before any byte moves:
+`gate_up_proj`, the CPU backend repacks every linear layer), and neither does transformers 5
+(a mixture-of-experts layer stacks its experts), but vLLM's `load_weights` takes the
+checkpoint's names and layouts (one tensor per expert). A sync is checked against that layout
+before any byte moves:
 
     checkpoint_layout        name -> (shape, dtype) of every tensor, and which names are tied
     check_plan_layout        PlanError naming every way a plan disagrees; else each tensor's feed name
-    reprocess_tied_layers    after a reload, re-derive what the CPU backend cached from tied weights
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
+from weightsync.hf_checkpoint import checkpoint_metas
+from weightsync.source import TensorMeta
 from weightsync.types import Plan
 
-__all__ = ["CheckpointLayout", "check_plan_layout", "checkpoint_layout", "reprocess_tied_layers"]
+__all__ = ["CheckpointLayout", "check_plan_layout", "checkpoint_layout"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,9 +51,11 @@ class CheckpointLayout:
 
 
 def checkpoint_layout(model_dir: str | Path, dtype: torch.dtype) -> CheckpointLayout:
-    """The checkpoint layout of the model in `model_dir`, from config.json alone: transformers
-    builds the model on the meta device (no memory, no init), and its state dict names the
-    tensors exactly as a checkpoint saved by `save_pretrained` does."""
+    """The checkpoint layout of the model in `model_dir`, from config.json alone (a server
+    started with `--load-format dummy` may hold no weights): transformers builds the model on
+    the meta device (no memory, no init), and its own reverse conversion, the one
+    `save_pretrained` applies, names the tensors as a checkpoint does (one tensor per expert
+    where the model fuses them; `weightsync.hf_checkpoint`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
@@ -58,16 +63,17 @@ def checkpoint_layout(model_dir: str | Path, dtype: torch.dtype) -> CheckpointLa
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
     state = model.state_dict(keep_vars=True)
+    checkpoint = checkpoint_metas(model, [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in state.items()])
     groups: dict[int, list[str]] = {}
     for name, tensor in state.items():
         groups.setdefault(id(tensor), []).append(name)
     ties = []
     for names in groups.values():
-        if len(names) > 1:
-            # vLLM loads a tied pair through the input embeddings and skips lm_head.
-            names.sort(key=lambda name: (name.startswith("lm_head."), name))
-            ties.append(tuple(names))
-    tensors = {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+        for tied in zip(*(checkpoint[name] for name in names), strict=True):
+            if len(tied) > 1:
+                # vLLM loads a tied pair through the input embeddings and skips lm_head.
+                ties.append(tuple(sorted((meta.name for meta in tied), key=lambda n: (n.startswith("lm_head."), n))))
+    tensors = {meta.name: (meta.shape, meta.dtype) for entries in checkpoint.values() for meta in entries}
     return CheckpointLayout(tensors, tuple(ties))
 
 
@@ -111,26 +117,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for size in shape:
         count *= size
     return count
-
-
-def reprocess_tied_layers(model: torch.nn.Module) -> None:
-    """Re-run weight post-processing on layers that share their weight with another layer.
-
-    The layerwise reload loads a tied pair once (through the input embeddings) and leaves the
-    other layer (lm_head) as it was; on CPU that layer holds a repacked copy of the old weight
-    for its matmul, so it must be processed again from the new values.
-    """
-    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
-
-    owners: dict[int, list[torch.nn.Module]] = {}
-    for module in model.modules():
-        weight = module.__dict__.get("_parameters", {}).get("weight")
-        if weight is not None:
-            owners.setdefault(id(weight), []).append(module)
-    for modules in owners.values():
-        if len(modules) < 2:
-            continue
-        for module in modules:
-            method = getattr(module, "quant_method", None)
-            if isinstance(method, UnquantizedEmbeddingMethod):
-                method.process_weights_after_loading(module)

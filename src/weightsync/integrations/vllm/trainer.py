@@ -37,7 +37,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self
 
 import torch
-from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+)
+from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSource
 
 from weightsync.errors import ConfigError, ConnectError, SyncFailed
 from weightsync.integrations.vllm import register
@@ -48,7 +54,7 @@ from weightsync.sender import WeightSender
 from weightsync.source import TensorMeta, WeightSource
 from weightsync.types import SyncReport
 
-__all__ = ["WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
+__all__ = ["VLLMSource", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +99,30 @@ class _Source:
         return iter(self._source)
 
 
+class VLLMSource(VLLMWeightSource):
+    """A weightsync `WeightSource` as vLLM's `WeightSource`, for code written against vLLM's
+    trainer API; e.g. a transformers 5 model in its checkpoint's names (one tensor per expert)::
+
+        source = VLLMSource(HFCheckpointSource(model))   # weightsync.hf_checkpoint
+        WeightTransferTrainerFactory.trainer_init(init, client=client, source=source)
+
+    The weightsync backend takes the wrapped source back as it is (no conversion).
+    """
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(meta.name, meta.dtype, meta.shape) for meta in self.source.metas()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.source.tensors()
+
+
 def _as_weightsync(source: Any) -> WeightSource:
-    """A weightsync `WeightSource` as it is; vLLM's wrapped."""
+    """A weightsync `WeightSource` as it is (unwrapped from `VLLMSource`); vLLM's wrapped."""
+    if isinstance(source, VLLMSource):
+        return source.source
     return source if isinstance(source, WeightSource) else _Source(source)
 
 

@@ -47,11 +47,11 @@ from weightsync.engines.malloc import return_large_frees_to_os
 from weightsync.errors import SinkError
 from weightsync.integrations.vllm.doorbell import ring
 from weightsync.integrations.vllm.events import Abort, Begin, Commit, Park, Status
+from weightsync.integrations.vllm.internals import cpu_experts_to_prepack, prepack_cpu_experts, reprocess_tied_layers
 from weightsync.integrations.vllm.layout import (
     CheckpointLayout,
     check_plan_layout,
     checkpoint_layout,
-    reprocess_tied_layers,
 )
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
@@ -355,8 +355,10 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         if not self._reloading:  # ended already, by a sync that failed
             return
         self._reloading = False
+        experts = cpu_experts_to_prepack(self.model)
         finalize_layerwise_reload(self.model, self.model_config)
         reprocess_tied_layers(self.model)
+        prepack_cpu_experts(experts)
 
     def _require(self) -> _WindowSink:
         if self._sink is None:
