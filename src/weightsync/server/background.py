@@ -6,9 +6,11 @@ OpenAI server with weightsync's backend in every worker ("vllm", weightsync.inte
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 import threading
 import time
+import warnings
 from typing import Any
 
 from weightsync.errors import ResourceError
@@ -128,6 +130,12 @@ class BackgroundServer:
             if loop is not None and stop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(stop.set)
             thread.join(timeout)
+            # vLLM's engine client leaves its ZeroMQ contexts to the garbage collector, which
+            # warns about each (ResourceWarning) whenever it gets to them: collect them now,
+            # the engine shut down, rather than in the middle of the caller's later work.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                gc.collect()
 
         if not ready.wait(start_timeout) or "error" in started:
             close(start_timeout)
