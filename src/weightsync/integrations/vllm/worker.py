@@ -111,13 +111,15 @@ class _WindowSink(StreamSink):
     whose plan matches the model's checkpoint layout.
 
     Its tensors are the receiver's own (`borrows = False`): vLLM's layerwise loader keeps a
-    layer's tensors until the layer is complete, after the bucket's buffer was reused.
+    layer's tensors until the layer is complete, after the bucket's buffer was reused. So the
+    receiver need not wait for the loader: it lands the next bucket meanwhile (`depth`).
 
     `deferred`: `begin` only checks the plan; the sync reaches the stream at its first bucket
     (or commit), by when the server opened the window (`_ServedSink`, `StagedSink`).
     """
 
     borrows = False
+    depth = 2  # the receiver lands the next bucket while vLLM's loader takes this one
 
     def __init__(self, layout: CheckpointLayout, *, timeout: float, deferred: bool = False) -> None:
         super().__init__(timeout=timeout)
