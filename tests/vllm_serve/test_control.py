@@ -27,6 +27,7 @@ class Engine:
         self.landed = asyncio.Event()
         self.landed.set()
         self.errored = False
+        self.start_error: Exception | None = None
 
     async def pause_generation(self, *, mode: str) -> None:
         self.calls.append(("pause", mode))
@@ -38,6 +39,8 @@ class Engine:
 
     async def start_weight_update(self) -> None:
         self.calls.append(("start", None))
+        if self.start_error is not None:
+            raise self.start_error
 
     async def update_weights(self, version: int) -> None:
         self.calls.append(("update", version))
@@ -71,10 +74,10 @@ def test_one_window_for_every_worker_labels_the_version_once_all_landed_it() -> 
     async def scenario() -> None:
         engine = Engine()
         sync = control(engine, mode="keep", workers=2)
-        assert sync.health(False).state == "waiting for weights"
+        assert sync.health().state == "waiting for weights"
         assert await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1)) == [None, None]
         assert engine.calls == [("pause", "keep"), ("start", None), ("update", 1), ("finish", 1), ("resume", None)]
-        assert sync.version == 1 and sync.health(False).ok and sync.stats.to_json()["num_committed"] == 1
+        assert sync.version == 1 and sync.health().ok and sync.stats.to_json()["num_committed"] == 1
         assert await sync.wait_servable(0.01)
 
     asyncio.run(scenario())
@@ -116,13 +119,13 @@ def test_one_worker_failing_refuses_the_others_commit_and_serves_nothing_until_a
         await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
         got = await sync_on(sync, 2, Commit(version=2, rank=0), Abort(version=2, rank=1, intact=True, error="killed"))
         assert isinstance(got[0], SinkError) and "worker 1: killed" in str(got[0]) and got[1] is None
-        now = sync.health(False)
+        now = sync.health()
         assert (now.ok, now.state, sync.version) == (False, "dirty", None) and "killed" in now.reason
         assert ("finish", None) in engine.calls and ("pause", "abort") in engine.calls
         assert ("resume", None) not in engine.calls[-3:] and sync.paused_by == ["dirty"]  # still paused: dirty
         assert not await sync.wait_servable(0.01)
         assert await sync_on(sync, 3, Commit(version=3, rank=0), Commit(version=3, rank=1)) == [None, None]
-        assert sync.health(False).ok and sync.version == 3 and sync.paused_by == []
+        assert sync.health().ok and sync.version == 3 and sync.paused_by == []
 
     asyncio.run(scenario())
 
@@ -134,7 +137,7 @@ def test_workers_that_all_failed_before_landing_anything_keep_the_previous_versi
         await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
         failed = [Abort(version=2, rank=rank, intact=True, error="checksum") for rank in (0, 1)]
         assert await sync_on(sync, 2, *failed) == [None, None]
-        assert sync.health(False).ok and sync.version == 1 and sync.stats.to_json()["num_failed"] == 1
+        assert sync.health().ok and sync.version == 1 and sync.stats.to_json()["num_failed"] == 1
         assert engine.calls[-2:] == [("finish", None), ("resume", None)]
 
     asyncio.run(scenario())
@@ -175,7 +178,7 @@ def test_an_engine_that_dies_during_the_update_fails_the_sync() -> None:
         engine.errored = True
         got = await asyncio.gather(sync.on_event(Commit(version=1, rank=0)), return_exceptions=True)
         assert isinstance(got[0], SinkError) and "engine died" in str(got[0])
-        assert sync.health(True).state == "failed" and sync.state() == "dirty"
+        assert sync.health().state == "failed" and sync.state() == "dirty"
 
     asyncio.run(scenario())
 
@@ -197,13 +200,32 @@ def test_a_second_version_waits_for_none_while_one_is_open() -> None:
 
 def test_each_workers_status_is_kept_and_counted_once() -> None:
     async def scenario() -> None:
-        sync = control(Engine(), workers=2)
-        assert sync.health(True).state == "failed"
+        engine = Engine()
+        sync = control(engine, workers=2)
+        engine.errored = True
+        assert sync.health().state == "failed"
+        engine.errored = False
         times = SyncTimes(total_s=0.5, transfer_s=0.1, landing_s=0.2, load_s=0.2)
         for rank in (0, 1):
             await sync.on_event(Status(rank=rank, state="syncing", content_digest="ab", times=times, mode="delta"))
         assert sync.receiver == Status(rank=0, state="syncing", content_digest="ab", times=times, mode="delta")
-        assert sync.health(False).state == "syncing" and sync.state() == "syncing"
+        assert sync.health().state == "syncing" and sync.state() == "syncing"
         assert 'weightsync_sync_modes_total{mode="delta"} 1.0' in sync.metrics.render().decode()
+
+    asyncio.run(scenario())
+
+
+def test_a_start_that_fails_on_some_worker_is_finished_and_serves_nothing() -> None:
+    async def scenario() -> None:
+        engine = Engine()
+        sync = control(engine, workers=2)
+        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
+        engine.start_error = RuntimeError("worker 1: reload could not begin")
+        with pytest.raises(RuntimeError, match="could not begin"):
+            await sync.on_event(Begin(version=2, rank=0, park=True))
+        for rank in (0, 1):
+            await sync.on_event(Abort(version=2, rank=rank, intact=True, error="refused"))
+        assert engine.calls.count(("finish", None)) == 1  # the workers whose reload began end it
+        assert sync.state() == "dirty" and sync.version is None  # a half-begun reload is no version
 
     asyncio.run(scenario())

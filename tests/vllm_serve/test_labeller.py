@@ -98,9 +98,7 @@ def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
         return {"type": "websocket.connect"}
 
     control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=1)
-    middleware = WeightsyncMiddleware(
-        app, control=control, token="t", open_generation=False, ready_timeout=0.0, engine_dead=lambda: False
-    )
+    middleware = WeightsyncMiddleware(app, control=control, token="t", open_generation=False, ready_timeout=0.0)
     scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
     asyncio.run(middleware(scope, receive, send))
     assert reached == [] and sent == [{"type": "websocket.close", "code": 1008}]

@@ -69,12 +69,14 @@ class _Window:
     """vLLM's update window for one version, across every worker."""
 
     version: int
-    opening: asyncio.Future[None]
+    opening: asyncio.Future[None] = dataclasses.field(init=False)
+    """Pausing generation, then vLLM's start call on every worker."""
+    reloading: bool = False
+    """vLLM's start call was made: its layerwise reload may have begun on some worker."""
     outcomes: dict[int, Commit | Abort] = dataclasses.field(default_factory=dict)
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     decided: asyncio.Future[str] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """"" once the version is labelled, else why it was not."""
-    updating: asyncio.Future[None] | None = None
 
 
 class SyncControl:
@@ -187,17 +189,18 @@ class SyncControl:
         if window is None or window.version != version:
             if window is not None and not window.decided.done():
                 raise SinkError(f"version {version} refused: the sync of version {window.version} is in progress")
-            opening = asyncio.ensure_future(self._open_window(version))
-            window = self._window = _Window(version, opening)
+            window = self._window = _Window(version)
+            window.opening = asyncio.ensure_future(self._open_window(window))
             asyncio.ensure_future(self._decide(window))
         await asyncio.shield(window.opening)
 
-    async def _open_window(self, version: int) -> None:
+    async def _open_window(self, window: _Window) -> None:
         if not await self.pause("sync", self.mode, self.drain_timeout):
             raise SinkError(
                 f"generation did not pause within {self.drain_timeout} s (sync mode {self.mode!r}); "
-                f"version {version} refused"
+                f"version {window.version} refused"
             )
+        window.reloading = True
         await self.engine.start_weight_update()  # every worker's layerwise reload begins
 
     async def _outcome(self, event: Commit | Abort) -> None:
@@ -225,16 +228,13 @@ class SyncControl:
     async def _decide(self, window: _Window) -> None:
         """Wait for every worker's outcome, then label the version or refuse it (module docstring)."""
         why = ""
-        started = False
         try:
             try:
                 await window.opening
-                started = True
-                update = asyncio.ensure_future(self.engine.update_weights(window.version))
-                window.updating = update
-                why = await self._wait_update(update)
+                why = await self._wait_update(asyncio.ensure_future(self.engine.update_weights(window.version)))
             except Exception as exc:
                 why = f"vLLM's update window did not open: {exc}"
+            started = window.reloading  # a start call that failed on some worker still needs its finish
             if not await self._wait_outcomes(window) and not why:
                 missing = sorted(set(range(self.workers)) - set(window.outcomes))
                 why = f"no outcome from worker(s) {missing} within {self.sync_timeout} s"
@@ -242,12 +242,12 @@ class SyncControl:
             if failed and not why:
                 why = "; ".join(f"worker {o.rank}: {o.error}" for o in sorted(failed, key=lambda o: o.rank))
             if not why:
-                why = await self._finish(window.version if started else None, started)
+                why = await self._finish(window.version)
                 if not why:
                     self._committed(window.version)
                     return
             elif started:
-                await self._finish(None, started)
+                await self._finish(None)
             changed = any(isinstance(o, Commit) or not o.intact for o in window.outcomes.values())
             unknown = started and len(window.outcomes) < self.workers
             await self._failed(window.version, why, intact=not (changed or unknown))
@@ -282,10 +282,8 @@ class SyncControl:
                 await asyncio.wait_for(window.changed.wait(), min(left, POLL_S))
         return len(window.outcomes) >= self.workers
 
-    async def _finish(self, version: int | None, started: bool) -> str:
+    async def _finish(self, version: int | None) -> str:
         """vLLM's finish call (labelling `version`, if any); returns why it failed, "" if not."""
-        if not started:
-            return ""
         try:
             await asyncio.wait_for(self.engine.finish_weight_update(version), self.sync_timeout)
         except Exception as exc:
@@ -337,8 +335,8 @@ class SyncControl:
 
     # --- what the HTTP layer reads --------------------------------------------------------------
 
-    def health(self, engine_dead: bool) -> Health:
-        if engine_dead:
+    def health(self) -> Health:
+        if self.engine.errored:
             return Health(False, "failed", "vLLM's engine died; restart the server")
         if self.dirty:
             reason = f"weights are dirty: {self.receiver.last_error or self.stats.error}; push a new version"

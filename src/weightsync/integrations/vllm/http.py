@@ -80,7 +80,6 @@ class WeightsyncMiddleware:
         token: the bearer token, or None for an open server.
         open_generation: admit /v1/* without the token.
         ready_timeout: seconds a generation request waits at the gate.
-        engine_dead: says whether vLLM's engine has died.
     """
 
     def __init__(
@@ -91,14 +90,12 @@ class WeightsyncMiddleware:
         token: str | None,
         open_generation: bool,
         ready_timeout: float,
-        engine_dead: Callable[[], bool],
     ) -> None:
         self.app = app
         self.control = control
         self.token = token
         self.open_generation = open_generation
         self.ready_timeout = ready_timeout
-        self.engine_dead = engine_dead
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket" and not self._admitted(scope, scope["path"]):
@@ -113,14 +110,14 @@ class WeightsyncMiddleware:
             await response(scope, receive, send)
             return
         if gated(method, path):
-            if self.engine_dead() or not await self.control.wait_servable(self.ready_timeout):
-                now = self.control.health(self.engine_dead())
+            if self.control.engine.errored or not await self.control.wait_servable(self.ready_timeout):
+                now = self.control.health()
                 message = (
                     now.reason if now.state == "failed" else f"not serving after {self.ready_timeout} s: {now.reason}"
                 )
                 await error(503, message, "service_unavailable", state=now.state)(scope, receive, send)
                 return
-            send = _Unavailable(send, self.control, self.engine_dead)
+            send = _Unavailable(scope, receive, send, self.control)
         if method != "POST" or path not in VERSIONED_PATHS:
             await self.app(scope, receive, send)
             return
@@ -145,24 +142,18 @@ class _Unavailable:
     """The `send` of a gated request: a 5xx that vLLM answers because its engine died on the way
     (a worker process killed, say) goes out as weightsync's 503 naming the state instead."""
 
-    def __init__(self, send: Send, control: SyncControl, engine_dead: Callable[[], bool]) -> None:
-        self.send = send
+    def __init__(self, scope: Scope, receive: Receive, send: Send, control: SyncControl) -> None:
+        self.scope, self.receive, self.send = scope, receive, send
         self.control = control
-        self.engine_dead = engine_dead
         self.replaced = False
 
     async def __call__(self, message: Message) -> None:
         if self.replaced:
             return
-        if message["type"] == "http.response.start" and int(message["status"]) >= 500 and self.engine_dead():
+        if message["type"] == "http.response.start" and int(message["status"]) >= 500 and self.control.engine.errored:
             self.replaced = True
-            now = self.control.health(True)
-            body = json.dumps(
-                {"error": {"message": now.reason, "type": "service_unavailable", "code": 503}, "state": now.state}
-            ).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            await self.send({"type": "http.response.start", "status": 503, "headers": headers})
-            await self.send({"type": "http.response.body", "body": body, "more_body": False})
+            now = self.control.health()
+            await error(503, now.reason, "service_unavailable", state=now.state)(self.scope, self.receive, self.send)
             return
         await self.send(message)
 
@@ -254,14 +245,13 @@ def add_routes(
     control: SyncControl,
     *,
     weight_info: Callable[[], dict[str, Any]],
-    engine_dead: Callable[[], bool],
 ) -> None:
     """weightsync's routes, placed ahead of vLLM's (Starlette answers with the first match)."""
     router = APIRouter()
 
     @router.get("/health")
     async def health() -> JSONResponse:
-        now = control.health(engine_dead())
+        now = control.health()
         body: dict[str, Any] = {"status": "ok" if now.ok else "unavailable", "version": control.version}
         body["state"] = now.state
         if not now.ok:

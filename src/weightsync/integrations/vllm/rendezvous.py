@@ -22,6 +22,8 @@ sender requires every receiver to prove it holds the token.
 from __future__ import annotations
 
 import datetime
+import secrets
+from types import TracebackType
 
 import msgspec
 import torch.distributed as dist
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from weightsync.errors import ConnectError, ProtocolError
 from weightsync.transports.collective import host_store
 
-__all__ = ["WorkerAddress", "announce", "collect", "open_store"]
+__all__ = ["Rendezvous", "WorkerAddress", "announce", "collect", "open_store"]
 
 
 class WorkerAddress(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,3 +90,32 @@ def collect(store: dist.TCPStore, session: str) -> list[WorkerAddress]:
     if len(set(addresses)) != len(addresses):
         raise ProtocolError(f"two workers announced the same address: {sorted(addresses)}")
     return workers
+
+
+class Rendezvous:
+    """A store hosted for the length of one init call, with a fresh session: pass `where` and
+    `session` to the workers, then `collect()` once the call returned; leaving the `with` block
+    stops listening.
+
+    Raises:
+        ResourceError: `host` cannot be listened on.
+    """
+
+    def __init__(self, host: str, timeout: float) -> None:
+        self._store: dist.TCPStore | None
+        self._store, self.where = open_store(host, timeout)
+        self.session = secrets.token_hex(8)
+
+    def collect(self) -> list[WorkerAddress]:
+        """Every worker that announced itself so far (`collect`)."""
+        if self._store is None:
+            raise ProtocolError("the rendezvous was closed")
+        return collect(self._store, self.session)
+
+    def __enter__(self) -> Rendezvous:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._store = None  # its last reference: the store stops listening

@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import signal
 import socket
 import time
@@ -45,7 +44,7 @@ from weightsync.integrations.vllm.control import SyncControl
 from weightsync.integrations.vllm.doorbell import Doorbell
 from weightsync.integrations.vllm.http import WeightsyncMiddleware, add_routes, error
 from weightsync.integrations.vllm.launch import build_engine, vllm_namespace, warm_up
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
+from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.versions import VersionedEngine
 from weightsync.server.body_limit import BodyLimit
 from weightsync.server.loop import PauseMode
@@ -141,28 +140,25 @@ async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[
 
     from weightsync.integrations.vllm.worker import WeightsyncInitInfo
 
-    store, where = open_store("127.0.0.1", RPC_TIMEOUT_S)
-    session = secrets.token_hex(8)
-    info = WeightsyncInitInfo(
-        rendezvous=where,
-        session=session,
-        transport=config.transport,
-        host=config.receiver_host,
-        port=config.receiver_port,
-        verify=config.verify,
-        timeout=config.sync_timeout,
-        bell=bell,
-        staged=config.staged,
-        drain_timeout=config.drain_timeout,
-    )
-    try:
-        request = WeightTransferInitRequest(init_info=dataclasses.asdict(info))
-        await asyncio.wait_for(engine.init_weight_transfer_engine(request), RPC_TIMEOUT_S)
-        workers = sorted(collect(store, session), key=lambda worker: worker.rank)
-    except Exception as exc:
-        raise ResourceError(f"weightsync's receivers did not start in vLLM's workers: {exc}") from exc
-    finally:
-        del store  # stops listening: the workers are done with it
+    with Rendezvous("127.0.0.1", RPC_TIMEOUT_S) as rendezvous:
+        info = WeightsyncInitInfo(
+            rendezvous=rendezvous.where,
+            session=rendezvous.session,
+            transport=config.transport,
+            host=config.receiver_host,
+            port=config.receiver_port,
+            verify=config.verify,
+            timeout=config.sync_timeout,
+            bell=bell,
+            staged=config.staged,
+            drain_timeout=config.drain_timeout,
+        )
+        try:
+            request = WeightTransferInitRequest(init_info=dataclasses.asdict(info))
+            await asyncio.wait_for(engine.init_weight_transfer_engine(request), RPC_TIMEOUT_S)
+            workers = sorted(rendezvous.collect(), key=lambda worker: worker.rank)
+        except Exception as exc:
+            raise ResourceError(f"weightsync's receivers did not start in vLLM's workers: {exc}") from exc
     expected = engine.vllm_config.parallel_config.world_size
     if len(workers) != expected:
         raise ResourceError(f"{len(workers)} of vLLM's {expected} workers started a receiver")
@@ -289,9 +285,6 @@ async def _serve_engine(
         workers = await _start_receivers(engine, config, bell.path)
         addresses = [worker.address for worker in workers]
 
-        def engine_dead() -> bool:
-            return bool(engine.errored)
-
         def weight_info() -> dict[str, Any]:
             times = control.receiver.times
             return {
@@ -315,7 +308,7 @@ async def _serve_engine(
                 "model": config.model_name,
             }
 
-        add_routes(app, control, weight_info=weight_info, engine_dead=engine_dead)
+        add_routes(app, control, weight_info=weight_info)
         # Wrapped around vLLM's app rather than added to it: vLLM's build_app already built its
         # middleware stack, and FastAPI refuses additions after that.
         outer = WeightsyncMiddleware(
@@ -324,7 +317,6 @@ async def _serve_engine(
             token=config.auth_token,
             open_generation=config.allow_unauthenticated_generation,
             ready_timeout=config.ready_timeout,
-            engine_dead=engine_dead,
         )
         try:
             async with app.router.lifespan_context(app):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import secrets
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self
@@ -47,7 +46,7 @@ from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSour
 
 from weightsync.errors import ConfigError, ConnectError, SyncFailed
 from weightsync.integrations.vllm import register
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
+from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.worker import WeightsyncInitInfo
 from weightsync.options import SenderOptions
 from weightsync.sender import WeightSender
@@ -166,21 +165,17 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         if not init_info.is_sender:
             return cls(client=client, source=source, is_sender=False)
         options = init_info.options
-        session = secrets.token_hex(8)
-        store, where = open_store(init_info.rendezvous_host, options.timeout)
-        try:
+        with Rendezvous(init_info.rendezvous_host, options.timeout) as rendezvous:
             worker_info = WeightsyncInitInfo(
-                rendezvous=where,
-                session=session,
+                rendezvous=rendezvous.where,
+                session=rendezvous.session,
                 transport=init_info.transport,
                 host=init_info.receiver_host,
                 verify=options.verify,
                 timeout=options.timeout,
             )
             client.init_weight_transfer_engine(dataclasses.asdict(worker_info))
-            workers = collect(store, session)
-        finally:
-            del store  # stops listening: the workers are done with it
+            workers = rendezvous.collect()
         if not workers:
             raise ConnectError("no vLLM worker announced its receiver; is the server's backend 'weightsync'?")
         sender = WeightSender([worker.address for worker in workers], options=options)
