@@ -40,7 +40,7 @@ import copy
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import torch
@@ -240,21 +240,39 @@ class TensorStream:
         return self
 
     def __next__(self) -> tuple[str, torch.Tensor]:
-        if self._closed:
-            raise StopIteration
         if self._index >= len(self._batch):
-            try:
-                self._batch, self._index = self._sink._next_batch(self), 0
-            except BaseException:
-                self.close()
-                raise
-            if not self._batch:
-                self._ended = True
-                self._closed = True
-                raise StopIteration
+            self._batch, self._index = self._next_batch(), 0
         self._index += 1
         self._num_taken += 1
         return self._batch[self._index - 1]
+
+    def batches(self) -> Iterator[NamedTensors]:
+        """The same pairs a bucket at a time, for a loader that must act when a bucket ends:
+        each list (and its tensors) is valid until the next one is asked for. Iterate the stream
+        one way only, pairs or batches."""
+        while True:
+            try:
+                batch = self._next_batch()
+            except StopIteration:
+                return
+            self._batch, self._index = batch, len(batch)
+            self._num_taken += len(batch)
+            yield batch
+
+    def _next_batch(self) -> NamedTensors:
+        """Release the bucket held and take the next; StopIteration once the sync committed."""
+        if self._closed:
+            raise StopIteration
+        try:
+            batch = self._sink._next_batch(self)
+        except BaseException:
+            self.close()
+            raise
+        if not batch:
+            self._ended = True
+            self._closed = True
+            raise StopIteration
+        return batch
 
     @property
     def committed_version(self) -> int | None:

@@ -63,6 +63,24 @@ def test_stream_yields_every_tensor_bit_exact_and_commits_after_the_last(transpo
             assert receiver.state == "ready"
 
 
+def test_batches_hand_over_a_bucket_at_a_time_and_commit_after_the_last(transport):
+    sink = StreamSink(timeout=10)
+    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+        pusher = Pusher(lambda: sender.push(MODEL, version=5))
+        got: dict[str, torch.Tensor] = {}
+        with sink.stream(version=5) as stream:
+            for batch in stream.batches():
+                assert receiver.version is None, "committed early"
+                got |= {name: tensor.clone() for name, tensor in batch}
+                sizes = [tensor.nbytes for _, tensor in batch]
+                assert len(batch) == 1 or sum(sizes) <= BUCKET, f"a batch is one bucket, got {sizes}"
+            assert stream.committed_version == 5
+        assert pusher.join().ok  # type: ignore[attr-defined]
+        assert list(got) == list(MODEL)
+        assert_all_bit_exact(got, MODEL)
+        assert receiver.wait_for_version(5, timeout=10)
+
+
 def test_consumer_that_stops_early_aborts_the_sync(transport):
     sink = StreamSink(timeout=10)
     with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:

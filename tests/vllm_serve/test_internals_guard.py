@@ -1,5 +1,7 @@
 """Fails loudly when a vLLM upgrade moves the internals weightsync reads (integrations/vllm/internals.py):
-the output processor's per-request weight version records behind streamed chunks' versions."""
+the output processor's per-request weight version records behind streamed chunks' versions, what
+the layerwise reload buffers for a layer not yet complete, and what the CPU backend's reload
+leaves stale."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from weightsync.errors import ConfigError
-from weightsync.integrations.vllm.internals import TESTED_VLLM, token_version
+from weightsync.integrations.vllm.internals import TESTED_VLLM, own_buffered_weights, token_version
 
 pytest.importorskip("vllm")
 
@@ -63,3 +65,51 @@ def test_the_reload_fixes_still_find_what_they_read() -> None:
     assert callable(getattr(CPUUnquantizedExperts, "process_weights_after_loading", None)), RECHECK
     info = get_layerwise_info(torch.nn.Linear(2, 2))
     assert callable(getattr(info, "can_load", None)) and hasattr(info, "load_numel"), RECHECK
+
+
+def _reloading_linear() -> torch.nn.Module:
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        initialize_layerwise_reload,
+        record_metadata_for_reloading,
+    )
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.zero_()
+    record_metadata_for_reloading(model)
+    initialize_layerwise_reload(model)
+    return model
+
+
+@pytest.mark.parametrize("owned", [True, False])
+def test_a_layer_that_spans_two_buckets_keeps_the_first_buckets_values(owned: bool) -> None:
+    """vLLM's layerwise reload keeps a view of the first bucket until the layer's bias arrives in
+    the second; the receiver reuses the first bucket's buffer in between. `own_buffered_weights`
+    copies what vLLM keeps; without it, the layer loads what the buffer held later."""
+    model = _reloading_linear()
+    layer = model[0]
+    buffer = torch.arange(20, dtype=torch.float32)  # the transport's buffer
+    weight, bias = buffer[:16].view(4, 4), buffer[16:]
+    expected = weight.clone()
+    layer.weight.weight_loader(layer.weight, weight)  # bucket 1: the weight
+    copied = own_buffered_weights(model, [("0.weight", weight)]) if owned else 0
+    buffer.fill_(-1.0)  # the receiver lands bucket 2 where bucket 1 was
+    layer.bias.weight_loader(layer.bias, bias)  # bucket 2: the bias completes the layer
+    if owned:
+        assert copied == weight.nbytes
+        assert torch.equal(layer.weight.detach(), expected)
+    else:
+        assert torch.equal(layer.weight.detach(), torch.full((4, 4), -1.0)), f"vLLM no longer buffers views: {RECHECK}"
+    assert torch.equal(layer.bias.detach(), torch.full((4,), -1.0))
+
+
+def test_a_layer_complete_inside_its_bucket_costs_no_copy() -> None:
+    model = _reloading_linear()
+    layer = model[0]
+    buffer = torch.arange(20, dtype=torch.float32)
+    batch = [("0.weight", buffer[:16].view(4, 4)), ("0.bias", buffer[16:])]
+    layer.weight.weight_loader(layer.weight, batch[0][1])
+    layer.bias.weight_loader(layer.bias, batch[1][1])
+    assert own_buffered_weights(model, batch) == 0
+    assert torch.equal(layer.weight.detach(), buffer[:16].view(4, 4))

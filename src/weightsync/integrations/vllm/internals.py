@@ -1,6 +1,9 @@
 """The one place weightsync reaches into vLLM's internals.
 
 - The weight version of streamed tokens (`token_version`, below).
+- During a layerwise reload, the tensors vLLM keeps for layers not yet complete
+  (`own_buffered_weights`): a worker hands vLLM views into the transport's buffer, which the
+  receiver reuses for the next bucket.
 - After a layerwise reload, what vLLM 0.32's CPU backend leaves stale: a tied layer's repacked
   copy (`reprocess_tied_layers`) and reloaded MoE experts left unpacked
   (`cpu_experts_to_prepack`, `prepack_cpu_experts`).
@@ -13,7 +16,7 @@ streamed chunk needs the version of its newest token before the request ends, wh
 per-request record holds. Everything else weightsync does with vLLM goes through public entry
 points (build_app, init_app_state, AsyncLLM, the weight-transfer registries and lifecycle).
 
-`tests/integrations/vllm/test_internals_guard.py` fails loudly when an upgrade moves any of this:
+`tests/vllm_serve/test_internals_guard.py` fails loudly when an upgrade moves any of this:
 `TESTED_VLLM` is the release it was checked against.
 """
 
@@ -28,6 +31,7 @@ from weightsync.errors import ConfigError
 __all__ = [
     "TESTED_VLLM",
     "cpu_experts_to_prepack",
+    "own_buffered_weights",
     "prepack_cpu_experts",
     "reprocess_tied_layers",
     "token_version",
@@ -124,3 +128,31 @@ def prepack_cpu_experts(layers: list[tuple[torch.nn.Module, Any]]) -> None:
     """
     for module, experts in layers:
         experts.process_weights_after_loading(module)
+
+
+def own_buffered_weights(model: torch.nn.Module, batch: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy what vLLM's layerwise reload still keeps from `batch` into memory of its own; call it
+    after `batch` went through `load_weights` and before its memory is reused. Returns the bytes
+    copied.
+
+    The reload buffers the arguments of a layer's weight loaders until the layer's last element
+    arrived (`LayerReloadingInfo.loaded_weights`), then loads them all. A layer whose tensors span
+    two buckets thus keeps views of the first bucket after `load_weights` returned; each of those
+    (whatever view of the batch's memory the model's loader made) becomes a copy here. Layers
+    that completed inside the batch hold nothing, so a push copies about one layer per bucket
+    rather than every tensor.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    storages = {tensor.untyped_storage().data_ptr() for _, tensor in batch} - {0}  # 0: no memory (meta, empty)
+    copied = 0
+    for module in model.modules():
+        info = LAYERWISE_INFO.get(module)
+        if info is None:
+            continue
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
+                    bound.arguments[key] = value.clone()
+                    copied += value.nbytes
+    return copied

@@ -9,7 +9,8 @@ weight-update lifecycle::
     start_weight_update()        vLLM's layerwise reload begins; the receiver accepts one sync
     update_weights({"version"})  land that sync: every tensor the trainer pushes goes through
                                  the model's own `load_weights` on this thread (each rank's
-                                 loader slices its own shard), as the buckets arrive
+                                 loader slices its own shard), as the buckets arrive, straight
+                                 from the transport's buffer
     finish_weight_update()       vLLM's layerwise reload ends (post-processing, repacking)
     shutdown()                   close the receiver
 
@@ -47,7 +48,12 @@ from weightsync.engines.malloc import return_large_frees_to_os
 from weightsync.errors import SinkError
 from weightsync.integrations.vllm.doorbell import ring
 from weightsync.integrations.vllm.events import Abort, Begin, Commit, Park, Status
-from weightsync.integrations.vllm.internals import cpu_experts_to_prepack, prepack_cpu_experts, reprocess_tied_layers
+from weightsync.integrations.vllm.internals import (
+    cpu_experts_to_prepack,
+    own_buffered_weights,
+    prepack_cpu_experts,
+    reprocess_tied_layers,
+)
 from weightsync.integrations.vllm.layout import (
     CheckpointLayout,
     check_plan_layout,
@@ -110,16 +116,13 @@ class _WindowSink(StreamSink):
     """A `StreamSink` that takes a sync only inside vLLM's weight-update window, and only one
     whose plan matches the model's checkpoint layout.
 
-    Its tensors are the receiver's own (`borrows = False`): vLLM's layerwise loader keeps a
-    layer's tensors until the layer is complete, after the bucket's buffer was reused. So the
-    receiver need not wait for the loader: it lands the next bucket meanwhile (`depth`).
+    Its tensors are views into the transport's buffer (the sink borrows): vLLM's loader copies
+    each into the model, and what vLLM's layerwise reload keeps past a bucket (a layer that spans
+    two) is copied out before the buffer is reused (`own_buffered_weights`).
 
     `deferred`: `begin` only checks the plan; the sync reaches the stream at its first bucket
     (or commit), by when the server opened the window (`_ServedSink`, `StagedSink`).
     """
-
-    borrows = False
-    depth = 2  # the receiver lands the next bucket while vLLM's loader takes this one
 
     def __init__(self, layout: CheckpointLayout, *, timeout: float, deferred: bool = False) -> None:
         super().__init__(timeout=timeout)
@@ -331,11 +334,13 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         """
         sink = self._require()
         try:
-            with sink.stream(version=update_info.version) as tensors:
-                for name, tensor in tensors:
-                    fed = sink.feed[name]
-                    if fed is not None:
-                        self.model.load_weights([(fed, tensor)])
+            with sink.stream(version=update_info.version) as stream:
+                for batch in stream.batches():
+                    for name, tensor in batch:
+                        fed = sink.feed[name]
+                        if fed is not None:
+                            self.model.load_weights([(fed, tensor)])
+                    own_buffered_weights(self.model, batch)  # the receiver reuses the batch's memory next
         except Exception as exc:
             log.warning("version %d did not land on this worker: %s", update_info.version, exc)
             self._end_reload()  # layers that got nothing keep their weights: the model stays whole
