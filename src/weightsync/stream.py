@@ -35,7 +35,6 @@ One receiver per sink, one stream per sync: a stream takes the next sync nobody 
 
 from __future__ import annotations
 
-import collections
 import copy
 import dataclasses
 import threading
@@ -60,9 +59,8 @@ class _Sync:
     """One sync as the sink sees it, from `begin` to commit or abort; guarded by the sink's lock."""
 
     version: int
-    batches: collections.deque[NamedTensors] = dataclasses.field(default_factory=collections.deque)
-    """Buckets handed over by `load`, oldest first, each until the consumer moves past its last
-    tensor (the first is the one the consumer takes from)."""
+    batch: NamedTensors | None = None
+    """The bucket handed over by `load`, until the consumer moves past its last tensor."""
     claimed: bool = False
     committed: bool = False
     error: BaseException | None = None
@@ -85,11 +83,6 @@ class StreamSink(WeightSink):
     """
 
     loads_live = True
-    depth = 1
-    """Buckets `load` may leave waiting for the consumer before it returns. 1: the receiver
-    lands the next bucket only once the consumer is done with this one (its buffers are reused).
-    A subclass whose tensors are its own (`borrows = False`) may raise it: the receiver then
-    lands bucket k+1 while the consumer loads bucket k."""
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -124,26 +117,26 @@ class StreamSink(WeightSink):
     def load(self, named_tensors: NamedTensors) -> None:
         with self._changed:
             sync = self._current("load")
-            sync.batches.append(named_tensors)
+            sync.batch = named_tensors
             self._changed.notify_all()
-            self._wait_taken(sync, self.depth, f"a bucket of {len(named_tensors)} tensors")
+            self._wait_taken(sync, f"a bucket of {len(named_tensors)} tensors")
 
     def commit(self, version: int) -> None:
         with self._changed:
             sync = self._current("commit")
             if sync.version != version:
                 raise SinkError(f"commit of version {version} during the sync of version {sync.version}")
-            self._wait_taken(sync, 1, "the last buckets")  # every tensor taken before it commits
+            self._wait_taken(sync, "the last bucket")  # every tensor taken before it commits
             sync.committed = True
             self._changed.notify_all()
 
-    def _wait_taken(self, sync: _Sync, depth: int, what: str) -> None:
-        """Wait (holding the condition) until fewer than `depth` buckets wait for the consumer."""
-        taken = self._changed.wait_for(lambda: len(sync.batches) < depth or bool(sync.stopped), self.timeout)
+    def _wait_taken(self, sync: _Sync, what: str) -> None:
+        """Wait (holding the condition) until the consumer is done with the bucket handed over."""
+        taken = self._changed.wait_for(lambda: sync.batch is None or bool(sync.stopped), self.timeout)
         if sync.stopped:
             raise SinkError(f"sync of version {sync.version} abandoned: {sync.stopped}")
         if not taken:
-            sync.batches.clear()
+            sync.batch = None
             raise TransferTimeout(f"no consumer took {what} within {self.timeout:g} s", version=sync.version)
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
@@ -189,20 +182,20 @@ class StreamSink(WeightSink):
         with self._changed:
             sync = stream._sync = stream._sync or self._claim(stream)
             if stream._holding:
-                sync.batches.popleft()
+                sync.batch = None
                 stream._holding = False
                 self._changed.notify_all()
             ready: Callable[[], bool] = lambda: (  # noqa: E731
-                sync.error is not None or bool(sync.batches) or sync.committed or bool(sync.stopped)
+                sync.error is not None or sync.batch is not None or sync.committed or bool(sync.stopped)
             )
             self._changed.wait_for(ready, self.timeout)
             if sync.error is not None:
                 raise _reraisable(sync.error, sync.version)
             if sync.stopped:
                 raise SinkError(f"sync of version {sync.version} abandoned: {sync.stopped}")
-            if sync.batches:
+            if sync.batch is not None:
                 stream._holding = True
-                return sync.batches[0]
+                return sync.batch
             if sync.committed:
                 return []
             raise TransferTimeout(f"no bucket arrived within {self.timeout:g} s", version=sync.version)
