@@ -182,9 +182,9 @@ class WeightSender:
 
         welcomes, failures = self._connect()
         largest = max((tensor_nbytes(spec) for spec in specs), default=0)
-        bucket_bytes = self._agree_bucket_bytes(largest, welcomes, failures)
-        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
+        bucket_bytes = self._agree_bucket_bytes(largest, full_bytes, welcomes, failures)
+        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
         step, at_base = self._next_step(full_bytes, reachable, welcomes)
         diff = (
             None
@@ -366,12 +366,13 @@ class WeightSender:
         return welcomes, failures
 
     def _agree_bucket_bytes(
-        self, largest_tensor_bytes: int, welcomes: Mapping[str, Welcome], failures: Failures
+        self, largest_tensor_bytes: int, total_bytes: int, welcomes: Mapping[str, Welcome], failures: Failures
     ) -> int:
         """Negotiate one bucket size; receivers that cannot afford the minimum are failed."""
         options = self.options
         proposed = options.proposed_bucket_bytes or auto_bucket_bytes(
             largest_tensor_bytes,
+            total_bytes,
             memory_budget_bytes=options.memory_budget_bytes,
             num_slots=options.num_slots,
             largest_bytes=min(

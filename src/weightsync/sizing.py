@@ -45,21 +45,24 @@ def align_down(num_bytes: int) -> int:
 
 def auto_bucket_bytes(
     largest_tensor_bytes: int,
+    total_bytes: int = 0,
     *,
     memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
     num_slots: int = 2,
     largest_bytes: int = LARGEST_AUTO_BUCKET_BYTES,
 ) -> int:
-    """Pick a bucket size for tensors whose largest is `largest_tensor_bytes`.
+    """Pick a bucket size for a sync of `total_bytes` whose largest tensor is `largest_tensor_bytes`.
 
-    A bucket larger than the largest tensor is wasted memory, and one larger than 64 MiB is no
-    faster, so: the largest tensor's size, at most 64 MiB and at most the budget split over the
-    ring slots. Tensors larger than the bucket are chunked, which costs nothing extra. A
+    Large enough for the largest tensor and for a sixteenth of the sync: an engine whose loader
+    keeps a layer's tensors until the layer is complete (vLLM's layerwise reload) must copy out
+    whatever a bucket boundary splits, so fewer boundaries cost less, while sixteen buckets still
+    overlap sending and loading. At most 64 MiB (no faster above) and at most the budget split
+    over the ring slots. Tensors larger than the bucket are chunked, which costs nothing extra. A
     transport whose buckets cost a fixed time each (nixl) raises `largest_bytes`.
     """
     if memory_budget_bytes < num_slots * ALIGN_BYTES:
         raise ConfigError(f"memory budget of {memory_budget_bytes} bytes is too small for {num_slots} slots")
-    want = max(min(align_up(largest_tensor_bytes), largest_bytes), ALIGN_BYTES)
+    want = max(min(align_up(max(largest_tensor_bytes, total_bytes // 16)), largest_bytes), ALIGN_BYTES)
     return align_down(min(want, memory_budget_bytes // num_slots))
 
 

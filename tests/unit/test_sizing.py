@@ -107,25 +107,29 @@ def test_config_error_is_a_value_error():
 
 @given(
     largest=st.integers(0, 1 << 31),
+    total=st.integers(0, 1 << 40),
     budget=st.integers(128, 1 << 32),
     slots=st.integers(1, 16),
 )
-def test_auto_bucket_bytes_properties(largest, budget, slots):
+def test_auto_bucket_bytes_properties(largest, total, budget, slots):
     if budget < slots * 64:
         with pytest.raises(ConfigError):
-            auto_bucket_bytes(largest, memory_budget_bytes=budget, num_slots=slots)
+            auto_bucket_bytes(largest, total, memory_budget_bytes=budget, num_slots=slots)
         return
-    size = auto_bucket_bytes(largest, memory_budget_bytes=budget, num_slots=slots)
+    size = auto_bucket_bytes(largest, total, memory_budget_bytes=budget, num_slots=slots)
+    needs = max(-(-max(largest, total // 16) // 64) * 64, 64)
     assert size % 64 == 0 and size >= 64
     assert size <= 64 * MIB, "never above 64 MiB"
     assert size * slots <= budget, "all slots fit the budget"
-    assert size <= max(-(-largest // 64) * 64, 64), "never larger than the largest tensor needs"
-    if largest <= 64 * MIB and -(-largest // 64) * 64 * slots <= budget:
-        assert size == max(-(-largest // 64) * 64, 64), "the largest tensor fits whole when affordable"
+    assert size <= needs, "never larger than the largest tensor or a sixteenth of the sync needs"
+    if needs <= 64 * MIB and needs * slots <= budget:
+        assert size == needs, "the largest tensor and a sixteenth of the sync fit whole when affordable"
 
 
 def test_auto_bucket_bytes_examples():
     assert auto_bucket_bytes(1000) == 1024
+    assert auto_bucket_bytes(24 * MIB, 1 << 30) == 64 * MIB  # small tensors, a large model: fewer boundaries
+    assert auto_bucket_bytes(24 * MIB, 128 * MIB) == 24 * MIB
     assert auto_bucket_bytes(0) == 64
     assert auto_bucket_bytes(10**12) == 64 * MIB
     assert auto_bucket_bytes(10**12, largest_bytes=256 * MIB) == 256 * MIB  # nixl's

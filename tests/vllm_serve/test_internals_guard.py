@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightsync.errors import ConfigError
-from weightsync.integrations.vllm.internals import TESTED_VLLM, own_buffered_weights, token_version
+from weightsync.integrations.vllm.internals import TESTED_VLLM, ReloadBuffers, token_version
 
 pytest.importorskip("vllm")
 
@@ -85,7 +85,7 @@ def _reloading_linear() -> torch.nn.Module:
 @pytest.mark.parametrize("owned", [True, False])
 def test_a_layer_that_spans_two_buckets_keeps_the_first_buckets_values(owned: bool) -> None:
     """vLLM's layerwise reload keeps a view of the first bucket until the layer's bias arrives in
-    the second; the receiver reuses the first bucket's buffer in between. `own_buffered_weights`
+    the second; the receiver reuses the first bucket's buffer in between. `ReloadBuffers.own`
     copies what vLLM keeps; without it, the layer loads what the buffer held later."""
     model = _reloading_linear()
     layer = model[0]
@@ -93,7 +93,8 @@ def test_a_layer_that_spans_two_buckets_keeps_the_first_buckets_values(owned: bo
     weight, bias = buffer[:16].view(4, 4), buffer[16:]
     expected = weight.clone()
     layer.weight.weight_loader(layer.weight, weight)  # bucket 1: the weight
-    copied = own_buffered_weights(model, [("0.weight", weight)]) if owned else 0
+    buffers = ReloadBuffers(model)
+    copied = buffers.own([("0.weight", weight)]) if owned else 0
     buffer.fill_(-1.0)  # the receiver lands bucket 2 where bucket 1 was
     layer.bias.weight_loader(layer.bias, bias)  # bucket 2: the bias completes the layer
     if owned:
@@ -111,5 +112,5 @@ def test_a_layer_complete_inside_its_bucket_costs_no_copy() -> None:
     batch = [("0.weight", buffer[:16].view(4, 4)), ("0.bias", buffer[16:])]
     layer.weight.weight_loader(layer.weight, batch[0][1])
     layer.bias.weight_loader(layer.bias, batch[1][1])
-    assert own_buffered_weights(model, batch) == 0
+    assert ReloadBuffers(model).own(batch) == 0
     assert torch.equal(layer.weight.detach(), buffer[:16].view(4, 4))

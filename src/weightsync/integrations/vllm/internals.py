@@ -2,7 +2,7 @@
 
 - The weight version of streamed tokens (`token_version`, below).
 - During a layerwise reload, the tensors vLLM keeps for layers not yet complete
-  (`own_buffered_weights`): a worker hands vLLM views into the transport's buffer, which the
+  (`ReloadBuffers`): a worker hands vLLM views into the transport's buffer, which the
   receiver reuses for the next bucket.
 - After a layerwise reload, what vLLM 0.32's CPU backend leaves stale: a tied layer's repacked
   copy (`reprocess_tied_layers`) and reloaded MoE experts left unpacked
@@ -29,9 +29,9 @@ import torch
 from weightsync.errors import ConfigError
 
 __all__ = [
+    "ReloadBuffers",
     "TESTED_VLLM",
     "cpu_experts_to_prepack",
-    "own_buffered_weights",
     "prepack_cpu_experts",
     "reprocess_tied_layers",
     "token_version",
@@ -130,29 +130,33 @@ def prepack_cpu_experts(layers: list[tuple[torch.nn.Module, Any]]) -> None:
         experts.process_weights_after_loading(module)
 
 
-def own_buffered_weights(model: torch.nn.Module, batch: list[tuple[str, torch.Tensor]]) -> int:
-    """Copy what vLLM's layerwise reload still keeps from `batch` into memory of its own; call it
-    after `batch` went through `load_weights` and before its memory is reused. Returns the bytes
-    copied.
+class ReloadBuffers:
+    """What vLLM's layerwise reload keeps for layers not yet complete, made safe from buffer reuse.
 
     The reload buffers the arguments of a layer's weight loaders until the layer's last element
     arrived (`LayerReloadingInfo.loaded_weights`), then loads them all. A layer whose tensors span
-    two buckets thus keeps views of the first bucket after `load_weights` returned; each of those
-    (whatever view of the batch's memory the model's loader made) becomes a copy here. Layers
-    that completed inside the batch hold nothing, so a push copies about one layer per bucket
-    rather than every tensor.
-    """
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    two buckets thus keeps views of the first bucket after `load_weights` returned. `own(batch)`,
+    called after `batch` went through `load_weights` and before its memory is reused, copies each
+    of those (whatever view of the batch's memory the model's loader made) into memory of its
+    own. Layers that completed inside the batch hold nothing, so a push copies about one layer
+    per bucket rather than every tensor.
 
-    storages = {tensor.untyped_storage().data_ptr() for _, tensor in batch} - {0}  # 0: no memory (meta, empty)
-    copied = 0
-    for module in model.modules():
-        info = LAYERWISE_INFO.get(module)
-        if info is None:
-            continue
-        for _, bound in info.loaded_weights:
-            for key, value in bound.arguments.items():
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
-                    bound.arguments[key] = value.clone()
-                    copied += value.nbytes
-    return copied
+    It finds the model's layers once, when built.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        self._infos = [info for module in model.modules() if (info := LAYERWISE_INFO.get(module)) is not None]
+
+    def own(self, batch: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy what the reload keeps from `batch` out of its memory; returns the bytes copied."""
+        storages = {tensor.untyped_storage().data_ptr() for _, tensor in batch} - {0}  # 0: no memory (meta, empty)
+        copied = 0
+        for info in self._infos:
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
+                        bound.arguments[key] = value.clone()
+                        copied += value.nbytes
+        return copied

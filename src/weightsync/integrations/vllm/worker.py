@@ -49,8 +49,8 @@ from weightsync.errors import SinkError
 from weightsync.integrations.vllm.doorbell import ring
 from weightsync.integrations.vllm.events import Abort, Begin, Commit, Park, Status
 from weightsync.integrations.vllm.internals import (
+    ReloadBuffers,
     cpu_experts_to_prepack,
-    own_buffered_weights,
     prepack_cpu_experts,
     reprocess_tied_layers,
 )
@@ -118,7 +118,7 @@ class _WindowSink(StreamSink):
 
     Its tensors are views into the transport's buffer (the sink borrows): vLLM's loader copies
     each into the model, and what vLLM's layerwise reload keeps past a bucket (a layer that spans
-    two) is copied out before the buffer is reused (`own_buffered_weights`).
+    two) is copied out before the buffer is reused (`ReloadBuffers`).
 
     `deferred`: `begin` only checks the plan; the sync reaches the stream at its first bucket
     (or commit), by when the server opened the window (`_ServedSink`, `StagedSink`).
@@ -334,13 +334,12 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         """
         sink = self._require()
         try:
+            buffers, copied = ReloadBuffers(self.model), 0
             with sink.stream(version=update_info.version) as stream:
                 for batch in stream.batches():
-                    for name, tensor in batch:
-                        fed = sink.feed[name]
-                        if fed is not None:
-                            self.model.load_weights([(fed, tensor)])
-                    own_buffered_weights(self.model, batch)  # the receiver reuses the batch's memory next
+                    self.model.load_weights([(fed, tensor) for name, tensor in batch if (fed := sink.feed[name])])
+                    copied += buffers.own(batch)  # the receiver reuses the batch's memory next
+            log.info("version %d landed; %d bytes of layers spanning buckets copied", update_info.version, copied)
         except Exception as exc:
             log.warning("version %d did not land on this worker: %s", update_info.version, exc)
             self._end_reload()  # layers that got nothing keep their weights: the model stays whole
