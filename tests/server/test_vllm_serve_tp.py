@@ -2,8 +2,8 @@
 with its own receiver, a version labelled only once both landed it.
 
 On vLLM's CPU backend (mp executor, one core per worker) with the tests' dense Qwen2 (one KV
-head, replicated under TP=2; tied embeddings; biases): pushes over shm (one ring, read by both
-workers) and tcp land bit-exact (the server's digest is the checkpoint's) and serve what
+head, replicated under TP=2; tied embeddings; biases) and Qwen3-MoE (4 experts, top-2): pushes
+over shm (one ring, read by both workers) and tcp land bit-exact (the server's digest is the checkpoint's) and serve what
 transformers generates; a worker process killed in the middle of a sync leaves every later
 response from the previous version or a 503, never a mix.
 """
@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import WAIT_S, wait_until
+from tests.models import save_model
 from tests.server.checks import _Gated
 from weightsync import WeightSender
 from weightsync.digest import source_digest
@@ -95,6 +96,11 @@ def checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> list[int]:
+    return _generate(model_dir)
+
+
+def _generate(model_dir: Path) -> list[int]:
+    """transformers' greedy tokens for PROMPT from the checkpoint in `model_dir`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -103,10 +109,15 @@ def expected(model_dir: Path) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize(("kind", "transport"), [("qwen2", "shm"), ("qwen2", "tcp"), ("qwen3_moe", "shm")])
 def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_generates(
-    model_dir: Path, checkpoint: dict[str, torch.Tensor], expected: list[int], transport: str
+    tiny_models: dict[str, Path], tmp_path: Path, kind: str, transport: str
 ) -> None:
+    model_dir = tiny_models.get(kind) or tmp_path / kind
+    if kind not in tiny_models:
+        save_model(kind, model_dir)
+    checkpoint = load_file(str(model_dir / "model.safetensors"))  # the MoE's: one tensor per expert
+    expected = _generate(model_dir)
     with serving(model_dir, transport) as served:
         info = served.http.get("/weight_info").json()
         assert info["workers"] == 2 and len(served.addresses) == 2 and info["addresses"] == served.addresses
