@@ -17,17 +17,16 @@ push. The receiver applies each patch in place into its destination (`apply_patc
 committing, hashes every destination whole: the content digest of the full new weights must equal
 the sender's, or the sync fails with ChecksumError and the receiver's next push is full.
 
-A diff is paid before anything is sent; `Costs` keeps what the last ones measured, so that the
-sender skips a diff that would not arrive sooner than the full version (`delta_policy="faster"`):
-a diff measured as not paying is abandoned after its first eighth, and the pushes that go
-without a diff keep measuring on a sample of the tensors, diffed as they are packed.
+Which receivers may get a patch is declared, never measured: with `delta=True`, those reached
+over a network transport (tcp, collective, nixl), where a patch arrives sooner than the full
+version; with `delta="all"`, every receiver. Over shared memory a diff costs more than the whole
+push (docs/delta.md has both measurements).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,15 +46,10 @@ from weightsync.types import TensorSpec
 
 __all__ = [
     "DENSE_FRACTION",
-    "GATE_FRACTION",
-    "SAMPLE_FRACTION",
     "Baseline",
-    "Costs",
     "Diff",
-    "Sample",
     "Step",
     "apply_patch",
-    "sample_names",
     "settled",
 ]
 
@@ -142,11 +136,6 @@ def _encode(
 def _cheapest(count: int, numel: int, spec: TensorSpec) -> str:
     """The encoding of a patch changing `count` of a tensor's `numel` elements."""
     return min(_sizes(count, numel, spec).items(), key=lambda item: item[1])[0]
-
-
-def _patch_nbytes(count: int, numel: int, spec: TensorSpec) -> int:
-    """The bytes of that patch on the wire."""
-    return int(min(_sizes(count, numel, spec).values()))
 
 
 def _sizes(count: int, numel: int, spec: TensorSpec) -> dict[str, float]:
@@ -259,9 +248,6 @@ class Diff:
     changed_elements: int
     total_elements: int
     full_bytes: int
-    cold: bool = False
-    """Memory was allocated on the way (the baseline, scratch, the patch arena): its time says
-    more about page faults than about the next push."""
 
     @property
     def content(self) -> str:
@@ -285,181 +271,15 @@ class Diff:
         return _Tensors(list(zip((spec.name for spec in self.specs), self.payloads, strict=True)))
 
 
-GATE_FRACTION = 1 / 8
-"""A diff measured as not paying once this fraction of the model is diffed stops there: the push
-goes plain, having spent an eighth of a diff to find out."""
-
-SAMPLE_FRACTION = 1 / 32
-"""About this fraction of the model's bytes is diffed on every push that goes without a diff (as
-the tensors are packed), so that the sender sees when diffs start to pay again."""
-
-
 Step: TypeAlias = Literal["diff", "refresh", "plain"]
-"""What a push with delta=True does (`Costs.next_step`)."""
+"""What a push does (`WeightSender._next_step`):
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Sample:
-    """What diffing part of the model measured."""
-
-    seconds: float
-    nbytes: int
-    """The bytes diffed (as sent)."""
-    patch_bytes: int
-    """The bytes their patches take."""
-    cold: bool
-    """Memory was allocated on the way: the time is no measurement."""
-
-
-@dataclasses.dataclass
-class Costs:
-    """What the sender's last pushes measured, to decide what the next one does:
-
-        diff     diff against the baseline: receivers holding it get the patch, the others the
-                 full version (verified)
-        refresh  copy the new version into the baseline and push it full, verified: its
-                 receivers then hold a base for the next push's patch
-        plain    push as without delta (cast while packing, no baseline, checksums only where
-                 asked for), diffing a sample of the tensors on the way to keep measuring
-
-    A diff is paid before anything is sent (the plan names every patch); it pays when the diff
-    and the patch's delivery take less than the full version's delivery, over the routes to the
-    receivers holding the base:
-
-        diff_s + sum over routes of delta_delivery_s  <  sum over routes of full_delivery_s
-
-    `diff_s` and the patch fraction come from the last warm measurement (a diff, the first eighth
-    of one, or the sample a plain push diffs). One that allocated memory on the way (cold: the
-    first diff) overstates the cost; it stands in only until a warm one is measured, so that the
-    first diff already counts and a route where diffs do not pay stops diffing a push sooner. A route's
-    `full_delivery_s` is its last plain full delivery's, or failing that its last verified one's
-    (a refresh: slower, which favours the diff); its `delta_delivery_s` is its last patch
-    delivery's (the receiver applies and verifies it: it scales with the model, not the patch),
-    or failing that the patch's bytes at the full throughput. Anything not measured yet means:
-    diff. Once a route has had a measured diff but never a plain delivery, one push goes plain to
-    measure it: a verified delivery is no fair measure of what a push without delta costs.
-    """
-
-    diff_s_per_byte: float | None = None
-    patch_fraction: float | None = None
-    full_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Per route (transport name): bytes per second of its last plain full delivery."""
-    verified_bytes_per_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Per route: bytes per second of its last verified full delivery (a refresh)."""
-    delta_s_per_byte: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Per route: seconds of its last patch delivery per byte of the full model."""
-    warm: bool = False
-    """Whether `diff_s_per_byte` comes from a warm measurement (a cold one only stands in)."""
-
-    def next_step(self, full_bytes: int, at_base: Sequence[str], reached: Sequence[str], always: bool) -> Step:
-        """What a push of `full_bytes` does: `at_base`, the routes to receivers holding the
-        baseline; `reached`, the routes to every receiver it reaches; `always`: diff wherever a
-        receiver can take a patch, and keep a base (delta_policy="always")."""
-        if at_base:
-            if always:
-                return "diff"
-            if self._unchecked(at_base):
-                return "plain"
-            return "diff" if self.diff_pays(full_bytes, at_base) else "plain"
-        return "refresh" if reached and (always or self.diff_pays(full_bytes, reached)) else "plain"
-
-    def _unchecked(self, routes: Sequence[str]) -> bool:
-        """A diff and a patch delivery are measured on some route that no plain push measured."""
-        measured = self.diff_s_per_byte is not None
-        return measured and any(r in self.delta_s_per_byte and r not in self.full_bytes_per_s for r in routes)
-
-    def diff_pays(self, full_bytes: int, routes: Sequence[str]) -> bool:
-        """Whether a diff should beat pushing in full to `routes` (the rule above)."""
-        if self.diff_s_per_byte is None or self.patch_fraction is None:
-            return True
-        full_s = delta_s = 0.0
-        for route in routes:
-            rate = self.full_bytes_per_s.get(route) or self.verified_bytes_per_s.get(route)
-            if not rate:
-                return True
-            full_s += full_bytes / rate
-            per_byte = self.delta_s_per_byte.get(route)
-            delta_s += per_byte * full_bytes if per_byte is not None else self.patch_fraction * full_bytes / rate
-        return self.diff_s_per_byte * full_bytes + delta_s < full_s
-
-    def diff_would_pay(self, part: Sample, full_bytes: int, routes: Sequence[str]) -> bool:
-        """Whether a diff pays over `routes` at the pace and patch fraction of `part`, the first
-        part of it, warm or cold. A cold part overstates the diff's cost; a diff stopped that would
-        have paid costs one plain push, whose sample then measures warm."""
-        if part.nbytes <= 0:
-            return True
-        at_pace = dataclasses.replace(
-            self, diff_s_per_byte=part.seconds / part.nbytes, patch_fraction=part.patch_bytes / part.nbytes
-        )
-        return at_pace.diff_pays(full_bytes, routes)
-
-    def measured(self, sample: Sample) -> None:
-        """Take a diff's measurement (a cold one only while no warm one was taken; never an empty one)."""
-        if sample.nbytes > 0 and not (sample.cold and self.warm):
-            self.diff_s_per_byte = sample.seconds / sample.nbytes
-            self.patch_fraction = sample.patch_bytes / sample.nbytes
-            self.warm = self.warm or not sample.cold
-
-    def diffed(self, seconds: float, diff: Diff) -> None:
-        if diff.base:
-            self.measured(Sample(seconds, diff.full_bytes, diff.patch_bytes, diff.cold))
-
-    def delivered(self, route: str, mode: str, full_bytes: int, seconds: float, verified: bool) -> None:
-        """A delivery of the version (`full_bytes` as sent) over `route` took `seconds`: a patch
-        (`mode="delta"`), or the full version, `verified` for the sake of delta (a refresh)."""
-        if full_bytes <= 0 or seconds <= 0:
-            return
-        if mode == "delta":
-            self.delta_s_per_byte[route] = seconds / full_bytes
-        elif verified:
-            self.verified_bytes_per_s[route] = full_bytes / seconds
-        else:
-            self.full_bytes_per_s[route] = full_bytes / seconds
-
-
-def sample_names(specs: Sequence[TensorSpec]) -> frozenset[str]:
-    """The tensors a plain push diffs to keep measuring: a stride through the model covering
-    about `SAMPLE_FRACTION` of its bytes; the smallest tensor where every one is larger."""
-    taken = seen = 0
-    names = set()
-    for spec in specs:
-        nbytes = dense_nbytes(spec)
-        seen += nbytes
-        if taken + nbytes <= SAMPLE_FRACTION * seen:
-            names.add(spec.name)
-            taken += nbytes
-    if not names and specs:
-        names.add(min(specs, key=dense_nbytes).name)
-    return frozenset(names)
-
-
-class _Tap:
-    """A source passed through as it is, diffing the sampled tensors into the baseline on the way
-    (`Baseline.tapped`): `sample` says what that measured."""
-
-    def __init__(self, baseline: Baseline, specs: Sequence[TensorSpec], source: WeightSource) -> None:
-        self._baseline, self._source = baseline, source
-        self._specs = {spec.name: spec for spec in specs}
-        self._names = sample_names(specs)
-        self.sample = Sample(0.0, 0, 0, cold=False)
-
-    def metas(self) -> list[TensorMeta]:
-        return self._source.metas()
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self._source.tensors():
-            if name in self._names:
-                self._measure(self._specs[name], tensor)
-            yield name, tensor
-
-    def _measure(self, spec: TensorSpec, tensor: torch.Tensor) -> None:
-        started = time.perf_counter()
-        patch_bytes, cold = self._baseline.update(spec, tensor)
-        seconds = time.perf_counter() - started
-        s = self.sample
-        self.sample = Sample(
-            s.seconds + seconds, s.nbytes + dense_nbytes(spec), s.patch_bytes + patch_bytes, s.cold or cold
-        )
+    diff     diff against the baseline: receivers that may take a patch and hold the baseline
+             get the patch, the others the full version (verified)
+    refresh  copy the new version into the baseline and push it full, verified: its receivers
+             then hold a base for the next push's patch
+    plain    push as without delta (no receiver may take a patch)
+"""
 
 
 class _Tensors:
@@ -485,29 +305,20 @@ class _Arena:
     def __init__(self) -> None:
         self._buffer = np.empty(0, dtype=np.uint8)
         self._used = 0
-        self._high_water = 0
-        """The most any push has used: the pages faulted in already."""
 
-    def reset(self, full_bytes: int) -> bool:
+    def reset(self, full_bytes: int) -> None:
         """Free everything taken so far (the previous push's patches are no longer in use) and
-        make room for patches up to the point where a push goes full anyway. Returns whether
-        the pages are fresh (not faulted in by an earlier push)."""
+        make room for patches up to the point where a push goes full anyway."""
         wanted = int(DENSE_FRACTION * full_bytes) + self.ALIGN
-        fresh = self._buffer.size < wanted or self._high_water == 0
         if self._buffer.size < wanted:
-            self._buffer, self._high_water = np.empty(wanted, dtype=np.uint8), 0
+            self._buffer = np.empty(wanted, dtype=np.uint8)
         self._used = 0
-        return fresh
-
-    def _touched(self) -> None:
-        self._high_water = max(self._high_water, self._used)
 
     def take(self, nbytes: int) -> np.ndarray:
         start = -(-self._used // self.ALIGN) * self.ALIGN
         if start + nbytes > self._buffer.size:
             return np.empty(nbytes, dtype=np.uint8)
         self._used = start + nbytes
-        self._touched()
         return self._buffer[start : self._used]
 
 
@@ -525,62 +336,28 @@ class Baseline:
         self._indices = np.empty(0, dtype=np.int32)
         self._values = np.empty(0, dtype=np.uint8)
         self._patches = _Arena()
-        self._cold = False
-        """Memory was allocated during the current diff (`Diff.cold`)."""
 
     @property
     def content(self) -> str:
         """The content digest of the version it holds, or "" before the first push."""
         return settled(self._content)
 
-    def diff(
-        self, specs: Sequence[TensorSpec], source: WeightSource, keep_going: Callable[[Sample], bool] | None = None
-    ) -> Diff | None:
+    def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
-        new version. A changed tensor set, shape or dtype makes every tensor dense (no base).
-
-        `keep_going` is asked once, when the diff has covered `GATE_FRACTION` of the bytes, with
-        what that part measured; if it says no, the diff stops there and returns None, and
-        the baseline holds no version a patch can be based on (part of it is new)."""
-        return self._take(specs, source, compare=True, keep_going=keep_going)
+        new version. A changed tensor set, shape or dtype makes every tensor dense (no base)."""
+        return self._take(specs, source, compare=True)
 
     def refresh(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Make `source` the baseline without comparing (a push that goes full to everyone, so
         that the next one can be a patch): a copy. The result offers no patch (no base)."""
-        diff = self._take(specs, source, compare=False)
-        assert diff is not None  # only a gated diff stops
-        return diff
-
-    def tapped(self, specs: Sequence[TensorSpec], source: WeightSource) -> _Tap:
-        """`source` for a push without a diff: the sampled tensors (`sample_names`) are diffed into
-        the baseline as they go by, and the result's `sample` says what that measured."""
-        self.forget()
-        return _Tap(self, specs, source)
-
-    def update(self, spec: TensorSpec, tensor: torch.Tensor) -> tuple[int, bool]:
-        """Bring one tensor of the baseline to `tensor` as sent (no patch is kept): the bytes its
-        patch would have taken, and whether memory was allocated on the way."""
-        _check_yielded(spec, spec.name, tensor)
-        if not self._holds(spec) or self.tensors[spec.name].element_size() not in _BITS:
-            self.tensors[spec.name] = _copy(tensor, dtype_from_name(spec.dtype))
-            return dense_nbytes(spec), True
-        old = self.tensors[spec.name]
-        indices, _ = self._changes(tensor, old)
-        cold, self._cold = self._cold, False
-        return _patch_nbytes(indices.size, old.numel(), spec), cold
+        return self._take(specs, source, compare=False)
 
     def _holds(self, spec: TensorSpec) -> bool:
         """Whether the baseline has tensor `spec` in its shape and wire dtype."""
         old = self.tensors.get(spec.name)
         return old is not None and tuple(old.shape) == spec.shape and old.dtype == dtype_from_name(spec.dtype)
 
-    def _take(
-        self,
-        specs: Sequence[TensorSpec],
-        source: WeightSource,
-        compare: bool,
-        keep_going: Callable[[Sample], bool] | None = None,
-    ) -> Diff | None:
+    def _take(self, specs: Sequence[TensorSpec], source: WeightSource, compare: bool) -> Diff:
         same_layout = [spec.name for spec in specs] == list(self.tensors) and all(map(self._holds, specs))
         held = self.content  # waits for the last push's digest: it reads what this overwrites
         base = held if same_layout and compare else ""
@@ -588,11 +365,10 @@ class Baseline:
         if not same_layout:
             self.tensors = {}
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
-        self._cold = self._patches.reset(full_bytes)
+        self._patches.reset(full_bytes)
         patched: list[TensorSpec] = []
         payloads: list[torch.Tensor] = []
         changed = total = 0
-        started, done_bytes, patch_bytes = time.perf_counter(), 0, 0
         for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
             _check_yielded(spec, name, tensor)
             old = self.tensors.get(name)
@@ -611,16 +387,8 @@ class Baseline:
             payloads.append(old if payload is None else torch.from_numpy(payload))
             changed += num_changed
             total += old.numel()
-            done_bytes, patch_bytes = done_bytes + dense_nbytes(spec), patch_bytes + tensor_nbytes(patch_spec)
-            if keep_going is not None and done_bytes >= GATE_FRACTION * full_bytes and base:
-                part = Sample(time.perf_counter() - started, done_bytes, patch_bytes, self._cold)
-                if not keep_going(part):
-                    self._cold = False
-                    return None  # the baseline is part new, part old: `content` stays ""
-                keep_going = None  # asked once
         self._content = _digest_later(specs, [self.tensors[spec.name] for spec in specs])
-        cold, self._cold = self._cold or not same_layout, False
-        return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes, cold)
+        return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes)
 
     def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Update `old` (the baseline) to `tensor` as sent; the flat indices of the elements whose
@@ -645,9 +413,9 @@ class Baseline:
         """Scratch for the native diff's output, room for every element of the largest tensor:
         only the pages the changes touch are ever faulted in."""
         if self._indices.size < numel:
-            self._indices, self._cold = np.empty(numel, dtype=np.int32), True
+            self._indices = np.empty(numel, dtype=np.int32)
         if self._values.size < numel * size:
-            self._values, self._cold = np.empty(numel * size, dtype=np.uint8), True
+            self._values = np.empty(numel * size, dtype=np.uint8)
         return self._indices, self._values
 
     def _as_sent(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -663,12 +431,6 @@ class Baseline:
         out = self._scratch[:nbytes].view(dtype).view(tensor.shape)
         out.copy_(tensor)
         return out
-
-    def forget(self) -> None:
-        """Hold no version a patch can be based on (a plain push went past it); the memory stays
-        for the next refresh."""
-        settled(self._content)  # a digest still computing reads the tensors a refresh rewrites
-        self._content = ""
 
     def source(self) -> WeightSource:
         """The baseline's tensors (the version last diffed), as a source for a full push."""

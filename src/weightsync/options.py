@@ -22,8 +22,8 @@ __all__ = ["ReceiverOptions", "SenderOptions", "build_options"]
 
 OptionsT = TypeVar("OptionsT", "SenderOptions", "ReceiverOptions")
 
-DeltaPolicy: TypeAlias = Literal["faster", "always"]
-DELTA_POLICIES: tuple[DeltaPolicy, ...] = ("faster", "always")
+Delta: TypeAlias = bool | Literal["all"]
+"""Who gets only what changed: nobody, receivers on network transports, or every receiver."""
 
 DEFAULT_TIMEOUT_S = 60.0
 """The bound on any single wait, on either side, unless given."""
@@ -43,20 +43,15 @@ class SenderOptions:
     verify: Verify = "off"
     auth_token: str | None = None
     """The shared token; None takes $WEIGHTSYNC_AUTH_TOKEN (resolved once, here)."""
-    delta: bool = False
-    """Send receivers that hold the previous push only what changed (delta.py); costs one host
-    copy of the model in the wire dtype, and verifies every push (at least "bucket")."""
-    delta_policy: DeltaPolicy = "faster"
-    """With delta: "faster" pushes as without delta where the last pushes measured that a patch
-    would not arrive sooner, measuring again every few pushes (delta.Costs); "always" diffs every
-    push."""
+    delta: Delta = False
+    """Send receivers that hold the previous push only what changed (docs/delta.md): True, those
+    reached over a network transport (tcp, collective, nixl); "all", over every transport. Costs
+    one host copy of the model in the wire dtype, and verifies every push (at least "bucket")."""
 
     def __post_init__(self) -> None:
         _check_timeout(self.timeout)
-        if not isinstance(self.delta, bool):
-            raise ConfigError(f"delta must be True or False, got {self.delta!r}")
-        if self.delta_policy not in DELTA_POLICIES:
-            raise ConfigError(f"delta_policy must be one of {', '.join(DELTA_POLICIES)}, got {self.delta_policy!r}")
+        if not any(self.delta is choice for choice in (False, True)) and self.delta != "all":
+            raise ConfigError(f"delta must be True, False or 'all', got {self.delta!r}")
         if (
             isinstance(self.min_bucket_bytes, bool)
             or not isinstance(self.min_bucket_bytes, int)

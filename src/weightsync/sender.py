@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
-from weightsync.delta import Baseline, Costs, Diff, Sample, Step, settled
+from weightsync.delta import Baseline, Diff, Step, settled
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
@@ -70,6 +70,8 @@ class Route:
     channel: SenderChannel
     plane: SendPlane
     largest_auto_bucket_bytes: int = LARGEST_AUTO_BUCKET_BYTES
+    patches: bool = False
+    """Whether its receivers that hold the previous push get only what changed (`delta`)."""
 
     def live(self, failures: Mapping[str, WeightSyncError], welcomes: Mapping[str, Welcome]) -> list[str]:
         return [address for address in self.addresses if address in welcomes and address not in failures]
@@ -102,14 +104,12 @@ class WeightSender:
         auth_token: the shared secret of receivers that require one (default:
             $WEIGHTSYNC_AUTH_TOKEN). Proven by HMAC, never sent; with a token, the sender also
             requires each receiver to prove it holds the same one.
-        delta: send each receiver that holds the previous push (verified, and in destinations
-            it can patch) only the elements whose wire bits changed, and every other receiver
-            the full version, in the same push (docs/delta.md). Keeps one copy of the model in
-            the wire dtype in host memory, and verifies every push (at least "bucket").
-        delta_policy: "faster" (default): where the last pushes measured that a diff and its
-            patch would not arrive sooner than the full version, push as without delta (diffing
-            a 1/32 sample on the way, to see when it pays again); "always": diff every push
-            (the report's `mode` says what each receiver got). See `delta.Costs`.
+        delta: True: each receiver reached over a network transport (tcp, collective, nixl)
+            that holds the previous push (verified, in destinations it can patch) gets only the
+            elements whose wire bits changed; every other receiver gets the full version, in the
+            same push (docs/delta.md). "all": the same over every transport. Keeps one copy of
+            the model in the wire dtype in host memory, and verifies every push (at least
+            "bucket"); the report's `mode` says what each receiver got.
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
@@ -122,9 +122,7 @@ class WeightSender:
         self._addresses = addresses
         self._routes: list[Route] = []
         self._baseline = Baseline() if options.delta else None
-        """delta=True: the last push, as sent; a receiver holding it gets only what changed."""
-        self._costs = Costs()
-        """delta=True: what diffs and full deliveries took, to skip a diff that would not pay."""
+        """With delta: the last push, as sent; a receiver holding it gets only what changed."""
         plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
         try:
             for spec in dict.fromkeys(specs.values()):
@@ -137,8 +135,9 @@ class WeightSender:
                 )
                 plane = spec.send_plane(channel, plane_options)
                 mine = tuple(address for address in addresses if specs[address] is spec)
+                patches = options.delta == "all" or (options.delta is True and spec.networked)
                 self._routes.append(
-                    Route(spec.name, spec.has_wire, mine, channel, plane, spec.largest_auto_bucket_bytes)
+                    Route(spec.name, spec.has_wire, mine, channel, plane, spec.largest_auto_bucket_bytes, patches)
                 )
         except BaseException:
             self.close()
@@ -185,12 +184,13 @@ class WeightSender:
         full_bytes = sum(dense_nbytes(spec) for spec in specs)
         bucket_bytes = self._agree_bucket_bytes(largest, full_bytes, welcomes, failures)
         reachable = [address for address in self._addresses if address in welcomes and address not in failures]
-        step, at_base = self._next_step(full_bytes, reachable, welcomes)
-        diff = (
-            None
-            if step == "plain" or self._baseline is None
-            else self._take(self._baseline, step, specs, source, full_bytes, at_base)
-        )
+        takers = [a for route in self._routes if route.patches for a in route.addresses if a in reachable]
+        step = self._next_step(takers, welcomes)
+        diff = None
+        if self._baseline is not None and step == "diff":
+            diff = self._baseline.diff(specs, source)
+        elif self._baseline is not None and step == "refresh":
+            diff = self._baseline.refresh(specs, source)
         # the strictest verification any receiver asks for, or ours if stricter; a delta push
         # (a diff or a refresh) always verifies: a patch onto the wrong bytes must not commit
         verify = stricter(
@@ -198,34 +198,23 @@ class WeightSender:
             "off" if diff is None else "bucket",
             *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
-        tap = None
         if diff is None:
-            # plain: as without delta; a sample of the tensors keeps being diffed as it is packed,
-            # unless a diff stopped part way (its first part is new already: nothing to measure)
-            tap = self._baseline.tapped(specs, source) if self._baseline is not None and step == "plain" else None
-            sent = tap if tap is not None else source
-            deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, sent, frozenset(reachable))]
+            deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, source, frozenset(reachable))]
             changed_fraction = 1.0
         else:
             assert self._baseline is not None
-            deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, welcomes)
+            deliveries = _deliveries(self._baseline, diff, specs, bucket_bytes, reachable, takers, welcomes)
             changed_fraction = diff.changed_fraction if diff.base else 1.0
 
         by_address: dict[str, Delivery] = {}
         committed: dict[str, Committed] = {}
         contents = []
         for delivery in deliveries:
-            delivered = time.perf_counter()
             replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures)
-            if self._baseline is not None:
-                seconds = time.perf_counter() - delivered
-                self._measured(delivery, seconds, full_bytes, verified=diff is not None)
             failures |= failed
             committed |= replies
             contents.append(content)
             by_address |= dict.fromkeys(delivery.addresses, delivery)
-        if tap is not None:
-            self._costs.measured(tap.sample)
 
         report = SyncReport(
             version=version,
@@ -256,54 +245,16 @@ class WeightSender:
             raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
         return report
 
-    def _next_step(
-        self, full_bytes: int, reachable: list[str], welcomes: Mapping[str, Welcome]
-    ) -> tuple[Step, list[str]]:
-        """plain without delta; with it, what `Costs` says for a version of `full_bytes`, and the
-        routes to receivers at the baseline (those a patch would go to)."""
+    def _next_step(self, takers: list[str], welcomes: Mapping[str, Welcome]) -> Step:
+        """What a push does (docs/delta.md): without delta, or with no receiver it may patch,
+        plain; a diff where one of `takers` (receivers it may patch) holds the baseline; else a
+        refresh, so that they hold a base for the next push."""
         baseline = self._baseline
-        if baseline is None:
-            return "plain", []
-        at_base = {a for a in reachable if baseline.content and welcomes[a].content == baseline.content}
-        routes = [route.name for route in self._routes if at_base.intersection(route.addresses)]
-        reached = [route.name for route in self._routes if set(route.addresses).intersection(reachable)]
-        return self._costs.next_step(full_bytes, routes, reached, always=self._always), routes
-
-    @property
-    def _always(self) -> bool:
-        return self.options.delta_policy == "always"
-
-    def _take(
-        self,
-        baseline: Baseline,
-        step: Step,
-        specs: list[TensorSpec],
-        source: WeightSource,
-        full_bytes: int,
-        routes: list[str],
-    ) -> Diff | None:
-        """The new version into the baseline: copied, or diffed (measured, for `Costs`), or None
-        where the diff's first part measured as not paying over `routes` (the push goes plain)."""
-        if step == "refresh":
-            return baseline.refresh(specs, source)
-
-        def keep_going(part: Sample) -> bool:
-            self._costs.measured(part)  # a cold part is no measurement, but still says where it goes
-            return self._costs.diff_would_pay(part, full_bytes, routes)
-
-        started = time.perf_counter()
-        diff = baseline.diff(specs, source, None if self._always else keep_going)
-        if diff is not None:
-            self._costs.diffed(time.perf_counter() - started, diff)
-        return diff
-
-    def _measured(self, delivery: Delivery, seconds: float, full_bytes: int, verified: bool) -> None:
-        """What a delivery of a version of `full_bytes` took on each route, for `Costs`: a
-        patch's, a plain full version's, or a full version verified for delta's sake
-        (`verified`: slower than plain)."""
-        for route in self._routes:
-            if delivery.addresses.intersection(route.addresses):
-                self._costs.delivered(route.name, delivery.mode, full_bytes, seconds, verified)
+        if baseline is None or not takers:
+            return "plain"
+        if baseline.content and any(welcomes[a].content == baseline.content for a in takers):
+            return "diff"
+        return "refresh"
 
     def _deliver(
         self,
@@ -409,11 +360,12 @@ def _deliveries(
     specs: list[TensorSpec],
     bucket_bytes: int,
     reachable: list[str],
+    takers: list[str],
     welcomes: Mapping[str, Welcome],
 ) -> list[Delivery]:
-    """Who gets the patch (those holding exactly the baseline it applies to) and who the
-    full version, full first; both from the baseline, which now holds the new version."""
-    patched = frozenset(a for a in reachable if diff.worth_it and welcomes[a].content == diff.base)
+    """Who gets the patch (those of `takers` holding exactly the baseline it applies to) and who
+    the full version, full first; both from the baseline, which now holds the new version."""
+    patched = frozenset(a for a in takers if diff.worth_it and welcomes[a].content == diff.base)
     full = frozenset(reachable) - patched
     deliveries = []
     if full:

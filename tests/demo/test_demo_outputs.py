@@ -60,8 +60,8 @@ def test_each_step_records_what_its_sync_moved(trained) -> None:
 
 
 def test_a_run_that_changes_nothing_syncs_nothing_but_its_first_push(tmp_path) -> None:
-    # "always": whether a diff would pay in process ("faster") depends on this host's timings
-    config = DemoConfig(mode="colocated", steps=2, lr=0.0, out=tmp_path, progress=False, delta_policy="always")
+    # "all": the colocated demo's receivers are in process, where delta=True sends in full
+    config = DemoConfig(mode="colocated", steps=2, lr=0.0, out=tmp_path, progress=False, delta="all")
     records = run(config)
     assert [r["sync_modes"] for r in records] == [["delta"], ["delta"]]
     assert [(r["wire_bytes"], r["changed_fraction"]) for r in records] == [(0, 0.0), (0, 0.0)]

@@ -23,7 +23,7 @@ def test_metrics_count_full_and_delta_syncs(tiny_models) -> None:
     weights = load_file(model_dir / "model.safetensors")
     with (
         live_server(model_dir) as server,
-        WeightSender([server.address], timeout=20.0, delta=True, delta_policy="always") as sender,
+        WeightSender([server.address], timeout=20.0, delta="all") as sender,
     ):
         assert modes(server.client.metrics()) == {"full": 0.0, "delta": 0.0}
         for version in range(3):

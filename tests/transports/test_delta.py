@@ -1,6 +1,7 @@
-"""Delta sync (`WeightSender(delta=True, delta_policy="always")`): exact over many steps at an RL learning rate, small on
-the wire, per receiver (a receiver not at the base gets the full version in the same push), and
-never a silent mix when a patch is corrupted, applied to the wrong base, or cut off."""
+"""Delta sync (`WeightSender(delta="all")`, patches over every transport): exact over many steps at
+an RL learning rate, small on the wire, per receiver (a receiver not at the base gets the full
+version in the same push), and never a silent mix when a patch is corrupted, applied to the wrong
+base, or cut off; `delta=True` patches receivers on network transports only, by rule."""
 
 from __future__ import annotations
 
@@ -72,9 +73,7 @@ def test_twenty_steps_at_lr_1e6_are_bit_exact_and_small(transport: str) -> None:
     with (
         receiving(dests[0], transport) as first,
         receiving(dests[1], transport) as second,
-        sending(
-            [first.address, second.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender,
+        sending([first.address, second.address], cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
     ):
         before = trainer.as_sent()
         model_bytes = sum(t.numel() * t.element_size() for t in before.values())
@@ -109,9 +108,7 @@ def test_a_new_receiver_gets_the_full_version_in_the_same_push() -> None:
     old_dest, new_dest = zeros_like_sent(trainer), zeros_like_sent(trainer)
     with receiving(old_dest, "tcp") as old, receiving(zeros_like_sent(trainer), "tcp") as leaving:
         port = int(leaving.address.rsplit(":", 1)[1])
-        with sending(
-            [old.address, leaving.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender:
+        with sending([old.address, leaving.address], cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender:
             assert sender.push(trainer.state(), 0).ok
             trainer.step()
             assert {o.mode for o in sender.push(trainer.state(), 1).outcomes} == {"delta"}
@@ -153,9 +150,7 @@ def test_a_receiver_at_the_wrong_base_gets_the_full_version(transport: str, obse
     with (
         receiving(good_dest, transport) as good,
         receiving(FailsCommitOf(lagging_dest, 1), transport) as lagging,
-        sending(
-            [good.address, lagging.address], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender,
+        sending([good.address, lagging.address], cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
     ):
         assert sender.push(trainer.state(), 0).ok
         trainer.step()
@@ -199,9 +194,7 @@ def test_a_flipped_byte_in_a_patch_fails_and_the_next_push_is_full(transport, mo
     dest = zeros_like_sent(trainer)
     with (
         receiving(dest, transport) as receiver,
-        sending(
-            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender,
+        sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
     ):
         for version in range(2):
             trainer.step()
@@ -226,9 +219,7 @@ def test_a_patch_onto_drifted_weights_fails_the_content_digest(observe) -> None:
     dest = zeros_like_sent(trainer)
     with (
         receiving(dest, "tcp") as receiver,
-        sending(
-            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender,
+        sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
     ):
         assert sender.push(trainer.state(), 0).ok
         dest["norm"][0] += 1  # drift
@@ -250,7 +241,7 @@ from weightsync import WeightSender
 from tests.transports.test_delta import BUCKET, Trainer
 
 trainer = Trainer(seed=5)
-with WeightSender(sys.argv[1], cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=4096) as sender:
+with WeightSender(sys.argv[1], cast=torch.bfloat16, delta="all", bucket_bytes=4096) as sender:
     for version in range(2):
         trainer.step()
         assert sender.push(trainer.state(), version).ok
@@ -292,9 +283,7 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
             assert receiver.welcome().content == ""
         for _ in range(3):
             trainer.step()
-        with sending(
-            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender:
+        with sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender:
             report = sender.push(trainer.state(), 3)
             assert report.ok and report.outcomes[0].mode == "full"
         observe(f"noticed in {noticed:.2f} s; receiver after: {after}; a new sender's version 3: full, exact")
@@ -343,9 +332,7 @@ def test_a_loader_sink_always_gets_the_full_version() -> None:
     received: dict[str, torch.Tensor] = {}
     with (
         receiving(lambda items: received.update((n, t.clone()) for n, t in items), "tcp") as receiver,
-        sending(
-            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender,
+        sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
     ):
         for version in range(3):
             trainer.step()
@@ -362,9 +349,7 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
     live = zeros_like_sent(trainer)
     with (
         receiving(StagedSink(TensorDictSink(live)), "shm") as receiver,
-        sending(
-            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender,
+        sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
     ):
         for version in range(3):
             trainer.step()
@@ -374,151 +359,66 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
     assert isinstance(receiver, WeightReceiver)
 
 
-# --- never slower than full: skip a diff that would not pay (delta.Costs) ------------------------
+# --- who gets a patch is declared: network receivers (delta=True), or all ---------------------
 
 
-def test_a_diff_pays_only_when_it_and_the_patch_arrive_before_the_full_version() -> None:
-    from weightsync.delta import Costs, Diff, Sample
-
-    gib = 1 << 30
-    costs = Costs()
-    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"  # nothing measured yet
-    assert costs.next_step(gib, [], ["tcp"], always=False) == "refresh"  # nobody holds the base: make one
-    assert costs.next_step(gib, [], [], always=False) == "plain"  # nobody reached at all
-    costs.measured(Sample(0.6, gib, gib // 10, cold=True))  # the first diff allocates: it stands in...
-    assert costs.diff_s_per_byte == pytest.approx(0.6 / gib) and not costs.warm
-    costs.measured(Sample(0.5, gib, gib // 10, cold=True))  # ...as does the next cold one...
-    assert costs.diff_s_per_byte == pytest.approx(0.5 / gib)
-    costs.measured(Sample(0.3 / 8, gib // 8, gib // 80, cold=False))  # ...until a warm one: 0.3 s per GiB, 10% patch
-    assert costs.diff_s_per_byte == pytest.approx(0.3 / gib) and costs.patch_fraction == pytest.approx(0.1)
-    assert costs.warm
-    assert costs.diff_pays(gib, ["tcp"])  # no full delivery measured on tcp yet
-    # full over tcp: 0.8 s (verified, a refresh), a patch's bytes 0.08 s: 0.38 s < 0.8 s
-    costs.delivered("tcp", "full", gib, 0.8, verified=True)
-    costs.delivered("shm", "full", gib, 0.3, verified=False)  # shm plain: 0.3 s < 0.3 + 0.03 s
-    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"
-    assert costs.next_step(gib, ["shm"], ["shm"], always=False) == "plain"
-    assert costs.next_step(gib, [], ["shm"], always=False) == "plain"  # no base worth making
-    assert costs.next_step(gib, [], ["shm"], always=True) == "refresh"
-    assert costs.next_step(gib, ["shm"], ["shm"], always=True) == "diff"
-    assert costs.diff_pays(gib, ["shm", "tcp"])  # one diff serves both routes: 0.41 s < 1.1 s
-    # a patch delivery over tcp took 0.45 s (applied and verified): 0.3 + 0.45 < 0.8, but tcp
-    # never had a plain push to compare with: one goes plain to measure it
-    costs.delivered("tcp", "delta", gib, 0.45, verified=True)
-    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "plain"
-    costs.delivered("tcp", "full", gib, 0.7, verified=False)  # plain: 0.7 s < 0.75 s
-    assert costs.next_step(gib, [], ["tcp"], always=False) == "plain"
-    costs.diffed(0.9, Diff("c", "d", (), (), 0, gib // 2, gib, cold=True))  # cold: no measurement
-    costs.measured(Sample(5.0, gib, 0, cold=True))
-    assert costs.diff_s_per_byte == pytest.approx(0.3 / gib)
-    costs.measured(Sample(0.1 / 32, gib // 32, gib // 320, cold=False))  # a plain push's sample: less busy now
-    assert costs.next_step(gib, [], ["tcp"], always=False) == "refresh"
-    costs.diffed(0.1, Diff("c", "d", (), (), 0, gib // 2, gib))
-    assert costs.next_step(gib, ["tcp"], ["tcp"], always=False) == "diff"
-    # a diff's first eighth, cold or warm, says whether the rest is worth finishing
-    assert not costs.diff_would_pay(Sample(0.2, gib // 8, gib // 80, cold=True), gib, ["tcp"])  # 1.6 s
-    assert costs.diff_would_pay(Sample(0.01, gib // 8, gib // 80, cold=True), gib, ["tcp"])
-    assert costs.diff_s_per_byte == pytest.approx(0.1 / gib)  # asking measures nothing
-
-
-def test_the_sample_a_plain_push_diffs_is_a_stride_through_the_model() -> None:
-    from weightsync.delta import SAMPLE_FRACTION, sample_names
-    from weightsync.types import TensorSpec
-
-    def spec(name: str, numel: int) -> TensorSpec:
-        return TensorSpec(name, "bfloat16", (numel,), "bfloat16")
-
-    specs = [spec(f"w{i}", 1000 + 37 * i) for i in range(200)]
-    names = sample_names(specs)
-    sampled = [s for s in specs if s.name in names]
-    share = sum(s.shape[0] for s in sampled) / sum(s.shape[0] for s in specs)
-    assert SAMPLE_FRACTION / 2 < share <= SAMPLE_FRACTION
-    first, last = specs.index(sampled[0]), specs.index(sampled[-1])
-    assert first < 50 and last >= 150  # spread over the model, not its first tensors
-    assert sample_names([spec("big", 10**6), spec("small", 10)]) == {"small"}  # every one is large
-    assert sample_names([]) == frozenset()
-
-
-class _Measured:
-    """`Costs` whose diffs measure what a test says, whatever this host takes."""
-
-    def __init__(self, costs, diff_s_per_byte: float | None) -> None:
-        self.costs, self.diff_s_per_byte, self.samples = costs, diff_s_per_byte, []
-
-    def __call__(self, sample) -> None:
-        self.samples.append(sample)
-        if self.diff_s_per_byte is not None:
-            self.costs.diff_s_per_byte, self.costs.patch_fraction = self.diff_s_per_byte, 0.03
-            self.costs.delta_s_per_byte.clear()  # a patch then costs its bytes at the full rate
-
-
-def _push_steps(sender, dest, receiver, trainer, versions) -> tuple[list[str], list[str]]:
-    modes, digests = [], []
+def _push_steps(sender, dests, receivers, trainer, versions) -> list[list[str]]:
+    """Push each version; every receiver exact; the modes each push's receivers got."""
+    modes = []
     for version in versions:
         trainer.step()
         report = sender.push(trainer.state(), version)
         assert report.ok, report.failed
-        assert_all_bit_exact(dest, trainer.as_sent())
-        assert receiver.content_digest == report.content_digest
-        modes.append(report.outcomes[0].mode)
-        digests.append(report.content_digest)
-        if report.outcomes[0].mode == "full":
-            assert report.outcomes[0].wire_bytes == report.total_bytes and report.changed_fraction == 1.0
-    return modes, digests
+        for dest, receiver in zip(dests, receivers, strict=True):
+            assert_all_bit_exact(dest, trainer.as_sent())
+            assert receiver.version == version
+        modes.append([outcome.mode for outcome in report.outcomes])
+    return modes
 
 
-def test_a_sender_whose_diffs_do_not_pay_pushes_plain_and_keeps_measuring_on_a_sample(monkeypatch) -> None:
+def test_delta_true_patches_receivers_over_the_network_and_sends_shared_memory_ones_the_full_version() -> None:
     trainer = Trainer(seed=8)
-    dest = zeros_like_sent(trainer)
+    over_tcp, over_shm = zeros_like_sent(trainer), zeros_like_sent(trainer)
     with (
-        receiving(dest, "tcp") as receiver,
-        sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
+        receiving(over_tcp, "tcp") as tcp,
+        receiving(over_shm, "shm") as shm,
+        sending([tcp.address, shm.address], cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
     ):
-        # 0: nobody at a base, a refresh; 1: nothing measured yet, a diff (cold: it stands in)
-        modes, digests = _push_steps(sender, dest, receiver, trainer, range(2))
-        assert modes == ["full", "delta"] and all(digests)
-        # as if a diff cost a second per byte: plain pushes as without delta (no checksums, no
-        # content digest), each diffing its sample of the tensors as they are packed
-        measured = _Measured(sender._costs, diff_s_per_byte=1.0)
-        sender._costs.diff_s_per_byte, sender._costs.patch_fraction = 1.0, 0.03
-        monkeypatch.setattr(sender._costs, "measured", measured)
-        modes, digests = _push_steps(sender, dest, receiver, trainer, range(2, 6))
-        assert modes == ["full"] * 4 and digests == [""] * 4
-        assert len(measured.samples) == 4 and all(s.nbytes > 0 and s.seconds > 0 for s in measured.samples)
-        assert all(not s.cold for s in measured.samples[1:])  # the sample's base is kept up to date
-        # 6: a plain push whose sample finds diffs cheap again; 7: a refresh (verified, a base);
-        # 8: a diff (what its delivery measures on this host decides the next)
-        measured.diff_s_per_byte = 0.0
-        modes, digests = _push_steps(sender, dest, receiver, trainer, range(6, 9))
-        assert modes == ["full", "full", "delta"] and digests[0] == "" and all(digests[1:])
+        modes = _push_steps(sender, [over_tcp, over_shm], [tcp, shm], trainer, range(4))
+        # 0: nobody holds a base: a refresh, full to both; then tcp's patch, shm's full version
+        assert modes == [["full", "full"]] + [["delta", "full"]] * 3
 
 
-def test_a_diff_whose_first_part_does_not_pay_stops_and_the_push_goes_plain(monkeypatch) -> None:
+def test_delta_true_over_shared_memory_alone_pushes_as_without_delta() -> None:
     trainer = Trainer(seed=10)
     dest = zeros_like_sent(trainer)
     with (
-        receiving(dest, "tcp") as receiver,
+        receiving(dest, "shm") as receiver,
         sending(receiver.address, cast=torch.bfloat16, delta=True, bucket_bytes=BUCKET) as sender,
     ):
-        modes, _ = _push_steps(sender, dest, receiver, trainer, range(2))  # refresh, then a diff
-        assert modes == ["full", "delta"]
-        sender._costs.diff_s_per_byte = None  # unmeasured: the next push diffs...
-        parts = []
+        assert _push_steps(sender, [dest], [receiver], trainer, range(3)) == [["full"]] * 3
+        trainer.step()
+        report = sender.push(trainer.state(), 3)
+        assert report.ok and report.changed_fraction == 1.0
+        assert report.content_digest == "", "no baseline, no verification: the push a sender without delta makes"
 
-        def too_slow(part, full_bytes, routes) -> bool:  # ...and its first part measures slow
-            parts.append(part)
-            return False
 
-        monkeypatch.setattr(sender._costs, "diff_would_pay", too_slow)
-        measured = _Measured(sender._costs, diff_s_per_byte=1.0)
-        monkeypatch.setattr(sender._costs, "measured", measured)
-        modes, digests = _push_steps(sender, dest, receiver, trainer, range(2, 4))
-        # 2: the diff stopped after its first eighth, the push went plain (nothing sampled: part
-        # of the baseline is new already); 3: nobody at a base, plain, sampled
-        assert modes == ["full", "full"] and digests == ["", ""]
-        model_bytes = sum(t.numel() * t.element_size() for t in dest.values())
-        assert len(parts) == 1 and model_bytes / 8 <= parts[0].nbytes < model_bytes
-        assert measured.samples == [parts[0], measured.samples[1]] and len(measured.samples) == 2
+def test_delta_all_patches_receivers_over_every_transport() -> None:
+    trainer = Trainer(seed=11)
+    dest = zeros_like_sent(trainer)
+    with (
+        receiving(dest, "shm") as receiver,
+        sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
+    ):
+        assert _push_steps(sender, [dest], [receiver], trainer, range(3)) == [["full"], ["delta"], ["delta"]]
+
+
+@pytest.mark.parametrize("delta", ["always", "network", 1, None])
+def test_a_delta_that_is_no_rule_is_refused(delta: object) -> None:
+    from weightsync import ConfigError, SenderOptions
+
+    with pytest.raises(ConfigError, match="delta must be True, False or 'all'"):
+        SenderOptions(delta=delta)  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu
@@ -532,9 +432,7 @@ def test_delta_over_cudaipc_patches_gpu_destinations_bit_exact() -> None:
     with (
         SenderProcess("cuda") as process,
         receiving(dest, "cudaipc") as receiver,
-        process.sending(
-            receiver.address, cast=torch.bfloat16, delta=True, delta_policy="always", bucket_bytes=BUCKET
-        ) as sender,
+        process.sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender,
     ):
         for version in range(4):
             if version:

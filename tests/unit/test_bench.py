@@ -106,7 +106,7 @@ def test_the_default_size_fits_the_machine(monkeypatch, capsys):
 def test_a_tiny_delta_run_reports_modes_bytes_and_memcpy():
     from weightsync.bench.delta import format_delta_table, run_delta
 
-    results = run_delta(["tcp"], 4 * MIB, lr=1e-6, steps=2, policy="always", memcpy_bytes=MIB)
+    results = run_delta(["tcp"], 4 * MIB, lr=1e-6, steps=2, memcpy_bytes=MIB)
     assert [(r.step, r.delta_mode) for r in results] == [(0, "full"), (1, "delta"), (2, "delta")]
     assert all(r.memcpy_s > 0 and r.full_wire_bytes == 4 * MIB for r in results)
     assert all(0 < r.delta_wire_bytes < r.full_wire_bytes / 2 for r in results[1:])

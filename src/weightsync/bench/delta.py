@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from weightsync.bench.measure import memcpy_gbps
-from weightsync.options import DeltaPolicy
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
 from weightsync.types import SyncReport
@@ -72,11 +71,10 @@ def run_delta(
     steps: int,
     seed: int = 0,
     bucket_bytes: int | str = "auto",
-    policy: DeltaPolicy = "faster",
     memcpy_bytes: int = 1 << 30,
 ) -> list[DeltaStep]:
-    """Push `steps` steps of the synthetic model per transport, delta (with `policy`) and full;
-    what each took."""
+    """Push `steps` steps of the synthetic model per transport, delta (over every transport,
+    `delta="all"`: what a diff costs there) and full; what each took."""
     shapes = _shapes(size_bytes)
     model_bytes = sum(math.prod(shape) for shape in shapes) * 2  # bf16 on the wire
     gen = torch.Generator().manual_seed(seed)
@@ -93,7 +91,7 @@ def run_delta(
             delta_address, full_address = addresses.get(timeout=600), addresses.get(timeout=600)
             options: dict[str, Any] = {"cast": torch.bfloat16, "timeout": 600.0, "bucket_bytes": bucket_bytes}
             with (
-                WeightSender(delta_address, delta=True, delta_policy=policy, **options) as delta,
+                WeightSender(delta_address, delta="all", **options) as delta,
                 WeightSender(full_address, **options) as full,
             ):
                 for step in range(steps + 1):

@@ -114,12 +114,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="instead: delta against full sync of fp32 master weights stepped at this learning rate, sent as bf16",
     )
     bench.add_argument("--steps", type=at_least(1), default=5, help="with --delta-lr: steps per transport (5)")
-    bench.add_argument(
-        "--delta-policy",
-        choices=("faster", "always"),
-        default="faster",
-        help="with --delta-lr: the delta sender's policy: faster (skip a diff that would not pay; default) or always",
-    )
     bench.add_argument("--quick", action="store_true", help="smoke test: 0.25 GiB, 2 syncs, 256 MiB memcpy")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
     bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
@@ -183,7 +177,6 @@ def run_delta_bench(args: argparse.Namespace) -> int:
         args.steps,
         args.seed,
         bucket,
-        args.delta_policy,
         int(args.memcpy_mb * MIB),
     )
     table = format_delta_table(results)

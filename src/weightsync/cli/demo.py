@@ -46,13 +46,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--delta",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="delta sync: send only what changed where that pays (default on)",
+        help="delta sync: send servers on a network transport only what changed (default on)",
     )
     demo.add_argument(
-        "--delta-policy",
-        choices=("faster", "always"),
-        default="faster",
-        help="with --delta: faster (skip a diff that would not pay; default) or always (diff every push)",
+        "--delta-all", action="store_true", help="with --delta: send only what changed over every transport (shm too)"
     )
     demo.set_defaults(handler=run)
 
@@ -102,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         kill_server_at=args.kill_server_at,
         progress=args.progress,
-        delta=args.delta,
-        delta_policy=args.delta_policy,
+        delta="all" if args.delta and args.delta_all else args.delta,
     )
     if args.mode == "disaggregated":
         print(

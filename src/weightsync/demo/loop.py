@@ -28,7 +28,7 @@ from weightsync.demo.report import StepLog
 from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
 from weightsync.errors import ConfigError
 from weightsync.module_source import ModuleSource
-from weightsync.options import DeltaPolicy
+from weightsync.options import Delta
 from weightsync.sender import WeightSender
 from weightsync.types import SyncReport
 
@@ -58,13 +58,11 @@ class DemoConfig:
     timeout: float = 60.0
     kill_server_at: int | None = None
     progress: bool = True
-    delta: bool = True
-    """Push with `delta=True`: a server gets only the elements that changed where that is less
-    than half the model and pays (docs/delta.md). At this learning rate nearly every weight moves
-    every step, so most pushes still go full; steps.jsonl records what each one moved."""
-    delta_policy: DeltaPolicy = "faster"
-    """With `delta`: "faster" skips a diff that would not arrive sooner than the full version,
-    "always" diffs every push (`WeightSender`'s option)."""
+    delta: Delta = True
+    """`WeightSender`'s `delta`: a server on a network transport (True) or on any ("all") gets
+    only the elements that changed, where that is less than half the model (docs/delta.md). At
+    this learning rate nearly every weight moves every step, so most pushes still go full;
+    steps.jsonl records what each one moved."""
 
 
 OnStep = Callable[[dict[str, Any], torch.nn.Module, Rollouts], None]
@@ -171,9 +169,7 @@ def fresh(samples: list[Sample], version: int, max_staleness: int) -> tuple[list
 
 
 def new_sender(rollouts: Rollouts, config: DemoConfig) -> WeightSender:
-    return WeightSender(
-        rollouts.addresses(), timeout=config.timeout, delta=config.delta, delta_policy=config.delta_policy
-    )
+    return WeightSender(rollouts.addresses(), timeout=config.timeout, delta=config.delta)
 
 
 def push(
