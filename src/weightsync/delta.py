@@ -4,11 +4,8 @@ The sender keeps a baseline: the wire bytes of its last push, one copy of the mo
 dtype, in host memory (a 2 GiB bf16 model costs 2 GiB of host RAM), plus that version's content
 digest. Each push with `delta=True` diffs every tensor, as sent (after any cast), bitwise against
 the baseline, updates the baseline in place (one native pass per tensor, `_native/deltadiff.c`;
-numpy where it is not built), and encodes each tensor the cheapest way:
-
-    sparse   count int32 indices, then count values      4 + itemsize bytes per changed element
-    bitmap   one bit per element, then count values       numel / 8 + itemsize per changed element
-    dense    every element                                numel * itemsize
+numpy where it is not built), and encodes each tensor's changes the cheapest way (sparse, bitmap
+or dense: patch.py).
 
 The patch is an ordinary `Plan` whose tensors carry an `encoding`, so it is bucketed, chunked,
 checksummed and landed like any sync. A receiver gets it only if it holds exactly the baseline
@@ -26,13 +23,10 @@ push (docs/delta.md has both measurements).
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Literal, TypeAlias
+from typing import Literal, TypeAlias
 
-import msgspec
 import numpy as np
 import torch
 
@@ -40,7 +34,8 @@ from weightsync.checksum import HASH_TIMEOUT_S, content_digest, tensor_digests
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import PlanError
 from weightsync.pack import byte_view
-from weightsync.plan import INDEX_BYTES, dense_nbytes, tensor_nbytes
+from weightsync.patch import BITS, NATIVE, NATIVE_SIZES, element_bits, encode, native_threads
+from weightsync.plan import dense_nbytes, tensor_nbytes
 from weightsync.source import TensorMeta, WeightSource
 from weightsync.types import TensorSpec
 
@@ -49,7 +44,6 @@ __all__ = [
     "Baseline",
     "Diff",
     "Step",
-    "apply_patch",
     "settled",
 ]
 
@@ -57,45 +51,19 @@ DENSE_FRACTION = 0.5
 """A push whose patches would carry more than this fraction of the full model goes full: the diff
 would not pay for itself."""
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-"""An integer dtype per element size: elements are compared by their bits (NaN payloads, -0.0)."""
-
-
 CHUNK_ELEMENTS = 1 << 20
 """The numpy path's elements compared at a time: the comparison, the indices and the baseline
 update of a chunk run while it is in cache (several times torch's speed for these ops here)."""
-
-
-_NP_BITS: dict[int, type[np.integer[Any]]] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-_deltadiff: types.ModuleType | None
-try:
-    from weightsync._native import deltadiff as _deltadiff
-except ImportError:  # built without a C compiler: numpy does the diff, several times slower
-    _deltadiff = None
-
-_NATIVE_SIZES = (2, 4)
-"""Element sizes the native diff handles (bf16/fp16 and fp32/int32); others take numpy."""
 
 
 _CAST_BF16 = (torch.float32, torch.bfloat16)
 """The cast the native diff does in the same pass (fp32 master weights sent as bf16)."""
 
 
-def _threads() -> int:
-    """Threads for the native diff: torch's intra-op count, which the caller already tunes."""
-    return max(1, torch.get_num_threads())
-
-
-def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's elements as integers of the same size, no copy (numpy)."""
-    return tensor.reshape(-1).view(_BITS[tensor.element_size()]).numpy()
-
-
 def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
     """Copy `new` into `old` (same shape and dtype, CPU), chunk by chunk; the flat indices of the
     elements whose bits changed (int64). The numpy path: where the native diff is not built."""
-    fresh, base = _bits(new), _bits(old)
+    fresh, base = element_bits(new), element_bits(old)
     changed = np.empty(min(fresh.size, CHUNK_ELEMENTS), dtype=np.bool_)
     found = []
     for start in range(0, fresh.size, CHUNK_ELEMENTS):
@@ -106,82 +74,6 @@ def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
             found.append(np.flatnonzero(mask) + start)
             base[start:stop] = fresh[start:stop]
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
-
-
-def _encode(
-    indices: np.ndarray, values: np.ndarray, numel: int, spec: TensorSpec, alloc: Callable[[int], np.ndarray]
-) -> tuple[TensorSpec, np.ndarray | None]:
-    """The cheapest encoding of the changes (flat `indices`, their new bits `values` as bytes) to a
-    tensor of `numel` elements: the spec and payload (flat uint8, from `alloc(nbytes)`) of its
-    patch, or None where the whole tensor is cheaper (dense)."""
-    count = indices.size
-    encoding = _cheapest(count, numel, spec)
-    if encoding == "dense":
-        return spec, None
-    if encoding == "sparse":
-        head = count * INDEX_BYTES
-        payload = alloc(head + values.size)
-        payload[:head].view(np.int32)[:] = indices
-    else:
-        mask = np.zeros(numel, dtype=np.bool_)
-        mask[indices] = True
-        bitmap = np.packbits(mask, bitorder="little")
-        head = bitmap.size
-        payload = alloc(head + values.size)
-        payload[:head] = bitmap
-    payload[head:] = values
-    return msgspec.structs.replace(spec, encoding=encoding, count=count), payload
-
-
-def _cheapest(count: int, numel: int, spec: TensorSpec) -> str:
-    """The encoding of a patch changing `count` of a tensor's `numel` elements."""
-    return min(_sizes(count, numel, spec).items(), key=lambda item: item[1])[0]
-
-
-def _sizes(count: int, numel: int, spec: TensorSpec) -> dict[str, float]:
-    size = dtype_from_name(spec.dtype).itemsize
-    sizes = {
-        "sparse": count * (INDEX_BYTES + size) if numel < 1 << 31 else math.inf,
-        "bitmap": (numel + 7) // 8 + count * size,
-        "dense": dense_nbytes(spec),
-    }
-    # A bitmap costs a pass over every element on both sides, sparse only over the changes: take
-    # it only where it halves the bytes (above ~6% changed for bf16).
-    if sizes["bitmap"] > sizes["sparse"] / 2:
-        del sizes["bitmap"]
-    return sizes
-
-
-def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> None:
-    """Write the patch `payload` (its uint8 bytes, as planned by `spec`) into `dest` in place.
-
-    Raises:
-        PlanError: the payload names elements outside the tensor, or a bitmap's bits disagree
-            with its count (a corrupted or hostile patch; checksums catch corruption first).
-    """
-    numel, count = math.prod(spec.shape), spec.count
-    payload = payload.reshape(-1)
-    if payload.numel() != tensor_nbytes(spec):
-        raise PlanError(f"patch of {spec.name!r} is {payload.numel()} bytes, its plan says {tensor_nbytes(spec)}")
-    if count == 0:
-        return
-    raw = payload.numpy()
-    head = count * INDEX_BYTES if spec.encoding == "sparse" else (numel + 7) // 8
-    values = _aligned(raw[head:], _NP_BITS[dtype_from_name(spec.dtype).itemsize])
-    where: np.ndarray
-    if spec.encoding == "sparse":
-        where = _aligned(raw[:head], np.int32)
-        if int(where.min()) < 0 or int(where.max()) >= numel:
-            raise PlanError(f"patch of {spec.name!r} names elements outside its {numel}")
-    else:
-        where = np.flatnonzero(np.unpackbits(raw[:head], count=numel, bitorder="little"))
-        if where.size != count:
-            raise PlanError(f"bitmap patch of {spec.name!r} marks {where.size} elements, its plan says {count}")
-    if dest.device.type == "cpu":
-        _scatter(_bits(dest), where, values)
-        return
-    flat = dest.view(-1).view(_BITS[dest.element_size()])
-    flat[torch.from_numpy(where.astype(np.int64)).to(dest.device)] = torch.from_numpy(values).to(dest.device)
 
 
 def settled(value: str | Future[str]) -> str:
@@ -215,20 +107,6 @@ def _copy(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(tensor.shape, dtype=dtype)
     out.copy_(tensor.detach())
     return out
-
-
-def _scatter(dest: np.ndarray, where: np.ndarray, values: np.ndarray) -> None:
-    """dest[where] = values, natively where built (numpy converts int32 indices to int64 first)."""
-    if _deltadiff is not None and where.dtype == np.int32 and dest.itemsize in _NATIVE_SIZES:
-        _deltadiff.apply(dest, dest.itemsize, where, values, _threads())
-    else:
-        np.put(dest, where, values)
-
-
-def _aligned(raw: np.ndarray, dtype: type[np.integer[Any]]) -> np.ndarray:
-    """Bytes as elements of `dtype`: a view where they are aligned for it, else an aligned copy."""
-    aligned = raw.ctypes.data % np.dtype(dtype).itemsize == 0
-    return (raw if aligned else raw.copy()).view(dtype)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -372,7 +250,7 @@ class Baseline:
         for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
             _check_yielded(spec, name, tensor)
             old = self.tensors.get(name)
-            if old is None or old.element_size() not in _BITS:
+            if old is None or old.element_size() not in BITS:
                 old = self.tensors[name] = _copy(tensor, dtype_from_name(spec.dtype))
                 patch_spec, payload, num_changed = spec, None, old.numel()
             elif not compare:
@@ -380,7 +258,7 @@ class Baseline:
                 patch_spec, payload, num_changed = spec, None, old.numel()
             else:
                 indices, values = self._changes(tensor, old)
-                patch_spec, payload = _encode(indices, values, old.numel(), spec, self._patches.take)
+                patch_spec, payload = encode(indices, values, old.numel(), spec, self._patches.take)
                 num_changed = indices.size
             patched.append(patch_spec)
             # dense: the baseline itself (ours, not the caller's, which may change)
@@ -396,17 +274,17 @@ class Baseline:
         call. One native pass where it is built (an fp32 source cast to bf16 in the same pass),
         else numpy's."""
         numel, size = old.numel(), old.element_size()
-        if _deltadiff is None or size not in _NATIVE_SIZES or numel >= 1 << 31:
+        if NATIVE is None or size not in NATIVE_SIZES or numel >= 1 << 31:
             new = self._as_sent(tensor, old.dtype)
             indices = _update(new, old)
-            return indices, np.take(_bits(new), indices).view(np.uint8)
+            return indices, np.take(element_bits(new), indices).view(np.uint8)
         indices, values = self._outputs(numel, size)
         source = tensor.detach()
         if source.device.type == "cpu" and source.is_contiguous() and (source.dtype, old.dtype) == _CAST_BF16:
-            count = _deltadiff.cast_diff(_bits(source), _bits(old), indices, values, _threads())
+            count = NATIVE.cast_diff(element_bits(source), element_bits(old), indices, values, native_threads())
         else:
             new = self._as_sent(source, old.dtype)
-            count = _deltadiff.diff(_bits(new), _bits(old), size, indices, values, _threads())
+            count = NATIVE.diff(element_bits(new), element_bits(old), size, indices, values, native_threads())
         return indices[:count], values[: count * size]
 
     def _outputs(self, numel: int, size: int) -> tuple[np.ndarray, np.ndarray]:

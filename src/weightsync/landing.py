@@ -30,12 +30,12 @@ import torch
 import xxhash
 
 from weightsync.checksum import SyncHashes, Verify, content_digest, tensor_digests
-from weightsync.delta import apply_patch
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, PlanError
 from weightsync.hostmem import host_bytes
 from weightsync.hostpin import readable_tensor
 from weightsync.pack import byte_view, copy_bytes
+from weightsync.patch import apply_patch
 from weightsync.plan import bucket_spans, tensor_nbytes
 from weightsync.sink import WeightSink, sink_errors
 from weightsync.types import Piece, Plan

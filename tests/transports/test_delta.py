@@ -14,8 +14,9 @@ import torch
 from tests.helpers import assert_all_bit_exact, receiving, sending, wait_until
 from tests.test_failures import Child
 from weightsync import NegotiationError, TensorDictSink, WeightReceiver
-from weightsync.delta import Baseline, apply_patch
+from weightsync.delta import Baseline
 from weightsync.landing import Landing
+from weightsync.patch import apply_patch
 from weightsync.plan import build_plan, plan_digest, wire_specs
 from weightsync.source import as_source
 from weightsync.types import Offer

@@ -184,11 +184,11 @@ def test_baseline_diffs_natively_exactly_as_with_numpy(monkeypatch, fraction: fl
 
     def both(state: dict[str, torch.Tensor]) -> tuple[delta.Diff, delta.Diff]:
         first = with_native.diff(specs, as_source(state))
-        monkeypatch.setattr(delta, "_deltadiff", None)
+        monkeypatch.setattr(delta, "NATIVE", None)
         try:
             return first, with_numpy.diff(specs, as_source(state))
         finally:
-            monkeypatch.setattr(delta, "_deltadiff", native)
+            monkeypatch.setattr(delta, "NATIVE", native)
 
     both(steps.state)
     for _ in range(3):
