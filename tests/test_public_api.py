@@ -33,6 +33,7 @@ EXPECTED = [
     "RolloutFleet",
     "SenderOptions",
     "SinkError",
+    "SinkTraits",
     "StateDictSource",
     "StreamSink",
     "SyncFailed",

@@ -32,7 +32,7 @@ from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.plan import build_plan
 from weightsync.receiver import WeightReceiver
 from weightsync.sender import WeightSender
-from weightsync.sink import TensorDictSink, WeightSink
+from weightsync.sink import SinkTraits, TensorDictSink, WeightSink
 from weightsync.sizing import auto_bucket_bytes
 from weightsync.source import StateDictSource, TensorMeta, WeightSource
 from weightsync.stream import StreamSink, TensorStream
@@ -73,6 +73,7 @@ __all__ = [
     "RolloutFleet",
     "SenderOptions",
     "SinkError",
+    "SinkTraits",
     "StateDictSource",
     "StreamSink",
     "SyncFailed",

@@ -166,7 +166,7 @@ class Landing:
         num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
         self._whole = {tensor for tensor, count in num_pieces.items() if count == 1}
         """Tensors that travel in one piece: lent to a borrowing sink rather than copied."""
-        borrowing = self.sink.borrows
+        borrowing = self.sink.traits.borrows
         chunked = [t for t in sorted(num_pieces) if t not in self._whole and self._stageable(t)] if borrowing else []
         # patches too: staged until applied, in the reused arena rather than fresh memory each sync
         staged = sorted({*chunked, *(t for t in self._encoded if t in num_pieces)})
@@ -254,7 +254,7 @@ class Landing:
             raise PlanError(f"piece of tensor {piece.tensor} lands on a device, not in host memory")
         dest = self._dest[piece.tensor]
         if dest is not None and self.direct(piece.tensor):
-            self.touched_live = self.touched_live or self.sink.destinations_live
+            self.touched_live = self.touched_live or self.sink.traits.live_destinations
             whole = byte_view(dest)
         elif (arena := self._in_arena(piece.tensor)) is not None:
             whole = arena.numpy()
@@ -269,7 +269,7 @@ class Landing:
 
     def lendable(self, tensor: int) -> bool:
         """Whether tensor `tensor` may be lent to the sink from wherever a transport holds it whole."""
-        return self.sink.borrows and self._stageable(tensor)
+        return self.sink.traits.borrows and self._stageable(tensor)
 
     def host_site(self, tensor: int) -> np.ndarray | None:
         """All the host bytes tensor `tensor` lands in, in place, or None when it has no such
@@ -282,14 +282,14 @@ class Landing:
 
     def mark_live_written(self) -> None:
         """A peer may be writing into the destinations `host_site` gave out, unseen by us."""
-        self.touched_live = self.touched_live or self.sink.destinations_live
+        self.touched_live = self.touched_live or self.sink.traits.live_destinations
 
     def device_view(self, piece: Piece) -> torch.Tensor | None:
         """The device bytes (a uint8 tensor) `piece` lands in, or None when it lands in host memory."""
         dest = self._dest[piece.tensor]
         if dest is None or not self.on_device(piece.tensor):
             return None
-        self.touched_live = self.touched_live or self.sink.destinations_live
+        self.touched_live = self.touched_live or self.sink.traits.live_destinations
         whole = dest.detach().reshape(-1).view(torch.uint8)
         return whole[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
 
@@ -386,12 +386,12 @@ class Landing:
                 self._delivered[tensor] = xxhash.xxh3_64_intdigest(byte_view(value.contiguous()).data)
             dest = self._dest[tensor]
             if dest is not None:
-                self.touched_live = self.touched_live or self.sink.destinations_live
+                self.touched_live = self.touched_live or self.sink.traits.live_destinations
                 dest.copy_(value)
             else:
                 loads.append((self.plan.tensors[tensor].name, value))
         if loads:
-            self.touched_live = self.touched_live or self.sink.loads_live
+            self.touched_live = self.touched_live or self.sink.traits.live_loads
             started = time.perf_counter()
             with sink_errors("load"):
                 self.sink.load(loads)
@@ -406,7 +406,7 @@ class Landing:
             payload = self._in_arena(tensor)
         if payload is None:
             raise PlanError(f"patch of {spec.name!r} completed with no bytes landed")
-        self.touched_live = self.touched_live or self.sink.destinations_live
+        self.touched_live = self.touched_live or self.sink.traits.live_destinations
         apply_patch(dest, spec, payload)
 
     def check_tensors(self, expected: Sequence[int]) -> None:

@@ -375,7 +375,7 @@ class WeightReceiver:
             self._finish_abort(landing, error)
 
     def _finish_abort(self, landing: Landing, error: BaseException) -> None:
-        intact = not (landing.touched_live or self._sink.wrote_live)
+        intact = not (landing.touched_live or self._sink.wrote_live())
         try:
             self._sink.abort(landing.version, error, intact=intact)
         except Exception:  # the sink failing to abort must not hide the original error

@@ -28,7 +28,7 @@ from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, RemoteError, SinkError, TransferTimeout
 from weightsync.options import SenderOptions
 from weightsync.sender import WeightSender
-from weightsync.sink import WeightSink, as_sink
+from weightsync.sink import SinkTraits, WeightSink, as_sink
 from weightsync.source import TensorMeta
 from weightsync.types import Plan, SyncReport
 
@@ -86,7 +86,7 @@ class RelaySink(WeightSink):
         sender: further `WeightSender` options for the downstream push (bucket_bytes, verify...).
     """
 
-    borrows = False
+    traits = SinkTraits(borrows=False)
     """The downstream push sends a tensor after `load` returned: it must be the relay's own."""
 
     def __init__(
@@ -103,7 +103,10 @@ class RelaySink(WeightSink):
         options = dataclasses.replace(sender or SenderOptions(), timeout=timeout)
         self._sender = WeightSender(addresses, options=options)
         self._timeout = float(timeout)
-        self.loads_live = self._inner is not None and (self._inner.loads_live or self._inner.destinations_live)
+        inner = self._inner.traits if self._inner is not None else None
+        self.traits = SinkTraits(
+            live_loads=inner is not None and (inner.live_loads or inner.live_destinations), borrows=False
+        )
         self._stream: _Stream | None = None
         self._thread: threading.Thread | None = None
         self._outcome: list[SyncReport | BaseException] = []

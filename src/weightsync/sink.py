@@ -7,6 +7,7 @@ is copied straight into place; otherwise whole tensors are handed to `load` as t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
@@ -17,9 +18,41 @@ from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
 from weightsync.plan import tensor_nbytes
 from weightsync.types import Plan
 
-__all__ = ["CallableSink", "StagedSink", "TensorDictSink", "WeightSink", "WrappingSink", "as_sink", "sink_errors"]
+__all__ = [
+    "CallableSink",
+    "SinkTraits",
+    "StagedSink",
+    "TensorDictSink",
+    "WeightSink",
+    "WrappingSink",
+    "as_sink",
+    "sink_errors",
+]
 
 LoadFn = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SinkTraits:
+    """How a sink lands a sync, declared once: what the receiver may hand it, and what a sync
+    that fails part way leaves of the weights being served (the receiver's "dirty")."""
+
+    live_destinations: bool = True
+    """`destination` hands out the tensors being served: a failed sync that wrote into any of
+    them leaves them mixed. False: a standby copy that only `commit` makes live."""
+    live_loads: bool = False
+    """`load` writes into the weights being served (an engine's loader): a sync that fails after
+    any `load` leaves them mixed."""
+    borrows: bool = True
+    """`load` is done with its tensors once it returns (it copies what it keeps): it is handed
+    read-only views of the transport's buffers, with no copy. False: it holds on to them (queues
+    them for another thread) and gets tensors of its own."""
+
+    @property
+    def staged(self) -> bool:
+        """Nothing served changes before the commit: an engine may keep serving during the
+        transfer and park only for the commit."""
+        return not (self.live_destinations or self.live_loads)
 
 
 class WeightSink:
@@ -30,25 +63,16 @@ class WeightSink:
     exactly one of `commit` or `abort`.
     """
 
-    loads_live: bool = False
-    """True when `load` writes into the weights being served (an engine's loader), so a sync that
-    fails after any `load` leaves them mixed; the receiver then reports itself dirty."""
-
-    destinations_live: bool = True
-    """False when `destination` hands out a standby copy (staged mode) that only `commit` makes
-    live: then a failed sync leaves the served weights untouched."""
-
-    wrote_live: bool = False
-    """Set by a staged sink whose `commit` feeds the served weights (StagedSink), once it has
-    started to: a commit that fails after that leaves them mixed, and the receiver says dirty."""
+    traits = SinkTraits()
+    """How this sink lands a sync (a class declares it, or an instance sets its own)."""
 
     paused_s: float = 0.0
     """Seconds the engine was parked for the current sync (a rollout server's sink sets it)."""
 
-    borrows: bool = True
-    """True when `load` is done with its tensors once it returns (it copies what it keeps): it is
-    then handed read-only views of the transport's buffers, with no copy. A sink that holds on to
-    them (queues them for another thread) sets False and gets tensors of its own."""
+    def wrote_live(self) -> bool:
+        """Whether this sync's `commit` has started to feed the served weights (a staged sink):
+        a commit that fails after that leaves them mixed, and the receiver says dirty."""
+        return False
 
     def begin(self, plan: Plan, version: int) -> None:
         """Check the plan against the engine; raise PlanError to refuse it."""
@@ -58,7 +82,7 @@ class WeightSink:
         return None
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Take complete tensors. With `borrows` (the default) they are read-only views into
+        """Take complete tensors. With `traits.borrows` (the default) they are read-only views into
         transfer buffers, valid until this returns: copy what you keep."""
         raise SinkError(f"sink {type(self).__name__} has no destination for {[n for n, _ in named_tensors][:5]}")
 
@@ -73,40 +97,18 @@ class WeightSink:
 
 class WrappingSink(WeightSink):
     """A sink around another that pauses or reports around it (a rollout server's): it lands
-    exactly as `inner` does, so it says what `inner` says about live weights and borrowing.
+    exactly as `inner` does, so its traits are `inner`'s.
 
-    Subclasses set `_paused_s` to the seconds the engine was parked for the current sync.
+    Subclasses set `paused_s` to the seconds the engine was parked for the current sync.
     """
 
     def __init__(self, inner: WeightSink) -> None:
         self.inner = inner
-        self._paused_s = 0.0
+        self.traits = inner.traits
+        self.paused_s = 0.0
 
-    @property
-    def loads_live(self) -> bool:  # type: ignore[override]
-        return self.inner.loads_live
-
-    @property
-    def destinations_live(self) -> bool:  # type: ignore[override]
-        return self.inner.destinations_live
-
-    @property
-    def wrote_live(self) -> bool:  # type: ignore[override]
-        return self.inner.wrote_live
-
-    @property
-    def borrows(self) -> bool:  # type: ignore[override]
-        return self.inner.borrows
-
-    @property
-    def paused_s(self) -> float:  # type: ignore[override]
-        return self._paused_s
-
-    @property
-    def staged(self) -> bool:
-        """True when nothing served changes before the commit (`inner` stages the sync): the
-        engine then keeps serving during the transfer and parks only for the commit."""
-        return not (self.inner.destinations_live or self.inner.loads_live)
+    def wrote_live(self) -> bool:
+        return self.inner.wrote_live()
 
     def destination(self, name: str) -> torch.Tensor | None:
         return self.inner.destination(name)
@@ -161,17 +163,20 @@ class StagedSink(WeightSink):
         batch_bytes: how much `commit` hands to `inner.load` at a time.
     """
 
-    destinations_live = False
-    loads_live = False
+    traits = SinkTraits(live_destinations=False)
 
     def __init__(self, inner: WeightSink, batch_bytes: int = 64 << 20) -> None:
         self.inner = inner
+        self._wrote_live = False
         self.batch_bytes = batch_bytes
         self._standby: dict[str, torch.Tensor] = {}
         self._plan: Plan | None = None
 
+    def wrote_live(self) -> bool:
+        return self._wrote_live
+
     def begin(self, plan: Plan, version: int) -> None:
-        self.wrote_live = False
+        self._wrote_live = False
         self.inner.begin(plan, version)
         for spec in plan.tensors:
             shape, dtype = spec.shape, dtype_from_name(spec.dtype)
@@ -186,7 +191,7 @@ class StagedSink(WeightSink):
     def commit(self, version: int) -> None:
         if self._plan is None:
             raise SinkError(f"commit of version {version} without a sync begun")
-        self.wrote_live = True
+        self._wrote_live = True
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
         for spec in self._plan.tensors:

@@ -21,7 +21,7 @@ consumer has moved past the last of them. The consumer's `TensorStream` yields t
 - All or nothing: the iteration ends normally only once the sync committed, which is after the
   consumer took every tensor and the receiver verified the sync (checksums, content digest). A
   sync that fails raises its error from the consumer's `next()`. A loader writes into the weights
-  it serves, so the sink is `loads_live`: a sync that fails after any bucket was handed over
+  it serves, so the sink's traits say `live_loads`: a sync that fails after any bucket was handed over
   leaves the receiver "dirty" until the next good sync.
 - Every wait is bounded by `timeout`: the consumer's wait for a sync to begin and for each next
   bucket (TransferTimeout), and the receiver's wait for the consumer to take a bucket (the sync is
@@ -46,7 +46,7 @@ import torch
 
 from weightsync.errors import ConfigError, PlanError, SinkError, TransferTimeout, WeightSyncError
 from weightsync.options import DEFAULT_TIMEOUT_S
-from weightsync.sink import WeightSink
+from weightsync.sink import SinkTraits, WeightSink
 from weightsync.types import Plan
 
 __all__ = ["StreamSink", "TensorStream"]
@@ -82,7 +82,7 @@ class StreamSink(WeightSink):
         ConfigError: `timeout` is not a positive number.
     """
 
-    loads_live = True
+    traits = SinkTraits(live_loads=True)
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:

@@ -40,6 +40,7 @@ from tests.peer_process import SenderProcess
 from tests.peer_process import sending as sending_from_either
 from weightsync import (
     PlanError,
+    SinkTraits,
     StateDictSource,
     SyncFailed,
     TensorMeta,
@@ -1004,11 +1005,11 @@ def test_sink_hears_abort_when_landing_refuses_after_begin(transport):
 
 
 def test_failed_sync_into_a_live_loader_leaves_the_receiver_dirty(transport):
-    """A sink whose load() feeds the served model (loads_live) is mixed after a failure past the
-    first load, even though no byte was written in place."""
+    """A sink whose load() feeds the served model (traits.live_loads) is mixed after a failure past
+    the first load, even though no byte was written in place."""
 
     class LiveLoader(Recorder):
-        loads_live = True
+        traits = SinkTraits(live_loads=True)
 
     sink = LiveLoader()
     with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:

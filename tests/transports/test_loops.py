@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from tests.helpers import receiving, sending
-from weightsync import ConfigError, ReceiverOptions, SenderOptions, TensorMeta, TransferTimeout, WeightSink
+from weightsync import (
+    ConfigError,
+    ReceiverOptions,
+    SenderOptions,
+    SinkTraits,
+    TensorMeta,
+    TransferTimeout,
+    WeightSink,
+)
 
 TRANSPORTS = ["inproc", "shm", "tcp"]
 
@@ -34,7 +42,7 @@ class Verdicts(WeightSink):
     """Records what each abort was told."""
 
     def __init__(self, dest: dict[str, torch.Tensor], *, live: bool) -> None:
-        self.dest, self.destinations_live, self.verdicts = dest, live, []
+        self.dest, self.traits, self.verdicts = dest, SinkTraits(live_destinations=live), []
 
     def destination(self, name: str) -> torch.Tensor | None:
         return self.dest[name]

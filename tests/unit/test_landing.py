@@ -9,7 +9,7 @@ import torch
 
 from weightsync.landing import Landing, Staging, arena_layout
 from weightsync.plan import build_plan, plan_digest
-from weightsync.sink import CallableSink, WeightSink
+from weightsync.sink import CallableSink, SinkTraits, WeightSink
 from weightsync.types import Plan, TensorSpec
 
 BUCKET = 4096
@@ -69,7 +69,7 @@ def test_a_sink_that_keeps_its_tensors_gets_its_own() -> None:
     kept: dict[str, torch.Tensor] = {}
 
     class Keeps(WeightSink):
-        borrows = False
+        traits = SinkTraits(borrows=False)
 
         def load(self, named: list[tuple[str, torch.Tensor]]) -> None:
             kept.update(named)

@@ -14,7 +14,7 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
-from weightsync.sink import WeightSink
+from weightsync.sink import SinkTraits, WeightSink
 from weightsync.types import Plan
 
 __all__ = ["InPlaceModelSink", "alias_groups"]
@@ -47,7 +47,7 @@ class InPlaceModelSink(WeightSink):
         self._groups = alias_groups(self._tensors)
         self.version: int | None = None
         self.staged = staged
-        self.destinations_live = not staged
+        self.traits = SinkTraits(live_destinations=not staged)
         self._standby: dict[str, torch.Tensor] = {}
         if staged:  # one standby tensor per alias group, shared by its names
             for group in self._groups:

@@ -118,7 +118,7 @@ class ServerSink(WrappingSink):
     def _park(self, version: int) -> None:
         started = time.perf_counter()
         parked = self.loop.pause("sync", self.mode, self.drain_timeout)
-        self._paused_s = time.perf_counter() - started
+        self.paused_s = time.perf_counter() - started
         if not parked:
             self.loop.resume("sync")
             raise SinkError(
@@ -127,10 +127,10 @@ class ServerSink(WrappingSink):
             )
 
     def begin(self, plan: Plan, version: int) -> None:
-        self._paused_s = 0.0
+        self.paused_s = 0.0
         try:
             self.inner.begin(plan, version)
-            if not self.staged:
+            if not self.traits.staged:
                 self._park(version)
         except Exception as exc:
             log.warning(
@@ -145,7 +145,7 @@ class ServerSink(WrappingSink):
         self.stats = self.stats.next(version, plan.total_bytes, plan.bucket_bytes, self.metrics)
 
     def commit(self, version: int) -> None:
-        if self.staged:
+        if self.traits.staged:
             self._park(version)
         self.inner.commit(version)
         self._dirty = False

@@ -208,7 +208,7 @@ class _ServedSink(WrappingSink):
 
     def begin(self, plan: Plan, version: int) -> None:
         self.inner.begin(plan, version)  # a refused plan opens nothing
-        park = not self.staged
+        park = not self.traits.staged
         event = Begin(
             version=version,
             rank=self.rank,
@@ -216,11 +216,11 @@ class _ServedSink(WrappingSink):
             bucket_bytes=plan.bucket_bytes,
             park=park,
         )
-        self._paused_s = self._ring(event, self.drain_timeout + self.timeout if park else self.timeout)
+        self.paused_s = self._ring(event, self.drain_timeout + self.timeout if park else self.timeout)
 
     def commit(self, version: int) -> None:
-        if self.staged:
-            self._paused_s = self._ring(Park(version=version, rank=self.rank), self.drain_timeout + self.timeout)
+        if self.traits.staged:
+            self.paused_s = self._ring(Park(version=version, rank=self.rank), self.drain_timeout + self.timeout)
         self.inner.commit(version)  # the last tensors land; this worker's update call returns
         # Answered once every worker's outcome is in and vLLM finished: the server waits up to
         # twice its own timeout plus the drain timeout (control.py); this ring waits longer.
