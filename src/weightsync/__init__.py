@@ -27,16 +27,17 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.hf_checkpoint import HFCheckpointSource
+from weightsync.messages import Plan
 from weightsync.module_source import ModuleSource
 from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.plan import build_plan
 from weightsync.receiver import WeightReceiver
+from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sender import WeightSender
 from weightsync.sink import SinkTraits, TensorDictSink, WeightSink
 from weightsync.sizing import auto_bucket_bytes
 from weightsync.source import StateDictSource, TensorMeta, WeightSource
 from weightsync.stream import StreamSink, TensorStream
-from weightsync.types import Plan, ReceiverOutcome, SyncReport
 
 if TYPE_CHECKING:
     from weightsync.cluster.ray_fleet import RolloutFleet

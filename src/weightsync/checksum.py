@@ -30,8 +30,8 @@ import numpy as np
 import xxhash
 
 from weightsync.errors import ConfigError
+from weightsync.messages import Piece, Plan, TensorSpec
 from weightsync.plan import tensor_nbytes
-from weightsync.types import Piece, Plan, TensorSpec
 
 __all__ = [
     "VERIFY_MODES",

@@ -33,11 +33,11 @@ import torch
 from weightsync.checksum import HASH_TIMEOUT_S, content_digest, tensor_digests
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import PlanError
+from weightsync.messages import TensorSpec
 from weightsync.pack import byte_view
 from weightsync.patch import BITS, NATIVE, NATIVE_SIZES, element_bits, encode, native_threads
 from weightsync.plan import dense_nbytes, tensor_nbytes
 from weightsync.source import TensorMeta, WeightSource
-from weightsync.types import TensorSpec
 
 __all__ = [
     "DENSE_FRACTION",

@@ -34,11 +34,11 @@ from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, PlanError
 from weightsync.hostmem import host_bytes
 from weightsync.hostpin import readable_tensor
+from weightsync.messages import Piece, Plan
 from weightsync.pack import byte_view, copy_bytes
 from weightsync.patch import apply_patch
 from weightsync.plan import bucket_spans, tensor_nbytes
 from weightsync.sink import WeightSink, sink_errors
-from weightsync.types import Piece, Plan
 
 __all__ = ["Landing", "Staging"]
 

@@ -24,8 +24,8 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
+from weightsync.messages import Piece, Plan, TensorSpec
 from weightsync.source import TensorMeta
-from weightsync.types import Piece, Plan, TensorSpec
 
 try:
     from weightsync._native import streamcopy as _streamcopy

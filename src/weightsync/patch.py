@@ -23,8 +23,8 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
+from weightsync.messages import TensorSpec
 from weightsync.plan import INDEX_BYTES, dense_nbytes, tensor_nbytes
-from weightsync.types import TensorSpec
 
 __all__ = ["BITS", "NATIVE", "NATIVE_SIZES", "apply_patch", "element_bits", "encode", "native_threads"]
 

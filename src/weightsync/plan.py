@@ -20,9 +20,9 @@ import torch
 
 from weightsync.dtypes import dtype_from_name, dtype_name, itemsize
 from weightsync.errors import ConfigError, PlanError
+from weightsync.messages import Piece, Plan, TensorSpec
 from weightsync.sizing import ALIGN_BYTES, align_up
 from weightsync.source import TensorMeta
-from weightsync.types import Piece, Plan, TensorSpec
 
 __all__ = [
     "ENCODINGS",

@@ -42,14 +42,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.landing import Landing, Staging
-from weightsync.options import ReceiverOptions, build_options
-from weightsync.plan import check_plan, plan_digest
-from weightsync.sink import WeightSink, as_sink, sink_errors
-from weightsync.transports import get_transport
-from weightsync.transports.base import Link, PlaneOptions, ReceivePlane
-from weightsync.transports.control import expect_on
-from weightsync.transports.links import listener_for
-from weightsync.types import (
+from weightsync.messages import (
     PROTOCOL_VERSION,
     Accept,
     Auth,
@@ -62,6 +55,13 @@ from weightsync.types import (
     SyncTimes,
     Welcome,
 )
+from weightsync.options import ReceiverOptions, build_options
+from weightsync.plan import check_plan, plan_digest
+from weightsync.sink import WeightSink, as_sink, sink_errors
+from weightsync.transports import get_transport
+from weightsync.transports.base import Link, PlaneOptions, ReceivePlane
+from weightsync.transports.control import expect_on
+from weightsync.transports.links import listener_for
 from weightsync.wire import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES
 
 __all__ = ["ReceiverState", "ReceiverStatus", "WeightReceiver"]

@@ -26,11 +26,12 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, RemoteError, SinkError, TransferTimeout
+from weightsync.messages import Plan
 from weightsync.options import SenderOptions
+from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
 from weightsync.sink import SinkTraits, WeightSink, as_sink
 from weightsync.source import TensorMeta
-from weightsync.types import Plan, SyncReport
 
 __all__ = ["RelaySink"]
 

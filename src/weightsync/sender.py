@@ -20,9 +20,11 @@ from typing import Any, Literal
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.delta import Baseline, Diff, Step, settled
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
+from weightsync.messages import Abort, Commit, Committed, Offer, Plan, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
 from weightsync.plan import build_plan, dense_nbytes, plan_digest, tensor_nbytes, wire_specs
+from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sizing import (
     ALIGN_BYTES,
     LARGEST_AUTO_BUCKET_BYTES,
@@ -35,7 +37,6 @@ from weightsync.transports import check_address
 from weightsync.transports.base import Failures, PlaneOptions, SendPlane
 from weightsync.transports.control import SenderChannel
 from weightsync.transports.links import opener
-from weightsync.types import Abort, Commit, Committed, Offer, Plan, ReceiverOutcome, SyncReport, TensorSpec, Welcome
 
 __all__ = ["WeightSender"]
 

@@ -15,8 +15,8 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
+from weightsync.messages import Plan
 from weightsync.plan import tensor_nbytes
-from weightsync.types import Plan
 
 __all__ = [
     "CallableSink",

@@ -45,9 +45,9 @@ from types import TracebackType
 import torch
 
 from weightsync.errors import ConfigError, PlanError, SinkError, TransferTimeout, WeightSyncError
+from weightsync.messages import Plan
 from weightsync.options import DEFAULT_TIMEOUT_S
 from weightsync.sink import SinkTraits, WeightSink
-from weightsync.types import Plan
 
 __all__ = ["StreamSink", "TensorStream"]
 

@@ -1,6 +1,6 @@
 """Framing and encoding: typed control messages and raw byte runs over a stream socket.
 
-A frame is a 4-byte big-endian length followed by a msgpack-encoded message from `types.py`.
+A frame is a 4-byte big-endian length followed by a msgpack-encoded message from `messages.py`.
 The decoder accepts only those tagged types (no pickle, no arbitrary objects), and a frame's
 length is checked against `MAX_FRAME_BYTES` before anything is allocated for it. Raw payload
 bytes are never framed: a message announces them (`BucketData.nbytes`) and they follow as is.
@@ -17,7 +17,7 @@ from typing import Any, ParamSpec, TypeVar
 import msgspec
 
 from weightsync.errors import PeerClosedError, ProtocolError, TransferTimeout, TransportError
-from weightsync.types import Message
+from weightsync.messages import Message
 
 __all__ = ["HANDSHAKE_FRAME_BYTES", "MAX_FRAME_BYTES", "Connection", "decode", "encode"]
 

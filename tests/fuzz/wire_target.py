@@ -22,9 +22,9 @@ import xxhash  # noqa: F401
 with atheris.instrument_imports(include=["weightsync"]):
     from weightsync.errors import PlanError, ProtocolError
     from weightsync.landing import Landing
+    from weightsync.messages import Offer
     from weightsync.plan import check_plan, plan_digest
     from weightsync.sink import CallableSink
-    from weightsync.types import Offer
     from weightsync.wire import decode, encode
 
 MAX_BUCKET_BYTES = 1 << 30

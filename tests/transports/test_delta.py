@@ -16,10 +16,10 @@ from tests.test_failures import Child
 from weightsync import NegotiationError, TensorDictSink, WeightReceiver
 from weightsync.delta import Baseline
 from weightsync.landing import Landing
+from weightsync.messages import Offer
 from weightsync.patch import apply_patch
 from weightsync.plan import build_plan, plan_digest, wire_specs
 from weightsync.source import as_source
-from weightsync.types import Offer
 
 BUCKET = 1 << 16
 """Small buckets: patches and dense tensors both span several."""
@@ -320,7 +320,7 @@ def test_patches_apply_bit_exact_with_the_cheapest_encoding(fraction: float) -> 
 
 def test_a_patch_naming_elements_outside_its_tensor_is_refused() -> None:
     from weightsync.errors import PlanError
-    from weightsync.types import TensorSpec
+    from weightsync.messages import TensorSpec
 
     spec = TensorSpec("w", "bfloat16", (4,), "bfloat16", "sparse", 1)
     payload = torch.cat([torch.tensor([9], dtype=torch.int32).view(torch.uint8), torch.zeros(2, dtype=torch.uint8)])

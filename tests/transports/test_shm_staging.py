@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
 from weightsync.errors import ProtocolError
 from weightsync.landing import Landing
+from weightsync.messages import Plan, TensorSpec
 from weightsync.plan import build_plan, plan_digest
 from weightsync.sink import CallableSink
 from weightsync.transports.ring import staging_layout
 from weightsync.transports.shm import MappedRing
-from weightsync.types import Plan, TensorSpec
 
 BUCKET = 4096
 

@@ -18,8 +18,8 @@ from tests.helpers import assert_all_bit_exact, random_tensor, receiving
 from tests.peer_process import sending
 from weightsync import ConfigError, NegotiationError, WeightReceiver
 from weightsync.landing import Landing
+from weightsync.messages import Offer, TensorSpec
 from weightsync.plan import build_plan, plan_digest
-from weightsync.types import Offer, TensorSpec
 
 BUCKET = 4096
 

@@ -113,7 +113,7 @@ def test_every_error_survives_pickling():
     SyncFailed): each class must unpickle as itself, with its message and attributes."""
     import pickle
 
-    from weightsync.types import ReceiverOutcome, SyncReport
+    from weightsync.report import ReceiverOutcome, SyncReport
 
     report = SyncReport(1, 64, 1, 1, 64, 0.1, (ReceiverOutcome("shm://@a", False, "PeerClosedError", "gone"),))
     special = {

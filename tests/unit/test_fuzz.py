@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from weightsync.messages import Abort, Accept, BucketData, BucketReady, Commit, Group, Hello, Offer, Ring, Welcome
 from weightsync.plan import build_plan, plan_digest, wire_specs
 from weightsync.source import as_source
-from weightsync.types import Abort, Accept, BucketData, BucketReady, Commit, Group, Hello, Offer, Ring, Welcome
 from weightsync.wire import encode
 
 pytest.importorskip("atheris")

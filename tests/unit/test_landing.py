@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from weightsync.landing import Landing, Staging, arena_layout
+from weightsync.messages import Plan, TensorSpec
 from weightsync.plan import build_plan, plan_digest
 from weightsync.sink import CallableSink, SinkTraits, WeightSink
-from weightsync.types import Plan, TensorSpec
 
 BUCKET = 4096
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from tests.helpers import DTYPES
 from weightsync import ConfigError, PlanError, build_plan
+from weightsync.messages import Piece, Plan, TensorSpec
 from weightsync.plan import check_plan, plan_digest, tensor_nbytes, wire_specs
 from weightsync.source import TensorMeta
-from weightsync.types import Piece, Plan, TensorSpec
 
 ALIGN = 64
 ITEMSIZE = {

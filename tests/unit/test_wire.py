@@ -28,8 +28,7 @@ from tests.helpers import (
     wait_until,
 )
 from weightsync import PeerClosedError, ProtocolError, TransferTimeout
-from weightsync.plan import build_plan, plan_digest
-from weightsync.types import (
+from weightsync.messages import (
     PROTOCOL_VERSION,
     Abort,
     Accept,
@@ -47,6 +46,7 @@ from weightsync.types import (
     TensorSpec,
     Welcome,
 )
+from weightsync.plan import build_plan, plan_digest
 from weightsync.wire import MAX_FRAME_BYTES, Connection, decode, encode
 
 HEADER = struct.Struct("!I")

@@ -12,8 +12,8 @@ import pytest
 from weightsync.errors import SinkError
 from weightsync.integrations.vllm.control import SyncControl
 from weightsync.integrations.vllm.events import Abort, Begin, Commit, Status
+from weightsync.messages import SyncTimes
 from weightsync.server.metrics import ServerMetrics
-from weightsync.types import SyncTimes
 
 
 class Engine:

@@ -21,8 +21,8 @@ import torch
 
 from weightsync.bench.measure import memcpy_gbps
 from weightsync.receiver import WeightReceiver
+from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
-from weightsync.types import SyncReport
 
 __all__ = ["DeltaStep", "format_delta_table", "run_delta"]
 

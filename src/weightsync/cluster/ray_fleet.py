@@ -26,9 +26,9 @@ from weightsync.auth import resolve_token
 from weightsync.checksum import check_verify
 from weightsync.errors import ConfigError, ResourceError, WeightSyncError
 from weightsync.options import SenderOptions
+from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
 from weightsync.transports import get_transport
-from weightsync.types import SyncReport
 
 __all__ = ["FleetReport", "RolloutFleet", "ServerActor", "ServerInfo"]
 

@@ -29,8 +29,8 @@ from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
 from weightsync.errors import ConfigError
 from weightsync.module_source import ModuleSource
 from weightsync.options import Delta
+from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
-from weightsync.types import SyncReport
 
 __all__ = ["DemoConfig", "run"]
 

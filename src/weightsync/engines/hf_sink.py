@@ -14,8 +14,8 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
+from weightsync.messages import Plan
 from weightsync.sink import SinkTraits, WeightSink
-from weightsync.types import Plan
 
 __all__ = ["InPlaceModelSink", "alias_groups"]
 

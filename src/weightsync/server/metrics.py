@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from weightsync.types import SyncTimes
+from weightsync.messages import SyncTimes
 
 __all__ = ["ServerMetrics"]
 

@@ -16,6 +16,7 @@ from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES, Verify
 from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
+from weightsync.messages import SyncTimes
 from weightsync.options import ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
 from weightsync.server.body_limit import default_max_request_bytes
@@ -24,7 +25,6 @@ from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
 from weightsync.server.warmup import load_tokenizer, warm_up
 from weightsync.transports import get_transport, serving_transports
-from weightsync.types import SyncTimes
 
 __all__ = [
     "ENGINES",

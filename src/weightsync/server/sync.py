@@ -19,10 +19,10 @@ import logging
 import time
 
 from weightsync.errors import SinkError
+from weightsync.messages import Plan
 from weightsync.server.loop import EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.sink import WeightSink, WrappingSink
-from weightsync.types import Plan
 
 __all__ = ["ServerSink", "SyncStats"]
 

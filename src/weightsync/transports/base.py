@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
 
 from weightsync.errors import WeightSyncError
-from weightsync.types import Message, Plan
+from weightsync.messages import Message, Plan
 
 if TYPE_CHECKING:
     from weightsync.checksum import SyncHashes

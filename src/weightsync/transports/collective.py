@@ -46,6 +46,7 @@ import torch.distributed as dist
 from weightsync.checksum import SyncHashes
 from weightsync.errors import CollectiveError, ProtocolError, ResourceError, WeightSyncError
 from weightsync.landing import Landing
+from weightsync.messages import BucketReady, Group, Message, Plan
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import (
     Failures,
@@ -57,7 +58,6 @@ from weightsync.transports.base import (
 )
 from weightsync.transports.control import SenderChannel, expect_on, next_message
 from weightsync.transports.links import socket_link
-from weightsync.types import BucketReady, Group, Message, Plan
 
 __all__ = ["SPEC", "ChainReceivePlane", "ChainSendPlane", "host_store"]
 

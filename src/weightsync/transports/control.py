@@ -29,8 +29,7 @@ from weightsync.errors import (
     TransferTimeout,
     WeightSyncError,
 )
-from weightsync.transports.base import Failures, Link
-from weightsync.types import (
+from weightsync.messages import (
     PROTOCOL_VERSION,
     Abort,
     Accept,
@@ -43,6 +42,7 @@ from weightsync.types import (
     Offer,
     Welcome,
 )
+from weightsync.transports.base import Failures, Link
 
 __all__ = ["SenderChannel", "expect_on", "next_message"]
 

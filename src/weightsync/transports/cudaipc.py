@@ -22,10 +22,10 @@ import torch
 
 from weightsync.errors import ConfigError, ProtocolError
 from weightsync.landing import Landing
+from weightsync.messages import DeviceRing, DeviceSlot, Message, Piece
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import PlaneOptions, TransportSpec
 from weightsync.transports.ring import RingReceivePlane, RingSendPlane, check_ring
-from weightsync.types import DeviceRing, DeviceSlot, Message, Piece
 
 __all__ = ["SPEC", "DeviceRingSlots", "OpenedRing"]
 

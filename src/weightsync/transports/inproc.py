@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError
 from weightsync.landing import Landing
+from weightsync.messages import BucketDone, BucketReady
 from weightsync.pack import BucketItem, write_piece
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
 from weightsync.transports.control import SenderChannel, expect_on
 from weightsync.transports.links import queue_link
-from weightsync.types import BucketDone, BucketReady
 
 __all__ = ["SPEC", "DirectReceivePlane", "DirectSendPlane"]
 

@@ -29,9 +29,9 @@ from weightsync.errors import (
     TransferTimeout,
     TransportError,
 )
+from weightsync.messages import Message
 from weightsync.pack import BucketItem
 from weightsync.transports.base import Link, Listener
-from weightsync.types import Message
 from weightsync.wire import MAX_FRAME_BYTES, Connection
 
 __all__ = [

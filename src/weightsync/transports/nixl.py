@@ -38,6 +38,7 @@ import numpy as np
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
 from weightsync.landing import Landing
+from weightsync.messages import BucketDone, BucketReady, NixlTarget, NixlWrites, Plan
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec, fail_all
 from weightsync.transports.control import SenderChannel, next_message
@@ -54,7 +55,6 @@ from weightsync.transports.nixl_agent import (
     require_nixl,
 )
 from weightsync.transports.ring import MAX_SLOTS
-from weightsync.types import BucketDone, BucketReady, NixlTarget, NixlWrites, Plan
 
 __all__ = ["SPEC", "NixlAgent", "NixlReceivePlane", "NixlSendPlane", "live_registrations", "require_nixl"]
 

@@ -27,11 +27,11 @@ import numpy as np
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ConfigError, ProtocolError
 from weightsync.landing import Landing, arena_layout
+from weightsync.messages import BucketDone, BucketReady, Message, Piece, Plan
 from weightsync.pack import BucketItem
 from weightsync.plan import bucket_spans, tensor_nbytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane
 from weightsync.transports.control import SenderChannel, expect_on
-from weightsync.types import BucketDone, BucketReady, Message, Piece, Plan
 
 __all__ = [
     "MAX_SLOTS",

@@ -28,11 +28,11 @@ import numpy as np
 from weightsync import hostpin
 from weightsync.errors import ProtocolError, ResourceError
 from weightsync.landing import Landing
+from weightsync.messages import Message, Piece, Plan, Ring
 from weightsync.pack import BucketItem, write_piece
 from weightsync.plan import tensor_nbytes
 from weightsync.transports.base import PlaneOptions, TransportSpec
 from weightsync.transports.ring import RingReceivePlane, RingSendPlane, StagingLayout, check_ring, staging_layout
-from weightsync.types import Message, Piece, Plan, Ring
 
 __all__ = ["SPEC", "MappedRing", "ShmRing", "reap_stale_segments"]
 

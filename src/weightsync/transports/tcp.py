@@ -16,11 +16,11 @@ import torch
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError
 from weightsync.landing import Landing
+from weightsync.messages import BucketData
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
 from weightsync.transports.control import SenderChannel, expect_on
 from weightsync.transports.links import socket_link
-from weightsync.types import BucketData
 
 __all__ = ["SPEC", "StreamReceivePlane", "StreamSendPlane"]
 

@@ -20,8 +20,8 @@ from typing import Literal
 
 import msgspec
 
+from weightsync.messages import SyncTimes
 from weightsync.receiver import ReceiverState
-from weightsync.types import SyncTimes
 
 __all__ = ["Abort", "Begin", "Commit", "Park", "Reply", "Status", "SyncEvent", "event_name"]
 

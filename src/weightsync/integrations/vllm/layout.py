@@ -20,8 +20,8 @@ import torch
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
 from weightsync.hf_checkpoint import checkpoint_metas
+from weightsync.messages import Plan
 from weightsync.source import TensorMeta
-from weightsync.types import Plan
 
 __all__ = ["CheckpointLayout", "check_plan_layout", "checkpoint_layout"]
 

@@ -49,9 +49,9 @@ from weightsync.integrations.vllm import register
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.worker import WeightsyncInitInfo
 from weightsync.options import SenderOptions
+from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
 from weightsync.source import TensorMeta, WeightSource
-from weightsync.types import SyncReport
 
 __all__ = ["VLLMSource", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
 

@@ -60,11 +60,11 @@ from weightsync.integrations.vllm.layout import (
     checkpoint_layout,
 )
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
+from weightsync.messages import Plan
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
 from weightsync.sink import StagedSink, WeightSink, WrappingSink
 from weightsync.stream import StreamSink
-from weightsync.types import Plan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
