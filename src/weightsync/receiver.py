@@ -170,6 +170,13 @@ class WeightReceiver:
         """Why the last sync failed, or "" if it committed."""
         return self._status.last_error
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Host memory this receiver keeps between syncs for tensors without a destination, in
+        bytes: the arena where tensors larger than a bucket are assembled, and the buffer a socket
+        transport receives a bucket into for a sink that borrows (0 while no sync needed either)."""
+        return self._staging.nbytes
+
     def wait_for_version(self, version: int, timeout: float) -> bool:
         """Block until `version` (or a later one) is committed; False on timeout."""
         with self._changed:

@@ -4,9 +4,9 @@
 
 One receiver per host takes the sync from the trainer and pushes it on, with the same version,
 names, shapes and dtypes, to the other receivers on its host. Each tensor is forwarded as soon as
-it is complete, so the downstream push runs alongside the upstream one and adds about one tensor
-of latency, not a whole sync. The trainer's NIC carries one copy per host instead of one per
-server.
+it is complete (handed to a `StreamSink` the push pulls from), so the downstream push runs
+alongside the upstream one and adds about one tensor of latency, not a whole sync. The trainer's
+NIC carries one copy per host instead of one per server.
 
 The relay commits once the downstream push has finished, so when the trainer sees the relay
 commit, the servers behind it have committed or failed (`last_report` says which). A failed
@@ -15,65 +15,46 @@ upstream sync aborts the downstream one: no server claims a version it does not 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
-import queue
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ConfigError, RemoteError, SinkError, TransferTimeout
+from weightsync.errors import ConfigError, RemoteError, SinkError, TransferTimeout, WeightSyncError
 from weightsync.messages import Plan
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
 from weightsync.sink import SinkTraits, WeightSink, as_sink
 from weightsync.source import TensorMeta
+from weightsync.stream import StreamSink, TensorStream
 
 __all__ = ["RelaySink"]
 
 log = logging.getLogger(__name__)
 
-QUEUED_TENSORS = 8
-"""Completed tensors waiting for the downstream push at most: bounds the relay's memory."""
+
+class _Handover(StreamSink):
+    traits = SinkTraits(live_loads=True, borrows=False)  # see RelaySink.traits
 
 
-class _Stream:
-    """The downstream push's source: the tensors the relay completes, in plan order."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Forwarded:
+    """The downstream push's source: the plan's tensors, pulled from the stream as they complete."""
 
-    def __init__(self, metas: list[TensorMeta], timeout: float) -> None:
-        self._metas = metas
-        self._timeout = timeout
-        self._queue: queue.Queue[tuple[str, torch.Tensor] | BaseException] = queue.Queue(QUEUED_TENSORS)
-        self.done = threading.Event()
-        """Set once the downstream push has ended: nothing will consume what is put any more."""
+    specs: list[TensorMeta]
+    stream: TensorStream
 
     def metas(self) -> list[TensorMeta]:
-        return self._metas
+        return self.specs
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for _ in self._metas:
-            try:
-                item = self._queue.get(timeout=self._timeout)
-            except queue.Empty:
-                raise TransferTimeout(f"the relay received no tensor within {self._timeout} s") from None
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def put(self, item: tuple[str, torch.Tensor] | BaseException) -> None:
-        """Queue `item` for the push, waiting while the queue is full; dropped once it has ended."""
-        deadline = time.monotonic() + self._timeout
-        while not self.done.is_set():
-            try:
-                self._queue.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                if time.monotonic() > deadline:
-                    raise TransferTimeout(f"the downstream push took no tensor within {self._timeout} s") from None
+        return itertools.islice(self.stream, len(self.specs))  # not past the last: that waits for the commit
 
 
 class RelaySink(WeightSink):
@@ -88,7 +69,12 @@ class RelaySink(WeightSink):
     """
 
     traits = SinkTraits(borrows=False)
-    """The downstream push sends a tensor after `load` returned: it must be the relay's own."""
+    """The downstream push reads a tensor after `load` returned and after taking later ones: it
+    keeps a bucket's tensors until the bucket is sent, a tensor larger than a bucket across the
+    buckets it spans, and inproc hands the tensors themselves to its receivers, two buckets
+    ahead. So the relay is handed tensors of its own, which nothing reuses (never views of a
+    transport's buffer; over inproc, the trainer's, which stay put until this sync commits), and
+    the stream only drops its references. `load` returns once the push has taken its bucket."""
 
     def __init__(
         self,
@@ -108,7 +94,7 @@ class RelaySink(WeightSink):
         self.traits = SinkTraits(
             live_loads=inner is not None and (inner.live_loads or inner.live_destinations), borrows=False
         )
-        self._stream: _Stream | None = None
+        self._handover = _Handover(timeout=timeout)
         self._thread: threading.Thread | None = None
         self._outcome: list[SyncReport | BaseException] = []
         self.last_report: SyncReport | None = None
@@ -118,43 +104,45 @@ class RelaySink(WeightSink):
         if self._inner is not None:
             self._inner.begin(plan, version)
         metas = [TensorMeta(spec.name, spec.shape, dtype_from_name(spec.dtype)) for spec in plan.tensors]
-        stream = self._stream = _Stream(metas, self._timeout)
-        outcome: list[SyncReport | BaseException] = []
-        self._outcome = outcome
+        self._handover.begin(plan, version)
+        self._outcome = []
+        args = (_Forwarded(metas, self._handover.stream(version)), version, self._outcome)
+        self._thread = threading.Thread(target=self._forward, args=args, daemon=True, name="weightsync-relay")
+        self._thread.start()
 
-        def forward() -> None:
+    def _forward(self, source: _Forwarded, version: int, outcome: list[SyncReport | BaseException]) -> None:
+        """The downstream push, on its own thread; then whatever it left untaken (it ended early:
+        every receiver failed) is taken and dropped, so that the upstream sync goes on."""
+        with source.stream:
             try:
-                outcome.append(self._sender.push(stream, version))
+                outcome.append(self._sender.push(source, version))
             except BaseException as exc:  # reported by commit; the thread must not die loudly
                 outcome.append(exc)
-            finally:
-                stream.done.set()
-
-        self._thread = threading.Thread(target=forward, daemon=True, name="weightsync-relay")
-        self._thread.start()
+            with contextlib.suppress(WeightSyncError):  # the upstream sync failed: `abort` says so
+                for _ in source.stream:
+                    pass
 
     def destination(self, name: str) -> torch.Tensor | None:
         return None  # every tensor comes to `load` whole, so that it can be forwarded
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self._stream is None:
+        if self._thread is None:
             raise SinkError("the relay was handed tensors outside a sync (load before begin)")
         inner = self._inner
         own = []
         for name, tensor in named_tensors:
-            if inner is not None:
-                dest = inner.destination(name)
-                if dest is not None:
-                    dest.copy_(tensor)
-                else:
-                    own.append((name, tensor))
-            # A tensor handed to `load` is the relay's own (staged by the landing), or the
-            # trainer's (inproc), which stays put until this sync commits: safe to queue as is.
-            self._stream.put((name, tensor))
+            dest = inner.destination(name) if inner is not None else None
+            if dest is not None:
+                dest.copy_(tensor)
+            else:
+                own.append((name, tensor))
         if inner is not None and own:
             inner.load(own)
+        self._handover.load(named_tensors)  # returns once the push has taken them
 
     def commit(self, version: int) -> None:
+        if self._thread is not None:
+            self._handover.commit(version)  # returns once the push has taken every tensor
         report = self._finish()
         if isinstance(report, BaseException):
             raise SinkError(f"the relay's downstream push of version {version} failed: {report}") from report
@@ -167,8 +155,8 @@ class RelaySink(WeightSink):
             )
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
-        if self._stream is not None:
-            self._stream.put(RemoteError(f"the relay's own sync of version {version} failed: {error}"))
+        failed = RemoteError(f"the relay's own sync of version {version} failed: {error}")
+        self._handover.abort(version, failed, intact=intact)  # raised from the push's next tensor
         self._finish()
         if self._inner is not None:
             self._inner.abort(version, error, intact=intact)

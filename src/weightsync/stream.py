@@ -17,12 +17,14 @@ the tensors it completed; `load` hands them over (a queue of one bucket) and wai
 consumer has moved past the last of them. The consumer's `TensorStream` yields them one by one.
 
 - A tensor is valid until the consumer asks for the next one. It may be a view into the
-  transport's buffer, which the receiver reuses as soon as `load` returns.
+  transport's buffer, which the receiver reuses as soon as `load` returns. A subclass whose
+  traits say `borrows=False` is handed tensors of its own, valid as long as they are kept: its `load`
+  returns once the consumer has taken the bucket, and the receiver lands the next meanwhile.
 - All or nothing: the iteration ends normally only once the sync committed, which is after the
   consumer took every tensor and the receiver verified the sync (checksums, content digest). A
   sync that fails raises its error from the consumer's `next()`. A loader writes into the weights
-  it serves, so the sink's traits say `live_loads`: a sync that fails after any bucket was handed over
-  leaves the receiver "dirty" until the next good sync.
+  it serves, so the sink's traits say `live_loads`: a sync that fails after any bucket was
+  handed over leaves the receiver "dirty" until the next good sync.
 - Every wait is bounded by `timeout`: the consumer's wait for a sync to begin and for each next
   bucket (TransferTimeout), and the receiver's wait for the consumer to take a bucket (the sync is
   then aborted).
@@ -194,8 +196,11 @@ class StreamSink(WeightSink):
             if sync.stopped:
                 raise SinkError(f"sync of version {sync.version} abandoned: {sync.stopped}")
             if sync.batch is not None:
-                stream._holding = True
-                return sync.batch
+                batch, stream._holding = sync.batch, self.traits.borrows
+                if not self.traits.borrows:  # the consumer's own tensors: the receiver may go on now
+                    sync.batch = None
+                    self._changed.notify_all()
+                return batch
             if sync.committed:
                 return []
             raise TransferTimeout(f"no bucket arrived within {self.timeout:g} s", version=sync.version)
@@ -213,9 +218,9 @@ class TensorStream:
     """The (name, tensor) pairs of one sync, in plan order, from a `StreamSink`.
 
     Iterate it on one thread. The first `next()` takes the sync (waiting for it to begin); each
-    tensor is valid until the next `next()`; the iteration ends once the sync committed, or raises
-    the sync's error. `close()` (from any thread, or leaving a `with` block) before the end
-    aborts the sync.
+    tensor is valid until the next `next()` (while kept, where the sink does not borrow); the
+    iteration ends once the sync committed, or raises the sync's error. `close()` (from any
+    thread, or leaving a `with` block) before the end aborts the sync.
     """
 
     def __init__(self, sink: StreamSink, version: int | None) -> None:
@@ -258,8 +263,10 @@ class TensorStream:
             raise StopIteration
         try:
             batch = self._sink._next_batch(self)
-        except BaseException:
-            self.close()
+        except BaseException as exc:  # the receiver learns why the consumer stopped
+            self._sink._close(
+                self, f"the consumer stopped after {self._num_taken} tensors: {type(exc).__name__}: {exc}"
+            )
             raise
         if not batch:
             self._ended = True

@@ -166,10 +166,18 @@ def test_the_demo_marks_a_killed_server(tmp_path) -> None:
     assert fleet.events == ["server 0 killed (SIGKILL)"]
 
 
-def test_serve_offers_every_serving_transport() -> None:
+def test_serve_offers_every_serving_transport(capsys: pytest.CaptureFixture[str]) -> None:
     from weightsync.cli import build_parser
     from weightsync.transports import serving_transports
 
-    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
-    choices = next(a.choices for a in serve._actions if "--transport" in a.option_strings)
-    assert list(choices) == serving_transports() and "cudaipc" in choices and "inproc" not in choices
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    offered = re.search(r"--transport \{([^}]*)\}", capsys.readouterr().out)
+    assert offered is not None
+    choices = offered.group(1).split(",")
+    assert choices == serving_transports() and "cudaipc" in choices and "inproc" not in choices
+    for transport in choices:
+        assert build_parser().parse_args(["serve", "--model", "m", "--transport", transport]).transport == transport
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "m", "--transport", "inproc"])
+    assert "invalid choice: 'inproc'" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import TRANSPORTS, assert_all_bit_exact, random_tensor, random_values, receiving, sending
-from weightsync import hostpin
+from weightsync import hostpin, landing
 from weightsync.errors import ConfigError
 from weightsync.landing import Landing
 
@@ -85,13 +85,13 @@ def test_cuda_destinations_are_written_piece_by_piece_with_no_host_staging(trans
     """A tensor larger than the bucket lands chunk by chunk in its CUDA destination: no
     full-size host tensor is ever made for it (the promise of one copy and no temporaries)."""
     staged: list[int] = []
-    real_stage = Landing._stage
+    real_host_bytes = landing.host_bytes
 
-    def recording_stage(self, tensor):  # type: ignore[no-untyped-def]
-        staged.append(tensor)
-        return real_stage(self, tensor)
+    def recording_host_bytes(nbytes: int) -> torch.Tensor:  # every host buffer the landing allocates
+        staged.append(nbytes)
+        return real_host_bytes(nbytes)
 
-    monkeypatch.setattr(Landing, "_stage", recording_stage)
+    monkeypatch.setattr(landing, "host_bytes", recording_host_bytes)
     source = {"big": random_tensor(torch.bfloat16, (5 * BUCKET // 2 + 3,), seed=11), "norm": torch.randn(100)}
     source = {name: t.to("cuda") for name, t in source.items()}
     dest = zeros_like_all(source, "cuda")

@@ -195,7 +195,8 @@ def test_the_backend_is_registered_and_its_options_are_checked_when_built():
     with pytest.raises(ConfigError):
         WeightSyncCheckpointEngine(bucket_size=1 << 20, verify="sometimes")
     engine = WeightSyncCheckpointEngine(bucket_size=1 << 20, is_master=True)
-    options = engine._sender_options
+    options = engine.sender_options
+    assert options is not None and engine.receiver_options is None, "an actor sends"
     assert options.bucket_bytes == "auto" and options.memory_budget_bytes == 2 << 20, "auto stays within verl's bucket"
 
 

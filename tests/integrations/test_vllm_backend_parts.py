@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import socket
+import types
 from pathlib import Path
 
 import msgspec
@@ -125,11 +126,24 @@ def test_the_plugin_entry_point_registers_both_halves() -> None:
     register = entry.load()
     register()
     register()  # vLLM may load plugins more than once
+    from vllm.config import ParallelConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from weightsync.integrations.vllm import WeightsyncTrainerInitInfo
     from weightsync.integrations.vllm.trainer import WeightsyncTrainerEngine
     from weightsync.integrations.vllm.worker import WeightsyncWorkerEngine
 
-    assert WeightTransferEngineFactory._registry["weightsync"]() is WeightsyncWorkerEngine
-    assert WeightTransferTrainerFactory._registry["weightsync"]() is WeightsyncTrainerEngine
+    # what vLLM builds for backend "weightsync", through its factories (nothing connects yet)
+    vllm_config = types.SimpleNamespace(parallel_config=ParallelConfig(), model_config=None)
+    model = torch.nn.Linear(3, 2)
+    worker = WeightTransferEngineFactory.create_engine(
+        WeightTransferConfig(backend="weightsync"), vllm_config, torch.device("cpu"), model
+    )  # type: ignore[arg-type]
+    assert type(worker) is WeightsyncWorkerEngine
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightsyncTrainerInitInfo(rank=1), client=object(), source=ModuleSource(model)
+    )  # type: ignore[arg-type]  # rank 1 only walks the source: it never calls the client
+    assert type(trainer) is WeightsyncTrainerEngine
 
 
 RECHECK = "vLLM's weight-transfer API changed: re-read weightsync/integrations/vllm against it"

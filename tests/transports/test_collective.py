@@ -6,6 +6,8 @@ refused. (The contract suite and the fault cases in tests/test_failures.py run o
 from __future__ import annotations
 
 import contextlib
+import logging
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -21,18 +23,15 @@ from weightsync.transports import collective
 
 
 @pytest.fixture
-def groups_formed(monkeypatch):  # type: ignore[no-untyped-def]
-    """How many process groups the sender (rank 0) formed."""
-    formed: list[int] = []
-    real = collective._new_group
+def groups_formed(caplog: pytest.LogCaptureFixture) -> Callable[[], list[int]]:
+    """The process groups the sender (rank 0) formed so far: the size of each, as it logs them."""
+    caplog.set_level(logging.INFO, logger=collective.__name__)
 
-    def counting(store, prefix, rank, world_size, host, timeout):  # type: ignore[no-untyped-def]
-        if rank == 0:
-            formed.append(world_size)
-        return real(store, prefix, rank, world_size, host, timeout)
+    def sizes() -> list[int]:
+        records = [r for r in caplog.records if r.name == collective.__name__]
+        return [r.args[0] for r in records if r.msg.startswith("collective: formed a process group")]  # type: ignore[index]
 
-    monkeypatch.setattr(collective, "_new_group", counting)
-    return formed
+    return sizes
 
 
 def test_one_group_per_membership_reused_across_versions(groups_formed):
@@ -51,7 +50,7 @@ def test_one_group_per_membership_reused_across_versions(groups_formed):
             assert report.num_buckets > 30, "the big tensor is chunked across many buckets"
             for dest in dests:
                 assert_all_bit_exact(dest, source)
-        assert groups_formed == [4], "one group of the sender and 3 receivers, formed once"
+        assert groups_formed() == [4], "one group of the sender and 3 receivers, formed once"
         assert {a.version, b.version, c.version} == {4}
 
 
@@ -69,7 +68,7 @@ def test_group_is_rebuilt_when_a_receiver_refuses_a_plan_and_again_when_it_retur
         assert accepting.version == 2 and refusing.version == 1
         assert sender.push({"w": torch.full((1000,), 3.0)}, version=3).ok
         assert torch.equal(picky["w"], torch.full((1000,), 3.0))
-    assert groups_formed == [3, 2, 3]
+    assert groups_formed() == [3, 2, 3]
 
 
 class FailsFirstLoad(WeightSink):

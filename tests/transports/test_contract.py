@@ -48,7 +48,8 @@ from weightsync import (
     WeightSender,
     WeightSink,
 )
-from weightsync.transports import get_transport
+from weightsync.transports import get_transport, links
+from weightsync.wire import Connection
 
 # --- cudaipc: pushed from a child process ----------------------------------------------------------
 
@@ -887,25 +888,53 @@ def test_receiver_closed_mid_sync_aborts_before_close_returns(transport):
 
 
 @pytest.mark.parametrize("noticed", [True, False], ids=["close-noticed", "close-not-yet-noticed"])
-def test_tcp_receiver_restarted_on_the_same_port_rejoins(noticed):
+def test_tcp_receiver_restarted_on_the_same_port_rejoins(noticed, monkeypatch):
+    opened: list[Connection] = []
+    readers: list[threading.Thread] = []
+    held, release = threading.Event(), threading.Event()
+    real_connect = links.connect_tcp
+
+    def connect_tcp(address: str, scheme: str, timeout: float) -> Connection:
+        """The sender's links, with a hook on the reader that waits for its replies."""
+        link = real_connect(address, scheme, timeout)
+        real_wait, first = link.wait_readable, not opened
+        opened.append(link)
+
+        def wait_readable() -> None:
+            if first and not readers:
+                readers.append(threading.current_thread())
+            real_wait()
+            if first and held.is_set():  # the race a push right after the restart can hit:
+                release.wait(WAIT_S)  # the reader has not run yet
+
+        link.wait_readable = wait_readable  # type: ignore[method-assign]
+        return link
+
+    monkeypatch.setattr(links, "connect_tcp", connect_tcp)
     first = WeightReceiver({"w": torch.zeros(4)}, transport="tcp")
     port = int(first.address.rpartition(":")[2])
     with sending(first.address) as sender:
         try:
             assert sender.push({"w": torch.ones(4)}, version=1).ok
+            if not noticed:
+                held.set()
         finally:
             first.close()
-        (inbox,) = sender._routes[0].channel._inboxes.values()  # type: ignore[attr-defined]
-        assert wait_until(inbox.closed.is_set), "the sender's reader saw the connection close"
-        if not noticed:
-            # The race a push right after the restart can hit: the reader has not run yet.
-            inbox.closed.clear()
-        dest = {"w": torch.zeros(4)}
-        with receiving(dest, "tcp", port=port) as second:
-            assert second.address == first.address
-            report = sender.push({"w": torch.full((4,), 2.0)}, version=2)
-            assert report.ok, report.failed
-            assert second.version == 2 and torch.equal(dest["w"], torch.full((4,), 2.0))
+        (reader,) = readers
+        if noticed:
+            reader.join(WAIT_S)
+            assert not reader.is_alive(), "the sender's reader saw the connection close"
+        try:
+            dest = {"w": torch.zeros(4)}
+            with receiving(dest, "tcp", port=port) as second:
+                assert second.address == first.address
+                report = sender.push({"w": torch.full((4,), 2.0)}, version=2)
+                assert report.ok, report.failed
+                assert second.version == 2 and torch.equal(dest["w"], torch.full((4,), 2.0))
+            assert len(opened) == 2, "the sender reconnected"
+            assert noticed or reader.is_alive(), "the reader had still not run when the push reconnected"
+        finally:
+            release.set()
 
 
 @pytest.mark.parametrize("num_slots", [1, 3, 16])

@@ -88,7 +88,7 @@ def test_a_loader_is_lent_chunked_tensors_from_the_senders_staging_segment() -> 
                 else:  # slots are segments 0 and 1, the staging area is 2
                     assert where is not None and where.split()[0].endswith("-2"), where
                     assert "/dev/shm/weightsync-" in where, where
-                    assert receiver._staging.nbytes == 0, "the arena of the first sync was given back"
+                    assert receiver.buffer_bytes == 0, "the arena of the first sync was given back"
 
 
 def test_receivers_with_destinations_cost_the_sender_no_staging_area() -> None:

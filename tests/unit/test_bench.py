@@ -73,7 +73,7 @@ def test_a_run_that_does_not_fit_says_which_size_does(monkeypatch):
     fits = fitting_size_bytes(config)
     assert fits == 3 * GIB + GIB // 4 and 4 * runs.model_bytes(fits) <= 0.8 * available
     with pytest.raises(ResourceError) as refused:
-        runs._check_memory(config, runs.model_bytes(config.size_bytes))
+        run(config)  # refused before anything is built
     message = str(refused.value)
     assert "more than the 13.8 GiB it may use here (80% of the 17.2 GiB available now)" in message, message
     assert "--size-gb 3.25 fits" in message, message

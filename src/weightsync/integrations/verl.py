@@ -161,10 +161,10 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         self.settings = EngineKwargs.parse(engine_kwargs)
         self.role: Literal["actor", "rollout"] = "rollout" if is_master is None else "actor"
         self.is_master = bool(is_master)
-        if self.role == "actor":
-            self._sender_options = self.settings.sender_options(bucket_size)
-        else:
-            self._receiver_options = self.settings.receiver_options()
+        self.sender_options = self.settings.sender_options(bucket_size) if self.role == "actor" else None
+        """The actor's options for its `WeightSender`, from verl's bucket size (None on a rollout worker)."""
+        self.receiver_options = self.settings.receiver_options() if self.role == "rollout" else None
+        """A rollout worker's options for its `WeightReceiver` (None on an actor worker)."""
         self._rank: int | None = None
         self._sender: WeightSender | None = None
         self._receiver: WeightReceiver | None = None
@@ -181,7 +181,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             return Endpoint("actor", is_master=self.is_master)
         if self._receiver is None:
             self._sink = StreamSink(timeout=self.settings.timeout)
-            self._receiver = WeightReceiver(self._sink, self.settings.transport, options=self._receiver_options)
+            self._receiver = WeightReceiver(self._sink, self.settings.transport, options=self.receiver_options)
         return Endpoint("rollout", self._receiver.address)
 
     @classmethod
@@ -233,7 +233,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
         self._close_sender()
         if rank != 0 or not addresses:
             return
-        self._sender = WeightSender(list(addresses), options=self._sender_options)
+        self._sender = WeightSender(list(addresses), options=self.sender_options)
         log.info("weightsync: sending to %d rollout workers over %s", len(addresses), self.settings.transport)
 
     def finalize(self) -> None:

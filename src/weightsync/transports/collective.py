@@ -30,6 +30,7 @@ sit on a trusted network (SECURITY.md).
 from __future__ import annotations
 
 import datetime
+import logging
 import queue
 import secrets
 import socket
@@ -60,6 +61,8 @@ from weightsync.transports.control import SenderChannel, expect_on, next_message
 from weightsync.transports.links import socket_link
 
 __all__ = ["SPEC", "ChainReceivePlane", "ChainSendPlane", "host_store"]
+
+log = logging.getLogger(__name__)
 
 BACKEND = "gloo"
 MAX_WORLD_SIZE = 4096
@@ -309,6 +312,7 @@ class ChainSendPlane(SendPlane):
         except CollectiveError as exc:
             return self._fail_all(ordered, exc)
         self._member, self._members = _Member(group, 0, world_size, self.options.timeout), members
+        log.info("collective: formed a process group of %d ranks (the sender and its receivers)", world_size)
         return {}
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
