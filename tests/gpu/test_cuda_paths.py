@@ -3,7 +3,7 @@
 Skipped without CUDA (our CI has none); run on a GPU machine with `pytest tests/gpu`.
 A CUDA source is read through torch (device-to-host into the bucket); a contiguous CUDA
 destination is written piece by piece, host to device, straight from the transport's buffer
-(`Landing.land`/`fill`), never staged whole on the host.
+(`Landing.copy_in`/`read_in`), never staged whole on the host.
 """
 
 from __future__ import annotations
@@ -111,14 +111,14 @@ def test_cuda_destinations_are_written_piece_by_piece_with_no_host_staging(trans
 def test_a_flipped_byte_on_the_way_to_a_cuda_destination_is_caught(monkeypatch):
     """verify="bucket" hashes what landed on the device (copied back), so corruption between the
     bucket and the GPU is caught, not just corruption on the wire."""
-    real_land = Landing.land
+    real_copy_in = Landing.copy_in
 
-    def corrupting_land(self, piece, data, *, pinned=False):  # type: ignore[no-untyped-def]
-        data = data.copy()
+    def corrupting_copy_in(self, piece, data, *, pinned=False, whole=None):  # type: ignore[no-untyped-def]
+        data = data.clone() if isinstance(data, torch.Tensor) else data.copy()
         data[0] ^= 0xFF
-        return real_land(self, piece, data)
+        return real_copy_in(self, piece, data)  # a copy: neither pinned nor the transport's whole tensor
 
-    monkeypatch.setattr(Landing, "land", corrupting_land)
+    monkeypatch.setattr(Landing, "copy_in", corrupting_copy_in)
     source = {"w": torch.randn(4 * BUCKET // 4, device="cuda")}
     dest = zeros_like_all(source, "cuda")
     with (
