@@ -93,11 +93,15 @@ def tensor_digests(views: Sequence[np.ndarray]) -> list[int]:
 
 
 def content_digest(specs: Sequence[TensorSpec], tensor_digests: Sequence[int]) -> str:
-    """One digest of a whole version: every tensor's name, wire dtype, shape and xxh3-64, in
-    plan order. Independent of the bucket layout; both sides compute it, so a trainer can check
-    what a server holds against what it sent without moving the weights again."""
+    """One digest of a whole version, a value of its named tensors: xxh3-128 over every tensor's
+    name, wire dtype, shape and xxh3-64, taken in name order. Independent of the order a source
+    yields the tensors in and of the bucket layout; both sides compute it, so a trainer can check
+    what a server holds against what it sent (or against a checkpoint on disk, whose tensors come
+    in another order) without moving the weights again."""
+    if len(specs) != len(tensor_digests):
+        raise ValueError(f"{len(specs)} tensors but {len(tensor_digests)} digests")
     digest = xxhash.xxh3_128()
-    for spec, tensor_digest in zip(specs, tensor_digests, strict=True):
+    for spec, tensor_digest in sorted(zip(specs, tensor_digests, strict=True), key=lambda entry: entry[0].name):
         digest.update(f"{spec.name}\0{spec.dtype}\0{','.join(map(str, spec.shape))}\0".encode())
         digest.update(tensor_digest.to_bytes(8, "little"))
     return digest.hexdigest()

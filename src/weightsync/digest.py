@@ -1,8 +1,8 @@
 """The content digest of weights as a push would send them, computed where they are.
 
 A verified push (`verify="bucket"` or `"full"`) ends with a content digest: xxh3-128 over every
-tensor's name, wire dtype, shape and xxh3-64 (checksum.py). It does not depend on how the push cut
-the tensors into buckets. A server keeps the digest of the version it holds (`/weight_info`);
+tensor's name, wire dtype, shape and xxh3-64, in name order (checksum.py). It does not depend on
+the order the tensors were pushed in, nor on how the push cut them into buckets. A server keeps the digest of the version it holds (`/weight_info`);
 `source_digest` computes the same digest from the trainer's tensors or a checkpoint on disk,
 without sending a byte, so that what a server holds can be checked against what should be there
 (`weightsync digest`).

@@ -33,11 +33,11 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a
 chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5: `NixlTarget`
 and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the tensors
-larger than a bucket)."""
+larger than a bucket; 7: the content digest takes the tensors in name order)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -46,7 +46,8 @@ class SenderOptions:
     delta: Delta = False
     """Send receivers that hold the previous push only what changed (docs/delta.md): True, those
     reached over a network transport (tcp, collective, nixl); "all", over every transport. Costs
-    one host copy of the model in the wire dtype, and verifies every push (at least "bucket")."""
+    one host copy of the model in the wire dtype; a push some receiver may take as a patch is
+    verified at least as "bucket", any other as `verify` says."""
 
     def __post_init__(self) -> None:
         _check_timeout(self.timeout)

@@ -109,8 +109,11 @@ class WeightSender:
             that holds the previous push (verified, in destinations it can patch) gets only the
             elements whose wire bits changed; every other receiver gets the full version, in the
             same push (docs/delta.md). "all": the same over every transport. Keeps one copy of
-            the model in the wire dtype in host memory, and verifies every push (at least
-            "bucket"); the report's `mode` says what each receiver got.
+            the model in the wire dtype in host memory. A push that some receiver may take as a
+            patch is verified at least as "bucket" (a patch onto the wrong bytes must not
+            commit); one with no such receiver (delta=True, shared memory only) is verified as
+            `verify` says, like a push without delta. The report's `mode` says what each
+            receiver got.
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:

@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers import receiving, sending
 from tests.server.conftest import live_server
@@ -40,6 +42,44 @@ def test_the_content_digest_does_not_depend_on_the_bucket_layout(bucket_bytes):
     ):
         report = sender.push(source, version=1)
         assert report.ok and report.content_digest == receiver.content_digest == source_digest(source)
+
+
+@settings(max_examples=25, deadline=None)
+@given(order=st.permutations(["embed", "layer.0.w", "layer.0.b", "norm", "step"]))
+def test_the_content_digest_is_a_value_of_the_named_tensors_not_of_their_order(order):
+    weights = {
+        "embed": torch.arange(64, dtype=torch.float32).reshape(8, 8),
+        "layer.0.w": torch.ones(4, 3),
+        "layer.0.b": torch.zeros(3),
+        "norm": torch.full((5,), 0.5),
+        "step": torch.tensor([7]),
+    }
+    assert source_digest({name: weights[name] for name in order}) == source_digest(weights)
+    swapped = dict(weights, norm=weights["layer.0.b"], **{"layer.0.b": weights["norm"]})
+    assert source_digest(swapped) != source_digest(weights), "the names are part of it"
+
+
+def test_a_module_pushed_in_its_own_order_matches_its_saved_checkpoint(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import model_config
+    from weightsync import ModuleSource, TensorDictSink
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config("llama"))
+    model.save_pretrained(tmp_path)
+    pushed = ModuleSource(model)
+    names = [meta.name for meta in pushed.metas()]
+    assert names != sorted(names), "the module's order is not the checkpoint's"
+    dest = {name: torch.zeros_like(tensor) for name, tensor in pushed.tensors()}
+    with (
+        receiving(TensorDictSink(dest), "shm") as receiver,
+        sending(receiver.address, verify="bucket") as sender,
+    ):
+        report = sender.push(pushed, version=1)
+    assert report.ok
+    code, out = run(capsys, "--model", str(tmp_path))
+    assert code == 0 and out["expected"] == report.content_digest == source_digest(dest)
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:  # type: ignore[type-arg]
