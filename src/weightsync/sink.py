@@ -216,22 +216,39 @@ class StagedSink(WeightSink):
 
 
 def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bool) -> None:
-    """Raise PlanError naming every tensor of `plan` that `tensors` lacks or disagrees with."""
-    problems = []
+    """Raise PlanError naming every tensor of `plan` that `tensors` lacks or disagrees with; when
+    every disagreement is the same dtype for another, the error leads with the fix."""
+    problems: list[str] = []
+    kinds: set[tuple[str, str] | None] = set()
+    """(sent, expected) for a dtype-only disagreement; None for any other."""
     for spec in plan.tensors:
         target = tensors.get(spec.name)
         if target is None:
             problems.append(f"unknown tensor {spec.name!r}")
-        elif tuple(target.shape) != spec.shape or target.dtype != dtype_from_name(spec.dtype):
+            kinds.add(None)
+            continue
+        expected = str(target.dtype).removeprefix("torch.")
+        if tuple(target.shape) != spec.shape or target.dtype != dtype_from_name(spec.dtype):
             problems.append(
-                f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
+                f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {expected}{list(target.shape)}"
             )
+            kinds.add((spec.dtype, expected) if tuple(target.shape) == spec.shape else None)
     if strict:
-        missing = set(tensors) - {spec.name for spec in plan.tensors}
-        problems += [f"plan lacks {name!r}" for name in sorted(missing)]
-    if problems:
-        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise PlanError("plan does not match the receiver's tensors: " + "; ".join(problems[:8]) + more)
+        missing = sorted(set(tensors) - {spec.name for spec in plan.tensors})
+        problems += [f"plan lacks {name!r}" for name in missing]
+        kinds.update([None] if missing else [])
+    if not problems:
+        return
+    more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+    detail = "; ".join(problems[:8]) + more
+    (only,) = kinds if len(kinds) == 1 else (None,)
+    if only is not None:
+        sent, expected = only
+        raise PlanError(
+            f"the push sends {sent} where this receiver holds {expected} ({len(problems)} tensors, e.g. "
+            f"{problems[0]}): push {expected} (cast=torch.{expected}, or no cast) or serve a {sent} model"
+        )
+    raise PlanError("plan does not match the receiver's tensors: " + detail)
 
 
 def as_sink(sink: WeightSink | LoadFn | Mapping[str, torch.Tensor]) -> WeightSink:

@@ -393,13 +393,16 @@ def test_cast_on_send_non_contiguous_and_chunked(transport):
     assert_all_bit_exact(received, {"w": master.to(torch.float16), "keep": master[0].contiguous()})
 
 
-def test_cast_mismatching_the_destination_is_a_plan_error(transport):
-    dest = {"w": torch.zeros(4, dtype=torch.float32)}
+def test_cast_mismatching_the_destination_is_a_plan_error_that_names_the_fix(transport):
+    dest = {f"w{i}": torch.zeros(4, dtype=torch.float32) for i in range(12)}
     with receiving(dest, transport) as receiver, sending(receiver.address, cast=torch.bfloat16) as sender:
-        report = sender.push({"w": torch.ones(4)}, version=1)
+        report = sender.push({name: torch.ones(4) for name in dest}, version=1)
     assert [o.kind for o in report.failed] == ["PlanError"]
-    assert "bfloat16" in report.failed[0].error
-    assert torch.equal(dest["w"], torch.zeros(4))
+    error = report.failed[0].error
+    assert "the push sends bfloat16 where this receiver holds float32 (12 tensors" in error
+    assert "push float32 (cast=torch.float32, or no cast) or serve a bfloat16 model" in error
+    assert "\n" not in error and "(and " not in error, "one line, not a list of every tensor"
+    assert all(torch.equal(t, torch.zeros(4)) for t in dest.values())
 
 
 # --- chunking at every boundary ------------------------------------------------------------------
