@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from typing import TYPE_CHECKING
 
@@ -189,10 +190,12 @@ def run_vllm(config: ServeConfig, args: argparse.Namespace) -> int:
 
     try:
         log.info("listening on %s (503 until the vllm engine is up)", url)
-        asyncio.run(serve(config, sock, extra_args=extra, announce=announce, log_level=args.log_level))
+        caught = asyncio.run(serve(config, sock, extra_args=extra, announce=announce, log_level=args.log_level))
     finally:
         sock.close()
         gc.unfreeze()  # what preload froze is collected as usual at exit
+    if signal.SIGINT in caught:
+        raise KeyboardInterrupt  # stopped cleanly; Ctrl-C's exit status, 130, as with the hf engine
     return 0
 
 

@@ -167,7 +167,8 @@ async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[
 
 @contextlib.contextmanager
 def _signals(http: uvicorn.Server) -> Iterator[list[int]]:
-    """SIGTERM/SIGINT stop the server gracefully (exit status 0: how a server is stopped)."""
+    """SIGTERM/SIGINT stop the server gracefully; yields the signals caught (the caller turns a
+    SIGINT into the exit status of Ctrl-C, 130; SIGTERM, how a server is stopped, exits 0)."""
     loop = asyncio.get_running_loop()
     caught: list[int] = []
 
@@ -195,8 +196,9 @@ async def serve(
     announce: Callable[[str], None] = lambda address: None,
     log_level: str = "info",
     stop: asyncio.Event | None = None,
-) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(addresses)` once ready (every worker's receiver, comma-separated).
+) -> list[int]:
+    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(addresses)` once ready (every
+    worker's receiver, comma-separated). Returns the signals that stopped it (none: `stop`).
 
     Raises:
         ConfigError: vLLM refused the arguments.
@@ -215,7 +217,7 @@ async def serve(
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     )
-    with _signals(http):
+    with _signals(http) as caught:
         serving = asyncio.create_task(http.serve(sockets=[sock]))
         watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
         try:
@@ -236,6 +238,7 @@ async def serve(
                 await serving
             if watch is not None:
                 watch.cancel()
+    return caught
 
 
 async def _stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
