@@ -28,8 +28,8 @@ def push(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 @pytest.mark.fault(
     "unreachable server in a multi-server push (`weightsync push --to LIVE DEAD`)",
-    expected="the live server commits; the dead one is one line on stderr; the summary comes last and says "
-    "1 of 2; exit status 1; no traceback",
+    expected="the live server commits; the dead one is waited for a bounded while (one line says so), then "
+    "one line on stderr; the summary comes last and says 1 of 2; exit status 1; no traceback",
 )
 def test_a_dead_server_does_not_stop_the_push_to_the_others(tiny_models, capsys, observe) -> None:
     model = tiny_models["qwen2"]
@@ -37,12 +37,14 @@ def test_a_dead_server_does_not_stop_the_push_to_the_others(tiny_models, capsys,
         status, out, err = push(capsys, "--model", str(model), "--to", server.url, DEAD)
         assert status == 1, (out, err)
         assert server.client.weight_info()["version"] == 1
-        assert len(err.strip().splitlines()) == 1 and err.startswith(f"weightsync push: {DEAD}: "), err
-        assert "Connection refused" in err and "Traceback" not in err
+        waiting, failed = err.strip().splitlines()
+        assert waiting.startswith("weightsync push: waiting up to ") and f" for {DEAD}: " in waiting, err
+        assert failed.startswith(f"weightsync push: {DEAD}: ") and "Connection refused" in failed, err
+        assert "Traceback" not in err
         lines = out.strip().splitlines()
         assert lines[0] == f"{server.url}: committed version 1", out
         assert lines[-1].startswith("version 1: committed on 1 of 2 servers; "), out
-    observe(f"exit 1; stdout `{lines[0]}` then `{lines[-1][:40]}...`; stderr `{err.strip()[:90]}`")
+    observe(f"exit 1; stdout `{lines[0]}` then `{lines[-1][:40]}...`; stderr `{failed[:90]}`")
 
 
 def test_a_failed_push_reports_each_server_once_and_fails(tiny_models, capsys) -> None:
@@ -102,4 +104,40 @@ def test_json_lists_unreachable_servers_too(tiny_models, capsys) -> None:
 def test_every_server_unreachable(capsys, tmp_path: Path) -> None:
     status, out, err = push(capsys, "--model", str(tmp_path), "--to", DEAD, "http://127.0.0.1:1")
     assert status == 1 and out == ""
-    assert [line.split(": ")[1] for line in err.strip().splitlines()] == [DEAD, "http://127.0.0.1:1"]
+    failed = [line for line in err.strip().splitlines() if not line.startswith("weightsync push: waiting")]
+    assert [line.split(": ")[1] for line in failed] == [DEAD, "http://127.0.0.1:1"]
+
+
+def test_a_push_started_while_the_server_starts_commits_once_it_is_up(tiny_models, tmp_path) -> None:
+    """The server's process is started and the push at once: the port refuses connections, then
+    answers 503 while the engine loads; the push waits (saying so on one line) and commits."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from weightsync.server.client import RolloutClient
+    from weightsync.server.process import ChildProcess
+
+    model = tiny_models["qwen2"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = ChildProcess([sys.executable, "-m", "weightsync", "serve", "--model", str(model), "--port", str(port)])
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "weightsync", "push", "--model", str(model), "--to", url, "--timeout", "120"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=os.environ,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stderr.startswith(f"weightsync push: waiting up to 120 s for {url}: "), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert done.stdout.splitlines()[0] == f"{url}: committed version 1", done.stdout
+        with RolloutClient(url) as client:
+            assert client.weight_info()["version"] == 1
+    finally:
+        server.close()

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -66,10 +67,14 @@ def http_service(status: int, body: bytes, content_type: str) -> Iterator[str]:
         thread.join()
 
 
-def test_a_dead_port_is_one_line_and_status_1(capsys, tmp_path):
-    status, err = run(capsys, "push", "--model", str(tmp_path), "--to", "http://127.0.0.1:9", "--timeout", "5")
-    assert status == 1 and err.startswith("weightsync push: ") and "Connection refused" in err
-    assert_one_line(err)
+def test_a_dead_port_is_waited_for_a_bounded_while_then_one_line_and_status_1(capsys, tmp_path):
+    started = time.monotonic()
+    status, err = run(capsys, "push", "--model", str(tmp_path), "--to", "http://127.0.0.1:9", "--timeout", "2")
+    waited = time.monotonic() - started
+    waiting, failed = err.strip().splitlines()
+    assert waiting.startswith("weightsync push: waiting up to 2 s for http://127.0.0.1:9: ")
+    assert status == 1 and failed.startswith("weightsync push: ") and "Connection refused" in failed
+    assert waited < 30, "the wait is bounded"
 
 
 def test_a_service_that_is_not_weightsync_is_named(capsys, tmp_path):

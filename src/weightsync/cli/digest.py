@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 from weightsync.cli.args import add_auth_token, auth_token, positive_seconds
+from weightsync.cli.push import wait_until_up
 from weightsync.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
@@ -27,7 +29,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     digest.add_argument("--model", default=None, help="checkpoint directory (*.safetensors) to compute it from")
     digest.add_argument("--expect", default=None, metavar="HEX", help="the digest a push reported")
     digest.add_argument(
-        "--timeout", type=positive_seconds, default=60.0, help="seconds for each HTTP call (default 60)"
+        "--timeout",
+        type=positive_seconds,
+        default=60.0,
+        help="seconds any HTTP call, and the wait for servers that are starting, may last (default 60)",
     )
     add_auth_token(digest, "the servers' shared secret")
     digest.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -37,14 +42,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from weightsync.checkpoint import SafetensorsSource
     from weightsync.digest import source_digest
-    from weightsync.server.client import RolloutClient
 
     if not args.to and not args.model:
         raise ConfigError("give --to URL ... (what servers hold), --model DIR (what a push would send), or both")
     held = {}
+    ends = time.monotonic() + args.timeout
     for url in args.to:
-        with RolloutClient(url, timeout=args.timeout, auth_token=auth_token(args)) as client:
-            info = client.weight_info()
+        info = wait_until_up(url, max(0.0, ends - time.monotonic()), args.timeout, auth_token(args), "digest")
         held[url] = {"version": info["version"], "content_digest": info["content_digest"]}
     expected = args.expect
     if args.model:

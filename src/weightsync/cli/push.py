@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from weightsync.checksum import VERIFY_MODES
@@ -94,20 +95,31 @@ def run(args: argparse.Namespace) -> int:
 
 
 def ask_servers(urls: list[str], timeout: float, token: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Each server's /weight_info; the ones that did not give one, with why (one line each)."""
-    from weightsync.server.client import RolloutClient
-
+    """Each server's /weight_info, waiting up to `timeout` in all for servers that are starting
+    (one line each says so); the ones that did not give one, with why (one line each)."""
     infos: dict[str, dict[str, Any]] = {}
     unreachable: dict[str, str] = {}
+    ends = time.monotonic() + timeout
     for url in dict.fromkeys(urls):
         try:
-            with RolloutClient(url, timeout=timeout, auth_token=token) as client:
-                infos[url] = client.weight_info()
+            infos[url] = wait_until_up(url, max(0.0, ends - time.monotonic()), timeout, token, "push")
         except ConfigError:  # a malformed URL: a usage error, before any byte moves
             raise
         except Exception as exc:
             unreachable[url] = describe(exc, "push")[1]
     return infos, unreachable
+
+
+def wait_until_up(url: str, wait_s: float, timeout: float, token: str | None, command: str) -> dict[str, Any]:
+    """`url`'s /weight_info once it is up (`RolloutClient.wait_until_up`), saying on one line
+    what it waits for."""
+    from weightsync.server.client import RolloutClient
+
+    def waiting(why: str) -> None:
+        print(f"weightsync {command}: waiting up to {wait_s:.0f} s for {url}: {why}", file=sys.stderr, flush=True)
+
+    with RolloutClient(url, timeout=timeout, auth_token=token) as client:
+        return client.wait_until_up(wait_s, waiting)
 
 
 def choose_version(asked: int | None, infos: dict[str, dict[str, Any]], allow_older: bool) -> int:

@@ -7,6 +7,8 @@ is not a JSON object).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,6 +17,13 @@ from weightsync.auth import resolve_token
 from weightsync.errors import ConfigError, ServerError
 
 __all__ = ["RolloutClient", "ServerError"]
+
+STARTING_POLL_S = 0.5
+"""How often `wait_until_up` asks a server that is starting."""
+REFUSED_GRACE_S = 10.0
+"""How long `wait_until_up` retries a port that refuses connections: a server process binds its
+port within seconds of starting (before its engine loads), so a port still closed after this is
+no server at all."""
 
 
 class RolloutClient:
@@ -46,6 +55,33 @@ class RolloutClient:
         if not {"version", "addresses", "content_digest", "last_sync"} <= info.keys():
             raise ServerError(0, f"{self.base_url}/weight_info is not a weightsync rollout server's answer")
         return info
+
+    def wait_until_up(self, timeout: float, waiting: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """The server's /weight_info once it is up. A server that answers 503 (it is starting, its
+        engine loads) is asked again every half second for up to `timeout` seconds, and a port
+        that refuses connections (a server process that has not bound it yet) for up to
+        `REFUSED_GRACE_S` of them; `waiting(why)` hears once what it is waiting for.
+
+        Raises:
+            ServerError: any other answer at once; else the last answer once the wait is over.
+        """
+        started = time.monotonic()
+        ends = started + timeout
+        told = False
+        while True:
+            try:
+                return self.weight_info()
+            except ServerError as exc:
+                refused = exc.status == 0 and isinstance(exc.__cause__, httpx.ConnectError)
+                if not (exc.status == 503 or refused):
+                    raise
+                now = time.monotonic()
+                if now >= ends or (refused and now >= started + REFUSED_GRACE_S):
+                    raise ServerError(exc.status, f"not up after {now - started:.0f} s: {exc}") from exc
+                if waiting is not None and not told:
+                    waiting(str(exc))
+                    told = True
+                time.sleep(max(0.0, min(STARTING_POLL_S, ends - time.monotonic())))
 
     def completions(self, prompt: Any, **fields: Any) -> dict[str, Any]:
         """POST /v1/completions; each choice lists its token ids (vLLM's server only when asked)."""
