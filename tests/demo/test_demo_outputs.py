@@ -109,6 +109,9 @@ def test_the_readme_exercise_serves_pushes_and_checks_the_trained_policy(trained
     assert "version 1: committed on 1 of 1 servers" in done.stdout, done.stdout
     assert re.search(r"version 1 [0-9a-f]{32} match", done.stdout), done.stdout
     assert re.search(r'"token_ids":\[\d+,\d+,\d+,\d+\]', done.stdout), done.stdout
+    # chat works too (the policy's chat template): the same answer as the completion's
+    text, content = re.search(r'"text":"([^"]*)"', done.stdout), re.search(r'"content":"([^"]*)"', done.stdout)
+    assert text and content and content.group(1) == text.group(1), done.stdout
 
 
 RECORDS = [

@@ -8,6 +8,7 @@ is one more param of `engine`, with its skip marks).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
 from collections.abc import Iterator
@@ -19,11 +20,12 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import WAIT_S, wait_until
-from tests.models import save_tokenizer
+from tests.models import CHAT_TEMPLATE, save_tokenizer
 from tests.server.conftest import LiveServer, live_server
-from weightsync import WeightSender
+from weightsync import ConfigError, WeightSender
 from weightsync.engines.hf import HFEngine
 from weightsync.server import runtime
+from weightsync.server.runtime import ServeConfig
 
 openai = pytest.importorskip("openai")
 
@@ -243,6 +245,30 @@ def test_chat_without_a_chat_template_is_a_clear_400(tiny_models, tmp_path, engi
         message = error_of(raised, 400, "BadRequestError")["message"]
         assert ("no chat template" if tokenizer == "no chat template" else "has no tokenizer") in message
         assert client.completions.create(model=MODEL, prompt=[5, 6], max_tokens=2).model_extra["weight_version"] == 0
+
+
+def test_a_chat_template_file_serves_chat_for_a_model_without_one(tiny_models, tmp_path, engine, caplog) -> None:
+    model = tmp_path / MODEL
+    shutil.copytree(tiny_models["qwen2"], model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (model / name).unlink(missing_ok=True)
+    save_tokenizer(model, chat_template=None)
+    with caplog.at_level(logging.WARNING, logger="weightsync"), live_server(model, engine=engine, load_format="auto"):
+        pass
+    named = [r.getMessage() for r in caplog.records if "has no chat template" in r.getMessage()]
+    assert named == [
+        f"{model}: the tokenizer has no chat template: /v1/chat/completions answers 400 (give --chat-template FILE)"
+    ]
+    template = tmp_path / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    with (
+        live_server(model, engine=engine, load_format="auto", chat_template=str(template)) as server,
+        client_for(server) as client,
+    ):
+        answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+        assert answer.choices[0].message.role == "assistant" and answer.model_extra["weight_version"] == 0
+    with pytest.raises(ConfigError, match="is not a file"):
+        ServeConfig(model=str(model), chat_template=str(tmp_path / "missing.jinja"))
 
 
 class FailingEngine(HFEngine):

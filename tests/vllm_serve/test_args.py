@@ -46,3 +46,17 @@ def test_what_vllm_refuses_a_replaced_backend_and_replicas_are_config_errors(con
         vllm_namespace(config, ["--weight-transfer-config", '{"backend": "nccl"}'])
     with pytest.raises(ConfigError, match="one weightsync serve per replica"):
         vllm_namespace(config, ["--data-parallel-size", "2"])
+
+
+def test_a_chat_template_file_reaches_vllm_once(config: ServeConfig, tmp_path: Path) -> None:
+    import dataclasses
+
+    from weightsync.integrations.vllm.launch import vllm_namespace
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    templated = dataclasses.replace(config, chat_template=str(template))
+    assert vllm_namespace(templated).chat_template == str(template)
+    assert vllm_namespace(config).chat_template is None
+    with pytest.raises(ConfigError, match="give the chat template once"):
+        vllm_namespace(templated, ["--chat-template", str(template)])

@@ -78,6 +78,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "model's context, at least 1 MiB)",
     )
     serve.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template for /v1/chat/completions, instead of the tokenizer's (default: the "
+        "tokenizer's; a model without one is named at start-up)",
+    )
+    serve.add_argument(
         "--vllm-args",
         default="",
         help='more `vllm serve` arguments for --engine vllm, as one string (e.g. "--max-model-len 4096 '
@@ -120,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         staged=args.staged,
         max_request_bytes=args.max_request_bytes,
+        chat_template=args.chat_template,
     )
     if args.engine == "vllm":
         return run_vllm(config, args)

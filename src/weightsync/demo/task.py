@@ -47,9 +47,18 @@ def sample_digits(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(10) for _ in range(count)]
 
 
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
+"""The policy's chat template: a chat is its user turns' text, which for this task is a prompt
+("3="): /v1/chat/completions answers what /v1/completions would. The tokenizer has no other
+characters to render roles with."""
+
+
 def save_tokenizer(path: Path) -> None:
-    """The task's character tokenizer, saved where a rollout server loads it from."""
-    save_char_tokenizer(path, VOCAB)
+    """The task's character tokenizer, with its chat template, saved where a rollout server loads
+    it from."""
+    save_char_tokenizer(path, VOCAB, CHAT_TEMPLATE)
 
 
 def save_char_tokenizer(path: Path, vocab: dict[str, int], chat_template: str | None = None) -> None:

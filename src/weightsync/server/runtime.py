@@ -23,7 +23,7 @@ from weightsync.server.body_limit import default_max_request_bytes
 from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.sync import ServerSink
-from weightsync.server.warmup import load_tokenizer, warm_up
+from weightsync.server.warmup import NO_CHAT_TEMPLATE, load_tokenizer, warm_up
 from weightsync.transports import get_transport, serving_transports
 
 __all__ = [
@@ -98,6 +98,8 @@ class ServeConfig:
             a storage swap; vLLM: a reload from host memory); the engine serves during the transfer.
         max_request_bytes: the largest HTTP request body accepted, checked before it is parsed
             (None: 256 bytes per token of the model's context, at least 1 MiB).
+        chat_template: a Jinja chat template file, used instead of the tokenizer's own (None:
+            the tokenizer's; a server whose tokenizer has none says so at start-up).
     """
 
     model: str
@@ -117,6 +119,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     staged: bool = False
     max_request_bytes: int | None = None
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
@@ -142,6 +145,8 @@ class ServeConfig:
         limit = self.max_request_bytes
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1024):
             raise ConfigError(f"max_request_bytes must be an integer of at least 1024, got {limit!r}")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"chat template {self.chat_template!r} is not a file")
 
     @property
     def receiver_options(self) -> ReceiverOptions:
@@ -212,10 +217,12 @@ class RolloutServer:
 
     def __init__(self, config: ServeConfig, engine: Engine | None = None) -> None:
         self.config = config
-        self.tokenizer, self.no_tokenizer = load_tokenizer(config.model)
+        self.tokenizer, self.no_tokenizer = load_tokenizer(config.model, config.chat_template)
         """The model's tokenizer, or None and why: then text prompts are refused (token ids work)."""
         if self.tokenizer is None:
             log.warning("%s: text prompts will be refused; prompts of token ids are served", self.no_tokenizer)
+        elif not self.tokenizer.chat_template:
+            log.warning(NO_CHAT_TEMPLATE, config.model)
         self.engine = engine or build_engine(config.engine, config.model, config.load_format, config.staged)
         try:
             warm_up(self.engine, config.model)

@@ -17,7 +17,7 @@ from typing import Any
 from weightsync.engines.base import Engine, SamplingParams
 from weightsync.errors import ConfigError
 
-__all__ = ["TOKENIZER_FILES", "WARM_UP_MAX_STEPS", "load_tokenizer", "warm_up"]
+__all__ = ["NO_CHAT_TEMPLATE", "TOKENIZER_FILES", "WARM_UP_MAX_STEPS", "load_tokenizer", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +31,27 @@ WARM_UP_MAX_STEPS = 64
 WARM_UP_ID = "weightsync-warm-up"
 
 
-def load_tokenizer(model_dir: str | Path) -> tuple[Any, str]:
-    """The model's tokenizer, or (None, why there is none): then text prompts are refused."""
+NO_CHAT_TEMPLATE = (
+    "%s: the tokenizer has no chat template: /v1/chat/completions answers 400 (give --chat-template FILE)"
+)
+"""The one start-up line of a server whose model cannot chat (%s: the model directory)."""
+
+
+def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = None) -> tuple[Any, str]:
+    """The model's tokenizer, with the Jinja template in the file `chat_template` as its chat
+    template when given; or (None, why there is none): then text prompts are refused."""
     from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         return None, f"{model_dir} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
     try:
-        return AutoTokenizer.from_pretrained(model_dir), ""
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
         return None, f"the tokenizer in {model_dir} does not load: {exc}"
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    return tokenizer, ""
 
 
 def warm_up(engine: Engine, model: str) -> None:

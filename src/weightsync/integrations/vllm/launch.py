@@ -57,6 +57,10 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
         config.host,
     ]
     given = " ".join(extra)
+    if config.chat_template is not None:
+        if "--chat-template" in given:
+            raise ConfigError("give the chat template once: --chat-template, or in --vllm-args")
+        argv += ["--chat-template", config.chat_template]
     if "--enforce-eager" not in given and "compilation" not in given:
         argv.append("--enforce-eager")  # compiling takes minutes on CPU; opt in with --vllm-args
     if "--kv-cache-memory-bytes" not in given and "--gpu-memory-utilization" not in given:

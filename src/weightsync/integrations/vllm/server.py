@@ -50,6 +50,7 @@ from weightsync.server.body_limit import BodyLimit
 from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.runtime import AUTO_VERSION, Health, ServeConfig
+from weightsync.server.warmup import NO_CHAT_TEMPLATE, load_tokenizer
 
 __all__ = ["serve"]
 
@@ -205,6 +206,10 @@ async def serve(
         ResourceError: the engine or the receiver could not start.
     """
     args = vllm_namespace(config, extra_args)
+    if config.chat_template is None and not args.chat_template:
+        tokenizer, _ = load_tokenizer(config.model)
+        if tokenizer is not None and not tokenizer.chat_template:
+            log.warning(NO_CHAT_TEMPLATE, config.model)
     if config.auth_token is not None:  # vLLM's workers inherit it: their receivers require it
         os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
     front = _Front()
