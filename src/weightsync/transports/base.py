@@ -187,12 +187,3 @@ class TransportSpec:
 
 def fail_all(live: Sequence[str], error: WeightSyncError) -> Failures:
     return dict.fromkeys(live, error)
-
-
-def merge(*failures: Mapping[str, WeightSyncError]) -> Failures:
-    """The first failure recorded for each receiver wins."""
-    merged: Failures = {}
-    for step in failures:
-        for address, error in step.items():
-            merged.setdefault(address, error)
-    return merged
