@@ -33,7 +33,14 @@ def start_demo(out: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         env=os.environ | {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"},
+        preexec_fn=default_sigint,
     )
+
+
+def default_sigint() -> None:
+    """Run by the child before Python starts: a shell's background job (`cmd &`, as CI may be
+    started) ignores SIGINT, and a Python started so never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def training(out: Path) -> bool:

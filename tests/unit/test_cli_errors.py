@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -229,6 +230,7 @@ def test_ctrl_c_on_serve_is_one_line_and_130_sigterm_a_clean_stop(tmp_path, engi
         stderr=subprocess.PIPE,
         text=True,
         env=os.environ | {"PYTHONPATH": SRC, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job ignores SIGINT
     )
     assert serve.stdout is not None
     for line in serve.stdout:  # vLLM logs there too
