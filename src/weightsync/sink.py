@@ -239,8 +239,6 @@ def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bo
         kinds.update([None] if missing else [])
     if not problems:
         return
-    more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-    detail = "; ".join(problems[:8]) + more
     (only,) = kinds if len(kinds) == 1 else (None,)
     if only is not None:
         sent, expected = only
@@ -248,7 +246,8 @@ def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bo
             f"the push sends {sent} where this receiver holds {expected} ({len(problems)} tensors, e.g. "
             f"{problems[0]}): push {expected} (cast=torch.{expected}, or no cast) or serve a {sent} model"
         )
-    raise PlanError("plan does not match the receiver's tensors: " + detail)
+    more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
+    raise PlanError("plan does not match the receiver's tensors: " + "; ".join(problems[:8]) + more)
 
 
 def as_sink(sink: WeightSink | LoadFn | Mapping[str, torch.Tensor]) -> WeightSink:
