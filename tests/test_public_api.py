@@ -14,6 +14,8 @@ import weightsync
 from weightsync import ConfigError, ResourceError, WeightReceiver, WeightSender
 
 EXPECTED = [
+    "Adapter",
+    "AdapterSink",
     "AuthError",
     "ChecksumError",
     "CollectiveError",
@@ -49,6 +51,7 @@ EXPECTED = [
     "WeightSource",
     "WeightSyncError",
     "__version__",
+    "adapter_from_peft",
     "auto_bucket_bytes",
     "build_plan",
     "min_bucket_bytes",

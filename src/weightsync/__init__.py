@@ -27,6 +27,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.hf_checkpoint import HFCheckpointSource
+from weightsync.lora import Adapter, AdapterSink, adapter_from_peft
 from weightsync.messages import Plan
 from weightsync.module_source import ModuleSource
 from weightsync.options import ReceiverOptions, SenderOptions
@@ -55,6 +56,8 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Adapter",
+    "AdapterSink",
     "AuthError",
     "ChecksumError",
     "CollectiveError",
@@ -90,6 +93,7 @@ __all__ = [
     "WeightSource",
     "WeightSyncError",
     "__version__",
+    "adapter_from_peft",
     "auto_bucket_bytes",
     "build_plan",
     "min_bucket_bytes",

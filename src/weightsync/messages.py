@@ -12,6 +12,7 @@ import msgspec
 __all__ = [
     "Abort",
     "Accept",
+    "Adapter",
     "BucketData",
     "BucketDone",
     "BucketReady",
@@ -33,11 +34,12 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a
 chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5: `NixlTarget`
 and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the tensors
-larger than a bucket; 7: the content digest takes the tensors in name order)."""
+larger than a bucket; 7: the content digest takes the tensors in name order; 8: an `Offer` may
+carry a LoRA `Adapter`)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -154,6 +156,20 @@ class Group(msgspec.Struct, frozen=True, tag=True):
     backend: str
 
 
+class Adapter(msgspec.Struct, frozen=True):
+    """A LoRA adapter: what a push of its tensors (PEFT's names, `...lora_A.weight` and
+    `...lora_B.weight` of each target module) needs besides them to be served on a base model."""
+
+    name: str
+    """The name requests ask for it by (the OpenAI `model` field)."""
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+    """The last component of every module the adapter targets (`q_proj`, ...), sorted."""
+    use_rslora: bool = False
+    """Scale by alpha / sqrt(rank) instead of alpha / rank."""
+
+
 class Offer(msgspec.Struct, frozen=True, tag=True):
     """Sender -> receiver: the plan of version `version`; receivers accept or fail."""
 
@@ -165,6 +181,9 @@ class Offer(msgspec.Struct, frozen=True, tag=True):
     base: str = ""
     """For a delta sync: the content digest of the version the plan's patches apply to, which
     the receiver must hold; "" for a full sync."""
+    adapter: Adapter | None = None
+    """The plan is version `version` of this LoRA adapter, served on top of the base weights,
+    which it leaves as they are; None: the plan is the base weights."""
 
 
 class Accept(msgspec.Struct, frozen=True, tag=True):

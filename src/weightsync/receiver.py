@@ -6,6 +6,7 @@ The receive loop is the mirror of `WeightSender.push`, one per connected sender:
     handshake   Hello -> Welcome (+ the sender's Auth)
     setup       the data plane takes what the sender sets up between syncs (a ring to map)
     sync        Offer -> begin (check the plan, sink.begin) -> Accept
+                (an Offer of a LoRA adapter lands in `sink.adapter_sink(adapter)` instead)
                 for each bucket k: data_plane.receive(k, landing)
                 data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
                 any failure -> abort (sink.abort, told whether the served weights are intact)
@@ -261,7 +262,7 @@ class WeightReceiver:
             commit = expect_on(link, Commit, self._timeout)
             committing = time.perf_counter()
             self.commit(landing, commit)
-            times = _times(landing, self._sink, started, committing)
+            times = _times(landing, landing.sink, started, committing)
             self._set(times=times)
             base = self._base
             if landing.arena_unused:  # its tensors are lent from the ring now: no need to keep it
@@ -312,9 +313,10 @@ class WeightReceiver:
             self._set(last_error=f"sync of version {offer.version} failed: {exc}")
             self._busy.release()
             raise
-        self._before_sync = self._status.state
-        self._base = ""  # every sync writes destinations: nothing to patch until it commits
-        self._set(state="syncing")
+        if offer.adapter is None:  # an adapter sync leaves the base weights, and so the state, as they are
+            self._before_sync = self._status.state
+            self._base = ""  # every sync writes destinations: nothing to patch until it commits
+            self._set(state="syncing")
         return landing
 
     def _begin(self, offer: Offer) -> Landing:
@@ -328,16 +330,20 @@ class WeightReceiver:
                 f"version {offer.version} is a patch onto content {offer.base}; this receiver holds "
                 f"{self._base or 'no version a patch can be applied to'}"
             )
+        sink = self._sink
+        if offer.adapter is not None:
+            if offer.base:
+                raise PlanError(f"adapter {offer.adapter.name!r} version {offer.version} cannot travel as a patch")
+            with sink_errors("adapter_sink"):
+                sink = self._sink.adapter_sink(offer.adapter)
         with sink_errors("begin"):
-            self._sink.begin(offer.plan, offer.version)
+            sink.begin(offer.plan, offer.version)
         try:
             verify = check_verify(offer.verify)
-            return Landing(
-                offer.plan, self._sink, offer.version, offer.digest, verify, self._staging, delta=bool(offer.base)
-            )
+            return Landing(offer.plan, sink, offer.version, offer.digest, verify, self._staging, delta=bool(offer.base))
         except BaseException as exc:  # the sink began: it must hear that the sync is off
             with contextlib.suppress(Exception):
-                self._sink.abort(offer.version, exc, intact=True)
+                sink.abort(offer.version, exc, intact=True)
             raise
 
     def commit(self, landing: Landing, commit: Commit) -> None:
@@ -345,10 +351,14 @@ class WeightReceiver:
         try:
             content = self._verified_content(landing, commit)
             with sink_errors("commit"):  # like every other hook: the sink's error fails this sync cleanly
-                self._sink.commit(commit.version)
+                landing.sink.commit(commit.version)
         except BaseException as exc:
             self._finish_abort(landing, exc)
             raise
+        if self._adapter(landing):
+            self._set(last_error="")
+            self._busy.release()
+            return
         self._base = content if landing.patchable else ""
         mode = "delta" if landing.delta else "full"
         self._set(state="ready", version=commit.version, content_digest=content, last_error="", mode=mode)
@@ -382,18 +392,24 @@ class WeightReceiver:
             self._finish_abort(landing, error)
 
     def _finish_abort(self, landing: Landing, error: BaseException) -> None:
-        intact = not (landing.touched_live or self._sink.wrote_live())
+        intact = not (landing.touched_live or landing.sink.wrote_live())
         try:
-            self._sink.abort(landing.version, error, intact=intact)
+            landing.sink.abort(landing.version, error, intact=intact)
         except Exception:  # the sink failing to abort must not hide the original error
             log.exception("sink.abort raised")
         last_error = f"sync of version {landing.version} failed: {error}"
         log.warning("%s", last_error)
-        if intact:
+        if self._adapter(landing):
+            self._set(last_error=last_error)
+        elif intact:
             self._set(state=self._before_sync, last_error=last_error)
         else:
             self._set(state="dirty", version=None, content_digest="", last_error=last_error)
         self._busy.release()
+
+    def _adapter(self, landing: Landing) -> bool:
+        """Whether `landing` is an adapter's sync (it lands in the sink `adapter_sink` gave)."""
+        return landing.sink is not self._sink
 
     # --- lifecycle ------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.delta import Baseline, Diff, Step, settled
 from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
-from weightsync.messages import Abort, Commit, Committed, Offer, Plan, TensorSpec, Welcome
+from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
 from weightsync.plan import build_plan, dense_nbytes, plan_digest, tensor_nbytes, wire_specs
@@ -151,7 +151,9 @@ class WeightSender:
     def addresses(self) -> list[str]:
         return list(self._addresses)
 
-    def push(self, tensors: Any, version: int, *, deadline: float | None = None) -> SyncReport:
+    def push(
+        self, tensors: Any, version: int, *, deadline: float | None = None, adapter: Adapter | None = None
+    ) -> SyncReport:
         """Send `tensors` to every receiver as weight version `version`.
 
         Args:
@@ -160,6 +162,9 @@ class WeightSender:
             version: the weight version receivers will report once committed.
             deadline: seconds the whole push may take, or None for no bound beyond `timeout` on
                 every single wait. A push past its deadline aborts on every receiver.
+            adapter: `tensors` are a LoRA adapter's (PEFT's names; `lora.adapter_from_peft`),
+                and `version` is a version of this adapter, served by its name on top of the
+                base weights, which stay as they are. Always sent whole (never as a delta).
 
         Returns:
             A SyncReport; `report.ok` is True when every receiver committed.
@@ -177,6 +182,8 @@ class WeightSender:
             isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or deadline <= 0
         ):
             raise ConfigError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
+        if adapter is not None and not isinstance(adapter, Adapter):
+            raise ConfigError(f"adapter must be a weightsync.Adapter or None, got {type(adapter).__name__}")
         source = as_source(tensors)
         metas = source.metas()
         specs = wire_specs(metas, self.options.cast)
@@ -189,7 +196,7 @@ class WeightSender:
         bucket_bytes = self._agree_bucket_bytes(largest, full_bytes, welcomes, failures)
         reachable = [address for address in self._addresses if address in welcomes and address not in failures]
         takers = [a for route in self._routes if route.patches for a in route.addresses if a in reachable]
-        step = self._next_step(takers, welcomes)
+        step = self._next_step(takers, welcomes) if adapter is None else "plain"
         diff = None
         if self._baseline is not None and step == "diff":
             diff = self._baseline.diff(specs, source)
@@ -214,7 +221,7 @@ class WeightSender:
         committed: dict[str, Committed] = {}
         contents = []
         for delivery in deliveries:
-            replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures)
+            replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures, adapter)
             failures |= failed
             committed |= replies
             contents.append(content)
@@ -268,6 +275,7 @@ class WeightSender:
         ends: float | None,
         welcomes: Mapping[str, Welcome],
         failures: Failures,
+        adapter: Adapter | None,
     ) -> tuple[dict[str, Committed], Failures, str]:
         """One plan to its receivers: offer, buckets, commit. Returns the receivers that
         committed (their replies), those that failed in it, and the content digest committed
@@ -275,7 +283,7 @@ class WeightSender:
         plan = delivery.plan
         digest = plan_digest(plan)
         failures = dict(failures)
-        offer = Offer(version, plan, digest, verify, delivery.base)
+        offer = Offer(version, plan, digest, verify, delivery.base, adapter)
 
         def live(route: Route) -> list[str]:
             return [a for a in route.live(failures, welcomes) if a in delivery.addresses]

@@ -15,7 +15,7 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
-from weightsync.messages import Plan
+from weightsync.messages import Adapter, Plan
 from weightsync.plan import tensor_nbytes
 
 __all__ = [
@@ -94,6 +94,11 @@ class WeightSink:
         are still the previous version, untouched; False when the sync partly overwrote them
         (the receiver now reports itself dirty until the next good sync)."""
 
+    def adapter_sink(self, adapter: Adapter) -> WeightSink:
+        """The sink a sync of LoRA adapter `adapter` lands in (lora.AdapterSink), for an engine
+        that serves adapters; PlanError to refuse it."""
+        raise PlanError(f"this receiver serves no LoRA adapters; adapter {adapter.name!r} refused")
+
 
 class WrappingSink(WeightSink):
     """A sink around another that pauses or reports around it (a rollout server's): it lands
@@ -115,6 +120,9 @@ class WrappingSink(WeightSink):
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.inner.load(named_tensors)
+
+    def adapter_sink(self, adapter: Adapter) -> WeightSink:
+        return self.inner.adapter_sink(adapter)
 
 
 class CallableSink(WeightSink):

@@ -28,6 +28,7 @@ from tests.helpers import (
     WAIT_S,
     Recorder,
     assert_all_bit_exact,
+    assert_bit_exact,
     installed,
     non_contiguous,
     random_tensor,
@@ -39,15 +40,21 @@ from tests.helpers import (
 from tests.peer_process import SenderProcess
 from tests.peer_process import sending as sending_from_either
 from weightsync import (
+    Adapter,
+    AdapterSink,
+    Plan,
     PlanError,
     SinkTraits,
     StateDictSource,
     SyncFailed,
+    TensorDictSink,
     TensorMeta,
     WeightReceiver,
     WeightSender,
     WeightSink,
 )
+from weightsync.digest import source_digest
+from weightsync.lora import check_lora
 from weightsync.transports import get_transport, links
 from weightsync.wire import Connection
 
@@ -1050,3 +1057,64 @@ def test_failed_sync_into_a_live_loader_leaves_the_receiver_dirty(transport):
         report = sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=2)
         assert report.failed[0].kind == "SinkError"
         assert receiver.state == "dirty" and receiver.version is None
+
+
+# --- LoRA adapters: a sync of their own, beside the base weights ------------------------------------
+
+LORA = {
+    "base_model.model.layer.lora_A.weight": (4, 8),
+    "base_model.model.layer.lora_B.weight": (6, 4),
+}
+
+
+class AdapterServingSink(TensorDictSink):
+    """Base weights in place, and adapters kept whole as they are installed."""
+
+    def __init__(self, base: dict[str, torch.Tensor]) -> None:
+        super().__init__(base)
+        self.installed: list[tuple[Adapter, int, dict[str, torch.Tensor]]] = []
+
+    def adapter_sink(self, adapter: Adapter) -> WeightSink:
+        def check(plan: Plan, adapter: Adapter) -> None:
+            check_lora(plan, adapter, {"layer": (8, 6)}, max_rank=4)
+
+        def install(adapter: Adapter, version: int, tensors: dict[str, torch.Tensor]) -> None:
+            self.installed.append((adapter, version, {name: t.clone() for name, t in tensors.items()}))
+
+        return AdapterSink(adapter, check, install)
+
+
+def test_an_adapter_lands_whole_and_leaves_the_base_weights_as_they_are(transport: str) -> None:
+    base = {"layer.weight": random_tensor(torch.float32, (6, 8), seed=1)}
+    lora = {name: random_tensor(torch.float32, shape, seed=2) for name, shape in LORA.items()}
+    adapter = Adapter("policy", 4, 8.0, ("layer",))
+    sink = AdapterServingSink({"layer.weight": torch.zeros(6, 8)})
+    with receiving(sink, transport) as receiver, sending(receiver.address, verify="bucket") as sender:
+        assert sender.push(base, version=1).ok
+        before = receiver.status
+        report = sender.push(lora, version=5, adapter=adapter)
+        assert report.ok
+        assert report.content_digest == (source_digest(lora) if get_transport(transport).has_wire else "")
+        ((got_adapter, version, tensors),) = sink.installed
+        assert (got_adapter, version) == (adapter, 5)
+        assert_all_bit_exact(tensors, lora)
+        assert_bit_exact(sink.tensors["layer.weight"], base["layer.weight"])
+        after = receiver.status  # what it holds is the base weights', as before; `times` is the last sync's
+        assert (after.version, after.state, after.content_digest) == (
+            before.version,
+            before.state,
+            before.content_digest,
+        )
+
+        wrong_rank = Adapter("policy", 2, 4.0, ("layer",))
+        refused = sender.push(lora, version=6, adapter=wrong_rank)
+        assert not refused.ok and refused.failed[0].kind == "PlanError" and "rank 2" in refused.failed[0].error
+        assert len(sink.installed) == 1 and (receiver.version, receiver.state) == (1, "ready")
+
+
+def test_a_receiver_that_serves_no_adapters_refuses_them(transport: str) -> None:
+    lora = {name: random_tensor(torch.float32, shape) for name, shape in LORA.items()}
+    with receiving({"layer.weight": torch.zeros(6, 8)}, transport) as receiver, sending(receiver.address) as sender:
+        report = sender.push(lora, version=1, adapter=Adapter("policy", 4, 8.0, ("layer",)))
+        assert not report.ok and "serves no LoRA adapters" in report.failed[0].error
+        assert (receiver.version, receiver.state) == (None, "empty")

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from typing import Literal
 
 from weightsync.errors import RequestError
+from weightsync.lora import ServedAdapter
 from weightsync.sink import WeightSink
 
 __all__ = ["Engine", "LoadFormat", "SamplingParams", "StepOutput", "check_request"]
@@ -34,6 +35,8 @@ class SamplingParams:
         seed: per-request seed for sampling (ignored when greedy).
         logprobs: return the chosen token's logprob (and this many top alternatives) when not None.
         stop_token_ids: token ids that end the completion (the model's EOS is added by the engine).
+        adapter: the LoRA adapter to generate with, by name (its newest version when the request
+            is admitted, for the whole request), or None for the base weights alone.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    adapter: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,6 +59,8 @@ class StepOutput:
     new_top_logprobs: list[dict[int, float]] | None = None
     """Per new token, when `logprobs` >= 1: token id -> logprob of the `logprobs` most likely
     tokens at that position, plus the chosen one."""
+    adapter_version: int | None = None
+    """The version of the adapter the request runs with (`SamplingParams.adapter`), else None."""
 
 
 class Engine(ABC):
@@ -94,6 +100,10 @@ class Engine(ABC):
     @abstractmethod
     def weight_bytes(self) -> int:
         """Bytes of model weights the engine holds (to show the server holds no second copy)."""
+
+    def adapters(self) -> tuple[ServedAdapter, ...]:
+        """The LoRA adapters served (readable from any thread); none for an engine without them."""
+        return ()
 
     def close(self) -> None:  # noqa: B027 (optional hook: engines without resources need not override)
         """Release the model and its caches."""

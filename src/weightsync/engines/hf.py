@@ -16,8 +16,10 @@ from typing import Any
 import torch
 
 from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
+from weightsync.engines.hf_lora import LoraServing
 from weightsync.engines.hf_sink import InPlaceModelSink
 from weightsync.errors import ConfigError
+from weightsync.lora import AdapterVersion, ServedAdapter
 
 __all__ = ["HFEngine", "build_model"]
 
@@ -53,6 +55,7 @@ class _Request:
     next_input: torch.Tensor  # the prompt before the first step, then the last token
     generator: torch.Generator | None
     stop_ids: frozenset[int]
+    adapter: AdapterVersion | None
     cache: Any = None
     num_generated: int = 0
 
@@ -65,18 +68,32 @@ class HFEngine(Engine):
         load_format: "dummy" (serve nothing until a sync commits) or "auto".
         staged: land syncs in a standby copy of the weights and swap it in at commit, so a
             failed sync never touches the served weights (costs one more copy in memory).
+        max_lora_rank: the largest rank of a LoRA adapter pushed to it (served through PEFT).
+        lora_versions: versions of each adapter kept resident (a request runs to its end on
+            the version it started with, even when older).
     """
 
     name = "hf"
 
-    def __init__(self, model_dir: str | Path, load_format: LoadFormat = "dummy", staged: bool = False) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        load_format: LoadFormat = "dummy",
+        staged: bool = False,
+        *,
+        max_lora_rank: int = 64,
+        lora_versions: int = 2,
+    ) -> None:
         self.model = build_model(model_dir, load_format)
         self._eos_ids = _eos_ids(self.model)
         self._vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_model_len: int = getattr(self.model.config, "max_position_embeddings", None) or 2048
         """Longest prompt + completion: the model's context (its max_position_embeddings)."""
         self._requests: dict[str, _Request] = {}
+        # the base weights' names, taken before any adapter wraps a layer (PEFT renames them)
         self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True), staged=staged)
+        self._lora = LoraServing(self.model, keep=lora_versions, max_rank=max_lora_rank)
+        self._sink.serve_adapters(self._lora.sink)
 
     @classmethod
     def preload(cls, model_dir: str) -> None:
@@ -103,12 +120,14 @@ class HFEngine(Engine):
                 generator.manual_seed(params.seed)
             else:
                 generator.seed()
+        adapter = None if params.adapter is None else self._lora.pin(params.adapter)
         self._requests[request_id] = _Request(
             request_id,
             params,
             torch.tensor([prompt_token_ids], dtype=torch.long),
             generator,
             self._eos_ids | frozenset(params.stop_token_ids),
+            adapter,
         )
 
     def step(self) -> list[StepOutput]:
@@ -116,6 +135,8 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def _advance(self, request: _Request) -> StepOutput:
+        adapter = request.adapter
+        self._lora.activate(None if adapter is None else adapter.engine_id)
         out = self.model(input_ids=request.next_input, past_key_values=request.cache, use_cache=True)
         request.cache = out.past_key_values
         logits = out.logits[0, -1].float()
@@ -135,7 +156,7 @@ class HFEngine(Engine):
         elif request.num_generated >= request.params.max_tokens:
             reason = "length"
         if reason is not None:
-            del self._requests[request.request_id]
+            self._drop(request.request_id)
         return StepOutput(
             request.request_id,
             [token],
@@ -143,10 +164,16 @@ class HFEngine(Engine):
             reason is not None,
             reason,
             None if top is None else [top],
+            None if adapter is None else adapter.version,
         )
 
     def abort(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        self._drop(request_id)
+
+    def _drop(self, request_id: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.adapter is not None:
+            self._lora.release(request.adapter.engine_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -161,8 +188,12 @@ class HFEngine(Engine):
             seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
+    def adapters(self) -> tuple[ServedAdapter, ...]:
+        return self._lora.snapshot
+
     def close(self) -> None:
-        self._requests.clear()
+        for request_id in list(self._requests):
+            self._drop(request_id)
 
 
 def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:

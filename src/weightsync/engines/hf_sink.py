@@ -8,13 +8,13 @@ any of them, or all of them, but must send at least one name of every group.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
-from weightsync.messages import Plan
+from weightsync.messages import Adapter, Plan
 from weightsync.sink import SinkTraits, WeightSink
 
 __all__ = ["InPlaceModelSink", "alias_groups"]
@@ -53,6 +53,16 @@ class InPlaceModelSink(WeightSink):
             for group in self._groups:
                 standby = torch.empty_like(self._tensors[group[0]])
                 self._standby.update(dict.fromkeys(group, standby))
+        self._adapter_sink: Callable[[Adapter], WeightSink] | None = None
+
+    def serve_adapters(self, adapter_sink: Callable[[Adapter], WeightSink]) -> None:
+        """Take LoRA adapter syncs too, each in the sink `adapter_sink` gives for it."""
+        self._adapter_sink = adapter_sink
+
+    def adapter_sink(self, adapter: Adapter) -> WeightSink:
+        if self._adapter_sink is None:
+            return super().adapter_sink(adapter)
+        return self._adapter_sink(adapter)
 
     @property
     def names(self) -> list[str]:

@@ -3,7 +3,7 @@
 
 POST /v1/completions        OpenAI completions, whole or streamed (server-sent events)
 POST /v1/chat/completions   OpenAI chat completions (the tokenizer's chat template), the same
-GET  /v1/models             the served model
+GET  /v1/models             the served model and its LoRA adapters
 GET  /health                200 when serving a committed, intact version; 503 with the reason
 GET  /weight_info           version, state, last sync, receiver addresses
 POST /pause?mode=           pause generation (wait | abort | keep) until POST /resume
@@ -103,7 +103,12 @@ def create_app(target: RolloutServer | Startup) -> FastAPI:
     @app.get("/v1/models", dependencies=generation)
     async def models(server: RolloutServer = ready) -> dict[str, Any]:
         card = {"id": config.model_name, "object": "model", "owned_by": "weightsync"}
-        return {"object": "list", "data": [card | {"weight_version": server.version}]}
+        adapters = [
+            {"id": served.adapter.name, "object": "model", "owned_by": "weightsync", "parent": config.model_name}
+            | {"weight_version": served.newest.version}
+            for served in server.engine.adapters()
+        ]
+        return {"object": "list", "data": [card | {"weight_version": server.version}, *adapters]}
 
     @app.post("/pause", dependencies=control)
     async def pause(

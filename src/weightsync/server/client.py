@@ -83,6 +83,10 @@ class RolloutClient:
                     told = True
                 time.sleep(max(0.0, min(STARTING_POLL_S, ends - time.monotonic())))
 
+    def models(self) -> dict[str, Any]:
+        """GET /v1/models: the served model, and the LoRA adapters it serves."""
+        return self._call("GET", "/v1/models")
+
     def completions(self, prompt: Any, **fields: Any) -> dict[str, Any]:
         """POST /v1/completions; each choice lists its token ids (vLLM's server only when asked)."""
         return self._call("POST", "/v1/completions", json={"prompt": prompt, "return_token_ids": True, **fields})

@@ -76,12 +76,25 @@ class Format(ABC):
         """One choice's part of a chunk: what `delta` brings; `first`: the choice's first chunk."""
 
     def response(
-        self, request_id: str, created: int, model: str, outputs: list[Output], tokens: tuple[int, int], version: int
+        self,
+        request_id: str,
+        created: int,
+        model: str,
+        outputs: list[Output],
+        tokens: tuple[int, int],
+        version: int,
+        base_version: int | None = None,
     ) -> Envelope:
         """The whole response (not streamed)."""
         choices = [self.choice(index, output, output.whole()) for index, output in enumerate(outputs)]
         return self.response_type(
-            id=request_id, created=created, model=model, choices=choices, usage=usage(*tokens), weight_version=version
+            id=request_id,
+            created=created,
+            model=model,
+            choices=choices,
+            usage=usage(*tokens),
+            weight_version=version,
+            base_version=base_version,
         )
 
     def chunk(
@@ -90,7 +103,12 @@ class Format(ABC):
         """One chunk of one choice; the choice's last when `output.finished`."""
         choice = self.stream_choice(index, output, delta, first)
         return self.chunk_type(
-            id=request_id, created=created, model=model, choices=[choice], weight_version=delta.version
+            id=request_id,
+            created=created,
+            model=model,
+            choices=[choice],
+            weight_version=delta.version,
+            base_version=output.base_version,
         )
 
     def usage_chunk(self, request_id: str, created: int, model: str, tokens: tuple[int, int], version: int) -> Envelope:

@@ -47,6 +47,8 @@ class Output:
         self.spans: tuple[VersionSpan, ...] = ()
         self.version = version
         """The version of the last event (at first: the one served when the request passed the gate)."""
+        self.base_version: int | None = None
+        """With a LoRA adapter: the base weights' version under its last token."""
         self.finish_reason: str | None = None
         self.finished = False
         self.text_end: int | None = None
@@ -64,6 +66,8 @@ class Output:
         self.spans = event.spans or self.spans
         if event.version is not None:
             self.version = event.version
+        if event.base_version is not None:
+            self.base_version = event.base_version
         self.finish_reason = event.finish_reason
         self.finished = event.finished
         if event.error is not None:
@@ -185,3 +189,8 @@ class Generation:
     def weight_version(self) -> int:
         """The newest version any choice was produced with."""
         return max(output.weight_version for output in self.outputs)
+
+    @property
+    def base_version(self) -> int | None:
+        """With a LoRA adapter: the newest base weights' version under any choice, else None."""
+        return max((o.base_version for o in self.outputs if o.base_version is not None), default=None)

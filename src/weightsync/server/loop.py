@@ -70,6 +70,9 @@ class TokenEvent:
     spans: tuple[VersionSpan, ...] = ()
     """Every output token of the request so far, by the version that produced it, in order: one
     span, or more after a keep-mode sync landed mid-request. Empty before the first token."""
+    base_version: int | None = None
+    """For a request run with a LoRA adapter (whose version is `version`, and the spans'): the
+    base weights' version under it; None for a request on the base weights alone."""
 
 
 def failure(exc: BaseException, version: int | None) -> TokenEvent:
@@ -308,6 +311,9 @@ class EngineLoop:
                 return
             if output.finished:
                 del self._active[output.request_id]
+        base_version = None
+        if output.adapter_version is not None:  # the version of what the request asked for: its adapter
+            base_version, version = version, output.adapter_version
         event = TokenEvent(
             output.new_token_ids,
             output.new_logprobs,
@@ -316,5 +322,6 @@ class EngineLoop:
             output.finish_reason,
             output.new_top_logprobs,
             spans=submission.record(version, len(output.new_token_ids)),
+            base_version=base_version,
         )
         submission.deliver(event)

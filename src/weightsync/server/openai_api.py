@@ -2,7 +2,7 @@
 thread, wait at the gate for a committed version, generate, and answer whole or streamed.
 
 Every refusal is an error response in vLLM's shape (`error_body`): 400 for a request this server
-cannot serve, 404 for another model's name, 503 when no version is committed within
+cannot serve, 404 for a name that is neither the model's nor a LoRA adapter's it serves, 503 when no version is committed within
 --ready-timeout, and the engine's own status (400, 503 or 500) when it refuses or fails.
 """
 
@@ -57,8 +57,13 @@ async def generate(
     """The work both endpoints share, from tokenising to the response."""
     if body.top_p != 1.0:
         return error(400, "top_p other than 1 is not supported", "top_p")
+    adapter = None
     if body.model is not None and body.model != server.config.model_name:
-        return error(404, f"model {body.model!r} is not served here; this is {server.config.model_name!r}", "model")
+        served = [served.adapter.name for served in server.engine.adapters()]
+        if body.model not in served:
+            names = ", ".join(repr(name) for name in [server.config.model_name, *served])
+            return error(404, f"model {body.model!r} is not served here; this serves {names}", "model")
+        adapter = body.model
     try:  # off the event loop: a long text takes a while, and /health must answer meanwhile
         prompts = await asyncio.to_thread(prompts_of)
     except ValueError as exc:  # a RequestError, or the tokenizer refusing the text
@@ -68,9 +73,9 @@ async def generate(
         now = server.health()
         return error(503, f"not serving after {server.config.ready_timeout} s: {now.reason}", state=now.state)
     generation = Generation(
-        server, request_id, prompts, body.n, sampling(body, fmt.logprobs), body.stop_strings, version
+        server, request_id, prompts, body.n, sampling(body, fmt.logprobs, adapter), body.stop_strings, version
     )
-    created, model = int(time.time()), server.config.model_name
+    created, model = int(time.time()), adapter or server.config.model_name
     if body.stream:
         return await stream(generation, fmt, created, model, body.include_usage, server.metrics)
     try:
@@ -82,13 +87,20 @@ async def generate(
     if failed is not None:  # never a 200 without output: the engine's error, with its status
         return error(failed.error_status, failed.error or "the engine failed")
     response = fmt.response(
-        request_id, created, model, generation.outputs, generation.usage(), generation.weight_version
+        request_id,
+        created,
+        model,
+        generation.outputs,
+        generation.usage(),
+        generation.weight_version,
+        generation.base_version,
     )
     return JSONResponse(dump(response))
 
 
-def sampling(body: GenerationRequest, logprobs: int | None) -> Callable[[int], SamplingParams]:
-    """Sample k's parameters: seeded `seed + k`, so the choices of one prompt differ."""
+def sampling(body: GenerationRequest, logprobs: int | None, adapter: str | None) -> Callable[[int], SamplingParams]:
+    """Sample k's parameters: seeded `seed + k`, so the choices of one prompt differ; with the
+    LoRA adapter the request named, if any."""
 
     def params(sample: int) -> SamplingParams:
         return SamplingParams(
@@ -97,6 +109,7 @@ def sampling(body: GenerationRequest, logprobs: int | None) -> Callable[[int], S
             seed=None if body.seed is None else body.seed + sample,
             logprobs=logprobs,
             stop_token_ids=tuple(body.stop_token_ids or ()),
+            adapter=adapter,
         )
 
     return params

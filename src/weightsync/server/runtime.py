@@ -294,6 +294,7 @@ class RolloutServer:
             "weight_bytes": self.engine.weight_bytes(),
             "engine": self.engine.name,
             "model": self.config.model_name,
+            "adapters": [served.to_json() for served in self.engine.adapters()],
         }
 
     def pause(self, mode: PauseMode, timeout: float) -> bool:

@@ -237,6 +237,9 @@ class Envelope(BaseModel):
     model: str
     weight_version: int
     """The newest version any choice was produced with (in a chunk: the version of its tokens)."""
+    base_version: int | None = None
+    """For a request naming a LoRA adapter, whose version `weight_version` is: the version of
+    the base weights under it; null for a request on the base model."""
 
 
 class CompletionResponse(Envelope):

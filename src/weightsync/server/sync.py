@@ -8,6 +8,9 @@ abort   told by the receiver whether the served weights are intact: intact weigh
         previous version; dirty ones (live weights partly written) stop serving until the next
         good sync
 
+A LoRA adapter's sync lands while the engine serves; the loop is parked in keep mode (requests
+in flight stay where they are) only while the engine takes the adapter, at commit.
+
 Every sync is one line in the server's log (version, bytes, seconds, outcome), and so is every
 push the engine refuses, with its reason.
 """
@@ -19,12 +22,12 @@ import logging
 import time
 
 from weightsync.errors import SinkError
-from weightsync.messages import Plan
+from weightsync.messages import Adapter, Plan
 from weightsync.server.loop import EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.sink import WeightSink, WrappingSink
 
-__all__ = ["ServerSink", "SyncStats"]
+__all__ = ["AdapterServerSink", "ServerSink", "SyncStats"]
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +162,9 @@ class ServerSink(WrappingSink):
             self.stats.gbps,
         )
 
+    def adapter_sink(self, adapter: Adapter) -> WeightSink:
+        return AdapterServerSink(self.inner.adapter_sink(adapter), adapter, self.loop, self.drain_timeout)
+
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         try:
             self.inner.abort(version, error, intact=intact)
@@ -178,3 +184,43 @@ class ServerSink(WrappingSink):
                 "the served weights are dirty until the next good sync" if self._dirty else "still serving",
                 error,
             )
+
+
+class AdapterServerSink(WrappingSink):
+    """Wraps the engine's sink for one LoRA adapter sync: it lands while the engine serves, and
+    the engine loop is parked in keep mode only while the engine takes the adapter (`commit`)."""
+
+    def __init__(self, inner: WeightSink, adapter: Adapter, loop: EngineLoop, drain_timeout: float) -> None:
+        super().__init__(inner)
+        self.adapter = adapter
+        self.loop = loop
+        self.drain_timeout = drain_timeout
+        self._started = 0.0
+        self._bytes = 0
+
+    def begin(self, plan: Plan, version: int) -> None:
+        self._started, self._bytes = time.perf_counter(), plan.total_bytes
+        self.inner.begin(plan, version)  # a refusal is logged by the receiver
+
+    def commit(self, version: int) -> None:
+        started = time.perf_counter()
+        try:
+            if not self.loop.pause("adapter", "keep", self.drain_timeout):
+                raise SinkError(
+                    f"the engine did not park within {self.drain_timeout} s; adapter version {version} refused"
+                )
+            self.paused_s = time.perf_counter() - started
+            self.inner.commit(version)
+        finally:
+            self.loop.resume("adapter")
+        log.info(
+            "adapter %r version %d committed: %d bytes in %.3f s",
+            self.adapter.name,
+            version,
+            self._bytes,
+            time.perf_counter() - self._started,
+        )
+
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
+        self.inner.abort(version, error, intact=intact)
+        log.warning("sync of adapter %r version %d failed; still serving: %s", self.adapter.name, version, error)

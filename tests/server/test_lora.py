@@ -1,0 +1,169 @@
+"""LoRA adapters pushed in memory to a rollout server: served by name, pinned per request,
+never stale, refused whole when they do not fit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import WAIT_S, wait_until
+from tests.models import EOS_ID
+from tests.server.conftest import live_server
+from weightsync import Adapter, SyncFailed, WeightSender, adapter_from_peft
+from weightsync.errors import ServerError
+
+pytest.importorskip("peft")
+
+PROMPT = [10, 20, 30, 40]
+
+
+def peft_policy(model_dir, seed: int, rank: int = 4, targets=("q_proj", "v_proj")):  # type: ignore[no-untyped-def]
+    """The checkpoint's model under a PEFT LoRA adapter with random (non-zero) weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False)
+    model = get_peft_model(base, config).eval()
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # large enough that greedy output differs from the base model's
+            param.data.mul_(20)
+    return model
+
+
+def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """What a server answers with greedy sampling: up to `max_tokens` tokens, through EOS."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None)
+    tokens = out[0, len(prompt) :].tolist()
+    return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
+
+
+@pytest.fixture
+def served(tiny_models):  # type: ignore[no-untyped-def]
+    model_dir = tiny_models["qwen2"]
+    with live_server(model_dir, engine="hf", sync_mode="keep") as server:
+        with WeightSender(server.address, verify="bucket", raise_on_failure=True) as sender:
+            sender.push(load_file(model_dir / "model.safetensors"), version=1)
+            yield model_dir, server, sender
+
+
+def test_an_adapter_push_is_served_under_its_name(served) -> None:
+    model_dir, server, sender = served
+    policy = peft_policy(model_dir, seed=1)
+    tensors, adapter = adapter_from_peft(policy, "policy")
+    report = sender.push(tensors, version=7, adapter=adapter)
+    assert report.ok and report.total_bytes == sum(t.numel() * 4 for t in tensors.values())
+
+    out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
+    assert out["choices"][0]["token_ids"] == greedy(policy, PROMPT, 8)
+    assert out["model"] == "policy" and out["weight_version"] == 7 and out["base_version"] == 1
+    base = server.client.completions(PROMPT, max_tokens=8, temperature=0)
+    with policy.disable_adapter():
+        assert base["choices"][0]["token_ids"] == greedy(policy, PROMPT, 8) != out["choices"][0]["token_ids"]
+    assert base["weight_version"] == 1 and "base_version" not in base
+
+    info = server.client.weight_info()
+    (entry,) = info["adapters"]
+    assert entry["name"] == "policy" and entry["version"] == 7 and entry["resident_versions"] == [7]
+    assert entry["content_digest"] == report.content_digest != ""
+    assert info["version"] == 1  # the base weights are as they were
+    base_card, adapter_card = server.client.models()["data"]
+    assert adapter_card["id"] == "policy" and adapter_card["weight_version"] == 7
+    assert adapter_card["parent"] == base_card["id"] and base_card["weight_version"] == 1
+
+
+def test_a_reused_name_and_version_never_serves_the_stale_adapter(served) -> None:
+    model_dir, server, sender = served
+    first, second = peft_policy(model_dir, seed=1), peft_policy(model_dir, seed=2)
+    for policy in (first, second):  # the same name and the same version number, new weights
+        tensors, adapter = adapter_from_peft(policy, "policy")
+        assert sender.push(tensors, version=3, adapter=adapter).ok
+        out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
+        assert out["choices"][0]["token_ids"] == greedy(policy, PROMPT, 8)
+    assert greedy(first, PROMPT, 8) != greedy(second, PROMPT, 8)
+
+
+def test_a_mismatched_adapter_is_refused_and_the_previous_one_serves_on(served) -> None:
+    model_dir, server, sender = served
+    policy = peft_policy(model_dir, seed=1)
+    tensors, adapter = adapter_from_peft(policy, "policy")
+    assert sender.push(tensors, version=1, adapter=adapter).ok
+
+    wrong_shape = {name: torch.cat([t, t], dim=-1) if "lora_A" in name else t for name, t in tensors.items()}
+    too_big = Adapter("policy", 128, 256.0, adapter.target_modules)
+    unknown = {name.replace("q_proj", "x_proj"): t for name, t in tensors.items()}
+    cases = [
+        (wrong_shape, adapter, "do not fit a layer"),
+        (tensors, too_big, "does not have rank 128"),
+        (unknown, Adapter("policy", 4, 8.0, ("v_proj", "x_proj")), "has no linear layer"),
+    ]
+    for bad, spec, why in cases:
+        with pytest.raises(SyncFailed, match=why):
+            sender.push(bad, version=2, adapter=spec)
+        out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
+        assert out["choices"][0]["token_ids"] == greedy(policy, PROMPT, 8) and out["weight_version"] == 1
+    assert server.client.weight_info()["state"] == "ready"
+
+
+def test_a_request_in_flight_finishes_on_its_adapter_version(served) -> None:
+    """keep mode: an adapter push lands while a long request runs; that request ends on the
+    version it started with, and a request started after the push gets the new one."""
+    model_dir, server, sender = served
+    old, new = peft_policy(model_dir, seed=1), peft_policy(model_dir, seed=2)
+    tensors, adapter = adapter_from_peft(old, "policy")
+    sender.push(tensors, version=1, adapter=adapter)
+    long_tokens = 200
+    result: dict = {}
+
+    def long_request() -> None:
+        result.update(server.client.completions(PROMPT, model="policy", max_tokens=long_tokens, temperature=0))
+
+    thread = threading.Thread(target=long_request, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.server.loop.num_running == 1)
+    tensors, adapter = adapter_from_peft(new, "policy")
+    assert sender.push(tensors, version=2, adapter=adapter).ok
+    out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
+    assert out["weight_version"] == 2 and out["choices"][0]["token_ids"] == greedy(new, PROMPT, 8)
+    assert server.server.loop.num_running == 1, "the long request ended before the push: make it longer"
+    thread.join(WAIT_S)
+    (choice,) = result["choices"]
+    assert choice["token_ids"] == greedy(old, PROMPT, long_tokens)
+    ended = len(choice["token_ids"])
+    assert result["weight_version"] == 1 and choice["weight_versions"] == [{"version": 1, "start": 0, "end": ended}]
+
+
+def test_a_server_without_the_adapter_names_what_it_serves(served) -> None:
+    _, server, _ = served
+    with pytest.raises(ServerError, match="not served here") as caught:
+        server.client.completions(PROMPT, model="policy", max_tokens=2)
+    assert caught.value.status == 404
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_base_push_under_a_served_adapter_keeps_the_adapter(tiny_models, staged) -> None:
+    """The base weights change under a resident adapter: the adapter serves on the new base."""
+    model_dir = tiny_models["qwen2"]
+    v1 = load_file(model_dir / "model.safetensors")
+    v2 = {name: tensor * 1.25 for name, tensor in v1.items()}
+    policy = peft_policy(model_dir, seed=1)
+    tensors, adapter = adapter_from_peft(policy, "policy")
+    with live_server(model_dir, engine="hf", staged=staged) as server, WeightSender(server.address) as sender:
+        assert sender.push(v1, version=1).ok and sender.push(tensors, version=1, adapter=adapter).ok
+        assert sender.push(v2, version=2).ok
+        out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
+    from peft import get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base.load_state_dict(v2, strict=False)  # strict=False: the tied lm_head is not in the checkpoint
+    on_v2 = get_peft_model(base, policy.peft_config["default"]).eval()
+    set_peft_model_state_dict(on_v2, tensors)
+    assert out["choices"][0]["token_ids"] == greedy(on_v2, PROMPT, 8) != greedy(policy, PROMPT, 8)
+    assert out["weight_version"] == 1 and out["base_version"] == 2
