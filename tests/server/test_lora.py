@@ -47,7 +47,7 @@ def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:  # type: ign
 @pytest.fixture
 def served(tiny_models):  # type: ignore[no-untyped-def]
     model_dir = tiny_models["qwen2"]
-    with live_server(model_dir, engine="hf", sync_mode="keep") as server:
+    with live_server(model_dir, engine="hf", sync_mode="keep", max_lora_rank=8) as server:
         with WeightSender(server.address, verify="bucket", raise_on_failure=True) as sender:
             sender.push(load_file(model_dir / "model.safetensors"), version=1)
             yield model_dir, server, sender
@@ -96,11 +96,12 @@ def test_a_mismatched_adapter_is_refused_and_the_previous_one_serves_on(served) 
     assert sender.push(tensors, version=1, adapter=adapter).ok
 
     wrong_shape = {name: torch.cat([t, t], dim=-1) if "lora_A" in name else t for name, t in tensors.items()}
-    too_big = Adapter("policy", 128, 256.0, adapter.target_modules)
+    big_tensors, big = adapter_from_peft(peft_policy(model_dir, seed=3, rank=16), "policy")
     unknown = {name.replace("q_proj", "x_proj"): t for name, t in tensors.items()}
     cases = [
         (wrong_shape, adapter, "do not fit a layer"),
-        (tensors, too_big, "does not have rank 128"),
+        (tensors, Adapter("policy", 2, 4.0, adapter.target_modules), "does not have rank 2"),
+        (big_tensors, big, "outside this engine's 1..8"),
         (unknown, Adapter("policy", 4, 8.0, ("v_proj", "x_proj")), "has no linear layer"),
     ]
     for bad, spec, why in cases:
@@ -154,7 +155,10 @@ def test_a_base_push_under_a_served_adapter_keeps_the_adapter(tiny_models, stage
     v2 = {name: tensor * 1.25 for name, tensor in v1.items()}
     policy = peft_policy(model_dir, seed=1)
     tensors, adapter = adapter_from_peft(policy, "policy")
-    with live_server(model_dir, engine="hf", staged=staged) as server, WeightSender(server.address) as sender:
+    with (
+        live_server(model_dir, engine="hf", staged=staged, max_lora_rank=8) as server,
+        WeightSender(server.address) as sender,
+    ):
         assert sender.push(v1, version=1).ok and sender.push(tensors, version=1, adapter=adapter).ok
         assert sender.push(v2, version=2).ok
         out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
@@ -167,3 +171,12 @@ def test_a_base_push_under_a_served_adapter_keeps_the_adapter(tiny_models, stage
     set_peft_model_state_dict(on_v2, tensors)
     assert out["choices"][0]["token_ids"] == greedy(on_v2, PROMPT, 8) != greedy(policy, PROMPT, 8)
     assert out["weight_version"] == 1 and out["base_version"] == 2
+
+
+def test_a_server_started_without_lora_refuses_adapters_and_says_how(tiny_models) -> None:
+    model_dir = tiny_models["qwen2"]
+    policy = peft_policy(model_dir, seed=1)
+    tensors, adapter = adapter_from_peft(policy, "policy")
+    with live_server(model_dir, engine="hf") as server, WeightSender(server.address) as sender:
+        report = sender.push(tensors, version=1, adapter=adapter)
+    assert not report.ok and "start it with --max-lora-rank N" in report.failed[0].error

@@ -85,6 +85,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "tokenizer's; a model without one is named at start-up)",
     )
     serve.add_argument(
+        "--max-lora-rank",
+        type=at_least(0),
+        default=0,
+        metavar="N",
+        help="serve LoRA adapters pushed to this server (in memory, by their name), of rank up to N "
+        "(default 0: adapters are refused)",
+    )
+    serve.add_argument(
+        "--lora-versions",
+        type=at_least(1),
+        default=2,
+        metavar="K",
+        help="versions of each LoRA adapter kept resident (default 2)",
+    )
+    serve.add_argument(
         "--vllm-args",
         default="",
         help='more `vllm serve` arguments for --engine vllm, as one string (e.g. "--max-model-len 4096 '
@@ -128,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
         staged=args.staged,
         max_request_bytes=args.max_request_bytes,
         chat_template=args.chat_template,
+        max_lora_rank=args.max_lora_rank,
+        lora_versions=args.lora_versions,
     )
     if args.engine == "vllm":
         return run_vllm(config, args)

@@ -18,7 +18,7 @@ import torch
 from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
 from weightsync.engines.hf_lora import LoraServing
 from weightsync.engines.hf_sink import InPlaceModelSink
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, RequestError
 from weightsync.lora import AdapterVersion, ServedAdapter
 
 __all__ = ["HFEngine", "build_model"]
@@ -68,7 +68,8 @@ class HFEngine(Engine):
         load_format: "dummy" (serve nothing until a sync commits) or "auto".
         staged: land syncs in a standby copy of the weights and swap it in at commit, so a
             failed sync never touches the served weights (costs one more copy in memory).
-        max_lora_rank: the largest rank of a LoRA adapter pushed to it (served through PEFT).
+        max_lora_rank: serve LoRA adapters pushed to it (through PEFT, in memory), of rank up
+            to this; 0 refuses them.
         lora_versions: versions of each adapter kept resident (a request runs to its end on
             the version it started with, even when older).
     """
@@ -81,7 +82,7 @@ class HFEngine(Engine):
         load_format: LoadFormat = "dummy",
         staged: bool = False,
         *,
-        max_lora_rank: int = 64,
+        max_lora_rank: int = 0,
         lora_versions: int = 2,
     ) -> None:
         self.model = build_model(model_dir, load_format)
@@ -92,8 +93,10 @@ class HFEngine(Engine):
         self._requests: dict[str, _Request] = {}
         # the base weights' names, taken before any adapter wraps a layer (PEFT renames them)
         self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True), staged=staged)
-        self._lora = LoraServing(self.model, keep=lora_versions, max_rank=max_lora_rank)
-        self._sink.serve_adapters(self._lora.sink)
+        self._lora: LoraServing | None = None
+        if max_lora_rank:
+            self._lora = LoraServing(self.model, keep=lora_versions, max_rank=max_lora_rank)
+            self._sink.serve_adapters(self._lora.sink)
 
     @classmethod
     def preload(cls, model_dir: str) -> None:
@@ -120,7 +123,7 @@ class HFEngine(Engine):
                 generator.manual_seed(params.seed)
             else:
                 generator.seed()
-        adapter = None if params.adapter is None else self._lora.pin(params.adapter)
+        adapter = None if params.adapter is None else self._lora_serving().pin(params.adapter)
         self._requests[request_id] = _Request(
             request_id,
             params,
@@ -136,7 +139,8 @@ class HFEngine(Engine):
     @torch.inference_mode()
     def _advance(self, request: _Request) -> StepOutput:
         adapter = request.adapter
-        self._lora.activate(None if adapter is None else adapter.engine_id)
+        if self._lora is not None:
+            self._lora.activate(None if adapter is None else adapter.engine_id)
         out = self.model(input_ids=request.next_input, past_key_values=request.cache, use_cache=True)
         request.cache = out.past_key_values
         logits = out.logits[0, -1].float()
@@ -173,7 +177,7 @@ class HFEngine(Engine):
     def _drop(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
         if request is not None and request.adapter is not None:
-            self._lora.release(request.adapter.engine_id)
+            self._lora_serving().release(request.adapter.engine_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -189,7 +193,12 @@ class HFEngine(Engine):
         return sum(seen.values())
 
     def adapters(self) -> tuple[ServedAdapter, ...]:
-        return self._lora.snapshot
+        return () if self._lora is None else self._lora.snapshot
+
+    def _lora_serving(self) -> LoraServing:
+        if self._lora is None:
+            raise RequestError("this server serves no LoRA adapters (start it with --max-lora-rank N)")
+        return self._lora
 
     def close(self) -> None:
         for request_id in list(self._requests):

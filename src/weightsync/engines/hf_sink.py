@@ -61,7 +61,9 @@ class InPlaceModelSink(WeightSink):
 
     def adapter_sink(self, adapter: Adapter) -> WeightSink:
         if self._adapter_sink is None:
-            return super().adapter_sink(adapter)
+            raise PlanError(
+                f"this server serves no LoRA adapters (start it with --max-lora-rank N); adapter {adapter.name!r} refused"
+            )
         return self._adapter_sink(adapter)
 
     @property

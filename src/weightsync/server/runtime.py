@@ -100,6 +100,8 @@ class ServeConfig:
             (None: 256 bytes per token of the model's context, at least 1 MiB).
         chat_template: a Jinja chat template file, used instead of the tokenizer's own (None:
             the tokenizer's; a server whose tokenizer has none says so at start-up).
+        max_lora_rank: serve LoRA adapters pushed to it, of rank up to this (0: refuse them).
+        lora_versions: versions of each adapter kept resident (hf: and any a request still runs on).
     """
 
     model: str
@@ -120,6 +122,8 @@ class ServeConfig:
     staged: bool = False
     max_request_bytes: int | None = None
     chat_template: str | None = None
+    max_lora_rank: int = 0
+    lora_versions: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
@@ -145,6 +149,10 @@ class ServeConfig:
         limit = self.max_request_bytes
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1024):
             raise ConfigError(f"max_request_bytes must be an integer of at least 1024, got {limit!r}")
+        for field, least in (("max_lora_rank", 0), ("lora_versions", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"{field} must be an integer of at least {least}, got {value!r}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat template {self.chat_template!r} is not a file")
 
@@ -205,10 +213,15 @@ def engine_class(name: str) -> type[Engine]:
     return cls
 
 
-def build_engine(name: str, model: str, load_format: str, staged: bool = False) -> Engine:
-    """Build engine `name` for `model` (its class imported by `engine_class`)."""
-    options = {"staged": True} if staged else {}
-    engine: Engine = engine_class(name)(model, load_format=load_format, **options)  # type: ignore[call-arg]
+def build_engine(config: ServeConfig) -> Engine:
+    """Build the in-process engine `config` names (its class imported by `engine_class`)."""
+    engine: Engine = engine_class(config.engine)(  # type: ignore[call-arg]
+        config.model,
+        load_format=config.load_format,
+        staged=config.staged,
+        max_lora_rank=config.max_lora_rank,
+        lora_versions=config.lora_versions,
+    )
     return engine
 
 
@@ -223,7 +236,7 @@ class RolloutServer:
             log.warning("%s: text prompts will be refused; prompts of token ids are served", self.no_tokenizer)
         elif not self.tokenizer.chat_template:
             log.warning(NO_CHAT_TEMPLATE, config.model)
-        self.engine = engine or build_engine(config.engine, config.model, config.load_format, config.staged)
+        self.engine = engine or build_engine(config)
         try:
             warm_up(self.engine, config.model)
         except BaseException:
