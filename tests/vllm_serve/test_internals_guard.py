@@ -114,3 +114,33 @@ def test_a_layer_complete_inside_its_bucket_costs_no_copy() -> None:
     layer.bias.weight_loader(layer.bias, batch[1][1])
     assert ReloadBuffers(model).own(batch) == 0
     assert torch.equal(layer.weight.detach(), buffer[:16].view(4, 4))
+
+
+def test_loras_from_memory_still_reach_what_they_read() -> None:
+    """What serving LoRA adapters from memory reads: the model's `lora_manager`, the worker
+    manager's `_load_adapter` (and its `_adapter_manager`), vLLM's builders of a LoRA model, and
+    the OpenAI layer's name -> LoRARequest table. The end-to-end tests (tests/server/test_lora.py)
+    run them on a real server."""
+    from vllm.entrypoints.openai.models.serving import OpenAIServingModels
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.model_manager import LoRAModelManager
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
+
+    assert issubclass(LRUCacheWorkerLoRAManager, WorkerLoRAManager), RECHECK
+    assert callable(getattr(WorkerLoRAManager, "_load_adapter", None)), RECHECK
+    assert "self._adapter_manager = lora_manager" in inspect.getsource(WorkerLoRAManager.create_lora_manager), RECHECK
+    assert "self.model.lora_manager = self" in inspect.getsource(LoRAModelManager.__init__), RECHECK
+    assert "self._load_adapter(lora_request)" in inspect.getsource(LRUCacheWorkerLoRAManager.add_adapter), RECHECK
+    built = inspect.signature(LoRAModel.from_lora_tensors).parameters
+    for needed in ("lora_model_id", "tensors", "peft_helper", "device", "dtype", "weights_mapper", "skip_prefixes"):
+        assert needed in built, f"LoRAModel.from_lora_tensors lost {needed!r}: {RECHECK}"
+    assert callable(getattr(PEFTHelper, "from_dict", None)) and callable(PEFTHelper.validate_legal), RECHECK
+    assert "self.lora_requests: dict[str, LoRARequest]" in inspect.getsource(OpenAIServingModels.__init__), RECHECK
+
+
+def test_a_worker_without_lora_says_how_to_serve_adapters() -> None:
+    from weightsync.integrations.vllm.internals import LoraMemory
+
+    with pytest.raises(ConfigError, match="--enable-lora"):
+        LoraMemory(torch.nn.Linear(2, 2))

@@ -14,6 +14,12 @@ Each vLLM worker's sink rings the doorbell (events.py) as a push reaches it; `on
     Abort   this worker failed the sync: answered once the window is decided
     Status  this worker's receiver state, digest, last error and phase times
 
+A LoRA adapter's sync needs no window and no pause: each worker lands it in memory and rings
+`AdapterLanded`; once every worker holds it, `serve_adapter` hands it to vLLM (which checks and
+loads it on every worker) and routes the adapter's name to it, and every worker's ring is
+answered ok. Any worker failing (or not answering within the sync timeout) refuses it on all,
+and the adapter's previous version serves on.
+
 One window per version, opened once for every worker: pause generation in the sync mode
 (bounded by the drain timeout: a sync that cannot park is refused, nothing paused), then vLLM's
 `start_weight_update` and `update_weights` on every worker. It is decided once every worker's
@@ -33,7 +39,17 @@ import time
 from typing import Protocol
 
 from weightsync.errors import SinkError
-from weightsync.integrations.vllm.events import Abort, Begin, Commit, Park, Status, SyncEvent
+from weightsync.integrations.vllm.events import (
+    Abort,
+    AdapterFailed,
+    AdapterLanded,
+    Begin,
+    Commit,
+    Park,
+    Status,
+    SyncEvent,
+)
+from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
 from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.server.runtime import Health
@@ -45,6 +61,14 @@ log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 """How often a window's wait for vLLM's update call looks whether the engine died."""
+
+
+@dataclasses.dataclass(eq=False)
+class _AdapterLanding:
+    """One adapter version landing on every worker."""
+
+    landed: dict[int, AdapterLanded] = dataclasses.field(default_factory=dict)
+    decided: asyncio.Future[str] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class Engine(Protocol):
@@ -62,6 +86,12 @@ class Engine(Protocol):
     async def update_weights(self, version: int) -> None: ...
 
     async def finish_weight_update(self, version: int | None) -> None: ...
+
+    async def serve_lora(self, name: str, lora_id: int, path: str) -> None:
+        """Load LoRA adapter `lora_id` on every worker (from `path`), and route requests for
+        `name` to it."""
+
+    async def remove_lora(self, lora_id: int) -> None: ...
 
 
 @dataclasses.dataclass(eq=False)
@@ -91,6 +121,7 @@ class SyncControl:
             returned, and for vLLM's finish call.
         metrics: weightsync's metrics.
         version: the version served from the start (a checkpoint loaded), or None.
+        lora_versions: versions of each LoRA adapter kept resident (0: adapters are refused).
     """
 
     def __init__(
@@ -103,6 +134,7 @@ class SyncControl:
         sync_timeout: float = 60.0,
         metrics: ServerMetrics,
         version: int | None,
+        lora_versions: int = 0,
     ) -> None:
         self.engine = engine
         self.workers = workers
@@ -123,6 +155,12 @@ class SyncControl:
         self._counting: int | None = None
         """The version whose sync the stats count now (None: no sync in progress)."""
         self._started = 0.0
+        self.lora_versions = lora_versions
+        self.adapters: dict[str, ServedAdapter] = {}
+        """The LoRA adapters served, by name (their engine ids are vLLM LoRA ids)."""
+        self._landing: dict[tuple[str, int, int], _AdapterLanding] = {}
+        """Adapter versions landing now, by (name, version, LoRA id)."""
+        self._adapter_failures: dict[tuple[str, int], str] = {}
         if version is not None:
             metrics.version.set(version)
 
@@ -173,6 +211,10 @@ class SyncControl:
                 await self._open(event.version)
             case Commit() | Abort():
                 await self._outcome(event)
+            case AdapterLanded():
+                await self._adapter_landed(event)
+            case AdapterFailed():
+                self._adapter_failed(event)
 
     def _begin(self, event: Begin) -> None:
         window = self._window
@@ -217,6 +259,61 @@ class SyncControl:
         why = await asyncio.wait_for(asyncio.shield(window.decided), 2 * self.sync_timeout + self.drain_timeout)
         if why and isinstance(event, Commit):
             raise SinkError(why)
+
+    async def _adapter_landed(self, event: AdapterLanded) -> None:
+        key = (event.adapter.name, event.version, event.lora_id)
+        landing = self._landing.get(key)
+        if landing is None:
+            landing = self._landing[key] = _AdapterLanding()
+            asyncio.ensure_future(self._decide_adapter(key, landing))
+        landing.landed[event.rank] = event
+        why = await asyncio.wait_for(asyncio.shield(landing.decided), 3 * self.sync_timeout)
+        if why:
+            raise SinkError(why)
+
+    def _adapter_failed(self, event: AdapterFailed) -> None:
+        self._adapter_failures[(event.name, event.version)] = f"worker {event.rank}: {event.error}"
+
+    async def _decide_adapter(self, key: tuple[str, int, int], landing: _AdapterLanding) -> None:
+        name, version, lora_id = key
+        why = ""
+        try:
+            deadline = time.monotonic() + self.sync_timeout
+            while len(landing.landed) < self.workers and not why:
+                why = self._adapter_failures.pop((name, version), "")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.workers)) - set(landing.landed))
+                    why = f"worker(s) {missing} did not land adapter {name!r} version {version} within {self.sync_timeout} s"
+                await asyncio.sleep(0.01)
+            if not why and not self.lora_versions:
+                why = "this server serves no LoRA adapters (start it with --max-lora-rank N)"
+            if not why:
+                first = landing.landed[min(landing.landed)]
+                await asyncio.wait_for(self.engine.serve_lora(name, lora_id, first.path), self.sync_timeout)
+                await self._served(first.adapter, AdapterVersion(version, first.content_digest, str(lora_id)))
+        except Exception as exc:
+            why = why or f"vLLM did not take adapter {name!r} version {version}: {type(exc).__name__}: {exc}"
+        finally:
+            if why:
+                log.warning(
+                    "sync of adapter %r version %d failed: %s; still serving the previous one", name, version, why
+                )
+            if not landing.decided.done():
+                landing.decided.set_result(why)
+            self._landing.pop(key, None)
+
+    async def _served(self, adapter: Adapter, fresh: AdapterVersion) -> None:
+        """`fresh` serves adapter `adapter` from now on; versions past the newest
+        `lora_versions` (and all of a previous config's) leave vLLM."""
+        before = self.adapters.get(adapter.name)
+        versions = (*before.versions, fresh) if before is not None and before.adapter == adapter else (fresh,)
+        kept = versions[-self.lora_versions :]
+        self.adapters[adapter.name] = ServedAdapter(adapter, kept)
+        log.info("adapter %r version %d served on %d worker(s)", adapter.name, fresh.version, self.workers)
+        dropped = {v.engine_id for v in (*(before.versions if before is not None else ()), *versions)}
+        for engine_id in dropped - {v.engine_id for v in kept}:
+            with contextlib.suppress(Exception):  # still held by vLLM: its LRU cache evicts it in time
+                await self.engine.remove_lora(int(engine_id))
 
     def _failed_before_the_window(self, event: Abort) -> None:
         if self._counting != event.version:

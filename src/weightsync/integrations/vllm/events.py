@@ -12,6 +12,11 @@ value with a schema, never a dict.
             all landed it and vLLM labelled it, else refused (the worker's commit then fails)
     Abort   this worker failed the sync; `intact`: nothing of it reached vLLM's weights here
     Status  this worker's receiver changed state (for /health, /weight_info and the metrics)
+
+    AdapterLanded  this worker holds a LoRA adapter's version in memory, as vLLM's LoRA id
+                   `lora_id`; answered once every worker's outcome is in: ok when the server
+                   serves it from now on, else refused (the worker drops it)
+    AdapterFailed  this worker failed an adapter's sync
 """
 
 from __future__ import annotations
@@ -20,10 +25,21 @@ from typing import Literal
 
 import msgspec
 
-from weightsync.messages import SyncTimes
+from weightsync.messages import Adapter, SyncTimes
 from weightsync.receiver import ReceiverState
 
-__all__ = ["Abort", "Begin", "Commit", "Park", "Reply", "Status", "SyncEvent", "event_name"]
+__all__ = [
+    "Abort",
+    "AdapterFailed",
+    "AdapterLanded",
+    "Begin",
+    "Commit",
+    "Park",
+    "Reply",
+    "Status",
+    "SyncEvent",
+    "event_name",
+]
 
 
 class Begin(msgspec.Struct, frozen=True, kw_only=True, tag="begin"):
@@ -63,7 +79,24 @@ class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
     mode: Literal["full", "delta"] | None = None
 
 
-SyncEvent = Begin | Park | Commit | Abort | Status
+class AdapterLanded(msgspec.Struct, frozen=True, kw_only=True, tag="adapter_landed"):
+    adapter: Adapter
+    version: int
+    rank: int = 0
+    lora_id: int
+    path: str
+    """The `lora_path` vLLM's requests for it carry (internals.MEMORY_SCHEME)."""
+    content_digest: str = ""
+
+
+class AdapterFailed(msgspec.Struct, frozen=True, kw_only=True, tag="adapter_failed"):
+    name: str
+    version: int
+    rank: int = 0
+    error: str = ""
+
+
+SyncEvent = Begin | Park | Commit | Abort | Status | AdapterLanded | AdapterFailed
 """Every message the worker may send."""
 
 

@@ -203,6 +203,9 @@ class Labeller:
 
     def _label(self, payload: dict[str, Any], final: bool) -> None:
         newest = self.recorder.newest if self.recorder.newest is not None else self.control.version
+        adapter = self.recorder.adapter_version
+        if adapter is not None:  # the version of what the request named: its LoRA adapter
+            payload["base_version"], newest = newest, adapter
         payload["weight_version"] = newest
         for choice in payload.get("choices") or []:
             if not isinstance(choice, dict):
@@ -211,6 +214,8 @@ class Labeller:
             if not final and choice.get("finish_reason") is None:
                 continue  # spans come with the choice's end
             spans = self.recorder.spans.get(choice.get("index", 0))
+            if spans is not None and adapter is not None:  # one adapter version for the whole request
+                spans = [{"version": adapter, "start": 0, "end": spans[-1]["end"]}] if spans else []
             if spans is not None:
                 choice["weight_versions"] = spans
                 if spans:

@@ -7,6 +7,8 @@
 - After a layerwise reload, what vLLM 0.32's CPU backend leaves stale: a tied layer's repacked
   copy (`reprocess_tied_layers`) and reloaded MoE experts left unpacked
   (`cpu_experts_to_prepack`, `prepack_cpu_experts`).
+- LoRA adapters held in memory (`LoraMemory`, `serve_loras_from_memory`, `serve_lora`): vLLM
+  loads an adapter only from a path, and drops every adapter after a base-weight update.
 
 vLLM labels every batch of outputs with the engine's weight version and records, per request,
 where each version's tokens start (`RequestState.weight_version_starts` in
@@ -29,11 +31,15 @@ import torch
 from weightsync.errors import ConfigError
 
 __all__ = [
+    "MEMORY_SCHEME",
+    "LoraMemory",
     "ReloadBuffers",
     "TESTED_VLLM",
     "cpu_experts_to_prepack",
     "prepack_cpu_experts",
     "reprocess_tied_layers",
+    "serve_lora",
+    "serve_loras_from_memory",
     "token_version",
 ]
 
@@ -160,3 +166,102 @@ class ReloadBuffers:
                         bound.arguments[key] = value.clone()
                         copied += value.nbytes
         return copied
+
+
+# --- LoRA adapters from memory ------------------------------------------------------------------
+#
+# vLLM loads an adapter only from a path: when a request names a LoRA id its worker does not
+# hold, the worker's `LRUCacheWorkerLoRAManager._load_adapter(request)` reads the adapter's
+# directory. Every base-weight update also drops every adapter a worker holds
+# (`reset_lora_state` after `finish_weight_update`), and the LRU cache may evict one, so an
+# adapter pushed in memory must be loadable again at any step. `serve_loras_from_memory` makes
+# the worker's loader take adapters whose path is `MEMORY_SCHEME...` from weightsync's own
+# `LoraMemory`, built by vLLM's own `LoRAModel.from_lora_tensors` and checked by its own
+# `PEFTHelper.validate_legal`; every other path loads as before.
+
+MEMORY_SCHEME = "weightsync://"
+"""The `lora_path` of an adapter held in memory: weightsync://NAME/VERSION/ID."""
+
+
+class LoraMemory:
+    """The adapters one worker holds in memory, by LoRA id, built as vLLM builds them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        manager = getattr(model, "lora_manager", None)
+        if manager is None:
+            raise ConfigError("vLLM serves no LoRA adapters here: start it with --enable-lora")
+        self.manager = manager
+        self.models: dict[int, Any] = {}
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.manager.lora_config.max_lora_rank)
+
+    def supported_modules(self) -> set[str]:
+        """The module names an adapter may target (packed layers' parts included)."""
+        packed = self.manager.packed_modules_mapping
+        found: set[str] = set()
+        for module in self.manager.supported_lora_modules:
+            found.update(packed.get(module, [module]))
+        return found
+
+    def build(self, lora_id: int, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Any:
+        """vLLM's LoRAModel of `tensors` (PEFT names) under `lora_id`, checked as vLLM checks one."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        helper = PEFTHelper.from_dict(config)
+        helper.validate_legal(self.manager.lora_config)
+        model = self.manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        return LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id,
+            tensors=tensors,
+            peft_helper=helper,
+            device="cpu",
+            dtype=self.manager.lora_config.lora_dtype,
+            weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
+
+
+def serve_loras_from_memory(memory: LoraMemory) -> None:
+    """Make the worker that owns `memory.manager` load `weightsync://` adapters from `memory`.
+
+    Raises:
+        ConfigError: the installed vLLM's worker LoRA manager is not where it was (an upgrade).
+    """
+    import gc
+
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    workers = [
+        owner
+        for owner in gc.get_referrers(memory.manager)
+        if isinstance(owner, WorkerLoRAManager) and getattr(owner, "_adapter_manager", None) is memory.manager
+    ]
+    if len(workers) != 1 or not callable(getattr(workers[0], "_load_adapter", None)):
+        raise ConfigError(f"vLLM's worker LoRA manager changed; see {__name__}")
+    (worker,) = workers
+    load_from_path = worker._load_adapter
+
+    def load(request: Any) -> Any:
+        if not str(request.lora_path).startswith(MEMORY_SCHEME):
+            return load_from_path(request)
+        held = memory.models.get(request.lora_int_id)
+        if held is None:
+            raise ConfigError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}) is no longer held here")
+        return held
+
+    worker._load_adapter = load
+
+
+def serve_lora(serving_models: Any, name: str, lora_id: int, path: str) -> None:
+    """Route the OpenAI API's requests for `name` to the adapter `lora_id` (vLLM's
+    `OpenAIServingModels.lora_requests`, which `load_lora_adapter` fills from a path)."""
+    from vllm.lora.request import LoRARequest
+
+    requests = getattr(serving_models, "lora_requests", None)
+    if not isinstance(requests, dict):
+        raise ConfigError(f"vLLM's OpenAIServingModels changed; see {__name__}")
+    requests[name] = LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)

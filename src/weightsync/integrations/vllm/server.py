@@ -43,6 +43,7 @@ from weightsync.errors import ResourceError
 from weightsync.integrations.vllm.control import SyncControl
 from weightsync.integrations.vllm.doorbell import Doorbell
 from weightsync.integrations.vllm.http import WeightsyncMiddleware, add_routes, error
+from weightsync.integrations.vllm.internals import serve_lora
 from weightsync.integrations.vllm.launch import build_engine, vllm_namespace, warm_up
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.versions import VersionedEngine
@@ -103,10 +104,12 @@ class _MetricsBridge:
 
 
 class _Engine:
-    """vLLM's `AsyncLLM` as the sync control calls it (`control.Engine`)."""
+    """vLLM's `AsyncLLM` as the sync control calls it (`control.Engine`); `models`: vLLM's
+    `OpenAIServingModels`, which routes a request's model name to a LoRA adapter."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, models: Any) -> None:
         self.engine = engine
+        self.models = models
 
     @property
     def errored(self) -> bool:
@@ -128,6 +131,16 @@ class _Engine:
 
     async def finish_weight_update(self, version: int | None) -> None:
         await self.engine.finish_weight_update(None if version is None else str(version))
+
+    async def serve_lora(self, name: str, lora_id: int, path: str) -> None:
+        from vllm.lora.request import LoRARequest
+
+        # vLLM's own add_lora: every worker loads it (from memory, internals.py) and checks it
+        await self.engine.add_lora(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path))
+        serve_lora(self.models, name, lora_id, path)
+
+    async def remove_lora(self, lora_id: int) -> None:
+        await self.engine.remove_lora(lora_id)
 
 
 async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[WorkerAddress]:
@@ -153,6 +166,7 @@ async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[
             bell=bell,
             staged=config.staged,
             drain_timeout=config.drain_timeout,
+            lora_versions=config.lora_versions if config.max_lora_rank else 0,
         )
         try:
             request = WeightTransferInitRequest(init_info=dataclasses.asdict(info))
@@ -276,13 +290,14 @@ async def _serve_engine(
     if initial is not None:
         await engine.update_weight_version(str(initial))
     control = SyncControl(
-        _Engine(engine),
+        _Engine(engine, app.state.openai_serving_models),
         workers=engine.vllm_config.parallel_config.world_size,
         mode=config.sync_mode,
         drain_timeout=config.drain_timeout,
         sync_timeout=config.sync_timeout,
         metrics=metrics,
         version=initial,
+        lora_versions=config.lora_versions if config.max_lora_rank else 0,
     )
     bell = Doorbell(control.on_event, timeout=config.sync_timeout)
     await bell.start()
@@ -314,6 +329,7 @@ async def _serve_engine(
                 "workers": len(workers),
                 "engine": "vllm",
                 "model": config.model_name,
+                "adapters": [served.to_json() for served in control.adapters.values()],
             }
 
         add_routes(app, control, weight_info=weight_info)

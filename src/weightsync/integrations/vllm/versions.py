@@ -21,9 +21,9 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-from weightsync.integrations.vllm.internals import token_version
+from weightsync.integrations.vllm.internals import MEMORY_SCHEME, token_version
 
-__all__ = ["RECORDER", "Recorder", "VersionedEngine", "version_number"]
+__all__ = ["RECORDER", "Recorder", "VersionedEngine", "memory_adapter_version", "version_number"]
 
 RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("weightsync_recorder", default=None)
 """The recorder of the HTTP request being served, None outside one."""
@@ -39,10 +39,23 @@ def version_number(label: str | None) -> int | None:
         return None
 
 
+def memory_adapter_version(lora_request: Any) -> int | None:
+    """The version of a LoRA adapter weightsync holds in memory, from the `lora_request` vLLM's
+    handler passes to `generate` (its path: weightsync://NAME/VERSION/ID); None for any other."""
+    path = str(getattr(lora_request, "lora_path", "") or "")
+    if not path.startswith(MEMORY_SCHEME):
+        return None
+    parts = path.removeprefix(MEMORY_SCHEME).split("/")
+    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+
+
 class Recorder:
     """The weight versions of one HTTP request's choices, as far as generated."""
 
     def __init__(self) -> None:
+        self.adapter_version: int | None = None
+        """The version of the LoRA adapter the request runs on (held in memory by weightsync),
+        else None."""
         self.newest: int | None = None
         self.spans: dict[int, list[dict[str, int | None]]] = {}
         self._ordinals = itertools.count()
@@ -101,5 +114,6 @@ class VersionedEngine:
         recorder = RECORDER.get()
         if recorder is None:
             return outputs
+        recorder.adapter_version = memory_adapter_version(kwargs.get("lora_request"))
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         return recorder.follow(outputs, self._engine, sampling_params.n or 1, delta)

@@ -38,21 +38,26 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
 
+from weightsync.digest import source_digest
 from weightsync.engines.malloc import return_large_frees_to_os
-from weightsync.errors import SinkError
+from weightsync.errors import PlanError, SinkError
+from weightsync.integrations.vllm import events
 from weightsync.integrations.vllm.doorbell import ring
-from weightsync.integrations.vllm.events import Abort, Begin, Commit, Park, Status
 from weightsync.integrations.vllm.internals import (
+    MEMORY_SCHEME,
+    LoraMemory,
     ReloadBuffers,
     cpu_experts_to_prepack,
     prepack_cpu_experts,
     reprocess_tied_layers,
+    serve_loras_from_memory,
 )
 from weightsync.integrations.vllm.layout import (
     CheckpointLayout,
@@ -60,6 +65,7 @@ from weightsync.integrations.vllm.layout import (
     checkpoint_layout,
 )
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
+from weightsync.lora import Adapter, AdapterSink, check_lora
 from weightsync.messages import Plan
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
@@ -99,6 +105,8 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     """(with `bell`) land each sync in host memory first; generation pauses only for the reload."""
     drain_timeout: float = DEFAULT_TIMEOUT_S
     """(with `bell`) seconds the server may take to pause generation for a sync."""
+    lora_versions: int = 0
+    """(with `bell`) versions of each LoRA adapter held in memory; 0: adapters are refused."""
 
 
 @dataclasses.dataclass
@@ -199,46 +207,63 @@ class _ServedSink(WrappingSink):
         timeout: seconds any other ring may take.
     """
 
-    def __init__(self, inner: WeightSink, bell: str, *, rank: int, drain_timeout: float, timeout: float) -> None:
+    def __init__(
+        self,
+        inner: WeightSink,
+        bell: str,
+        *,
+        rank: int,
+        drain_timeout: float,
+        timeout: float,
+        loras: _LoraVersions | None = None,
+    ) -> None:
         super().__init__(inner)
         self.bell = bell
         self.rank = rank
         self.drain_timeout = drain_timeout
         self.timeout = timeout
+        self.loras = loras
+
+    def adapter_sink(self, adapter: Adapter) -> WeightSink:
+        if self.loras is None:
+            raise PlanError(
+                f"this server serves no LoRA adapters (start it with --max-lora-rank N); adapter {adapter.name!r} refused"
+            )
+        return _AdapterLanding(adapter, self)
 
     def begin(self, plan: Plan, version: int) -> None:
         self.inner.begin(plan, version)  # a refused plan opens nothing
         park = not self.traits.staged
-        event = Begin(
+        event = events.Begin(
             version=version,
             rank=self.rank,
             total_bytes=plan.total_bytes,
             bucket_bytes=plan.bucket_bytes,
             park=park,
         )
-        self.paused_s = self._ring(event, self.drain_timeout + self.timeout if park else self.timeout)
+        self.paused_s = self.ring(event, self.drain_timeout + self.timeout if park else self.timeout)
 
     def commit(self, version: int) -> None:
         if self.traits.staged:
-            self.paused_s = self._ring(Park(version=version, rank=self.rank), self.drain_timeout + self.timeout)
+            self.paused_s = self.ring(events.Park(version=version, rank=self.rank), self.drain_timeout + self.timeout)
         self.inner.commit(version)  # the last tensors land; this worker's update call returns
         # Answered once every worker's outcome is in and vLLM finished: the server waits up to
         # twice its own timeout plus the drain timeout (control.py); this ring waits longer.
-        self._ring(Commit(version=version, rank=self.rank), self.drain_timeout + 3 * self.timeout)
+        self.ring(events.Commit(version=version, rank=self.rank), self.drain_timeout + 3 * self.timeout)
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         try:
             self.inner.abort(version, error, intact=intact)
         finally:
-            event = Abort(version=version, rank=self.rank, intact=intact, error=str(error))
+            event = events.Abort(version=version, rank=self.rank, intact=intact, error=str(error))
             try:
-                self._ring(event, self.drain_timeout + 3 * self.timeout)  # answered once the server decided
+                self.ring(event, self.drain_timeout + 3 * self.timeout)  # answered once the server decided
             except SinkError as exc:  # the sync fails anyway; the server's wait for this worker ends in its timeout
                 log.warning("could not tell the server that version %d failed here: %s", version, exc)
 
     def observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
         """Receiver status changes go to the server (/weight_info, /health, metrics)."""
-        status = Status(
+        status = events.Status(
             rank=self.rank,
             state=after.state,
             receiver_version=after.version,
@@ -248,15 +273,95 @@ class _ServedSink(WrappingSink):
             mode=after.mode,
         )
         try:
-            self._ring(status, self.timeout)
+            self.ring(status, self.timeout)
         except SinkError as exc:
             log.warning("could not tell the server this worker's receiver state: %s", exc)
 
-    def _ring(self, event: Begin | Park | Commit | Abort | Status, timeout: float) -> float:
+    def ring(self, event: events.SyncEvent, timeout: float) -> float:
         """Ring the server; returns the seconds its answer took."""
         started = time.perf_counter()
         ring(self.bell, event, timeout)
         return time.perf_counter() - started
+
+
+class _LoraVersions:
+    """The LoRA adapters this worker holds in memory (vLLM loads them from there at any step):
+    the newest `keep` versions of each, as the server keeps them."""
+
+    def __init__(self, memory: LoraMemory, keep: int, layout: CheckpointLayout) -> None:
+        self.memory = memory
+        self.keep = keep
+        self._ids: dict[str, list[int]] = {}
+        self._linears = {  # the checkpoint's linear layers: what an adapter's shapes must fit
+            name.removesuffix(".weight"): (shape[1], shape[0])
+            for name, (shape, _) in layout.tensors.items()
+            if name.endswith(".weight") and len(shape) == 2
+        }
+
+    def hold(self, adapter: Adapter, version: int, tensors: dict[str, torch.Tensor]) -> tuple[int, str, str]:
+        """Hold `tensors` as a version of `adapter`; its (LoRA id, lora_path, content digest).
+        The id is drawn from the adapter's name, version and content: the same on every worker,
+        and new for new weights (a reused name never reaches a stale cache entry)."""
+        content = source_digest(tensors)
+        lora_id = (
+            int(xxhash.xxh3_64_hexdigest(f"{adapter.name}/{version}/{content}".encode())[:8], 16) % (2**31 - 1) + 1
+        )
+        config = {
+            "r": adapter.rank,
+            "lora_alpha": adapter.alpha,
+            "target_modules": list(adapter.target_modules),
+            "use_rslora": adapter.use_rslora,
+        }
+        self.memory.models[lora_id] = self.memory.build(lora_id, tensors, config)
+        return lora_id, f"{MEMORY_SCHEME}{adapter.name}/{version}/{lora_id}", content
+
+    def served(self, adapter: Adapter, lora_id: int) -> None:
+        ids = [held for held in self._ids.get(adapter.name, []) if held != lora_id] + [lora_id]
+        for old in ids[: -self.keep]:
+            self.memory.models.pop(old, None)
+        self._ids[adapter.name] = ids[-self.keep :]
+
+    def drop(self, lora_id: int) -> None:
+        self.memory.models.pop(lora_id, None)
+
+    def check(self, plan: Plan, adapter: Adapter) -> None:
+        check_lora(plan, adapter, self._linears, self.memory.max_rank)
+        unsupported = sorted(set(adapter.target_modules) - self.memory.supported_modules())
+        if unsupported:
+            raise PlanError(f"adapter {adapter.name!r}: vLLM has no LoRA layer for {unsupported} in this model")
+
+
+class _AdapterLanding(AdapterSink):
+    """One adapter sync on a worker under `weightsync serve`: landed in fresh tensors, held in
+    memory as vLLM's LoRA model at commit, then served once every worker holds it (the server
+    answers the ring); a refusal drops it here too."""
+
+    def __init__(self, adapter: Adapter, served: _ServedSink) -> None:
+        assert served.loras is not None
+        loras = served.loras
+        super().__init__(adapter, loras.check, self._install)
+        self.served = served
+        self.loras = loras
+
+    def _install(self, adapter: Adapter, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        lora_id, path, content = self.loras.hold(adapter, version, tensors)
+        event = events.AdapterLanded(
+            adapter=adapter, version=version, rank=self.served.rank, lora_id=lora_id, path=path, content_digest=content
+        )
+        try:
+            self.served.ring(event, 4 * self.served.timeout)  # the server waits up to 3 timeouts
+        except BaseException:
+            self.loras.drop(lora_id)
+            raise
+        self.loras.served(adapter, lora_id)
+
+    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
+        super().abort(version, error, intact=intact)
+        event = events.AdapterFailed(name=self.adapter.name, version=version, rank=self.served.rank, error=str(error))
+        try:
+            self.served.ring(event, self.served.timeout)
+        except SinkError as exc:
+            log.warning("could not tell the server that adapter %r failed here: %s", self.adapter.name, exc)
 
 
 class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
@@ -292,12 +397,18 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         sink: WeightSink = self._sink
         if served:
             inner = StagedSink(self._sink) if init_info.staged else self._sink
+            loras = None
+            if init_info.lora_versions:
+                memory = LoraMemory(self.model)
+                serve_loras_from_memory(memory)
+                loras = _LoraVersions(memory, init_info.lora_versions, layout)
             sink = _ServedSink(
                 inner,
                 init_info.bell,
                 rank=rank,
                 drain_timeout=init_info.drain_timeout,
                 timeout=options.timeout,
+                loras=loras,
             )
         self._receiver = WeightReceiver(sink, init_info.transport, options=options)
         if isinstance(sink, _ServedSink):
