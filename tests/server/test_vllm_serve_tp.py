@@ -68,9 +68,9 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, transport: str) -> Iterator[Served]:
+def serving(model_dir: Path, transport: str, *options: str) -> Iterator[Served]:
     command = [sys.executable, "-m", "weightsync", "serve", "--engine", "vllm", "--model", str(model_dir)]
-    command += ["--port", "0", "--ready-timeout", "1", "--transport", transport, "--vllm-args", TP2]
+    command += ["--port", "0", "--ready-timeout", "1", "--transport", transport, "--vllm-args", TP2, *options]
     process = ChildProcess(command, env=os.environ | ENV)
     try:
         line = process.wait_for_line("weightsync serve:", START_S)
@@ -174,3 +174,24 @@ def test_a_worker_killed_mid_sync_leaves_the_previous_version_or_503s(
         health = served.http.get("/health")
         assert health.status_code == 503 and health.json()["state"] in ("failed", "dirty")
         observe(f"push failed; later answers {sorted(set(answers))}; /health 503 {health.json()['state']!r}")
+
+
+def test_two_workers_serve_a_lora_adapter_pushed_in_memory(
+    model_dir: Path, checkpoint: dict[str, torch.Tensor]
+) -> None:
+    """Each worker holds the whole adapter; vLLM's LoRA layers take each rank's shard of it."""
+    from tests.server.test_lora import greedy, peft_policy
+    from weightsync import adapter_from_peft
+
+    policy = peft_policy(model_dir, seed=1)
+    tensors, adapter = adapter_from_peft(policy, "policy")
+    with serving(model_dir, "shm", "--max-lora-rank", "8") as served:
+        with WeightSender(served.addresses, timeout=WAIT_S, verify="bucket", raise_on_failure=True) as sender:
+            sender.push(checkpoint, 1)
+            sender.push(tensors, 5, adapter=adapter)
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "return_token_ids": True, "model": "policy"}
+        answer = served.http.post("/v1/completions", json=body).json()
+        assert answer["choices"][0]["token_ids"] == greedy(policy, PROMPT, 8)
+        assert (answer["weight_version"], answer["base_version"]) == (5, 1)
+        (entry,) = served.http.get("/weight_info").json()["adapters"]
+        assert (entry["name"], entry["version"]) == ("policy", 5)
