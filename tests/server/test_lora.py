@@ -159,8 +159,9 @@ def test_a_mismatched_adapter_is_refused_and_the_previous_one_serves_on(served) 
 
 
 def test_a_request_in_flight_finishes_on_its_adapter_version(served) -> None:
-    """keep mode: an adapter push lands while a long request runs; that request ends on the
-    version it started with, and a request started after the push gets the new one."""
+    """Adapter pushes land while a long request runs; that request ends on the version it
+    started with, even once that version is past the ones kept, and a request started after the
+    pushes gets the newest."""
     model_dir, server, sender = served
     old, new = peft_policy(model_dir, seed=1), peft_policy(model_dir, seed=2)
     tensors, adapter = adapter_from_peft(old, "policy")
@@ -175,9 +176,14 @@ def test_a_request_in_flight_finishes_on_its_adapter_version(served) -> None:
     thread.start()
     assert wait_until(lambda: running(server) == 1)
     tensors, adapter = adapter_from_peft(new, "policy")
-    assert sender.push(tensors, version=2, adapter=adapter).ok
+    for version in (2, 3):  # two newer versions: version 1 is past the 2 kept, and still in use
+        assert sender.push(tensors, version=version, adapter=adapter).ok
     out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
-    assert out["weight_version"] == 2 and out["choices"][0]["token_ids"] == greedy(new, PROMPT, 8)
+    assert out["weight_version"] == 3 and out["choices"][0]["token_ids"] == greedy(new, PROMPT, 8)
+    assert next(a for a in server.client.weight_info()["adapters"] if a["name"] == "policy")["resident_versions"] == [
+        2,
+        3,
+    ]
     assert running(server) == 1, "the long request ended before the push: make it longer"
     thread.join(WAIT_S)
     (choice,) = result["choices"]

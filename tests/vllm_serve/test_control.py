@@ -11,7 +11,8 @@ import pytest
 
 from weightsync.errors import SinkError
 from weightsync.integrations.vllm.control import SyncControl
-from weightsync.integrations.vllm.events import Abort, Begin, Commit, Status
+from weightsync.integrations.vllm.events import Abort, AdapterFailed, AdapterLanded, Begin, Commit, Status
+from weightsync.lora import Adapter
 from weightsync.messages import SyncTimes
 from weightsync.server.metrics import ServerMetrics
 
@@ -49,8 +50,16 @@ class Engine:
     async def finish_weight_update(self, version: int | None) -> None:
         self.calls.append(("finish", version))
 
+    async def serve_lora(self, name: str, lora_id: int, path: str) -> None:
+        self.calls.append(("serve_lora", (name, lora_id)))
 
-def control(engine: Engine, mode: str = "wait", workers: int = 1, **timeouts: float) -> SyncControl:
+    async def remove_lora(self, lora_id: int) -> None:
+        self.calls.append(("remove_lora", lora_id))
+
+
+def control(
+    engine: Engine, mode: str = "wait", workers: int = 1, lora_versions: int = 0, **timeouts: float
+) -> SyncControl:
     return SyncControl(
         engine,  # type: ignore[arg-type]
         workers=workers,
@@ -59,6 +68,7 @@ def control(engine: Engine, mode: str = "wait", workers: int = 1, **timeouts: fl
         sync_timeout=timeouts.get("sync_timeout", 5.0),
         metrics=ServerMetrics(),
         version=None,
+        lora_versions=lora_versions,
     )
 
 
@@ -229,3 +239,54 @@ def test_a_start_that_fails_on_some_worker_is_finished_and_serves_nothing() -> N
         assert sync.state() == "dirty" and sync.version is None  # a half-begun reload is no version
 
     asyncio.run(scenario())
+
+
+# --- LoRA adapters: served once every worker holds them ----------------------------------------
+
+ADAPTER = Adapter("policy", 4, 8.0, ("q_proj",))
+
+
+def landed(version: int, rank: int, lora_id: int) -> AdapterLanded:
+    path = f"weightsync://policy/{version}/{lora_id}"
+    return AdapterLanded(adapter=ADAPTER, version=version, rank=rank, lora_id=lora_id, path=path)
+
+
+async def _test_an_adapter_is_served_once_every_worker_holds_it_and_old_versions_retire() -> None:
+    engine = Engine()
+    sync = control(engine, workers=2, lora_versions=2)
+    for version in (1, 2, 3):
+        replies = await asyncio.gather(*(sync.on_event(landed(version, rank, 100 + version)) for rank in (0, 1)))
+        assert all(reply is not None and reply.ok for reply in replies)
+    served = [args for call, args in engine.calls if call == "serve_lora"]
+    assert served == [("policy", 101), ("policy", 102), ("policy", 103)]  # once per version, not per worker
+    assert [args for call, args in engine.calls if call == "remove_lora"] == [101]
+    assert [v.version for v in sync.adapters["policy"].versions] == [2, 3]
+    reply = await asyncio.gather(*(sync.on_event(landed(4, rank, 104)) for rank in (0, 1)))
+    assert 101 in reply[0].retired  # the workers drop it from memory
+
+
+async def _test_one_worker_failing_refuses_the_adapter_on_every_worker() -> None:
+    engine = Engine()
+    sync = control(engine, workers=2, lora_versions=2)
+    failed = AdapterFailed(name="policy", version=1, rank=1, error="the sender died")
+    results = await asyncio.gather(sync.on_event(landed(1, 0, 101)), sync.on_event(failed), return_exceptions=True)
+    assert isinstance(results[0], SinkError) and "worker 1: the sender died" in str(results[0])
+    assert "policy" not in sync.adapters and not [c for c, _ in engine.calls if c == "serve_lora"]
+
+
+async def _test_a_server_without_lora_refuses_adapters() -> None:
+    sync = control(Engine(), workers=1)
+    with pytest.raises(SinkError, match="--max-lora-rank"):
+        await sync.on_event(landed(1, 0, 101))
+
+
+def test_an_adapter_is_served_once_every_worker_holds_it_and_old_versions_retire() -> None:
+    asyncio.run(_test_an_adapter_is_served_once_every_worker_holds_it_and_old_versions_retire())
+
+
+def test_one_worker_failing_refuses_the_adapter_on_every_worker() -> None:
+    asyncio.run(_test_one_worker_failing_refuses_the_adapter_on_every_worker())
+
+
+def test_a_server_without_lora_refuses_adapters() -> None:
+    asyncio.run(_test_a_server_without_lora_refuses_adapters())

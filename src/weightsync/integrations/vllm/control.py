@@ -15,10 +15,11 @@ Each vLLM worker's sink rings the doorbell (events.py) as a push reaches it; `on
     Status  this worker's receiver state, digest, last error and phase times
 
 A LoRA adapter's sync needs no window and no pause: each worker lands it in memory and rings
-`AdapterLanded`; once every worker holds it, `serve_adapter` hands it to vLLM (which checks and
-loads it on every worker) and routes the adapter's name to it, and every worker's ring is
-answered ok. Any worker failing (or not answering within the sync timeout) refuses it on all,
-and the adapter's previous version serves on.
+`AdapterLanded`; once every worker holds it, vLLM's `add_lora` checks and loads it on every
+worker, the adapter's name routes to it, and every worker's ring is answered ok. Any worker
+failing (or not answering within the sync timeout) refuses it on all, and the adapter's previous
+version serves on. The newest `lora_versions` versions of each adapter stay served; an older one
+leaves vLLM, and the workers' memory (listed in the next replies), once no request runs on it.
 
 One window per version, opened once for every worker: pause generation in the sync mode
 (bounded by the drain timeout: a sync that cannot park is refused, nothing paused), then vLLM's
@@ -32,6 +33,7 @@ stays paused and answers 503 "dirty" until the next good sync: no response from 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -46,9 +48,11 @@ from weightsync.integrations.vllm.events import (
     Begin,
     Commit,
     Park,
+    Reply,
     Status,
     SyncEvent,
 )
+from weightsync.integrations.vllm.versions import LoraUse
 from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
 from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
@@ -122,6 +126,7 @@ class SyncControl:
         metrics: weightsync's metrics.
         version: the version served from the start (a checkpoint loaded), or None.
         lora_versions: versions of each LoRA adapter kept resident (0: adapters are refused).
+        loras: the requests running on each adapter version (versions.py).
     """
 
     def __init__(
@@ -135,6 +140,7 @@ class SyncControl:
         metrics: ServerMetrics,
         version: int | None,
         lora_versions: int = 0,
+        loras: LoraUse | None = None,
     ) -> None:
         self.engine = engine
         self.workers = workers
@@ -161,6 +167,11 @@ class SyncControl:
         self._landing: dict[tuple[str, int, int], _AdapterLanding] = {}
         """Adapter versions landing now, by (name, version, LoRA id)."""
         self._adapter_failures: dict[tuple[str, int], str] = {}
+        self._loras = loras or LoraUse()
+        self._retiring: set[int] = set()
+        """LoRA ids of versions no longer served, still in vLLM until no request runs on them."""
+        self._retired: collections.deque[int] = collections.deque(maxlen=1024)
+        """LoRA ids gone from vLLM, which the workers may drop (told in every `AdapterLanded` reply)."""
         if version is not None:
             metrics.version.set(version)
 
@@ -198,7 +209,7 @@ class SyncControl:
 
     # --- sync events ----------------------------------------------------------------------------
 
-    async def on_event(self, event: SyncEvent) -> None:
+    async def on_event(self, event: SyncEvent) -> Reply | None:
         """One doorbell event from a worker's sink; raising refuses it (the sync then fails there)."""
         match event:
             case Status():
@@ -213,8 +224,10 @@ class SyncControl:
                 await self._outcome(event)
             case AdapterLanded():
                 await self._adapter_landed(event)
+                return Reply(ok=True, retired=tuple(self._retired))
             case AdapterFailed():
                 self._adapter_failed(event)
+        return None
 
     def _begin(self, event: Begin) -> None:
         window = self._window
@@ -311,9 +324,14 @@ class SyncControl:
         self.adapters[adapter.name] = ServedAdapter(adapter, kept)
         log.info("adapter %r version %d served on %d worker(s)", adapter.name, fresh.version, self.workers)
         dropped = {v.engine_id for v in (*(before.versions if before is not None else ()), *versions)}
-        for engine_id in dropped - {v.engine_id for v in kept}:
+        self._retiring.update(int(engine_id) for engine_id in dropped - {v.engine_id for v in kept})
+        for lora_id in sorted(self._retiring):
+            if self._loras.busy(lora_id):
+                continue  # a request still runs on it: it leaves at a later push
+            self._retiring.discard(lora_id)
             with contextlib.suppress(Exception):  # still held by vLLM: its LRU cache evicts it in time
-                await self.engine.remove_lora(int(engine_id))
+                await self.engine.remove_lora(lora_id)
+            self._retired.append(lora_id)
 
     def _failed_before_the_window(self, event: Abort) -> None:
         if self._counting != event.version:

@@ -40,8 +40,9 @@ MAX_FRAME_BYTES = 1 << 16
 
 _LENGTH = struct.Struct(">I")
 
-Handler = Callable[[SyncEvent], Awaitable[None]]
-"""Runs one event on the API process's loop; raising refuses it (the reply carries the message)."""
+Handler = Callable[[SyncEvent], Awaitable[Reply | None]]
+"""Runs one event on the API process's loop: its reply (None: plain ok); raising refuses it (the
+reply carries the message)."""
 
 _EVENTS = msgspec.json.Decoder(SyncEvent)
 _REPLIES = msgspec.json.Decoder(Reply)
@@ -64,8 +65,9 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def ring(path: str, event: SyncEvent, timeout: float) -> None:
-    """Send `event` to the doorbell at `path` and wait for its reply (blocking, bounded).
+def ring(path: str, event: SyncEvent, timeout: float) -> Reply:
+    """Send `event` to the doorbell at `path` and wait for its reply (blocking, bounded); the
+    reply, when ok.
 
     Raises:
         SinkError: no reply within `timeout`, the doorbell is gone, or it refused the event.
@@ -86,6 +88,7 @@ def ring(path: str, event: SyncEvent, timeout: float) -> None:
         raise SinkError(f"the API process's doorbell failed on {name!r}: {exc}") from exc
     if not reply.ok:
         raise SinkError(reply.error or f"the API process refused {name!r}")
+    return reply
 
 
 class Doorbell:
@@ -135,11 +138,11 @@ class Doorbell:
             log.warning("a doorbell message refused: %s", exc)
             return Reply(ok=False, error=f"not a sync event: {exc}")
         try:
-            await self._handler(event)
+            reply = await self._handler(event)
         except Exception as exc:
             log.warning("sync event %r refused: %s", event_name(event), exc)
             return Reply(ok=False, error=str(exc))
-        return Reply(ok=True)
+        return reply or Reply(ok=True)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -105,6 +105,9 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
 
     ok: bool
     error: str = ""
+    retired: tuple[int, ...] = ()
+    """(to `AdapterLanded`) LoRA ids of adapter versions no request runs on any more, which the
+    server no longer serves: a worker drops those it holds."""
 
 
 def event_name(event: SyncEvent) -> str:

@@ -46,7 +46,7 @@ from weightsync.integrations.vllm.http import WeightsyncMiddleware, add_routes, 
 from weightsync.integrations.vllm.internals import serve_lora
 from weightsync.integrations.vllm.launch import build_engine, vllm_namespace, warm_up
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
-from weightsync.integrations.vllm.versions import VersionedEngine
+from weightsync.integrations.vllm.versions import LoraUse, VersionedEngine
 from weightsync.server.body_limit import BodyLimit
 from weightsync.server.loop import PauseMode
 from weightsync.server.metrics import ServerMetrics
@@ -283,7 +283,8 @@ async def _serve_engine(
     await engine.reset_mm_cache()
     supported = await engine.get_supported_tasks()
     app = build_app(args, supported, engine.model_config)
-    await init_app_state(VersionedEngine(engine), app.state, args, supported)
+    loras = LoraUse()
+    await init_app_state(VersionedEngine(engine, loras), app.state, args, supported)
 
     metrics = ServerMetrics()
     initial = AUTO_VERSION if config.load_format == "auto" else None
@@ -298,6 +299,7 @@ async def _serve_engine(
         metrics=metrics,
         version=initial,
         lora_versions=config.lora_versions if config.max_lora_rank else 0,
+        loras=loras,
     )
     bell = Doorbell(control.on_event, timeout=config.sync_timeout)
     await bell.start()

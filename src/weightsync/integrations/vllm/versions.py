@@ -23,7 +23,7 @@ from typing import Any
 
 from weightsync.integrations.vllm.internals import MEMORY_SCHEME, token_version
 
-__all__ = ["RECORDER", "Recorder", "VersionedEngine", "memory_adapter_version", "version_number"]
+__all__ = ["RECORDER", "LoraUse", "Recorder", "VersionedEngine", "memory_adapter", "version_number"]
 
 RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("weightsync_recorder", default=None)
 """The recorder of the HTTP request being served, None outside one."""
@@ -39,14 +39,41 @@ def version_number(label: str | None) -> int | None:
         return None
 
 
-def memory_adapter_version(lora_request: Any) -> int | None:
-    """The version of a LoRA adapter weightsync holds in memory, from the `lora_request` vLLM's
-    handler passes to `generate` (its path: weightsync://NAME/VERSION/ID); None for any other."""
+def memory_adapter(lora_request: Any) -> tuple[int, int] | None:
+    """(version, LoRA id) of a LoRA adapter weightsync holds in memory, from the `lora_request`
+    vLLM's handler passes to `generate` (its path: weightsync://NAME/VERSION/ID); None for any other."""
     path = str(getattr(lora_request, "lora_path", "") or "")
     if not path.startswith(MEMORY_SCHEME):
         return None
     parts = path.removeprefix(MEMORY_SCHEME).split("/")
-    return int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else None
+    if len(parts) != 3 or not (parts[1].isdigit() and parts[2].isdigit()):
+        return None
+    return int(parts[1]), int(parts[2])
+
+
+class LoraUse:
+    """How many requests run on each LoRA adapter held in memory, by LoRA id: an adapter
+    version leaves vLLM (and the workers' memory) only once none does."""
+
+    def __init__(self) -> None:
+        self._running: dict[int, int] = {}
+
+    def busy(self, lora_id: int) -> bool:
+        return self._running.get(lora_id, 0) > 0
+
+    async def follow(self, lora_id: int, outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Yield `outputs`, counting the request as running on `lora_id` meanwhile."""
+        self._running[lora_id] = self._running.get(lora_id, 0) + 1
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            left = self._running.pop(lora_id) - 1
+            if left:
+                self._running[lora_id] = left
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 class Recorder:
@@ -101,8 +128,9 @@ class VersionedEngine:
     """`AsyncLLM` as vLLM's handlers see it, with `generate` noting versions in the request's
     recorder. Every other attribute is the engine's own."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, loras: LoraUse) -> None:
         self._engine = engine
+        self._loras = loras
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -111,9 +139,12 @@ class VersionedEngine:
         from vllm.sampling_params import RequestOutputKind
 
         outputs = self._engine.generate(prompt, sampling_params, request_id, **kwargs)
+        adapter = memory_adapter(kwargs.get("lora_request"))
+        if adapter is not None:
+            outputs = self._loras.follow(adapter[1], outputs)
         recorder = RECORDER.get()
         if recorder is None:
             return outputs
-        recorder.adapter_version = memory_adapter_version(kwargs.get("lora_request"))
+        recorder.adapter_version = None if adapter is None else adapter[0]
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
         return recorder.follow(outputs, self._engine, sampling_params.n or 1, delta)

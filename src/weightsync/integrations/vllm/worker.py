@@ -241,11 +241,13 @@ class _ServedSink(WrappingSink):
             bucket_bytes=plan.bucket_bytes,
             park=park,
         )
-        self.paused_s = self.ring(event, self.drain_timeout + self.timeout if park else self.timeout)
+        self.paused_s = self.timed_ring(event, self.drain_timeout + self.timeout if park else self.timeout)
 
     def commit(self, version: int) -> None:
         if self.traits.staged:
-            self.paused_s = self.ring(events.Park(version=version, rank=self.rank), self.drain_timeout + self.timeout)
+            self.paused_s = self.timed_ring(
+                events.Park(version=version, rank=self.rank), self.drain_timeout + self.timeout
+            )
         self.inner.commit(version)  # the last tensors land; this worker's update call returns
         # Answered once every worker's outcome is in and vLLM finished: the server waits up to
         # twice its own timeout plus the drain timeout (control.py); this ring waits longer.
@@ -277,21 +279,23 @@ class _ServedSink(WrappingSink):
         except SinkError as exc:
             log.warning("could not tell the server this worker's receiver state: %s", exc)
 
-    def ring(self, event: events.SyncEvent, timeout: float) -> float:
-        """Ring the server; returns the seconds its answer took."""
+    def ring(self, event: events.SyncEvent, timeout: float) -> events.Reply:
+        """Ring the server; its answer (SinkError when it refused)."""
+        return ring(self.bell, event, timeout)
+
+    def timed_ring(self, event: events.SyncEvent, timeout: float) -> float:
+        """Ring the server; the seconds its answer took."""
         started = time.perf_counter()
-        ring(self.bell, event, timeout)
+        self.ring(event, timeout)
         return time.perf_counter() - started
 
 
 class _LoraVersions:
-    """The LoRA adapters this worker holds in memory (vLLM loads them from there at any step):
-    the newest `keep` versions of each, as the server keeps them."""
+    """The LoRA adapters this worker holds in memory (vLLM loads them from there at any step),
+    until the server says no request runs on them any more."""
 
-    def __init__(self, memory: LoraMemory, keep: int, layout: CheckpointLayout) -> None:
+    def __init__(self, memory: LoraMemory, layout: CheckpointLayout) -> None:
         self.memory = memory
-        self.keep = keep
-        self._ids: dict[str, list[int]] = {}
         self._linears = {  # the checkpoint's linear layers: what an adapter's shapes must fit
             name.removesuffix(".weight"): (shape[1], shape[0])
             for name, (shape, _) in layout.tensors.items()
@@ -315,14 +319,9 @@ class _LoraVersions:
         self.memory.models[lora_id] = self.memory.build(lora_id, tensors, config)
         return lora_id, f"{MEMORY_SCHEME}{adapter.name}/{version}/{lora_id}", content
 
-    def served(self, adapter: Adapter, lora_id: int) -> None:
-        ids = [held for held in self._ids.get(adapter.name, []) if held != lora_id] + [lora_id]
-        for old in ids[: -self.keep]:
-            self.memory.models.pop(old, None)
-        self._ids[adapter.name] = ids[-self.keep :]
-
-    def drop(self, lora_id: int) -> None:
-        self.memory.models.pop(lora_id, None)
+    def drop(self, *lora_ids: int) -> None:
+        for lora_id in lora_ids:
+            self.memory.models.pop(lora_id, None)
 
     def check(self, plan: Plan, adapter: Adapter) -> None:
         check_lora(plan, adapter, self._linears, self.memory.max_rank)
@@ -349,11 +348,11 @@ class _AdapterLanding(AdapterSink):
             adapter=adapter, version=version, rank=self.served.rank, lora_id=lora_id, path=path, content_digest=content
         )
         try:
-            self.served.ring(event, 4 * self.served.timeout)  # the server waits up to 3 timeouts
+            reply = self.served.ring(event, 4 * self.served.timeout)  # the server waits up to 3 timeouts
         except BaseException:
             self.loras.drop(lora_id)
             raise
-        self.loras.served(adapter, lora_id)
+        self.loras.drop(*(retired for retired in reply.retired if retired != lora_id))
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         super().abort(version, error, intact=intact)
@@ -401,7 +400,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
             if init_info.lora_versions:
                 memory = LoraMemory(self.model)
                 serve_loras_from_memory(memory)
-                loras = _LoraVersions(memory, init_info.lora_versions, layout)
+                loras = _LoraVersions(memory, layout)
             sink = _ServedSink(
                 inner,
                 init_info.bell,
