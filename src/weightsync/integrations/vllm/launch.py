@@ -64,11 +64,11 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
     if "--enforce-eager" not in given and "compilation" not in given:
         argv.append("--enforce-eager")  # compiling takes minutes on CPU; opt in with --vllm-args
     if config.max_lora_rank:
-        # a request runs on the adapter version it started with: every resident version may be
-        # in one batch (--max-loras), and the CPU cache holds a few adapters' versions
+        # a request runs on the adapter version it started with: every resident version, and
+        # one still draining, may be in one batch (--max-loras); the CPU cache holds a few more
         argv += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
         if "--max-loras" not in given:
-            argv += ["--max-loras", str(config.lora_versions)]
+            argv += ["--max-loras", str(config.lora_versions + 1)]
         if "--max-cpu-loras" not in given:
             argv += ["--max-cpu-loras", str(4 * config.lora_versions)]
     if "--kv-cache-memory-bytes" not in given and "--gpu-memory-utilization" not in given:
