@@ -1,0 +1,173 @@
+"""weightsync.integrations.trl against the installed TRL: its experimental contracts, the
+weight-transfer protocol against a real rollout server, and a real GRPOTrainer run
+(examples/trl_grpo.py) on two rollout servers."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[trl]')")
+
+# Loading TRL's trainers warns: TRL about its experimental API and about a vLLM newer than it was
+# released with, and the vLLM it then imports about torch deprecations. None is ours to act on.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from trl.experimental.async_grpo.async_grpo_trainer import WeightTransferProtocol
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+from weightsync.checkpoint import SafetensorsSource  # noqa: E402
+from weightsync.demo import task  # noqa: E402
+from weightsync.demo.rollouts import ServerFleet  # noqa: E402
+from weightsync.digest import source_digest  # noqa: E402
+from weightsync.errors import ConfigError, SyncFailed  # noqa: E402
+from weightsync.integrations.trl import (  # noqa: E402
+    REQUIRED_KEYS,
+    TESTED_TRL,
+    WeightsyncTransfer,
+    log_weight_versions,
+)
+from weightsync.module_source import ModuleSource  # noqa: E402
+from weightsync.server.client import RolloutClient  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 60.0
+
+
+# --- The guard: TRL's experimental API as this module relies on it --------------------------------
+
+
+def test_the_installed_trl_is_the_tested_one() -> None:
+    assert trl.__version__ == TESTED_TRL, f"TRL {trl.__version__}: check the contracts below, then move TESTED_TRL"
+
+
+def test_grpo_trainer_takes_a_rollout_func_called_with_prompts_and_the_trainer() -> None:
+    parameter = inspect.signature(GRPOTrainer.__init__).parameters.get("rollout_func")
+    assert parameter is not None, "GRPOTrainer no longer takes rollout_func"
+    assert parameter.default is None
+    source = inspect.getsource(GRPOTrainer._generate)
+    assert "self.rollout_func(prompts, self)" in source, "TRL calls rollout_func differently"
+
+
+def test_grpo_trainer_requires_the_keys_we_return_and_forwards_the_others() -> None:
+    source = inspect.getsource(GRPOTrainer._generate)
+    required = "{" + ", ".join(f'"{key}"' for key in REQUIRED_KEYS) + "}"
+    assert f"required_keys = {required}" in source, "TRL's required rollout_func keys changed"
+    assert "extra_fields = {k: v for k, v in output.items() if k not in required_keys}" in source
+    assert 'extra_fields.pop("env_mask", None)' in source, "env_mask (how a stale sample leaves the loss) changed"
+    scoring = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert "inp[key] = values[i]" in scoring, "extra fields no longer reach the reward functions per sample"
+
+
+def test_the_weight_transfer_implements_trls_protocol() -> None:
+    protocol = {
+        name: inspect.signature(member)
+        for name, member in vars(WeightTransferProtocol).items()
+        if callable(member) and not name.startswith("_")
+    }
+    assert set(protocol) == {"init_weight_transfer", "pause", "send_weights", "resume", "destroy"}
+    for name, signature in protocol.items():
+        ours = inspect.signature(getattr(WeightsyncTransfer, name))
+        assert list(ours.parameters) == list(signature.parameters), name
+
+
+def test_log_weight_versions_needs_the_versions() -> None:
+    scored = log_weight_versions(lambda completions, **kwargs: [1.0] * len(completions))
+    logged: dict[str, object] = {}
+    assert scored(["a", "b"], weight_version=[3, 4], log_extra=logged.__setitem__, log_metric=logged.__setitem__) == [
+        1.0,
+        1.0,
+    ]
+    assert logged == {"weight_version": [3, 4], "weight_version/max": 4.0, "weight_version/min": 3.0}
+    with pytest.raises(ConfigError, match="weight_version"):
+        scored(["a"])
+
+
+# --- AsyncGRPO's weight transfer against a real rollout server ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One `weightsync serve --engine hf` on dummy weights, and the policy it serves."""
+    policy_dir = tmp_path_factory.mktemp("policy")
+    model = task.build_policy(policy_dir, seed=1)
+    fleet = ServerFleet(policy_dir, 1, "hf", TIMEOUT_S, restart=False)
+    try:
+        yield next(iter(fleet)).url, model
+    finally:
+        fleet.close()
+
+
+@pytest.fixture
+def connected(server):  # type: ignore[no-untyped-def]
+    """A `WeightsyncTransfer` past `init_weight_transfer`, a client of the same server, the policy."""
+    url, model = server
+    transfer = WeightsyncTransfer([url], timeout=TIMEOUT_S)
+    transfer.init_weight_transfer()
+    try:
+        with RolloutClient(url, timeout=TIMEOUT_S) as client:
+            yield transfer, client, model
+    finally:
+        transfer.destroy()
+
+
+@pytest.mark.slow
+def test_the_protocol_round_against_a_server(connected) -> None:  # type: ignore[no-untyped-def]
+    transfer, client, model = connected
+    start = client.weight_info()["version"] or 0
+    transfer.version = start  # a module-scoped server: go on from what it holds
+    for version in (start + 1, start + 2):
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(0.5)  # a training step: new weights each round
+        transfer.pause()
+        transfer.send_weights((name, p.detach()) for name, p in model.named_parameters())
+        transfer.resume()
+        info = client.weight_info()
+        assert transfer.version == info["version"] == version
+        assert info["content_digest"] == source_digest(ModuleSource(model))
+        answer = client.completions(task.encode("3="), max_tokens=2, temperature=0)
+        assert answer["choices"][0]["weight_version"] == version
+
+
+@pytest.mark.slow
+def test_a_push_the_server_refuses_raises(connected) -> None:  # type: ignore[no-untyped-def]
+    transfer, client, _ = connected
+    held = client.weight_info()["version"]
+    transfer.version = held or 0
+    transfer.pause()
+    try:
+        with pytest.raises(SyncFailed, match="did not commit"):
+            transfer.send_weights(iter([("not.a.weight", torch.zeros(3))]))
+    finally:
+        transfer.resume()
+    assert client.weight_info()["version"] == held
+
+
+# --- A real GRPOTrainer run: the example at a small size ------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_trl_example_trains_on_fresh_weights_and_leaves_them_on_the_servers(tmp_path: Path) -> None:
+    steps = 3
+    command = [sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--engine", "hf", "--steps", str(steps)]
+    command += ["--prompts-per-step", "4", "--group", "4", "--timeout", str(TIMEOUT_S), "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(steps))
+    for record in records:  # every completion came from the weights of the step that trained on it
+        assert record["sample_versions"] == [record["step"]]
+        assert record["pushed_version"] == record["step"]
+        assert record["receivers_committed"] == record["receivers"] == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    saved = source_digest(SafetensorsSource(tmp_path / "policy"))
+    assert summary["trainer_digest"] == saved
+    assert [s["content_digest"] for s in summary["servers"].values()] == [saved, saved]
+    assert [s["version"] for s in summary["servers"].values()] == [steps, steps]
