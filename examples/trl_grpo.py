@@ -165,6 +165,9 @@ class StepLog(TrainerCallback):
             "sample_versions": SAMPLE_VERSIONS.pop(step),
             "pushed_version": report.version,
             "sync_seconds": report.seconds,
+            # the slowest server's time in its engine's own reload, and parked waiting for requests
+            "sync_load_seconds": max((o.times.load_s for o in report.outcomes if o.times), default=None),
+            "sync_pause_seconds": max((o.times.pause_s for o in report.outcomes if o.times), default=None),
             "sync_bytes": report.total_bytes,
             "receivers_committed": len(report.outcomes) - len(report.failed),
             "receivers": len(report.outcomes),
