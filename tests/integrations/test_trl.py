@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,7 +32,9 @@ from weightsync.errors import ConfigError, SyncFailed  # noqa: E402
 from weightsync.integrations.trl import (  # noqa: E402
     REQUIRED_KEYS,
     TESTED_TRL,
+    WeightsyncRollout,
     WeightsyncTransfer,
+    group_prompts,
     log_weight_versions,
 )
 from weightsync.module_source import ModuleSource  # noqa: E402
@@ -171,3 +174,57 @@ def test_the_trl_example_trains_on_fresh_weights_and_leaves_them_on_the_servers(
     assert summary["trainer_digest"] == saved
     assert [s["content_digest"] for s in summary["servers"].values()] == [saved, saved]
     assert [s["version"] for s in summary["servers"].values()] == [steps, steps]
+
+
+# --- The rollout function's own behaviour, with a stand-in for the trainer ------------------------
+
+
+def stand_in_trainer(model: torch.nn.Module, policy_dir: Path, step: int) -> SimpleNamespace:
+    """What the rollout function reads of a `GRPOTrainer`, for one process."""
+    from transformers import AutoTokenizer
+
+    return SimpleNamespace(
+        state=SimpleNamespace(global_step=step),
+        args=SimpleNamespace(max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0, seed=0),
+        processing_class=AutoTokenizer.from_pretrained(policy_dir),
+        model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True, wait_for_everyone=lambda: None),
+    )
+
+
+def test_identical_prompts_in_a_row_make_one_request_each_run() -> None:
+    prompts = ["1=", "1=", "1=", "2=", "2=", "1="]  # a group split across processes ends a batch early
+    groups = group_prompts(prompts, [task.encode(p) for p in prompts])
+    assert [(g.start, g.size, g.prompt_ids) for g in groups] == [
+        (0, 3, task.encode("1=")),
+        (3, 2, task.encode("2=")),
+        (5, 1, task.encode("1=")),
+    ]
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_is_left_out_and_the_rollouts_go_on(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    policy_dir = tmp_path / "policy"
+    model = task.build_policy(policy_dir, seed=2)
+    prompts = [p for digit in (1, 2, 3) for p in [task.prompt_text(digit)] * 4]
+    fleet = ServerFleet(policy_dir, 2, "hf", TIMEOUT_S, restart=False)
+    try:
+        urls = [server.url for server in fleet]
+        with WeightsyncRollout(urls, timeout=TIMEOUT_S) as rollout:
+            first = rollout(prompts, stand_in_trainer(model, policy_dir, step=0))
+            assert first["weight_version"] == [0] * len(prompts)
+            assert [len(ids) for ids in first["prompt_ids"]] == [2] * len(prompts)
+            assert "env_mask" not in first  # nothing stale
+            fleet.kill(0)
+            with torch.no_grad():
+                model.model.embed_tokens.weight.add_(1.0)
+            second = rollout(prompts, stand_in_trainer(model, policy_dir, step=1))
+            assert second["weight_version"] == [1] * len(prompts)
+            assert [len(ids) for ids in second["completion_ids"]] == [len(lp) for lp in second["logprobs"]]
+            assert [c.base_url for c in rollout.servers.live] == [urls[1]]
+            assert rollout.reports[-1].version == 1 and len(rollout.reports[-1].failed) == 1
+            assert f"rollout server {urls[0]} did not commit version 1" in caplog.text
+            with RolloutClient(urls[1], timeout=TIMEOUT_S) as client:
+                assert client.weight_info()["content_digest"] == source_digest(ModuleSource(model))
+    finally:
+        fleet.close()
