@@ -192,6 +192,12 @@ def stand_in_trainer(model: torch.nn.Module, policy_dir: Path, step: int) -> Sim
     )
 
 
+def fleet_address(url: str) -> str:
+    with RolloutClient(url, timeout=TIMEOUT_S) as client:
+        [address] = client.weight_info()["addresses"]
+    return str(address)
+
+
 def test_identical_prompts_in_a_row_make_one_request_each_run() -> None:
     prompts = ["1=", "1=", "1=", "2=", "2=", "1="]  # a group split across processes ends a batch early
     groups = group_prompts(prompts, [task.encode(p) for p in prompts])
@@ -224,6 +230,9 @@ def test_a_server_that_dies_is_left_out_and_the_rollouts_go_on(tmp_path: Path, c
             assert [c.base_url for c in rollout.servers.live] == [urls[1]]
             assert rollout.reports[-1].version == 1 and len(rollout.reports[-1].failed) == 1
             assert f"rollout server {urls[0]} did not commit version 1" in caplog.text
+            third = rollout(prompts, stand_in_trainer(model, policy_dir, step=2))
+            assert third["weight_version"] == [2] * len(prompts)
+            assert [(o.address, o.committed) for o in rollout.reports[-1].outcomes] == [(fleet_address(urls[1]), True)]
             with RolloutClient(urls[1], timeout=TIMEOUT_S) as client:
                 assert client.weight_info()["content_digest"] == source_digest(ModuleSource(model))
     finally:

@@ -94,23 +94,34 @@ class RolloutServers:
         """The servers that committed every push so far and never failed a request: the ones to
         generate on."""
         self._lock = threading.Lock()  # requests on several threads drop servers
+        # raise_on_failure is spelled out: each caller decides what a server that did not commit means.
+        self._sender_options: dict[str, Any] = {
+            "timeout": timeout,
+            "verify": verify,
+            "cast": cast,
+            "auth_token": auth_token,
+            "raise_on_failure": False,
+        }
         self._sender: WeightSender | None = None
         try:
             self._receivers = {client.base_url: client.wait_until_up(timeout)["addresses"] for client in self.clients}
-            addresses = [address for group in self._receivers.values() for address in group]
-            # raise_on_failure is spelled out: each caller decides what a server that did not commit means.
-            self._sender = WeightSender(
-                addresses, timeout=timeout, verify=verify, cast=cast, auth_token=auth_token, raise_on_failure=False
-            )
         except BaseException:
             self.close()
             raise
+        self._closed = False
 
     def push(self, tensors: Any, version: int) -> SyncReport:
         """Push `tensors` (a module's `ModuleSource`, a state dict, a `WeightSource`) as `version`
         to every live server; a server any of whose receivers did not commit leaves `live`."""
-        if self._sender is None:
+        if self._closed:
             raise ResourceError("the rollout servers' sender is closed")
+        addresses = [a for client in list(self.live) for a in self._receivers[client.base_url]]
+        if not addresses:
+            raise ResourceError(f"no rollout server left to push version {version} to")
+        if self._sender is None or self._sender.addresses != addresses:  # the first push, or servers left
+            if self._sender is not None:
+                self._sender.close()
+            self._sender = WeightSender(addresses, **self._sender_options)
         report = self._sender.push(tensors, version)
         failed = {outcome.address: outcome for outcome in report.failed}
         for client in list(self.live):
@@ -129,6 +140,7 @@ class RolloutServers:
         log.warning("rollout server %s %s; it gets no more requests", client.base_url, why)
 
     def close(self) -> None:
+        self._closed = True
         if self._sender is not None:
             self._sender.close()
             self._sender = None
