@@ -237,3 +237,23 @@ def test_a_server_that_dies_is_left_out_and_the_rollouts_go_on(tmp_path: Path, c
                 assert client.weight_info()["content_digest"] == source_digest(ModuleSource(model))
     finally:
         fleet.close()
+
+
+@pytest.mark.slow
+def test_completions_older_than_the_bound_are_kept_out_of_the_loss(server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    url, model = server
+    policy_dir = tmp_path / "policy"
+    task.build_policy(policy_dir)  # the tokenizer the stand-in trainer reads
+    prompts = [task.prompt_text(4)] * 3
+    with RolloutClient(url, timeout=TIMEOUT_S) as client:
+        pushed = (client.weight_info()["version"] or 0) + 1
+    with WeightsyncRollout([url], max_staleness=1, timeout=TIMEOUT_S) as rollout:
+        fresh = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed))
+        assert fresh["weight_version"] == [pushed] * 3 and "env_mask" not in fresh
+        rollout.version = pushed + 1  # as if pushed: the server still serves `pushed`, one behind
+        within = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed + 1))
+        assert within["weight_version"] == [pushed] * 3 and "env_mask" not in within
+        rollout.version = pushed + 2  # two behind: past the bound
+        stale = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed + 2))
+        assert stale["weight_version"] == [pushed] * 3
+        assert stale["env_mask"] == [[0] * len(ids) for ids in stale["completion_ids"]]
