@@ -1,11 +1,11 @@
 """TRL's GRPO trainers with weightsync rollout servers (`weightsync serve`), on any device.
 
-TRL's own paths to vLLM need CUDA (server mode joins vLLM's NCCL group; colocate mode loads
-weights into an in-process engine). TRL has two doors a weight-sync engine can use without
+TRL's own paths to vLLM need CUDA: server mode joins vLLM's NCCL group, and colocate mode's
+sync (`load_weights` on an in-process engine) fails on vLLM's CPU backend. TRL has two doors a weight-sync engine can use without
 patching it, and this module fills both (tested with TRL 1.16.0, the `weightsync[trl]` extra):
 
-- `WeightsyncRollout`, a `GRPOTrainer(rollout_func=...)`: once per optimizer step it pushes the
-  trainer's model to the servers (each server's receiver, over the transport it was started
+- `WeightsyncRollout`, a `GRPOTrainer(rollout_func=...)`: before each generation that follows an
+  optimizer step it pushes the trainer's model to the servers (each server's receiver, over the transport it was started
   with), then generates through their OpenAI API with token ids and logprobs. Each sample's
   `weight_version` goes on to the reward functions (a keyword argument) and, through
   `log_weight_versions`, to TRL's completion logs and metrics. TRL then does no sync of its own
