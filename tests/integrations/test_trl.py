@@ -1,0 +1,332 @@
+"""weightsync.integrations.trl against the installed TRL: its experimental contracts, the
+weight-transfer protocol against a real rollout server, and a real GRPOTrainer run
+(examples/trl_grpo.py) on two rollout servers."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[trl]')")
+
+# Loading TRL's trainers warns: TRL about its experimental API and about a vLLM newer than it was
+# released with, and the vLLM it then imports about torch deprecations. None is ours to act on.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from trl.experimental.async_grpo.async_grpo_trainer import WeightTransferProtocol
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+from weightsync.checkpoint import SafetensorsSource  # noqa: E402
+from weightsync.demo import task  # noqa: E402
+from weightsync.demo.rollouts import ServerFleet  # noqa: E402
+from weightsync.digest import source_digest  # noqa: E402
+from weightsync.errors import ConfigError, SyncFailed  # noqa: E402
+from weightsync.integrations.trl import (  # noqa: E402
+    REQUIRED_KEYS,
+    TESTED_TRL,
+    WeightsyncRollout,
+    WeightsyncTransfer,
+    group_prompts,
+    log_weight_versions,
+)
+from weightsync.module_source import ModuleSource  # noqa: E402
+from weightsync.server.client import RolloutClient  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 60.0
+
+
+# --- The guard: TRL's experimental API as this module relies on it --------------------------------
+
+
+def test_the_installed_trl_is_the_tested_one() -> None:
+    assert trl.__version__ == TESTED_TRL, f"TRL {trl.__version__}: check the contracts below, then move TESTED_TRL"
+
+
+def test_grpo_trainer_takes_a_rollout_func() -> None:
+    parameter = inspect.signature(GRPOTrainer.__init__).parameters.get("rollout_func")
+    assert parameter is not None, "GRPOTrainer no longer takes rollout_func"
+    assert parameter.default is None
+
+
+def load_example():  # type: ignore[no-untyped-def]
+    """examples/trl_grpo.py as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", ROOT / "examples" / "trl_grpo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_step_trainer(tmp_path: Path, rollout_func, reward_func) -> GRPOTrainer:  # type: ignore[no-untyped-def]
+    """A GRPOTrainer on the demo's policy for one step of 2 prompts x 2 completions, no servers."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    example = load_example()  # its GRPOConfig, at 2 prompts x 2 completions and one step
+    args = example.grpo_config(
+        example.parse_args(["--steps", "1", "--prompts-per-step", "2", "--group", "2", "--out", str(tmp_path)])
+    )
+    model = task.build_policy(tmp_path / "policy")
+    dataset = Dataset.from_dict({"prompt": ["1=", "2="], "digit": [1, 2]})
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "policy")
+    with warnings.catch_warnings():  # TRL: "rollout_func is experimental"
+        warnings.simplefilter("ignore")
+        return GRPOTrainer(
+            model,
+            reward_funcs=reward_func,
+            args=args,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            rollout_func=rollout_func,
+        )
+
+
+def canned_rollout(keys: tuple[str, ...], calls: list[tuple[list, object]]):  # type: ignore[no-untyped-def]
+    """A rollout function that answers every prompt "2222" from version 7, every token masked out
+    of the loss (`env_mask`), with only `keys`."""
+
+    def rollout(prompts, trainer):  # type: ignore[no-untyped-def]
+        calls.append((list(prompts), trainer))
+        output = {
+            "prompt_ids": [task.encode(p) for p in prompts],
+            "completion_ids": [task.encode("2222") for _ in prompts],
+            "logprobs": [[-1.0] * task.ANSWER_LENGTH for _ in prompts],
+            "weight_version": [7] * len(prompts),
+            "env_mask": [[0] * task.ANSWER_LENGTH for _ in prompts],
+        }
+        return {key: value for key, value in output.items() if key in keys}
+
+    return rollout
+
+
+@pytest.mark.slow
+def test_grpo_trainer_calls_the_rollout_func_as_we_rely_on(tmp_path: Path) -> None:
+    calls: list[tuple[list, object]] = []
+    seen: list[list[int]] = []
+
+    def reward(completions, weight_version, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(list(weight_version))
+        return [1.0] * len(completions)
+
+    trainer = one_step_trainer(tmp_path, canned_rollout(REQUIRED_KEYS + ("weight_version",), calls), reward)
+    trainer.train()
+    assert [(sorted(prompts), who) for prompts, who in calls] == [(["1=", "1=", "2=", "2="], trainer)]
+    assert seen == [[7, 7, 7, 7]], "extra keys no longer reach the reward functions per completion"
+
+
+@pytest.mark.slow
+def test_grpo_trainer_keeps_what_env_mask_zeroes_out_of_the_loss(tmp_path: Path) -> None:
+    rollout = canned_rollout(REQUIRED_KEYS + ("env_mask",), [])
+    trainer = one_step_trainer(tmp_path, rollout, lambda completions, **kw: [1.0] * len(completions))
+    trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "completions/mean_length" in entry)
+    assert logged["completions/mean_length"] == 0.0, "env_mask no longer masks completion tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("missing", REQUIRED_KEYS)
+def test_grpo_trainer_requires_the_keys_we_return(tmp_path: Path, missing: str) -> None:
+    keys = tuple(key for key in REQUIRED_KEYS if key != missing)
+    trainer = one_step_trainer(tmp_path, canned_rollout(keys, []), lambda completions, **kw: [1.0] * len(completions))
+    with pytest.raises(ValueError, match=missing):
+        trainer.train()
+
+
+def test_the_weight_transfer_implements_trls_protocol() -> None:
+    protocol = {
+        name: inspect.signature(member)
+        for name, member in vars(WeightTransferProtocol).items()
+        if callable(member) and not name.startswith("_")
+    }
+    assert set(protocol) == {"init_weight_transfer", "pause", "send_weights", "resume", "destroy"}
+    for name, signature in protocol.items():
+        ours = inspect.signature(getattr(WeightsyncTransfer, name))
+        assert list(ours.parameters) == list(signature.parameters), name
+
+
+def test_log_weight_versions_needs_the_versions() -> None:
+    scored = log_weight_versions(lambda completions, **kwargs: [1.0] * len(completions))
+    logged: dict[str, object] = {}
+    assert scored(["a", "b"], weight_version=[3, 4], log_extra=logged.__setitem__, log_metric=logged.__setitem__) == [
+        1.0,
+        1.0,
+    ]
+    assert logged == {"weight_version": [3, 4], "weight_version/max": 4.0, "weight_version/min": 3.0}
+    with pytest.raises(ConfigError, match="weight_version"):
+        scored(["a"])
+
+
+# --- AsyncGRPO's weight transfer against a real rollout server ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One `weightsync serve --engine hf` on dummy weights, and the policy it serves."""
+    policy_dir = tmp_path_factory.mktemp("policy")
+    model = task.build_policy(policy_dir, seed=1)
+    fleet = ServerFleet(policy_dir, 1, "hf", TIMEOUT_S, restart=False)
+    try:
+        yield next(iter(fleet)).url, model
+    finally:
+        fleet.close()
+
+
+@pytest.fixture
+def connected(server):  # type: ignore[no-untyped-def]
+    """A `WeightsyncTransfer` past `init_weight_transfer`, a client of the same server, the policy."""
+    url, model = server
+    transfer = WeightsyncTransfer([url], timeout=TIMEOUT_S)
+    transfer.init_weight_transfer()
+    try:
+        with RolloutClient(url, timeout=TIMEOUT_S) as client:
+            yield transfer, client, model
+    finally:
+        transfer.destroy()
+
+
+@pytest.mark.slow
+def test_the_protocol_round_against_a_server(connected) -> None:  # type: ignore[no-untyped-def]
+    transfer, client, model = connected
+    start = client.weight_info()["version"] or 0
+    transfer.version = start  # a module-scoped server: go on from what it holds
+    for version in (start + 1, start + 2):
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(0.5)  # a training step: new weights each round
+        transfer.pause()
+        transfer.send_weights((name, p.detach()) for name, p in model.named_parameters())
+        transfer.resume()
+        info = client.weight_info()
+        assert transfer.version == info["version"] == version
+        assert info["content_digest"] == source_digest(ModuleSource(model))
+        answer = client.completions(task.encode("3="), max_tokens=2, temperature=0)
+        assert answer["choices"][0]["weight_version"] == version
+
+
+@pytest.mark.slow
+def test_a_push_the_server_refuses_raises(connected) -> None:  # type: ignore[no-untyped-def]
+    transfer, client, _ = connected
+    held = client.weight_info()["version"]
+    transfer.version = held or 0
+    transfer.pause()
+    try:
+        with pytest.raises(SyncFailed, match="did not commit"):
+            transfer.send_weights(iter([("not.a.weight", torch.zeros(3))]))
+    finally:
+        transfer.resume()
+    assert client.weight_info()["version"] == held
+
+
+# --- A real GRPOTrainer run: the example at a small size ------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_trl_example_trains_on_fresh_weights_and_leaves_them_on_the_servers(tmp_path: Path) -> None:
+    steps = 3
+    command = [sys.executable, str(ROOT / "examples" / "trl_grpo.py"), "--engine", "hf", "--steps", str(steps)]
+    command += ["--prompts-per-step", "4", "--group", "4", "--timeout", str(TIMEOUT_S), "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(steps))
+    for record in records:  # every completion came from the weights of the step that trained on it
+        assert record["sample_versions"] == [record["step"]]
+        assert record["pushed_version"] == record["step"]
+        assert record["receivers_committed"] == record["receivers"] == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    saved = source_digest(SafetensorsSource(tmp_path / "policy"))
+    assert summary["trainer_digest"] == saved
+    assert [s["content_digest"] for s in summary["servers"].values()] == [saved, saved]
+    assert [s["version"] for s in summary["servers"].values()] == [steps, steps]
+
+
+# --- The rollout function's own behaviour, with a stand-in for the trainer ------------------------
+
+
+def stand_in_trainer(model: torch.nn.Module, policy_dir: Path, step: int) -> SimpleNamespace:
+    """What the rollout function reads of a `GRPOTrainer`, for one process."""
+    from transformers import AutoTokenizer
+
+    return SimpleNamespace(
+        state=SimpleNamespace(global_step=step),
+        args=SimpleNamespace(max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0, seed=0),
+        processing_class=AutoTokenizer.from_pretrained(policy_dir),
+        model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, is_main_process=True, wait_for_everyone=lambda: None),
+    )
+
+
+def fleet_address(url: str) -> str:
+    with RolloutClient(url, timeout=TIMEOUT_S) as client:
+        [address] = client.weight_info()["addresses"]
+    return str(address)
+
+
+def test_identical_prompts_in_a_row_make_one_request_each_run() -> None:
+    prompts = ["1=", "1=", "1=", "2=", "2=", "1="]  # a group split across processes ends a batch early
+    groups = group_prompts(prompts, [task.encode(p) for p in prompts])
+    assert [(g.start, g.size, g.prompt_ids) for g in groups] == [
+        (0, 3, task.encode("1=")),
+        (3, 2, task.encode("2=")),
+        (5, 1, task.encode("1=")),
+    ]
+
+
+@pytest.mark.slow
+def test_a_server_that_dies_is_left_out_and_the_rollouts_go_on(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    policy_dir = tmp_path / "policy"
+    model = task.build_policy(policy_dir, seed=2)
+    prompts = [p for digit in (1, 2, 3) for p in [task.prompt_text(digit)] * 4]
+    fleet = ServerFleet(policy_dir, 2, "hf", TIMEOUT_S, restart=False)
+    try:
+        urls = [server.url for server in fleet]
+        with WeightsyncRollout(urls, timeout=TIMEOUT_S) as rollout:
+            first = rollout(prompts, stand_in_trainer(model, policy_dir, step=0))
+            assert first["weight_version"] == [0] * len(prompts)
+            assert [len(ids) for ids in first["prompt_ids"]] == [2] * len(prompts)
+            assert "env_mask" not in first  # nothing stale
+            fleet.kill(0)
+            with torch.no_grad():
+                model.model.embed_tokens.weight.add_(1.0)
+            second = rollout(prompts, stand_in_trainer(model, policy_dir, step=1))
+            assert second["weight_version"] == [1] * len(prompts)
+            assert [len(ids) for ids in second["completion_ids"]] == [len(lp) for lp in second["logprobs"]]
+            assert [c.base_url for c in rollout.servers.live] == [urls[1]]
+            assert rollout.reports[-1].version == 1 and len(rollout.reports[-1].failed) == 1
+            assert f"rollout server {urls[0]} did not commit version 1" in caplog.text
+            third = rollout(prompts, stand_in_trainer(model, policy_dir, step=2))
+            assert third["weight_version"] == [2] * len(prompts)
+            assert [(o.address, o.committed) for o in rollout.reports[-1].outcomes] == [(fleet_address(urls[1]), True)]
+            with RolloutClient(urls[1], timeout=TIMEOUT_S) as client:
+                assert client.weight_info()["content_digest"] == source_digest(ModuleSource(model))
+    finally:
+        fleet.close()
+
+
+@pytest.mark.slow
+def test_completions_older_than_the_bound_are_kept_out_of_the_loss(server, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    url, model = server
+    policy_dir = tmp_path / "policy"
+    task.build_policy(policy_dir)  # the tokenizer the stand-in trainer reads
+    prompts = [task.prompt_text(4)] * 3
+    with RolloutClient(url, timeout=TIMEOUT_S) as client:
+        pushed = (client.weight_info()["version"] or 0) + 1
+    with WeightsyncRollout([url], max_staleness=1, timeout=TIMEOUT_S) as rollout:
+        fresh = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed))
+        assert fresh["weight_version"] == [pushed] * 3 and "env_mask" not in fresh
+        rollout.version = pushed + 1  # as if pushed: the server still serves `pushed`, one behind
+        within = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed + 1))
+        assert within["weight_version"] == [pushed] * 3 and "env_mask" not in within
+        rollout.version = pushed + 2  # two behind: past the bound
+        stale = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed + 2))
+        assert stale["weight_version"] == [pushed] * 3
+        assert stale["env_mask"] == [[0] * len(ids) for ids in stale["completion_ids"]]
