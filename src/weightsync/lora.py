@@ -32,6 +32,7 @@ __all__ = [
     "AdapterVersion",
     "ServedAdapter",
     "adapter_from_peft",
+    "base_from_peft",
     "check_lora",
     "lora_pairs",
 ]
@@ -74,6 +75,17 @@ def adapter_from_peft(model: Any, name: str) -> tuple[dict[str, torch.Tensor], A
     targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in modules}))
     adapter = Adapter(name, int(config.r), float(config.lora_alpha), targets, bool(config.use_rslora))
     return tensors, adapter
+
+
+def base_from_peft(model: Any) -> dict[str, torch.Tensor]:
+    """The base weights under a PEFT LoRA model, in the base model's own names (what a server
+    loaded from the base checkpoint holds), without the adapters' tensors."""
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if ".lora_" in name:
+            continue
+        tensors[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = tensor.detach()
+    return tensors
 
 
 def lora_pairs(plan: Plan, adapter: Adapter) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -330,3 +330,33 @@ def test_completions_older_than_the_bound_are_kept_out_of_the_loss(server, tmp_p
         stale = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed + 2))
         assert stale["weight_version"] == [pushed] * 3
         assert stale["env_mask"] == [[0] * len(ids) for ids in stale["completion_ids"]]
+
+
+@pytest.mark.slow
+def test_a_peft_model_is_pushed_as_its_adapter_and_generated_from_by_name(tmp_path: Path) -> None:
+    """The base weights once, then only the adapter each step; every request names the adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.server.conftest import live_server
+    from weightsync.lora import adapter_from_peft
+
+    policy_dir = tmp_path / "policy"
+    base = task.build_policy(policy_dir, seed=3)
+    base_bytes = sum(t.numel() * t.element_size() for t in base.state_dict().values())
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    prompts = [task.prompt_text(5)] * 4
+    with live_server(policy_dir, engine="hf", max_lora_rank=8) as server:
+        with WeightsyncRollout([server.url], timeout=TIMEOUT_S, adapter_name="grpo") as rollout:
+            for step in (0, 1):
+                with torch.no_grad():
+                    for name, param in model.named_parameters():
+                        if "lora_B" in name:
+                            param.add_(0.1)  # a training step, as far as the servers can tell
+                out = rollout(prompts, stand_in_trainer(model, policy_dir, step=step))
+                assert out["weight_version"] == [step] * len(prompts)
+                assert rollout.reports[-1].total_bytes < base_bytes / 20  # the adapter alone
+            info = server.client.weight_info()
+        (served,) = info["adapters"]
+        tensors, _ = adapter_from_peft(model, "grpo")
+        assert (served["name"], served["version"], info["version"]) == ("grpo", 1, 0)
+        assert served["content_digest"] == source_digest(tensors)

@@ -38,6 +38,7 @@ import torch
 
 from weightsync.checksum import Verify
 from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed
+from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
 from weightsync.options import DEFAULT_TIMEOUT_S
 from weightsync.report import SyncReport
@@ -110,9 +111,10 @@ class RolloutServers:
             raise
         self._closed = False
 
-    def push(self, tensors: Any, version: int) -> SyncReport:
+    def push(self, tensors: Any, version: int, adapter: Adapter | None = None) -> SyncReport:
         """Push `tensors` (a module's `ModuleSource`, a state dict, a `WeightSource`) as `version`
-        to every live server; a server any of whose receivers did not commit leaves `live`."""
+        (of LoRA `adapter`, if given) to every live server; a server any of whose receivers did
+        not commit leaves `live`."""
         if self._closed:
             raise ResourceError("the rollout servers' sender is closed")
         addresses = [a for client in list(self.live) for a in self._receivers[client.base_url]]
@@ -122,7 +124,7 @@ class RolloutServers:
             if self._sender is not None:
                 self._sender.close()
             self._sender = WeightSender(addresses, **self._sender_options)
-        report = self._sender.push(tensors, version)
+        report = self._sender.push(tensors, version, adapter=adapter)
         failed = {outcome.address: outcome for outcome in report.failed}
         for client in list(self.live):
             missed = [failed[a] for a in self._receivers[client.base_url] if a in failed]
@@ -173,8 +175,12 @@ class WeightsyncRollout:
     spread over the live servers. Sampling follows the trainer's `GRPOConfig`
     (`max_completion_length`, `temperature`, `top_p`, `top_k`, `seed`).
 
+    A PEFT model (`GRPOTrainer(peft_config=LoraConfig(...))`) is pushed as a LoRA adapter: its
+    base weights once, at the first call, as version 0, then only the adapter, as `adapter_name`,
+    which every request names (the servers run with `--max-lora-rank`; docs/lora.md).
+
     The result holds TRL's keys and `weight_version`: for each sample, the oldest weight version
-    that produced any of its tokens. A sample more than `max_staleness` versions behind the
+    that produced any of its tokens (with an adapter: the adapter's version). A sample more than `max_staleness` versions behind the
     trainer's step is kept out of the loss (an all-zero `env_mask` row), as the demo drops it;
     pushing before generating keeps every sample at lag 0, so this only catches a server serving
     weights other than the ones just pushed.
@@ -182,6 +188,7 @@ class WeightsyncRollout:
     Args:
         urls: the rollout servers' base URLs.
         max_staleness: versions a sample may lag the trainer's step and still train.
+        adapter_name: the name a PEFT model's adapter is served under.
         timeout, verify, cast, auth_token: as `RolloutServers`.
     """
 
@@ -190,11 +197,15 @@ class WeightsyncRollout:
         urls: Sequence[str],
         *,
         max_staleness: int = 0,
+        adapter_name: str = "policy",
         timeout: float = DEFAULT_TIMEOUT_S,
         verify: Verify = "bucket",
         cast: torch.dtype | None = None,
         auth_token: str | None = None,
     ) -> None:
+        self.adapter_name = adapter_name
+        self._model: dict[str, str] = {}
+        """The `model` field of every request: the adapter's name once one is pushed."""
         if max_staleness < 0:
             raise ConfigError(f"max_staleness must be 0 or more, got {max_staleness}")
         self.max_staleness = max_staleness
@@ -243,13 +254,9 @@ class WeightsyncRollout:
         get None) and every process waits for it."""
         accelerator = trainer.accelerator
         model = accelerator.unwrap_model(trainer.model)
-        if getattr(model, "peft_config", None) is not None:
-            raise ConfigError(
-                "a PEFT model: adapter sync is not supported yet; merge the adapter or train full weights"
-            )
         report = None
         if accelerator.is_main_process:
-            report = self.servers.push(ModuleSource(model), version)
+            report = self._push(model, version)
             self.reports.append(report)
             log.info("pushed version %d: %d bytes in %.3f s", version, report.total_bytes, report.seconds)
         accelerator.wait_for_everyone()
@@ -257,6 +264,17 @@ class WeightsyncRollout:
             raise SyncFailed(f"no rollout server committed version {version}", report)
         self.version = version
         return report
+
+    def _push(self, model: Any, version: int) -> SyncReport:
+        if getattr(model, "peft_config", None) is None:
+            return self.servers.push(ModuleSource(model), version)
+        if self.version is None:  # what the adapter sits on, once
+            base = self.servers.push(base_from_peft(model), 0)
+            if not self.servers.live:
+                raise SyncFailed("no rollout server committed the base weights under the adapter", base)
+        tensors, adapter = adapter_from_peft(model, self.adapter_name)
+        self._model = {"model": adapter.name}
+        return self.servers.push(tensors, version, adapter=adapter)
 
     def _complete(self, index: int, group: _Group, fields: dict[str, Any], base_seed: int | None) -> list[Any]:
         """`group.size` completions of one prompt, from one server (round robin); a server that
@@ -268,7 +286,7 @@ class WeightsyncRollout:
             client = live[index % len(live)]
             seed = {} if base_seed is None else {"seed": base_seed + index}
             try:
-                body = client.completions(group.prompt_ids, n=group.size, logprobs=0, **seed, **fields)
+                body = client.completions(group.prompt_ids, n=group.size, logprobs=0, **seed, **fields, **self._model)
             except ServerError as exc:
                 if 400 <= exc.status < 500:  # the request itself is wrong: every server would refuse it
                     raise
