@@ -15,8 +15,10 @@ leaves the engine serving exactly what it served before.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ __all__ = [
     "AdapterSink",
     "AdapterVersion",
     "ServedAdapter",
+    "adapter_from_dir",
     "adapter_from_peft",
     "base_from_peft",
     "check_lora",
@@ -59,22 +62,44 @@ def adapter_from_peft(model: Any, name: str) -> tuple[dict[str, torch.Tensor], A
     push as `sender.push(tensors, version, adapter=adapter)`; served as `name`."""
     from peft import get_peft_model_state_dict
 
+    active = model.active_adapter
+    config = model.peft_config[active].to_dict()
+    tensors = {key: tensor.detach() for key, tensor in get_peft_model_state_dict(model, adapter_name=active).items()}
+    return tensors, _adapter(name, config, tensors, repr(active))
+
+
+def adapter_from_dir(path: str | Path, name: str) -> tuple[dict[str, torch.Tensor], Adapter]:
+    """The tensors and the `Adapter` of a LoRA adapter saved by PEFT (`save_pretrained`:
+    adapter_config.json and adapter_model.safetensors in `path`), served as `name`."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        tensors = load_file(folder / "adapter_model.safetensors")
+    except Exception as exc:  # a missing file, bad JSON, a file safetensors cannot read
+        raise ConfigError(
+            f"{folder} is not a saved PEFT adapter (adapter_config.json, adapter_model.safetensors): {exc}"
+        ) from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{folder / 'adapter_config.json'} is not a JSON object")
+    return tensors, _adapter(name, config, tensors, str(folder))
+
+
+def _adapter(name: str, config: dict[str, Any], tensors: dict[str, torch.Tensor], what: str) -> Adapter:
+    """The Adapter of PEFT LoRA config `config` (as PEFT writes it) over `tensors`."""
     if not name or "/" in name or "@" in name:
         raise ConfigError(f"an adapter's name must be non-empty, without '/' or '@', got {name!r}")
-    active = model.active_adapter
-    config = model.peft_config[active]
-    if str(getattr(config, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
-        raise ConfigError(f"only LoRA adapters can be pushed; {active!r} is {config.peft_type}")
-    used = [what for field, what in _UNSUPPORTED.items() if getattr(config, field, None)]
-    if getattr(config, "bias", "none") != "none":
-        used.append(f"bias={config.bias!r}")
+    if str(config.get("peft_type", "")).rsplit(".", 1)[-1] != "LORA":
+        raise ConfigError(f"only LoRA adapters can be pushed; {what} is {config.get('peft_type')}")
+    used = [what for field, what in _UNSUPPORTED.items() if config.get(field)]
+    if config.get("bias", "none") != "none":
+        used.append(f"bias={config['bias']!r}")
     if used:
-        raise ConfigError(f"adapter {active!r} uses {', '.join(used)}: only plain LoRA adapters can be pushed")
-    tensors = {key: tensor.detach() for key, tensor in get_peft_model_state_dict(model, adapter_name=active).items()}
+        raise ConfigError(f"adapter {what} uses {', '.join(used)}: only plain LoRA adapters can be pushed")
     modules = {match["module"] for key in tensors if (match := _PEFT_NAME.fullmatch(key))}
     targets = tuple(sorted({module.rsplit(".", 1)[-1] for module in modules}))
-    adapter = Adapter(name, int(config.r), float(config.lora_alpha), targets, bool(config.use_rslora))
-    return tensors, adapter
+    return Adapter(name, int(config["r"]), float(config["lora_alpha"]), targets, bool(config.get("use_rslora")))
 
 
 def base_from_peft(model: Any) -> dict[str, torch.Tensor]:
