@@ -95,7 +95,7 @@ def slow_start(monkeypatch: pytest.MonkeyPatch, tiny_models: dict[str, Path]) ->
     import uvicorn
 
     SlowHFEngine.released = threading.Event()
-    monkeypatch.setattr(runtime, "build_engine", lambda name, model, load_format, staged=False: SlowHFEngine(model))
+    monkeypatch.setattr(runtime, "build_engine", lambda config: SlowHFEngine(config.model))
     startup = Startup(ServeConfig(model=str(tiny_models["qwen2"])))
     sock = bind("127.0.0.1", 0)
     http = uvicorn.Server(uvicorn.Config(create_app(startup), log_level="warning", lifespan="off"))

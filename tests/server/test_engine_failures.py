@@ -40,8 +40,8 @@ class FlakyEngine(HFEngine):
 
 @pytest.fixture
 def flaky(monkeypatch: pytest.MonkeyPatch) -> None:
-    def build(name: str, model: str, load_format: str, staged: bool = False) -> FlakyEngine:
-        return FlakyEngine(model, load_format=load_format)  # type: ignore[arg-type]
+    def build(config: ServeConfig) -> FlakyEngine:
+        return FlakyEngine(config.model, load_format=config.load_format)
 
     monkeypatch.setattr(runtime, "build_engine", build)
 

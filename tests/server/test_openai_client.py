@@ -290,8 +290,8 @@ class FailingEngine(HFEngine):
     "APIError while iterating); counted as a 500 in /metrics; the next request is served",
 )
 def test_an_engine_failure_mid_stream_is_an_error_event_then_the_end(tiny_models, monkeypatch, observe) -> None:
-    def build(name: str, model: str, load_format: str, staged: bool = False) -> FailingEngine:
-        return FailingEngine(model, load_format=load_format)  # type: ignore[arg-type]
+    def build(config: ServeConfig) -> FailingEngine:
+        return FailingEngine(config.model, load_format=config.load_format)
 
     monkeypatch.setattr(runtime, "build_engine", build)
     with live_server(tiny_models["qwen2"], load_format="auto") as server, client_for(server) as client:
