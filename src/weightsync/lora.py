@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "adapter_from_peft",
     "base_from_peft",
     "check_lora",
+    "check_name",
     "lora_pairs",
 ]
 
@@ -155,6 +156,16 @@ def check_lora(plan: Plan, adapter: Adapter, linears: Mapping[str, tuple[int, in
                 f"{shape[0]} inputs and {shape[1]} outputs"
             )
     _raise_if(problems, f"adapter {adapter.name!r} does not fit the served model")
+
+
+def check_name(adapter: Adapter, model_names: Iterable[str]) -> None:
+    """PlanError for an adapter named as the served model: a request naming it would get the
+    base weights, never the adapter."""
+    if adapter.name in model_names:
+        raise PlanError(
+            f"adapter {adapter.name!r} has the served model's own name: requests naming it get the base model; "
+            "push it under another name"
+        )
 
 
 def _raise_if(problems: list[str], what: str) -> None:

@@ -144,7 +144,9 @@ def test_a_mismatched_adapter_is_refused_and_the_previous_one_serves_on(served) 
     wrong_shape = {name: torch.cat([t, t], dim=-1) if "lora_A" in name else t for name, t in tensors.items()}
     big_tensors, big = adapter_from_peft(peft_policy(model_dir, seed=3, rank=16), "policy")
     unknown = {name.replace("q_proj", "x_proj"): t for name, t in tensors.items()}
+    model_name = server.client.models()["data"][0]["id"]  # a request naming it gets the base model
     cases = [
+        (tensors, Adapter(model_name, 4, 8.0, adapter.target_modules), "has the served model's own name"),
         (wrong_shape, adapter, "do not fit a layer"),
         (tensors, Adapter("policy", 2, 4.0, adapter.target_modules), "does not have rank 2"),
         (big_tensors, big, "outside this engine's 1..8"),

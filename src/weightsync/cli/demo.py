@@ -31,10 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default="auto",
         help="rollout servers' engine: auto (default) is vllm where it is installed, else hf",
     )
-    demo.add_argument("--steps", type=at_least(1), default=80, help="training steps (default 80)")
+    demo.add_argument("--steps", type=at_least(1), help="training steps (default 80; 200 with --lora)")
     demo.add_argument("--prompts-per-step", type=at_least(1), default=16)
     demo.add_argument("--group", type=at_least(2), default=8, help="samples per prompt (default 8)")
-    demo.add_argument("--lr", type=float, default=3e-3)
+    demo.add_argument("--lr", type=float, help="learning rate (default 3e-3; 1e-2 with --lora)")
     demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy (default 0)")
     demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old (default 1)")
     demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
@@ -51,7 +51,22 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument(
         "--delta-all", action="store_true", help="with --delta: send only what changed over every transport (shm too)"
     )
+    demo.add_argument(
+        "--lora",
+        action="store_true",
+        help="train a LoRA adapter on the policy (its own weights frozen after a warm-up on a neighbouring "
+        "skill) and push only the adapter after every step; the servers serve it by name (docs/demo.md)",
+    )
+    demo.add_argument(
+        "--lora-rank", type=at_least(1), default=LORA_RANK, help=f"the adapter's rank (default {LORA_RANK})"
+    )
     demo.set_defaults(handler=run)
+
+
+LORA_RANK = 1
+"""Rank 1 on every linear layer: 3% of the policy's bytes, and enough to learn the task (docs/demo.md)."""
+LORA_WARMUP_STEPS = 300
+"""Supervised batches of `task.warm_up` before a LoRA run: the base learns to add, not the task."""
 
 
 def choose_engine(engine: str, mode: str) -> str:
@@ -83,15 +98,17 @@ def run(args: argparse.Namespace) -> int:
     from weightsync.demo.report import plot, summary
 
     engine = choose_engine(args.engine, args.mode)
+    lora_rank = args.lora_rank if args.lora else 0
+    steps = args.steps if args.steps is not None else (200 if args.lora else 80)
     served_by = engine if args.mode == "disaggregated" else "hf"  # colocated: an hf engine in this process
     config = DemoConfig(
         mode=args.mode,
         servers=args.servers,
         engine=engine,
-        steps=args.steps,
+        steps=steps,
         prompts_per_step=args.prompts_per_step,
         group=args.group,
-        lr=args.lr,
+        lr=args.lr if args.lr is not None else (1e-2 if args.lora else 3e-3),
         kl_coef=args.kl_coef,
         max_staleness=args.max_staleness,
         seed=args.seed,
@@ -100,11 +117,14 @@ def run(args: argparse.Namespace) -> int:
         kill_server_at=args.kill_server_at,
         progress=args.progress,
         delta="all" if args.delta and args.delta_all else args.delta,
+        lora_rank=lora_rank,
+        warmup_steps=LORA_WARMUP_STEPS if args.lora else 0,
     )
     if args.mode == "disaggregated":
         print(
             f"weightsync demo: starting {args.servers} rollout servers on the {engine} engine "
-            f"(about {STARTUP_S[engine]}), then {args.steps} GRPO steps",
+            f"(about {STARTUP_S[engine]}), then {steps} GRPO steps"
+            + (f" training a rank-{lora_rank} LoRA adapter" if lora_rank else ""),
             file=sys.stderr,
             flush=True,
         )
@@ -116,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"weightsync demo ({args.mode}, {served_by} engine): {result['steps']} steps in {result['seconds']:.0f} s; "
         f"reward {result['reward_first_10pct']:.2f} (first 10% of steps) -> {result['reward_last_10pct']:.2f} "
-        f"(last 10%); {result['syncs']} syncs, mean {result['mean_sync_seconds'] * 1e3:.1f} ms "
-        f"({result['mean_sync_gbps']:.2f} GB/s); max version lag {result['max_version_lag']}, "
+        f"(last 10%); {result['syncs']} syncs, mean {result['mean_sync_seconds'] * 1e3:.1f} ms, median "
+        f"{result['median_sync_bytes'] / 1024:.1f} KiB ({result['median_sync_fraction']:.1%} of the model's bytes); "
+        f"max version lag {result['max_version_lag']}, "
         f"{result['dropped_stale']} samples dropped as stale"
     )
     for event in result["events"]:

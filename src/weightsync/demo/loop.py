@@ -27,6 +27,7 @@ from weightsync.demo import grpo, task
 from weightsync.demo.report import StepLog
 from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
 from weightsync.errors import ConfigError
+from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
 from weightsync.options import Delta
 from weightsync.report import SyncReport
@@ -63,6 +64,20 @@ class DemoConfig:
     only the elements that changed, where that is less than half the model (docs/delta.md). At
     this learning rate nearly every weight moves every step, so most pushes still go full;
     steps.jsonl records what each one moved."""
+    lora_rank: int = 0
+    """Train a LoRA adapter of this rank on every linear layer of the policy, whose own weights
+    stay frozen, and push only the adapter after each step (0: train and push the whole policy)."""
+    warmup_steps: int = 0
+    """Before anything is pushed, teach the policy the answer's form but not the task
+    (`task.warm_up`: its reward stays about 0.1); the LoRA demo's base needs it."""
+
+
+ADAPTER = "policy-lora"
+"""The name the demo's LoRA adapter is served under: every request names it. Not "policy": the
+servers serve the base model under its folder's name, and refuse an adapter that takes it."""
+
+LORA_ALPHA_PER_RANK = 2
+"""lora_alpha = 2 x rank, PEFT's and vLLM's usual scale."""
 
 
 OnStep = Callable[[dict[str, Any], torch.nn.Module, Rollouts], None]
@@ -73,9 +88,11 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     torch.set_num_threads(1)  # the rollout servers need the other core
     config.out.mkdir(parents=True, exist_ok=True)
     model_dir = config.out / "policy"
-    model = task.build_policy(model_dir, seed=config.seed)
+    policy = task.build_policy(model_dir, seed=config.seed)
+    if config.warmup_steps:
+        task.warm_up(policy, config.warmup_steps, seed=config.seed)
+    model: torch.nn.Module = policy  # under LoRA, PEFT's model over it
     reference = copy.deepcopy(model).requires_grad_(False) if config.kl_coef > 0 else None  # the initial policy
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed)
     steps: StepLog | None = None
     sender: WeightSender | None = None
@@ -86,6 +103,12 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
         steps = StepLog(config.out / "steps.jsonl")
         sender = new_sender(rollouts, config)
         sender, _ = push(sender, rollouts, model, 0, config)  # version 0: the initial weights
+        if config.lora_rank:  # the base stays as pushed; from here on, only the adapter moves
+            model = with_adapter(model, config.lora_rank)
+            sender, _ = push(sender, rollouts, model, 0, config)  # the adapter's version 0: the base's output
+        trained = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
+        model_bytes = sum(t.nbytes for t in model_weights(model).values())
         samples = rollouts.generate(new_request(config, rng, 0))
         for step in range(config.steps):
             if step == config.kill_server_at and isinstance(rollouts, ServerFleet):
@@ -108,6 +131,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
                 "sync_seconds": report.seconds,
                 "sync_gbps": report.gbps,
                 "sync_bytes": report.total_bytes,
+                "model_bytes": model_bytes,
                 "wire_bytes": report.wire_bytes,
                 "changed_fraction": report.changed_fraction,
                 "sync_modes": sorted({o.mode for o in report.outcomes if o.committed}),
@@ -132,7 +156,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             bar.update(1)
             if on_step is not None:
                 on_step(record, model, rollouts)
-        task.save_policy(model, model_dir)  # the trained policy, next to the config the servers read
+        save(model, config)
         return steps.records
     finally:  # the servers first: requests in flight then fail at once, and no thread waits on them
         bar.close()
@@ -146,16 +170,42 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
 
 def start_rollouts(config: DemoConfig, model_dir: Path) -> Rollouts:
     if config.mode == "colocated":
-        return LocalRollouts(model_dir, config.timeout)
+        return LocalRollouts(model_dir, config.timeout, max_lora_rank=config.lora_rank)
     if config.mode == "disaggregated":
-        return ServerFleet(model_dir, config.servers, config.engine, config.timeout)
+        return ServerFleet(model_dir, config.servers, config.engine, config.timeout, max_lora_rank=config.lora_rank)
     raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
+
+
+def with_adapter(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """`model` under a fresh PEFT LoRA adapter of `rank` on every linear layer (its B is zero, so
+    it generates what `model` does); only the adapter trains."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA_PER_RANK * rank, target_modules="all-linear")
+    return get_peft_model(model, config)
+
+
+def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's own weights (under an adapter: the base's, in the base's names)."""
+    return base_from_peft(model) if hasattr(model, "peft_config") else dict(model.state_dict())
+
+
+def save(model: Any, config: DemoConfig) -> None:
+    """The trained policy at out/policy, next to the config the servers read; under LoRA, the
+    base there and the adapter, as PEFT saves it, at out/adapter."""
+    if not hasattr(model, "peft_config"):
+        task.save_policy(model, config.out / "policy")
+        return
+    task.save_policy(model.get_base_model(), config.out / "policy")  # PEFT saves the base in its own names
+    model.save_pretrained(config.out / "adapter")
 
 
 def new_request(config: DemoConfig, rng: random.Random, step: int) -> Request:
     digits = task.sample_digits(rng, config.prompts_per_step)
     prompts = [task.encode(task.prompt_text(d)) for d in digits]
-    return Request(prompts, config.group, task.ANSWER_LENGTH, temperature=1.0, seed=config.seed * 1000 + step)
+    seed = config.seed * 1000 + step
+    adapter = ADAPTER if config.lora_rank else None
+    return Request(prompts, config.group, task.ANSWER_LENGTH, temperature=1.0, seed=seed, adapter=adapter)
 
 
 def task_digit(sample: Sample) -> int:
@@ -168,19 +218,25 @@ def fresh(samples: list[Sample], version: int, max_staleness: int) -> tuple[list
     return kept, len(samples) - len(kept)
 
 
-def new_sender(rollouts: Rollouts, config: DemoConfig) -> WeightSender:
-    return WeightSender(rollouts.addresses(), timeout=config.timeout, delta=config.delta)
+def new_sender(rollouts: Rollouts, config: DemoConfig, addresses: list[str] | None = None) -> WeightSender:
+    return WeightSender(addresses or rollouts.addresses(), timeout=config.timeout, delta=config.delta)
 
 
 def push(
     sender: WeightSender, rollouts: Rollouts, model: torch.nn.Module, version: int, config: DemoConfig
 ) -> tuple[WeightSender, SyncReport]:
-    """Push the model to every rollout engine; a fleet whose membership changed gets a new
-    sender (a restarted server listens on a new address)."""
+    """Push the model (under an adapter: the adapter alone) to every rollout engine; a fleet
+    whose membership changed gets a new sender (a restarted server listens on a new address),
+    and a restarted server gets the base weights first, for the adapter to sit on."""
     if sorted(sender.addresses) != sorted(rollouts.addresses()):
+        joining = sorted(set(rollouts.addresses()) - set(sender.addresses))
         sender.close()
+        if joining and hasattr(model, "peft_config"):
+            with new_sender(rollouts, config, joining) as base_sender:
+                base_sender.push(base_from_peft(model), 0)  # a server that fails it fails the adapter too
         sender = new_sender(rollouts, config)
-    report = sender.push(ModuleSource(model), version)
+    tensors, adapter = payload(model)
+    report = sender.push(tensors, version, adapter=adapter)
     for outcome in report.failed:
         log.warning("push of version %d to %s failed: %s", version, outcome.address, outcome.error)
         if isinstance(rollouts, ServerFleet):
@@ -189,6 +245,13 @@ def push(
                 rollouts.drop(server, f"failed the push of version {version} ({outcome.kind})")
     rollouts.joined({o.address for o in report.outcomes if o.committed})
     return sender, report
+
+
+def payload(model: torch.nn.Module) -> tuple[Any, Adapter | None]:
+    """What a push sends: the whole model, or the adapter alone (PEFT's names) and its shape."""
+    if hasattr(model, "peft_config"):
+        return adapter_from_peft(model, ADAPTER)
+    return ModuleSource(model), None
 
 
 def train_step(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,10 @@ def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: s
     # a delta push moves only what changed; records from before delta sync carry no wire_bytes
     wire = [r.get("wire_bytes", r["sync_bytes"]) / 1024 for r in records]
     bytes_axis.plot(steps, wire, color="tab:purple", label="on the wire")
-    bytes_axis.plot(steps, [r["sync_bytes"] / 1024 for r in records], color="tab:gray", linestyle=":", label="model")
+    bytes_axis.plot(steps, [r["sync_bytes"] / 1024 for r in records], color="tab:gray", linestyle=":", label="pushed")
+    if any("model_bytes" in r and r["model_bytes"] != r["sync_bytes"] for r in records):  # an adapter is pushed
+        model = [r.get("model_bytes", r["sync_bytes"]) / 1024 for r in records]
+        bytes_axis.plot(steps, model, color="black", linestyle="--", linewidth=0.8, label="the whole model")
     bytes_axis.set_ylabel("KiB per sync")
     bytes_axis.set_ylim(bottom=0)
     bytes_axis.legend(fontsize=7, loc="lower right")
@@ -74,12 +78,12 @@ def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: s
 
 
 def title(records: list[dict[str, Any]], engine: str, mode: str) -> str:
-    """The plot's title: the mode, the engine and the model's size (what a full sync moves)."""
+    """The plot's title: the mode, the engine and what each step pushes (the model, or an adapter)."""
     payload = records[0]["sync_bytes"] if records else 0
+    model = records[0].get("model_bytes", payload) if records else 0
     setup = ", ".join(part for part in (mode, f"{engine} engine" if engine else "") if part)
-    return (
-        f"weightsync demo: GRPO{f' ({setup})' if setup else ''}, {payload / 1024:.0f} KiB model pushed after every step"
-    )
+    what = f"{payload / 1024:.0f} KiB model" if payload == model else f"{payload / 1024:.0f} KiB LoRA adapter"
+    return f"weightsync demo: GRPO{f' ({setup})' if setup else ''}, {what} pushed after every step"
 
 
 def event_marks(records: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
@@ -93,17 +97,25 @@ def event_marks(records: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
 
 
 def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
-    """Reward over the first and last 10% of steps, syncs done, mean sync GB/s, max lag."""
+    """Reward over the first and last 10% of steps, syncs done, mean sync GB/s, bytes per sync
+    (against the whole model's: less under an adapter), max lag."""
     tenth = max(1, len(records) // 10)
     mean = lambda rows: sum(r["reward_mean"] for r in rows) / len(rows)  # noqa: E731
     seconds = sum(r["sync_seconds"] for r in records)
+    pushed = statistics.median(r["sync_bytes"] for r in records)
+    model = records[0].get("model_bytes", records[0]["sync_bytes"])
     return {
+        "reward_first_step": records[0]["reward_mean"],
         "steps": len(records),
         "reward_first_10pct": mean(records[:tenth]),
         "reward_last_10pct": mean(records[-tenth:]),
         "syncs": len(records) + 1,  # the initial push, then one per step
         "mean_sync_gbps": sum(r["sync_bytes"] for r in records) / seconds / 1e9 if seconds else 0.0,
         "mean_sync_seconds": seconds / len(records),
+        "median_sync_bytes": pushed,
+        "median_wire_bytes": statistics.median(r.get("wire_bytes", r["sync_bytes"]) for r in records),
+        "model_bytes": model,
+        "median_sync_fraction": pushed / model if model else 0.0,
         "max_version_lag": max(r["max_version_lag"] for r in records),
         "dropped_stale": sum(r["dropped_stale"] for r in records),
         "events": [f"step {r['step']}: {e}" for r in records for e in r["events"]],

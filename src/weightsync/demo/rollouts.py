@@ -52,15 +52,17 @@ class Request:
     max_tokens: int
     temperature: float
     seed: int
+    adapter: str | None = None
+    """The LoRA adapter to generate with, by name (its newest version), or None for the base."""
 
 
 class LocalRollouts:
     """An hf engine in this process, synced through `inproc` (colocated / hybrid mode)."""
 
-    def __init__(self, model_dir: Path, timeout: float) -> None:
+    def __init__(self, model_dir: Path, timeout: float, max_lora_rank: int = 0) -> None:
         from weightsync.engines.hf import HFEngine
 
-        self.engine = HFEngine(model_dir, load_format="dummy")
+        self.engine = HFEngine(model_dir, load_format="dummy", max_lora_rank=max_lora_rank)
         self.receiver = WeightReceiver(self.engine.weight_sink(), transport="inproc", timeout=timeout)
         self.events: list[str] = []
 
@@ -72,6 +74,7 @@ class LocalRollouts:
         if version is None:
             raise RuntimeError("no weights pushed yet")
         samples: dict[str, tuple[int, list[int], list[int], list[float]]] = {}
+        versions: dict[str, int] = {}
         for index, prompt in enumerate(request.prompts):
             for k in range(request.group):
                 request_id = f"{index}-{k}"
@@ -80,6 +83,7 @@ class LocalRollouts:
                     temperature=request.temperature,
                     seed=request.seed + index * request.group + k,
                     logprobs=0,
+                    adapter=request.adapter,
                 )
                 self.engine.add_request(request_id, prompt, params)
                 samples[request_id] = (index, prompt, [], [])
@@ -88,7 +92,9 @@ class LocalRollouts:
                 _, _, tokens, logprobs = samples[output.request_id]
                 tokens += output.new_token_ids
                 logprobs += output.new_logprobs or []
-        return [Sample(i, p, t, lp, version) for i, p, t, lp in samples.values()]
+                if output.adapter_version is not None:  # a request naming an adapter: its version
+                    versions[output.request_id] = output.adapter_version
+        return [Sample(i, p, t, lp, versions.get(key, version)) for key, (i, p, t, lp) in samples.items()]
 
     def check_alive(self) -> None:
         """One process: nothing can die on its own."""
@@ -106,11 +112,13 @@ class _Server:
 
     ANNOUNCEMENT = "weightsync serve: http://"
 
-    def __init__(self, index: int, model_dir: Path, engine: str, timeout: float) -> None:
+    def __init__(self, index: int, model_dir: Path, engine: str, timeout: float, max_lora_rank: int = 0) -> None:
         self.index = index
         self.timeout = timeout
         command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model_dir)]
         command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout), "--log-level", "warning"]
+        if max_lora_rank:
+            command += ["--max-lora-rank", str(max_lora_rank)]
         quiet = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
         self.child = ChildProcess(command, env=quiet | os.environ | {"OMP_NUM_THREADS": "1"})
         self.url = ""
@@ -147,6 +155,8 @@ class _Server:
             "logprobs": 0,
             "return_token_ids": True,  # vLLM's server lists token ids only when asked; weightsync's hf server always does
         }
+        if request.adapter is not None:
+            body["model"] = request.adapter  # the adapter's newest version, for the whole request
         response = self.client.post("/v1/completions", json=body)
         response.raise_for_status()
         choices = response.json()["choices"]
@@ -179,10 +189,20 @@ class ServerFleet:
         engine: "hf" or "vllm".
         timeout: seconds any request or start-up may take.
         restart: start a replacement for a server that died (it rejoins after the next push).
+        max_lora_rank: the servers serve LoRA adapters up to this rank (0: none).
     """
 
-    def __init__(self, model_dir: Path, size: int, engine: str, timeout: float, restart: bool = True) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        size: int,
+        engine: str,
+        timeout: float,
+        restart: bool = True,
+        max_lora_rank: int = 0,
+    ) -> None:
         self._model_dir, self._engine, self._timeout, self._restart = model_dir, engine, timeout, restart
+        self._max_lora_rank = max_lora_rank
         self._lock = threading.RLock()  # generation (a background thread) and pushes both drop servers
         self._closed = False
         self.joining: list[_Server] = []
@@ -191,7 +211,7 @@ class ServerFleet:
         self.servers: list[_Server] = []
         try:
             for index in range(size):  # every server starts at once; then wait for each
-                self.servers.append(_Server(index, model_dir, engine, timeout))
+                self.servers.append(_Server(index, model_dir, engine, timeout, max_lora_rank))
             for server in self.servers:
                 server.wait_ready()
         except BaseException:
@@ -251,7 +271,8 @@ class ServerFleet:
             server.close()
             self.events.append(f"server {server.index} {why}; continuing on {len(self.servers)}")
             if self._restart:
-                self.joining.append(_Server(server.index, self._model_dir, self._engine, self._timeout))
+                replacement = _Server(server.index, self._model_dir, self._engine, self._timeout, self._max_lora_rank)
+                self.joining.append(replacement)
                 self.events.append(f"server {server.index} restarted; it serves after the next push")
 
     def by_address(self, address: str) -> _Server | None:

@@ -253,6 +253,7 @@ class RolloutServer:
             mode=config.sync_mode,
             drain_timeout=config.drain_timeout,
             metrics=self.metrics,
+            model_name=config.model_name,
         )
         self.receiver = WeightReceiver(self.sink, config.transport, options=config.receiver_options)
         self.receiver.watch(self._observe)

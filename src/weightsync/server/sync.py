@@ -22,6 +22,7 @@ import logging
 import time
 
 from weightsync.errors import SinkError
+from weightsync.lora import check_name
 from weightsync.messages import Adapter, Plan
 from weightsync.server.loop import EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
@@ -97,6 +98,7 @@ class ServerSink(WrappingSink):
         mode: how to pause for a sync ("wait", "abort" or "keep").
         drain_timeout: seconds to wait for the loop to park before refusing the sync.
         metrics: where sync metrics go.
+        model_name: the served model's name, which no adapter may take.
     """
 
     def __init__(
@@ -107,9 +109,11 @@ class ServerSink(WrappingSink):
         mode: PauseMode,
         drain_timeout: float,
         metrics: ServerMetrics,
+        model_name: str = "",
     ) -> None:
         super().__init__(inner)
         self.loop = loop
+        self.model_name = model_name
         self.mode = mode
         self.drain_timeout = drain_timeout
         self.metrics = metrics
@@ -163,6 +167,7 @@ class ServerSink(WrappingSink):
         )
 
     def adapter_sink(self, adapter: Adapter) -> WeightSink:
+        check_name(adapter, [self.model_name])
         return AdapterServerSink(self.inner.adapter_sink(adapter), adapter, self.loop, self.drain_timeout)
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:

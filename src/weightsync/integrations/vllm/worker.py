@@ -65,7 +65,7 @@ from weightsync.integrations.vllm.layout import (
     checkpoint_layout,
 )
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
-from weightsync.lora import Adapter, AdapterSink, check_lora
+from weightsync.lora import Adapter, AdapterSink, check_lora, check_name
 from weightsync.messages import Plan
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
@@ -229,6 +229,7 @@ class _ServedSink(WrappingSink):
             raise PlanError(
                 f"this server serves no LoRA adapters (start it with --max-lora-rank N); adapter {adapter.name!r} refused"
             )
+        check_name(adapter, self.loras.model_names)
         return _AdapterLanding(adapter, self)
 
     def begin(self, plan: Plan, version: int) -> None:
@@ -290,12 +291,20 @@ class _ServedSink(WrappingSink):
         return time.perf_counter() - started
 
 
+def served_model_names(model_config: Any) -> tuple[str, ...]:
+    """The names vLLM serves the base model under (`--served-model-name`, else the model)."""
+    names = model_config.served_model_name or model_config.model
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
 class _LoraVersions:
     """The LoRA adapters this worker holds in memory (vLLM loads them from there at any step),
     until the server says no request runs on them any more."""
 
-    def __init__(self, memory: LoraMemory, layout: CheckpointLayout) -> None:
+    def __init__(self, memory: LoraMemory, layout: CheckpointLayout, model_names: tuple[str, ...]) -> None:
         self.memory = memory
+        self.model_names = model_names
+        """The names the server serves the base model under, which no adapter may take."""
         self._linears = {  # the checkpoint's linear layers: what an adapter's shapes must fit
             name.removesuffix(".weight"): (shape[1], shape[0])
             for name, (shape, _) in layout.tensors.items()
@@ -400,7 +409,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
             if init_info.lora_versions:
                 memory = LoraMemory(self.model)
                 serve_loras_from_memory(memory)
-                loras = _LoraVersions(memory, layout)
+                loras = _LoraVersions(memory, layout, served_model_names(self.model_config))
             sink = _ServedSink(
                 inner,
                 init_info.bell,
