@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from weightsync.demo import task
-from weightsync.demo.loop import DemoConfig, run
+from weightsync.demo.loop import ADAPTER, DemoConfig, run
 from weightsync.demo.report import plot, summary
 
 PROMPT = task.encode(task.prompt_text(3))
@@ -110,3 +110,58 @@ def test_disaggregated_loop_on_vllm_servers(tmp_path: Path) -> None:
     records = run(config, on_step=check)
     assert checked == [0, 0, 1, 1, 2, 2]
     assert all(r["receivers_committed"] == 2 for r in records)
+
+
+def assert_servers_serve_the_adapter(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> None:
+    """Each server answers a request naming the demo's adapter with the trainer's greedy
+    completion, from the adapter version just pushed, on the base pushed first (version 0)."""
+    expected = trainer_greedy(model)
+    for server in fleet:
+        body = server.client.post(
+            "/v1/completions",
+            json={"model": ADAPTER, "prompt": PROMPT, "max_tokens": task.ANSWER_LENGTH, "temperature": 0},
+        ).json()
+        assert (body["weight_version"], body["base_version"]) == (record["weight_version"], 0), body
+        assert body["choices"][0]["token_ids"] == expected, (record["step"], server.index)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        "hf",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+                pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning"),
+                pytest.mark.filterwarnings("ignore::UserWarning"),
+            ],
+        ),
+    ],
+)
+def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Path, engine: str) -> None:
+    config = DemoConfig(
+        engine=engine, lora_rank=1, warmup_steps=20, lr=1e-2, steps=3, prompts_per_step=4, group=4, out=tmp_path,
+        progress=False,
+    )  # fmt: skip
+    checked: list[list[int]] = []
+
+    def check(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> None:
+        assert_servers_serve_the_adapter(record, model, fleet)
+        checked.append(trainer_greedy(model))
+
+    records = run(config, on_step=check)
+    assert len(checked) == 3
+    shapes = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]  # q k v o gate up down
+    adapter_bytes = 2 * sum(4 * (fan_in + fan_out) for fan_in, fan_out in shapes)  # rank 1, fp32, 2 layers
+    assert all(r["sync_bytes"] == r["wire_bytes"] == adapter_bytes for r in records)
+    assert all(r["model_bytes"] == 304_384 and r["receivers_committed"] == 2 for r in records)
+    assert summary(records)["median_sync_fraction"] < 0.05
+    # what the run leaves: the base, loadable as it is, and the adapter as PEFT saves it
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
+    assert sorted(base.state_dict()) == sorted(task.build_policy(tmp_path / "fresh").state_dict())
+    assert trainer_greedy(PeftModel.from_pretrained(base, tmp_path / "adapter").eval()) == checked[-1]

@@ -31,10 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default="auto",
         help="rollout servers' engine: auto (default) is vllm where it is installed, else hf",
     )
-    demo.add_argument("--steps", type=at_least(1), help="training steps (default 80; 200 with --lora)")
+    demo.add_argument("--steps", type=at_least(1), help="training steps (default 80; 300 with --lora)")
     demo.add_argument("--prompts-per-step", type=at_least(1), default=16)
     demo.add_argument("--group", type=at_least(2), default=8, help="samples per prompt (default 8)")
-    demo.add_argument("--lr", type=float, help="learning rate (default 3e-3; 1e-2 with --lora)")
+    demo.add_argument("--lr", type=float, help="learning rate (default 3e-3; 7e-3 with --lora)")
     demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy (default 0)")
     demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old (default 1)")
     demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = choose_engine(args.engine, args.mode)
     lora_rank = args.lora_rank if args.lora else 0
-    steps = args.steps if args.steps is not None else (200 if args.lora else 80)
+    steps = args.steps if args.steps is not None else (300 if args.lora else 80)
     served_by = engine if args.mode == "disaggregated" else "hf"  # colocated: an hf engine in this process
     config = DemoConfig(
         mode=args.mode,
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         steps=steps,
         prompts_per_step=args.prompts_per_step,
         group=args.group,
-        lr=args.lr if args.lr is not None else (1e-2 if args.lora else 3e-3),
+        lr=args.lr if args.lr is not None else (7e-3 if args.lora else 3e-3),
         kl_coef=args.kl_coef,
         max_staleness=args.max_staleness,
         seed=args.seed,

@@ -196,8 +196,8 @@ def save(model: Any, config: DemoConfig) -> None:
     if not hasattr(model, "peft_config"):
         task.save_policy(model, config.out / "policy")
         return
-    task.save_policy(model.get_base_model(), config.out / "policy")  # PEFT saves the base in its own names
     model.save_pretrained(config.out / "adapter")
+    task.save_policy(model.unload(), config.out / "policy")  # the base, its own layers back in place
 
 
 def new_request(config: DemoConfig, rng: random.Random, step: int) -> Request:
