@@ -119,8 +119,10 @@ class _Server:
         command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout), "--log-level", "warning"]
         if max_lora_rank:
             command += ["--max-lora-rank", str(max_lora_rank)]
-        quiet = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
-        self.child = ChildProcess(command, env=quiet | os.environ | {"OMP_NUM_THREADS": "1"})
+        env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
+        if engine == "vllm":  # each server's worker on a core of its own (vLLM's "auto" puts all on one)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
+        self.child = ChildProcess(command, env=env | os.environ | {"OMP_NUM_THREADS": "1"})
         self.url = ""
         self.addresses: list[str] = []
         """Its workers' receivers (one per vLLM worker; one for hf)."""
