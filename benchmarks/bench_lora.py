@@ -203,6 +203,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         return statistics.median(row[path][key] for row in rows[1:] or rows)
 
     ours, theirs = median("weightsync", "seconds"), median("from_disk", "seconds")
+    disk_sync = statistics.median(
+        row["from_disk"]["save_seconds"] + row["from_disk"]["load_seconds"] for row in rows[1:] or rows
+    )
     return {
         "adapter_bytes": rows[0]["weightsync"]["adapter_bytes"],
         "first_weightsync_seconds": rows[0]["weightsync"]["seconds"],
@@ -213,6 +216,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "from_disk_save_seconds": median("from_disk", "save_seconds"),
         "from_disk_load_seconds": median("from_disk", "load_seconds"),
         "ratio": ours / theirs,
+        "sync_ratio": median("weightsync", "push_seconds") / disk_sync,
+        "weightsync_first_response_seconds": median("weightsync", "first_response_seconds"),
+        "from_disk_first_response_seconds": median("from_disk", "first_response_seconds"),
         "same_first_token": all(row["weightsync"]["token"] == row["from_disk"]["token"] for row in rows),
     }
 
@@ -222,15 +228,18 @@ def table(result: dict[str, Any]) -> str:
         f"LoRA rank {result['rank']} on every linear layer of a {result['model_bytes'] / 2**30:.2f} GiB "
         f"{result['dtype']} model; {result['rounds']} rounds; steady state = median of rounds 2..N",
         "| engine | adapter MiB | weightsync push -> served ms (first / steady) | from disk: save + load + "
-        "served ms (first / steady) | steady: save / load ms | ratio (steady) | same token |",
-        "|---|---|---|---|---|---|---|",
+        "served ms (first / steady) | ratio (steady) | steady: push vs save + load ms | steady: first response ms "
+        "(weightsync / from disk) | same token |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["engines"]:
         lines.append(
             f"| {r['engine']} | {r['adapter_bytes'] / 2**20:.1f} | {r['first_weightsync_seconds'] * 1e3:.1f} / "
             f"{r['weightsync_seconds'] * 1e3:.1f} | {r['first_from_disk_seconds'] * 1e3:.1f} / "
-            f"{r['from_disk_seconds'] * 1e3:.1f} | {r['from_disk_save_seconds'] * 1e3:.1f} / "
-            f"{r['from_disk_load_seconds'] * 1e3:.1f} | {r['ratio']:.2f}x | {r['same_first_token']} |"
+            f"{r['from_disk_seconds'] * 1e3:.1f} | {r['ratio']:.2f}x | {r['weightsync_push_seconds'] * 1e3:.1f} vs "
+            f"{r['from_disk_save_seconds'] * 1e3:.1f} + {r['from_disk_load_seconds'] * 1e3:.1f} "
+            f"({r['sync_ratio']:.2f}x) | {r['weightsync_first_response_seconds'] * 1e3:.1f} / "
+            f"{r['from_disk_first_response_seconds'] * 1e3:.1f} | {r['same_first_token']} |"
         )
     return "\n".join(lines)
 
@@ -244,7 +253,7 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=0.25, help="base model size in GiB (default 0.25)")
     parser.add_argument("--dtype", default="float32", help="the model's dtype (default float32)")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16; vLLM takes 1, 8, 16, 32, 64, ...)")
-    parser.add_argument("--rounds", type=int, default=6, help="adapter versions pushed per engine (default 6)")
+    parser.add_argument("--rounds", type=int, default=10, help="adapter versions pushed per engine (default 10)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any step may take")
     parser.add_argument("--json", type=Path, help="also write the result as JSON here")
     args = parser.parse_args()
