@@ -165,3 +165,23 @@ def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Pa
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "policy")
     assert sorted(base.state_dict()) == sorted(task.build_policy(tmp_path / "fresh").state_dict())
     assert trainer_greedy(PeftModel.from_pretrained(base, tmp_path / "adapter").eval()) == checked[-1]
+
+
+@pytest.mark.slow
+def test_a_restarted_server_gets_the_base_before_the_adapter(tmp_path: Path) -> None:
+    config = DemoConfig(
+        lora_rank=1, warmup_steps=20, lr=1e-2, steps=5, prompts_per_step=4, group=4, kill_server_at=1, out=tmp_path,
+        timeout=30.0, progress=False,
+    )  # fmt: skip
+    checked: list[tuple[int, int]] = []
+
+    def check(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> None:
+        assert_servers_serve_the_adapter(record, model, fleet)
+        checked.extend((record["step"], server.index) for server in fleet)
+
+    records = run(config, on_step=check)
+    events = " | ".join(e for r in records for e in r["events"])
+    assert "server 0 rejoined with the current weights" in events, events
+    rejoined = next(r["step"] for r in records if any("rejoined" in e for e in r["events"]))
+    assert (rejoined, 0) in checked  # the restarted server serves the trainer's adapter on base version 0
+    assert all(r["receivers_committed"] == r["receivers"] for r in records[rejoined:])

@@ -68,8 +68,9 @@ class DemoConfig:
     """Train a LoRA adapter of this rank on every linear layer of the policy, whose own weights
     stay frozen, and push only the adapter after each step (0: train and push the whole policy)."""
     warmup_steps: int = 0
-    """Before anything is pushed, teach the policy the answer's form but not the task
-    (`task.warm_up`: its reward stays about 0.1); the LoRA demo's base needs it."""
+    """Before anything is pushed, pretrain the policy on a neighbouring skill and the answer's
+    form, never on the task (`task.warm_up`: its reward stays at chance or below); the LoRA
+    demo's base needs it."""
 
 
 ADAPTER = "policy-lora"

@@ -133,7 +133,8 @@ def warm_up(model: PreTrainedModel, steps: int, seed: int = 0, batch: int = 64, 
     are the task's own prompts, "d=", answered by some digit four times, where only the
     repeats and the EOS are taught, never which digit comes first. So the model learns to add
     and learns the answer's form, but has never been told what answers "d=": its reward on the
-    task stays at chance (about 0.07). What an adapter must learn is that "d=" means "d1=".
+    task stays at or below chance (measured: 0.008 after 300 batches; chance is 0.07). What an
+    adapter must learn is that "d=" means "d1=".
     """
     import torch
 
