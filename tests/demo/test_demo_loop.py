@@ -119,7 +119,13 @@ def assert_servers_serve_the_adapter(record: dict[str, Any], model: torch.nn.Mod
     for server in fleet:
         body = server.client.post(
             "/v1/completions",
-            json={"model": ADAPTER, "prompt": PROMPT, "max_tokens": task.ANSWER_LENGTH, "temperature": 0},
+            json={
+                "model": ADAPTER,
+                "prompt": PROMPT,
+                "max_tokens": task.ANSWER_LENGTH,
+                "temperature": 0,
+                "return_token_ids": True,  # vLLM lists them only when asked
+            },
         ).json()
         assert (body["weight_version"], body["base_version"]) == (record["weight_version"], 0), body
         assert body["choices"][0]["token_ids"] == expected, (record["step"], server.index)
