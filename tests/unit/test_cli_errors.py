@@ -121,6 +121,12 @@ def test_a_config_error_is_a_usage_error(capsys):
     assert_one_line(err)
 
 
+def test_a_lora_rank_without_lora_is_refused_not_ignored(capsys):
+    status, err = run(capsys, "demo", "--lora-rank", "4")
+    assert status == 2 and err.startswith("weightsync demo: --lora-rank applies to a LoRA run: add --lora")
+    assert_one_line(err)
+
+
 @pytest.mark.parametrize(
     ("raised", "status", "says"),
     [

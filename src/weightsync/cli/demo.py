@@ -57,9 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="train a LoRA adapter on the policy (its own weights frozen after a warm-up on a neighbouring "
         "skill) and push only the adapter after every step; the servers serve it by name (docs/demo.md)",
     )
-    demo.add_argument(
-        "--lora-rank", type=at_least(1), default=LORA_RANK, help=f"the adapter's rank (default {LORA_RANK})"
-    )
+    demo.add_argument("--lora-rank", type=at_least(1), help=f"with --lora: the adapter's rank (default {LORA_RANK})")
     demo.set_defaults(handler=run)
 
 
@@ -98,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
     from weightsync.demo.report import plot, summary
 
     engine = choose_engine(args.engine, args.mode)
-    lora_rank = args.lora_rank if args.lora else 0
+    if args.lora_rank is not None and not args.lora:
+        raise ConfigError("--lora-rank applies to a LoRA run: add --lora")
+    lora_rank = (args.lora_rank or LORA_RANK) if args.lora else 0
     steps = args.steps if args.steps is not None else (300 if args.lora else 80)
     served_by = engine if args.mode == "disaggregated" else "hf"  # colocated: an hf engine in this process
     config = DemoConfig(
