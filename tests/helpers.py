@@ -68,6 +68,22 @@ DTYPES = [
     torch.float64,
 ]
 
+ENGINES = [
+    "hf",
+    pytest.param(
+        "vllm",
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+            # vLLM's own imports warn (deprecated torch.jit APIs, future changes): not ours to fix.
+            pytest.mark.filterwarnings("ignore::FutureWarning"),
+            pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+            pytest.mark.filterwarnings("ignore::UserWarning"),
+        ],
+    ),
+]
+"""The rollout engines a server test runs on: hf always, vLLM where it is installed."""
+
 SHM_DIR = "/dev/shm"
 
 WAIT_S = 10.0

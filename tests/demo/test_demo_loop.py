@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers import ENGINES
 from weightsync.demo import task
 from weightsync.demo.loop import ADAPTER, DemoConfig, run
 from weightsync.demo.report import plot, summary
@@ -131,21 +132,7 @@ def assert_servers_serve_the_adapter(record: dict[str, Any], model: torch.nn.Mod
         assert body["choices"][0]["token_ids"] == expected, (record["step"], server.index)
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        "hf",
-        pytest.param(
-            "vllm",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-                pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning"),
-                pytest.mark.filterwarnings("ignore::UserWarning"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Path, engine: str) -> None:
     config = DemoConfig(
         engine=engine, lora_rank=1, warmup_steps=20, lr=1e-2, steps=3, prompts_per_step=4, group=4, out=tmp_path,

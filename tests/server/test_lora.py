@@ -3,7 +3,6 @@ never stale, refused whole when they do not fit."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import threading
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import WAIT_S, wait_until
+from tests.helpers import ENGINES, WAIT_S, wait_until
 from tests.models import EOS_ID
 from tests.server.conftest import live_server
 from weightsync import Adapter, SyncFailed, WeightSender, adapter_from_peft
@@ -44,22 +43,6 @@ def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:  # type: ign
         out = model.generate(input_ids=ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None)
     tokens = out[0, len(prompt) :].tolist()
     return tokens[: tokens.index(EOS_ID) + 1] if EOS_ID in tokens else tokens
-
-
-ENGINES = [
-    "hf",
-    pytest.param(
-        "vllm",
-        marks=[
-            pytest.mark.slow,
-            pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-            # vLLM's own imports warn (deprecated torch.jit APIs, future changes): not ours to fix.
-            pytest.mark.filterwarnings("ignore::FutureWarning"),
-            pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-            pytest.mark.filterwarnings("ignore::UserWarning"),
-        ],
-    ),
-]
 
 
 def on_base(policy, model_dir, base_tensors, adapter_tensors):  # type: ignore[no-untyped-def]

@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import threading
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import WAIT_S, wait_until
+from tests.helpers import ENGINES, WAIT_S, wait_until
 from tests.server.conftest import live_server
 from weightsync import WeightSender
 
 MAX_TOKENS = 40
-
-ENGINES = [
-    "hf",
-    pytest.param(
-        "vllm",
-        marks=[
-            pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-            # vLLM's own imports warn (deprecated torch.jit APIs, future changes): not ours to fix.
-            pytest.mark.filterwarnings("ignore::FutureWarning"),
-            pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-            pytest.mark.filterwarnings("ignore::UserWarning"),
-        ],
-    ),
-]
 
 
 def running(server) -> int:  # type: ignore[no-untyped-def]

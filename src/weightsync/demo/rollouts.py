@@ -121,7 +121,8 @@ class _Server:
             command += ["--max-lora-rank", str(max_lora_rank)]
         env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
         if engine == "vllm":  # each server's worker on a core of its own (vLLM's "auto" puts all on one)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
+            cores = sorted(os.sched_getaffinity(0))  # the cores this process may use, not all the host's
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
         self.child = ChildProcess(command, env=env | os.environ | {"OMP_NUM_THREADS": "1"})
         self.url = ""
         self.addresses: list[str] = []
