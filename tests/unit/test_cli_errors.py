@@ -106,6 +106,7 @@ def test_a_401_says_how_to_give_the_token(capsys, tmp_path, monkeypatch):
         (["demo", "--steps", "0"], "--steps"),
         (["demo", "--group", "1"], "--group"),
         (["bench", "--repeat", "0"], "--repeat"),
+        (["bench", "--link", "10gigs"], "--link"),
         (["serve", "--model", "m", "--port", "70000"], "--port"),
         (["digest", "--timeout", "-1"], "--timeout"),
     ],
@@ -118,6 +119,12 @@ def test_a_bad_flag_is_a_usage_error_naming_it(capsys, argv, flag):
 def test_a_config_error_is_a_usage_error(capsys):
     status, err = run(capsys, "digest")
     assert status == 2 and err.startswith("weightsync digest: give --to")
+    assert_one_line(err)
+
+
+def test_a_link_run_over_shared_memory_is_refused(capsys):
+    status, err = run(capsys, "bench", "--link", "10gbit", "--transport", "shm")
+    assert status == 2 and "--link measures transports that cross a network" in err and "not shm" in err
     assert_one_line(err)
 
 

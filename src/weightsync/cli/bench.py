@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 
+from weightsync.bench.link import Link
 from weightsync.cli.args import at_least, positive_seconds
 
 __all__ = ["add_parser", "run"]
@@ -45,6 +46,15 @@ def transport_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def link(text: str) -> Link:
+    from weightsync.errors import ConfigError
+
+    try:
+        return Link.parse(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def counts(text: str) -> tuple[int, ...]:
     try:
         parsed = tuple(int(part) for part in text.split(","))
@@ -77,8 +87,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     bench.add_argument(
         "--transport",
         type=transport_names,
-        default="all",
-        help="shm, tcp, collective, cudaipc (with --device cuda), a comma list, or all (= shm,tcp; default)",
+        default=None,
+        help="shm, tcp, collective, cudaipc (with --device cuda), nixl, a comma list, or all (= shm,tcp; the "
+        "default; with --link: tcp,collective,nixl)",
     )
     bench.add_argument(
         "--sink",
@@ -113,7 +124,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=None,
         help="instead: delta against full sync of fp32 master weights stepped at this learning rate, sent as bf16",
     )
-    bench.add_argument("--steps", type=at_least(1), default=5, help="with --delta-lr: steps per transport (5)")
+    bench.add_argument(
+        "--steps",
+        type=at_least(1),
+        default=None,
+        help="with --delta-lr or --link: steps per transport (5; 8 with --link)",
+    )
+    bench.add_argument(
+        "--link",
+        type=link,
+        action="append",
+        help="instead: delta and full pushes over a real link of this rate (10gbit, 500mbit, 10gbit,1ms: rate and "
+        "one-way delay), in a private network namespace with its loopback shaped (root or user namespaces); "
+        "repeat for several links. --delta-lr defaults to 1e-6",
+    )
     bench.add_argument("--quick", action="store_true", help="smoke test: 0.25 GiB, 2 syncs, 256 MiB memcpy")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
     bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
@@ -127,11 +151,14 @@ def run(args: argparse.Namespace) -> int:
     size_gb = DEFAULT_SIZE_GB if args.size_gb is None else args.size_gb
     if args.quick:
         size_gb, args.repeat, args.memcpy_mb = min(size_gb, 0.25), min(args.repeat, 2), 256.0
+    if args.link:
+        args.size_gb = size_gb
+        return run_link_bench(args)
     if args.delta_lr is not None:
         args.size_gb = size_gb
         return run_delta_bench(args)
     config = BenchConfig(
-        transports=args.transport if isinstance(args.transport, tuple) else transport_names(args.transport),
+        transports=args.transport or transport_names("all"),
         size_bytes=int(size_gb * GIB),
         bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * MIB),
         receivers=args.receivers,
@@ -168,13 +195,12 @@ def run(args: argparse.Namespace) -> int:
 def run_delta_bench(args: argparse.Namespace) -> int:
     from weightsync.bench.delta import format_delta_table, run_delta
 
-    transports = args.transport if isinstance(args.transport, tuple) else transport_names(args.transport)
     bucket = "auto" if args.bucket_mb is None else int(args.bucket_mb * MIB)
     results = run_delta(
-        transports,
+        args.transport or transport_names("all"),
         int(args.size_gb * GIB),
         args.delta_lr,
-        args.steps,
+        args.steps or 5,
         args.seed,
         bucket,
         int(args.memcpy_mb * MIB),
@@ -186,3 +212,44 @@ def run_delta_bench(args: argparse.Namespace) -> int:
     else:
         print(table)
     return 0
+
+
+def run_link_bench(args: argparse.Namespace) -> int:
+    from weightsync.bench.link import LINK_TRANSPORTS, format_link_table, run_links
+    from weightsync.errors import ConfigError
+
+    transports = args.transport or _installed(LINK_TRANSPORTS)
+    off_link = [name for name in transports if name not in LINK_TRANSPORTS]
+    if off_link:
+        raise ConfigError(
+            f"--link measures transports that cross a network ({', '.join(LINK_TRANSPORTS)}), not {off_link[0]}"
+        )
+    results = run_links(
+        args.link,
+        transports,
+        size_bytes=int(args.size_gb * GIB),
+        lr=1e-6 if args.delta_lr is None else args.delta_lr,
+        steps=args.steps or 8,
+        seed=args.seed,
+        bucket_bytes="auto" if args.bucket_mb is None else int(args.bucket_mb * MIB),
+        memcpy_bytes=int(args.memcpy_mb * MIB),
+        stream_bytes=min(int(args.size_gb * GIB), 512 * MIB),
+        timeout=max(args.timeout, 3600.0),
+    )
+    table = format_link_table(results)
+    if args.json:
+        print(table, file=sys.stderr)
+        print(json.dumps([result.to_json() for result in results]))
+    else:
+        print(table)
+    return 0
+
+
+def _installed(transports: tuple[str, ...]) -> tuple[str, ...]:
+    """`transports` less nixl where NIXL is not installed (said on stderr)."""
+    import importlib.util
+
+    if "nixl" in transports and importlib.util.find_spec("nixl") is None:
+        print("weightsync bench: NIXL is not installed; measuring without nixl", file=sys.stderr)
+        return tuple(name for name in transports if name != "nixl")
+    return transports
