@@ -34,12 +34,12 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a
 chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5: `NixlTarget`
 and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the tensors
 larger than a bucket; 7: the content digest takes the tensors in name order; 8: an `Offer` may
-carry a LoRA `Adapter`)."""
+carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap")."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -51,8 +51,9 @@ class TensorSpec(msgspec.Struct, frozen=True):
     source_dtype: str
     encoding: str = "dense"
     """How its bytes travel (delta.py): "dense" (every element), or a patch onto the receiver's
-    copy of the base version: "sparse" (`count` int32 indices, then `count` values) or "bitmap"
-    (one bit per element, little-endian within each byte, then `count` values)."""
+    copy of the base version: "sparse" (`count` int32 indices, then `count` values) or "blocks"
+    (`count` values, then each 256-element block's number of changes as a uint16, then each
+    change's offset in its block as one byte; patch.py)."""
     count: int = 0
     """Values a patch carries (0 for "dense")."""
 

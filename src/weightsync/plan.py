@@ -27,6 +27,7 @@ from weightsync.source import TensorMeta
 __all__ = [
     "ENCODINGS",
     "INDEX_BYTES",
+    "PATCH_BLOCK",
     "bucket_spans",
     "build_plan",
     "check_plan",
@@ -43,10 +44,13 @@ MAX_ELEMENTS = 1 << 56
 """More elements than any real tensor has; keeps every byte size torch computes within int64."""
 
 
-ENCODINGS = ("dense", "sparse", "bitmap")
-"""How a tensor's bytes travel (TensorSpec.encoding; delta.py encodes and applies patches)."""
+ENCODINGS = ("dense", "sparse", "blocks")
+"""How a tensor's bytes travel (TensorSpec.encoding; patch.py encodes and applies patches)."""
 INDEX_BYTES = 4
 """A sparse patch's indices are int32: a tensor of 2**31 elements or more travels dense."""
+PATCH_BLOCK = 256
+"""Elements per block of a "blocks" patch: a change's offset in its block is one byte, each
+block's count of changes a uint16."""
 
 
 def dense_nbytes(spec: TensorSpec) -> int:
@@ -70,8 +74,8 @@ def tensor_nbytes(spec: TensorSpec) -> int:
     value_bytes = spec.count * itemsize(dtype_from_name(spec.dtype))
     if spec.encoding == "sparse":
         return spec.count * INDEX_BYTES + value_bytes
-    if spec.encoding == "bitmap":
-        return (math.prod(spec.shape) + 7) // 8 + value_bytes
+    if spec.encoding == "blocks":
+        return value_bytes + 2 * -(-math.prod(spec.shape) // PATCH_BLOCK) + spec.count
     raise PlanError(f"tensor {spec.name!r} has an unknown encoding {spec.encoding!r}")
 
 

@@ -231,6 +231,68 @@ def test_apply_refuses_an_index_outside_and_writes_nothing() -> None:
         native.apply(dest, 2, np.array([1, 2], np.int32), np.array([5], np.uint16), 1)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    itemsize=st.sampled_from([2, 4]),
+    numel=st.integers(1, 3000) | st.sampled_from([255, 256, 257, 4 * PER_THREAD + 300]),
+    fraction=st.sampled_from([0.0, 0.03, 0.5, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_blocks_patch_writes_exactly_its_elements_natively_and_with_numpy(
+    itemsize: int, numel: int, fraction: float, seed: int
+) -> None:
+    from unittest import mock
+
+    from weightsync import patch
+    from weightsync.messages import TensorSpec
+
+    rng = np.random.default_rng(seed)
+    bits = BITS[itemsize]
+    dest = rng.integers(0, np.iinfo(bits).max, numel, dtype=bits, endpoint=True)
+    where = np.flatnonzero(rng.random(numel) < fraction).astype(np.int32)
+    values = rng.integers(0, np.iinfo(bits).max, where.size, dtype=bits, endpoint=True)
+    expected = dest.copy()
+    expected[where] = values
+    dtype = "bfloat16" if itemsize == 2 else "float32"
+    spec = TensorSpec("w", dtype, (numel,), dtype, "dense")
+    encoded = {}
+    for built in (native, None):  # the native encoder and decoder, then numpy's
+        with mock.patch.object(patch, "NATIVE", built), mock.patch.object(patch, "_cheapest", lambda *a: "blocks"):
+            patched, payload = patch.encode(where, values.view(np.uint8), numel, spec, lambda n: np.empty(n, np.uint8))
+            assert patched.encoding == "blocks" and patched.count == where.size and payload is not None
+            encoded[built] = payload
+            out = torch.from_numpy(dest.copy()).view(torch.bfloat16 if itemsize == 2 else torch.float32)
+            patch.apply_patch(out, patched, torch.from_numpy(payload))
+        assert np.array_equal(out.view(torch.int16 if itemsize == 2 else torch.int32).numpy().view(bits), expected)
+    assert np.array_equal(encoded[native], encoded[None])
+
+
+@pytest.mark.parametrize("path", ["native", "numpy"])
+def test_a_hostile_blocks_patch_is_refused_and_writes_nothing(monkeypatch, path: str) -> None:
+    from weightsync import patch
+    from weightsync.errors import PlanError
+    from weightsync.messages import TensorSpec
+
+    monkeypatch.setattr(patch, "NATIVE", native if path == "native" else None)
+    spec = TensorSpec("w", "bfloat16", (300,), "bfloat16", "blocks", 2)  # two blocks: 256 + 44 elements
+
+    def payload(counts: list[int], offsets: list[int]) -> torch.Tensor:
+        raw = np.array([7, 9], np.uint16).tobytes() + np.array(counts, np.uint16).tobytes() + bytes(offsets)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+    dest = torch.zeros(300, dtype=torch.bfloat16)
+    for counts, offsets in [
+        ([0, 2], [10, 44]),  # element 256 + 44 = 300: past the end
+        ([1, 0], [10, 11]),  # counts add up to 1, the plan says 2
+        ([3, 0], [10, 11]),  # counts add up to 3
+    ]:
+        with pytest.raises(PlanError):
+            patch.apply_patch(dest, spec, payload(counts, offsets))
+    assert not dest.view(torch.int16).any()
+    patch.apply_patch(dest, spec, payload([1, 1], [10, 43]))
+    assert dest.view(torch.int16)[[10, 299]].tolist() == [7, 9] and dest.view(torch.int16).count_nonzero() == 2
+
+
 def test_whole_model_digests_on_threads_equal_one_by_one() -> None:
     from weightsync.checksum import piece_hashes, tensor_digests
 

@@ -21,6 +21,16 @@
  *
  *   apply(dest, itemsize, indices, values, threads)
  *       the receiver's side: dest[indices[k]] = values[k], every index checked before any write.
+ *
+ * The "blocks" encoding: the elements are taken in blocks of 256; a patch gives each block's
+ * number of changes (uint16) and each change's offset in its block (one byte).
+ *
+ *   block_offsets(indices, counts, offsets)
+ *       the sender's side: ascending int32 indices -> each block's count (counts, zeroed here)
+ *       and each index's low byte (offsets, as many as indices).
+ *   apply_blocks(dest, itemsize, counts, offsets, values, threads)
+ *       the receiver's side: the k-th change lands at 256 * its block + offsets[k]; the counts,
+ *       their sum and the last block's offsets are checked before any write.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -214,14 +224,29 @@ static void *run_job(void *arg)
     return NULL;
 }
 
+/* Run fn on each of the n jobs (job_size bytes apart), jobs 1..n-1 on threads of their own and
+ * job 0 here; a job whose thread could not start also runs here. Returns once all are done. */
+static void run_jobs(void *(*fn)(void *), char *jobs, size_t job_size, int n)
+{
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 1; t < n; t++)
+        started[t] = pthread_create(&tids[t], NULL, fn, jobs + t * job_size) == 0;
+    fn(jobs);
+    for (int t = 1; t < n; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            fn(jobs + t * job_size);
+    }
+}
+
 /* Split [0, numel) over up to `threads` jobs, run them, and pack their outputs into one
  * ascending run. A job whose thread could not start runs on the calling thread. Returns the count. */
 static int64_t run_split(enum kind kind, const void *src, void *base, int32_t *indices, void *values,
                          size_t itemsize, int64_t numel, int threads)
 {
     job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     int64_t most = numel / MIN_PER_THREAD;
     int count = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (count > most)
@@ -232,20 +257,7 @@ static int64_t run_split(enum kind kind, const void *src, void *base, int32_t *i
         int64_t stop = (t + 1) * step < numel && t + 1 < count ? (t + 1) * step : numel;
         jobs[t] = (job){kind, src, base, indices, values, start, stop, 0};
     }
-    int failed = 0;
-    for (int t = 1; t < count; t++)
-        started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
-    for (int t = 1; t < count; t++)
-        failed |= !started[t];
-    run_job(&jobs[0]);
-    for (int t = 1; t < count; t++)
-        if (started[t])
-            pthread_join(tids[t], NULL);
-    if (failed) {
-        for (int t = 1; t < count; t++)
-            if (!started[t])
-                run_job(&jobs[t]); /* no thread: run it here, still exact */
-    }
+    run_jobs(run_job, (char *)jobs, sizeof(job), count);
     int64_t total = jobs[0].count;
     for (int t = 1; t < count; t++) {
         if (jobs[t].count && jobs[t].start != total) {
@@ -369,8 +381,6 @@ static void scatter_split(char *dest, const int32_t *indices, const char *values
                           int threads)
 {
     scatter_job jobs[MAX_THREADS];
-    pthread_t tids[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
     int64_t most = count / (MIN_PER_THREAD / 16);
     int n = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (n > most)
@@ -381,15 +391,7 @@ static void scatter_split(char *dest, const int32_t *indices, const char *values
         int64_t stop = start + step < count ? start + step : count;
         jobs[t] = (scatter_job){dest, indices + start, values + start * itemsize, stop - start, itemsize};
     }
-    for (int t = 1; t < n; t++)
-        started[t] = pthread_create(&tids[t], NULL, scatter, &jobs[t]) == 0;
-    scatter(&jobs[0]);
-    for (int t = 1; t < n; t++) {
-        if (started[t])
-            pthread_join(tids[t], NULL);
-        else
-            scatter(&jobs[t]); /* no thread: run it here */
-    }
+    run_jobs(scatter, (char *)jobs, sizeof(scatter_job), n);
 }
 
 static PyObject *deltadiff_apply(PyObject *self, PyObject *args)
@@ -425,6 +427,152 @@ static PyObject *deltadiff_apply(PyObject *self, PyObject *args)
     return result;
 }
 
+#define PATCH_BLOCK 256
+
+static PyObject *deltadiff_block_offsets(PyObject *self, PyObject *args)
+{
+    Py_buffer indices, counts, offsets;
+    if (!PyArg_ParseTuple(args, "y*w*w*:block_offsets", &indices, &counts, &offsets))
+        return NULL;
+    Py_buffer *views[] = {&indices, &counts, &offsets};
+    PyObject *result = NULL;
+    int64_t count = indices.len / (Py_ssize_t)sizeof(int32_t), blocks = counts.len / (Py_ssize_t)sizeof(uint16_t);
+    if (!contiguous(views, 3))
+        ;
+    else if (indices.len % sizeof(int32_t) || offsets.len != count || ((uintptr_t)indices.buf & 3) ||
+             ((uintptr_t)counts.buf & 1))
+        PyErr_SetString(PyExc_ValueError, "block_offsets: aligned int32 indices, uint16 counts, one offset each");
+    else {
+        const int32_t *idx = indices.buf;
+        uint16_t *per_block = counts.buf;
+        uint8_t *low = offsets.buf;
+        int64_t outside = -1;
+        Py_BEGIN_ALLOW_THREADS
+        memset(per_block, 0, (size_t)blocks * sizeof(uint16_t));
+        for (int64_t k = 0; k < count; k++) {
+            int64_t block = idx[k] / PATCH_BLOCK;
+            if (idx[k] < 0 || block >= blocks) {
+                outside = k;
+                break;
+            }
+            per_block[block]++;
+            low[k] = (uint8_t)(idx[k] % PATCH_BLOCK);
+        }
+        Py_END_ALLOW_THREADS
+        if (outside >= 0)
+            PyErr_Format(PyExc_IndexError, "block_offsets: index %d outside %lld blocks", idx[outside],
+                         (long long)blocks);
+        else
+            result = Py_NewRef(Py_None);
+    }
+    for (int k = 0; k < 3; k++)
+        PyBuffer_Release(views[k]);
+    return result;
+}
+
+typedef struct {
+    char *dest;
+    const uint16_t *counts; /* this job's blocks' counts */
+    const uint8_t *offsets; /* and their changes, from this job's first */
+    const char *values;
+    int64_t first_block, blocks;
+    size_t itemsize;
+} block_job;
+
+static void *scatter_blocks(void *arg)
+{
+    block_job *j = (block_job *)arg;
+    const uint8_t *off = j->offsets;
+    const char *val = j->values;
+    for (int64_t b = 0; b < j->blocks; b++) {
+        uint16_t n;
+        memcpy(&n, &j->counts[b], sizeof n);
+        char *base = j->dest + (size_t)(j->first_block + b) * PATCH_BLOCK * j->itemsize;
+        if (j->itemsize == 2)
+            for (uint16_t k = 0; k < n; k++, off++, val += 2)
+                memcpy(base + 2 * (size_t)*off, val, 2);
+        else
+            for (uint16_t k = 0; k < n; k++, off++, val += 4)
+                memcpy(base + 4 * (size_t)*off, val, 4);
+    }
+    return NULL;
+}
+
+/* -1 when the counts, their sum and the last block's offsets fit a tensor of `numel` elements;
+ * else the first bad block. Fills starts[t]: the changes before block t * per_job. */
+static int64_t check_blocks(const uint16_t *counts, int64_t blocks, const uint8_t *offsets, int64_t count,
+                            int64_t numel, int64_t per_job, int64_t *starts)
+{
+    int64_t seen = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        uint16_t n;
+        memcpy(&n, &counts[b], sizeof n);
+        if (b % per_job == 0)
+            starts[b / per_job] = seen;
+        int64_t room = numel - b * PATCH_BLOCK < PATCH_BLOCK ? numel - b * PATCH_BLOCK : PATCH_BLOCK;
+        if (n > room || seen + n > count)
+            return b;
+        if (b == blocks - 1)
+            for (int64_t k = seen; k < seen + n; k++)
+                if (offsets[k] >= room)
+                    return b;
+        seen += n;
+    }
+    return seen == count ? -1 : blocks - 1;
+}
+
+static PyObject *deltadiff_apply_blocks(PyObject *self, PyObject *args)
+{
+    Py_buffer dest, counts, offsets, values;
+    Py_ssize_t itemsize;
+    int threads;
+    if (!PyArg_ParseTuple(args, "w*ny*y*y*i:apply_blocks", &dest, &itemsize, &counts, &offsets, &values, &threads))
+        return NULL;
+    Py_buffer *views[] = {&dest, &counts, &offsets, &values};
+    PyObject *result = NULL;
+    int64_t numel = itemsize > 0 ? dest.len / itemsize : 0, count = offsets.len;
+    int64_t blocks = counts.len / (Py_ssize_t)sizeof(uint16_t);
+    if (!contiguous(views, 4))
+        ;
+    else if ((itemsize != 2 && itemsize != 4) || dest.len % itemsize || counts.len % sizeof(uint16_t) ||
+             blocks != (numel + PATCH_BLOCK - 1) / PATCH_BLOCK || values.len != count * itemsize ||
+             ((uintptr_t)dest.buf % itemsize))
+        PyErr_Format(PyExc_ValueError, "apply_blocks: itemsize %zd, dest %zd bytes, %zd count bytes, %zd offsets, "
+                     "%zd value bytes (a uint16 count per %d elements, one value per offset)", itemsize, dest.len,
+                     counts.len, offsets.len, values.len, PATCH_BLOCK);
+    else {
+        int n = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+        if (count < (int64_t)n * (MIN_PER_THREAD / 16))
+            n = 1;
+        int64_t per_job = (blocks + n - 1) / n, starts[MAX_THREADS] = {0}, bad;
+        if (per_job < 1)
+            per_job = 1;
+        Py_BEGIN_ALLOW_THREADS
+        bad = check_blocks(counts.buf, blocks, offsets.buf, count, numel, per_job, starts);
+        if (bad < 0) {
+            block_job jobs[MAX_THREADS];
+            for (int t = 0; t < n; t++) {
+                int64_t first = t * per_job < blocks ? t * per_job : blocks;
+                int64_t last = first + per_job < blocks ? first + per_job : blocks;
+                jobs[t] = (block_job){dest.buf, (const uint16_t *)counts.buf + first,
+                                      (const uint8_t *)offsets.buf + starts[t],
+                                      (const char *)values.buf + starts[t] * itemsize, first, last - first,
+                                      (size_t)itemsize};
+            }
+            run_jobs(scatter_blocks, (char *)jobs, sizeof(block_job), n);
+        }
+        Py_END_ALLOW_THREADS
+        if (bad >= 0)
+            PyErr_Format(PyExc_IndexError, "apply_blocks: block %lld's changes do not fit %lld elements "
+                         "(or the counts do not add up to %lld)", (long long)bad, (long long)numel, (long long)count);
+        else
+            result = Py_NewRef(Py_None);
+    }
+    for (int k = 0; k < 4; k++)
+        PyBuffer_Release(views[k]);
+    return result;
+}
+
 static PyObject *deltadiff_portable(PyObject *self, PyObject *arg)
 {
     int previous = !use_avx2;
@@ -445,6 +593,10 @@ static PyMethodDef methods[] = {
      "cast_diff(src_f32, base_bf16, indices, values, threads) -> count: diff of src rounded to bf16."},
     {"apply", deltadiff_apply, METH_VARARGS,
      "apply(dest, itemsize, indices, values, threads): dest[indices[k]] = values[k], every index checked first."},
+    {"block_offsets", deltadiff_block_offsets, METH_VARARGS,
+     "block_offsets(indices, counts, offsets): each 256-element block's count and each index's offset in it"},
+    {"apply_blocks", deltadiff_apply_blocks, METH_VARARGS,
+     "apply_blocks(dest, itemsize, counts, offsets, values, threads): write a blocks patch"},
     {"portable", deltadiff_portable, METH_O,
      "portable(on) -> previous: use the portable loops even where AVX2 is there (tests compare both)."},
     {NULL, NULL, 0, NULL},

@@ -42,3 +42,24 @@ def apply(
 ) -> None:
     """dest[indices[k]] = values[k] (int32 indices, itemsize-byte values); IndexError, with
     nothing written, if any index is outside dest."""
+
+def block_offsets(
+    indices: Buffer | np.ndarray[Any, Any],
+    counts: Buffer | np.ndarray[Any, Any],
+    offsets: Buffer | np.ndarray[Any, Any],
+    /,
+) -> None:
+    """Ascending int32 indices -> each 256-element block's number of them (uint16 counts, one per
+    block) and each one's offset in its block (one byte each); IndexError past the last block."""
+
+def apply_blocks(
+    dest: Buffer | np.ndarray[Any, Any],
+    itemsize: int,
+    counts: Buffer | np.ndarray[Any, Any],
+    offsets: Buffer | np.ndarray[Any, Any],
+    values: Buffer | np.ndarray[Any, Any],
+    threads: int,
+    /,
+) -> None:
+    """Write a "blocks" patch into dest; IndexError, with nothing written, if its counts do not
+    fit dest or do not add up to the number of offsets."""
