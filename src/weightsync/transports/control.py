@@ -204,7 +204,9 @@ class SenderChannel:
         return replies, failures
 
     def abort(self, abort: Abort, live: Sequence[str]) -> None:
-        """Tell every receiver in `live` the sync is off, and wait until each let go of it."""
+        """Tell every receiver in `live` the sync is off, and wait until each let go of it. A
+        receiver whose link was dropped already has seen it close: nothing to tell."""
+        live = [address for address in live if address in self._links]
         self.each(live, lambda address, link: link.send(abort, self.timeout))
         # A receiver ends the link once it has aborted (and released its sync slot). Wait for
         # that close, so that the next push neither finds the receiver still busy nor reads the

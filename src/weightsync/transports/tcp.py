@@ -3,26 +3,35 @@
 Bucket bytes are streamed straight from the source tensors' memory (`sendall` on views, no
 packing copy) and received straight into their landing sites (`recv_into`), so a same-dtype
 sync costs no copy in user space on either side; only cast or non-host pieces are packed into a
-scratch bucket first.
+scratch bucket first. Without checksums, packing and the wire overlap: a thread streams each
+`PACK_CHUNK_BYTES` of the bucket as soon as it is packed, so a cast push moves at the slower of
+the cast and the link, not their sum. With checksums the bucket's checksum leads its bytes, so
+it is packed whole first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from weightsync.checksum import SyncHashes
-from weightsync.errors import ProtocolError
+from weightsync.errors import ProtocolError, TransferTimeout
 from weightsync.landing import Landing
 from weightsync.messages import BucketData
-from weightsync.pack import BucketItem, pack_bucket, piece_bytes
+from weightsync.pack import BucketItem, piece_bytes, write_piece
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
 from weightsync.transports.control import SenderChannel, expect_on
 from weightsync.transports.links import socket_link
 
-__all__ = ["SPEC", "StreamReceivePlane", "StreamSendPlane"]
+__all__ = ["PACK_CHUNK_BYTES", "SPEC", "StreamReceivePlane", "StreamSendPlane"]
+
+PACK_CHUNK_BYTES = 4 << 20
+"""Packing hands the stream this much at a time: small enough that the link starts at once,
+large enough that handing over costs nothing."""
 
 
 class StreamSendPlane(SendPlane):
@@ -33,34 +42,132 @@ class StreamSendPlane(SendPlane):
         self._scratch = np.empty(0, dtype=np.uint8)
         """Where pieces that are not plain host bytes (casts, GPU tensors) are packed to be sent."""
         self._scratch_pinned = False
+        self._thread: ThreadPoolExecutor | None = None
+        """Streams a bucket while this thread packs it (`_pack_while_streaming`)."""
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
+        if hashes is None and any(self._view_of(item) is None for item in items):
+            return self._pack_while_streaming(index, items, live)
         views = [self._bytes_of(item) for item in items]
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
+        return self._stream(index, items, live, checksum, lambda: iter(views))
+
+    def _stream(
+        self,
+        index: int,
+        items: list[BucketItem],
+        live: Sequence[str],
+        checksum: int,
+        chunks: Callable[[], Iterator[np.ndarray]],
+    ) -> Failures:
+        """`BucketData`, then the bucket's bytes as `chunks()` yields them, to every receiver."""
         message = BucketData(index, sum(item.piece.nbytes for item in items), checksum)
 
         def stream(address: str, link: Link) -> None:
             conn = socket_link(link)
             conn.bucket = index
             conn.send(message, self.options.timeout)
-            for view in views:
-                conn.send_bytes(view, self.options.timeout)
+            for chunk in chunks():
+                conn.send_bytes(chunk, self.options.timeout)
 
         return self.channel.each(live, stream, parallel=True)
 
-    def _bytes_of(self, item: BucketItem) -> np.ndarray:
+    def _pack_while_streaming(self, index: int, items: list[BucketItem], live: Sequence[str]) -> Failures:
+        """Pack the bucket chunk by chunk on this thread while another streams what is packed."""
+        self._reserve(items)
+        packed = _Packed(self.options.timeout)
+        streaming = self._streamer.submit(self._stream, index, items, live, 0, packed.chunks)
+        try:
+            for item in items:
+                view = self._view_of(item)
+                if view is not None:
+                    packed.add(view)
+                    continue
+                for start in range(0, item.piece.nbytes, PACK_CHUNK_BYTES):
+                    packed.add(self._pack(item, start, min(PACK_CHUNK_BYTES, item.piece.nbytes - start)))
+        except BaseException:
+            packed.stop(failed=True)  # each stream drops its link: a receiver mid-bucket sees it close
+            streaming.result()
+            raise
+        packed.stop()
+        return streaming.result()
+
+    @property
+    def _streamer(self) -> ThreadPoolExecutor:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-tcp-stream")
+        return self._thread
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
+    def _view_of(self, item: BucketItem) -> np.ndarray | None:
         piece = item.piece
-        view = piece_bytes(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes)
-        if view is not None:
-            return view
-        end = piece.bucket_offset + piece.nbytes
-        pinned = self._scratch_pinned or item.tensor.is_cuda  # page-locked: a GPU copies into it by DMA
+        return piece_bytes(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes)
+
+    def _reserve(self, items: list[BucketItem]) -> None:
+        """Scratch for every piece of `items` that must be packed, at its bucket offset."""
+        end = max(item.piece.bucket_offset + item.piece.nbytes for item in items)
+        pinned = self._scratch_pinned or any(item.tensor.is_cuda for item in items)  # a GPU copies into it by DMA
         if self._scratch.size < end or pinned != self._scratch_pinned:
             size = max(end, 2 * self._scratch.size)
             self._scratch = torch.empty(size, dtype=torch.uint8, pin_memory=pinned).numpy()
             self._scratch_pinned = pinned
-        (packed,) = pack_bucket([item], self._scratch)
-        return np.asarray(packed)
+
+    def _pack(self, item: BucketItem, start: int, nbytes: int) -> np.ndarray:
+        """Bytes [start, start + nbytes) of a piece, written at their place in the scratch bucket."""
+        piece = item.piece
+        out = self._scratch[piece.bucket_offset + start : piece.bucket_offset + start + nbytes]
+        write_piece(item.tensor, item.wire_dtype, piece.tensor_offset + start, nbytes, out)
+        return out
+
+    def _bytes_of(self, item: BucketItem) -> np.ndarray:
+        view = self._view_of(item)
+        if view is not None:
+            return view
+        self._reserve([item])
+        return self._pack(item, 0, item.piece.nbytes)
+
+
+class _Packed:
+    """Chunks handed from the packing thread to the streaming one, in order."""
+
+    def __init__(self, timeout: float) -> None:
+        self._chunks: list[np.ndarray] = []
+        self._done = False
+        self._failed = False
+        self._ready = threading.Condition()
+        self._timeout = timeout
+
+    def add(self, chunk: np.ndarray) -> None:
+        with self._ready:
+            self._chunks.append(chunk)
+            self._ready.notify_all()
+
+    def stop(self, failed: bool = False) -> None:
+        """No more chunks: all were packed, or packing failed (streams then raise)."""
+        with self._ready:
+            self._done, self._failed = True, failed
+            self._ready.notify_all()
+
+    def _more(self, sent: int) -> bool:
+        return self._done or len(self._chunks) > sent
+
+    def chunks(self) -> Iterator[np.ndarray]:
+        sent = 0
+        while True:
+            with self._ready:
+                if not self._ready.wait_for(lambda: self._more(sent), self._timeout):  # noqa: B023
+                    raise TransferTimeout(f"packing gave nothing for {self._timeout:g} s")
+                if self._failed:
+                    raise ProtocolError("the sender failed while packing this bucket")
+                if sent == len(self._chunks):
+                    return
+                chunk = self._chunks[sent]
+            sent += 1
+            yield chunk
 
 
 class StreamReceivePlane(ReceivePlane):
