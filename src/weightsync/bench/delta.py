@@ -1,8 +1,8 @@
 """`weightsync bench --delta-lr LR`: delta sync against full sync, same model, same run.
 
 The sender holds fp32 master weights N(0, 0.02) and, every step, moves them by `lr` times a fixed
-unit-variance direction (an Adam step whose momentum dominates: every element moves by about
-`lr`), then pushes them cast to bf16 twice: with `delta=True` to one receiving process and with a
+unit-variance direction, held in bf16 (an Adam step whose momentum dominates: every element moves
+by about `lr`), then pushes them cast to bf16 twice: with `delta=True` to one receiving process and with a
 plain full push to another. Both receivers are separate processes holding bf16 destinations.
 Each delta push is verified by its receiver (the content digest of the full new weights); the
 report gives, per transport and step, the changed fraction, the wire bytes and the time of each.
@@ -82,7 +82,8 @@ def run_delta(
     context = multiprocessing.get_context("spawn")
     for transport in transports:
         master = {f"w{i}": torch.randn(shape, generator=gen) * 0.02 for i, shape in enumerate(shapes)}
-        direction = {name: torch.randn(t.shape, generator=gen) for name, t in master.items()}
+        # bf16 is enough for a direction: an element moves by lr times it, and it halves the memory
+        direction = {name: torch.randn(t.shape, generator=gen).to(torch.bfloat16) for name, t in master.items()}
         addresses, stop = context.Queue(), context.Event()
         procs = [context.Process(target=_receive, args=(transport, shapes, addresses, stop)) for _ in range(2)]
         for proc in procs:

@@ -70,6 +70,11 @@ COLLAPSE_BEFORE_TARGET_S = 5.0
 it answers with its target (the sender waits for that within its own timeout); what is left is
 done at the next syncs. Collapsing ran at about 1 GiB/s here, once per destination."""
 
+COLLAPSE_SHARE = 0.25
+"""After its first sync, a side spends at most this share of its previous sync's time backing
+memory with huge pages: the collapse pays for itself over the syncs that follow, and no single
+sync is much slower than the others for it (what is left is done at the next ones)."""
+
 IN_PLACE_AHEAD = 8
 """Buckets a sender may write in place ahead of a receiver's last ack: no slot to free, only a
 bound on how far it runs ahead (the acks pay a round trip each)."""
@@ -189,6 +194,9 @@ class NixlSendPlane(SendPlane):
         """The plain source regions written in the previous push and in this one."""
         self._collapsed: set[Region] = set()
         self._collapse_left_s = 0.0
+        self._started = 0.0
+        self._last_push_s = 0.0
+        """How long the previous push took from setup to its last bucket (bounds the next collapse)."""
 
     def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
         try:
@@ -200,7 +208,9 @@ class NixlSendPlane(SendPlane):
         self._release_stranded(0.0)
         previous, current = self._sources
         self._collapsed &= previous | current
-        self._sources, self._collapse_left_s = (current, set()), self.options.timeout / 4
+        self._sources = (current, set())
+        self._collapse_left_s = min(self.options.timeout / 4, COLLAPSE_SHARE * self._last_push_s)
+        self._started = time.monotonic()
         failures = offer()
         accepted = [address for address in live if address not in failures]
         self._acked = dict.fromkeys(accepted, -1)
@@ -258,6 +268,7 @@ class NixlSendPlane(SendPlane):
             ready = [address for address in live if address not in failures]
             return failures | self._write(index, _Pieces.of(items, views), ready, checksum, deadline)
         finally:
+            self._last_push_s = time.monotonic() - self._started
             memory = [registered] if registered is not None else []
             if self._unfinished:  # what those writes read stays registered, and out of reuse
                 if packed and self._scratch_registered is not None:
@@ -487,6 +498,9 @@ class NixlReceivePlane(ReceivePlane):
         self._exposure: _Exposure | None = None
         self._sites: tuple[int, ...] = ()
         """This sync's target: per tensor, the address it lands at in place, or 0."""
+        self._started = 0.0
+        self._last_sync_s = 0.0
+        """How long the previous sync took from its target to its last bucket."""
 
     def receive(self, index: int, landing: Landing) -> None:
         if index == 0:
@@ -506,6 +520,7 @@ class NixlReceivePlane(ReceivePlane):
                 landing.copy_in(piece, slot[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
         landing.finish_bucket(index, message.checksum)
         self.link.send(BucketDone(index), self.options.timeout)
+        self._last_sync_s = time.monotonic() - self._started
 
     def _offer_target(self, landing: Landing) -> None:
         """Expose this sync's landing sites (a new agent when they changed) and send the target."""
@@ -518,9 +533,11 @@ class NixlReceivePlane(ReceivePlane):
         through_slots = any(piece.nbytes and piece.tensor not in views for bucket in plan.buckets for piece in bucket)
         slot_bytes = plan.bucket_bytes if through_slots else 0
         wanted = {address_of(view): view.nbytes for view in views.values()}
+        self._started = time.monotonic()
         collapse_s = min(COLLAPSE_BEFORE_TARGET_S, self.options.timeout / 4)
         if self._exposure is not None and self._exposure.covers(wanted, slot_bytes):
-            self._exposure.collapse(collapse_s)  # what an earlier sync left to do
+            # what an earlier sync left to do, within a share of a sync
+            self._exposure.collapse(min(collapse_s, COLLAPSE_SHARE * self._last_sync_s))
         else:
             exposure = _Exposure(list(views.values()), self.options.num_slots, slot_bytes, collapse_s)
             self.close()
