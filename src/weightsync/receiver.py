@@ -308,8 +308,16 @@ class WeightReceiver:
         try:
             landing = self._begin(offer)
         except BaseException as exc:
-            # A refused plan is a failed sync too: say why (state and version stay as they were).
-            log.warning("push of version %d refused: %s", offer.version, exc)
+            # A refused plan is a failed sync too: say why (state and version stay as they were),
+            # once: this is the receiving side's only line for it (a server adds none).
+            plan = offer.plan
+            log.warning(
+                "push of version %d refused (%d bytes, %d tensors): %s",
+                offer.version,
+                plan.total_bytes,
+                len(plan.tensors),
+                exc,
+            )
             self._set(last_error=f"sync of version {offer.version} failed: {exc}")
             self._busy.release()
             raise

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from weightsync.errors import one_line
 from weightsync.messages import SyncTimes
 
 __all__ = ["ReceiverOutcome", "SyncReport"]
+
+REFUSALS = frozenset({"AuthError", "NegotiationError", "PlanError"})
+"""The error kinds of a receiver that refused a push (its terms, its plan, its token) rather than
+failing while it moved."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,6 +35,15 @@ class ReceiverOutcome:
     changed_fraction: float = 1.0
     """The fraction of elements whose wire bits changed since the sender's previous push (1.0
     without a previous push or with `delta` off)."""
+
+    @property
+    def refused(self) -> bool:
+        """True when the receiver refused the push (`REFUSALS`): nothing of it was served."""
+        return not self.committed and self.kind in REFUSALS
+
+    def cause(self) -> str:
+        """Why it did not commit, on one line: address, error kind and message ("" if it committed)."""
+        return f"{self.address}: {self.kind}: {one_line(self.error)}" if not self.committed else ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,3 +80,34 @@ class SyncReport:
     @property
     def failed(self) -> tuple[ReceiverOutcome, ...]:
         return tuple(outcome for outcome in self.outcomes if not outcome.committed)
+
+    def summary(self) -> str:
+        """The push on one line: what moved where it committed, else who refused or failed it and
+        why (the first cause; a refusal's message names its fix). A push that committed nowhere
+        moved nothing anyone serves, so it reports no bytes or GB/s."""
+        committed = len(self.outcomes) - len(self.failed)
+        if not committed:
+            verb = "refused" if all(outcome.refused for outcome in self.outcomes) else "not committed"
+            return f"version {self.version} {verb} by every receiver ({len(self.outcomes)}): {self._causes()}"
+        moved = (
+            f"version {self.version} committed on {committed} of {len(self.outcomes)} receivers: "
+            f"{self.total_bytes} bytes, {self.num_tensors} tensors in {self.seconds * 1e3:.1f} ms "
+            f"({self.gbps:.2f} GB/s)"
+        )
+        return moved if self.ok else f"{moved}; {len(self.failed)} did not: {self._causes()}"
+
+    def failure(self) -> str:
+        """Why the push did not commit everywhere, on one line: the receivers that did not, and
+        the first cause (the message of `SyncFailed`); "" when every receiver committed."""
+        if self.ok:
+            return ""
+        return f"version {self.version} did not commit on {len(self.failed)} of {len(self.outcomes)} receivers: " + (
+            self._causes()
+        )
+
+    def _causes(self) -> str:
+        """The receivers that did not commit and the first one's cause."""
+        first, *others = self.failed
+        if not others:
+            return first.cause()
+        return f"{', '.join(o.address for o in self.failed)}; the first: {first.kind}: {one_line(first.error)}"

@@ -135,19 +135,9 @@ class ServerSink(WrappingSink):
 
     def begin(self, plan: Plan, version: int) -> None:
         self.paused_s = 0.0
-        try:
-            self.inner.begin(plan, version)
-            if not self.traits.staged:
-                self._park(version)
-        except Exception as exc:
-            log.warning(
-                "push of version %d refused (%d bytes, %d tensors): %s",
-                version,
-                plan.total_bytes,
-                len(plan.tensors),
-                exc,
-            )
-            raise
+        self.inner.begin(plan, version)  # a refusal is logged once, by the receiver
+        if not self.traits.staged:
+            self._park(version)
         self._started = time.perf_counter()
         self.stats = self.stats.next(version, plan.total_bytes, plan.bucket_bytes, self.metrics)
 

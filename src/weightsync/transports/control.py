@@ -274,7 +274,8 @@ class SenderChannel:
         if inbox is not None and isinstance(error, PeerClosedError):
             inbox.closed.wait(min(CLOSE_GRACE_S, self.timeout))  # it usually said why before closing
             error = inbox.reason() or error
-        log.warning("receiver %s failed: %s", address, error)
+        # info, not a warning: the push reports it (SyncFailed, or the report's outcomes)
+        log.info("receiver %s failed: %s", address, error)
         self.drop(address)
         return error
 
