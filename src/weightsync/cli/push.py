@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from weightsync.checksum import VERIFY_MODES
-from weightsync.cli.args import add_auth_token, at_least, auth_token, positive_seconds
+from weightsync.cli.args import DefaultsFormatter, add_auth_token, at_least, auth_token, positive_seconds
 from weightsync.cli.errors import FAILED, describe
 from weightsync.errors import ConfigError, one_line
 
@@ -34,6 +34,7 @@ CAST_DTYPES = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "fl
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     push = subparsers.add_parser(
         "push",
+        formatter_class=DefaultsFormatter,
         help="push a safetensors checkpoint to running servers",
         description="Read DIR's safetensors checkpoint one tensor at a time and push it to every server "
         "that answers; each server's outcome is reported, and the exit status is 1 if any did not commit.",
@@ -46,8 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         help="push a --version lower than one a server already serves (it moves that server back)",
     )
-    push.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any wait may last (default 60)")
-    push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="bucket or full checksums (default off)")
+    push.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any wait may last")
+    push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="bucket or full checksums")
     push.add_argument(
         "--cast",
         choices=CAST_DTYPES,
