@@ -7,11 +7,19 @@ import dataclasses
 from weightsync.errors import one_line
 from weightsync.messages import SyncTimes
 
-__all__ = ["ReceiverOutcome", "SyncReport"]
+__all__ = ["ReceiverOutcome", "SyncReport", "moved"]
 
 REFUSALS = frozenset({"AuthError", "NegotiationError", "PlanError"})
 """The error kinds of a receiver that refused a push (its terms, its plan, its token) rather than
 failing while it moved."""
+
+
+def moved(num_bytes: int, seconds: float) -> str:
+    """What a sync moved, for people: bytes and milliseconds, then GB/s where it is a rate worth
+    reading (a latency-bound sync of a small model would read "0.00 GB/s")."""
+    text = f"{num_bytes} bytes in {seconds * 1e3:.1f} ms"
+    gbps = num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    return f"{text} ({gbps:.2f} GB/s)" if round(gbps, 2) > 0 else text
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,14 +95,13 @@ class SyncReport:
         moved nothing anyone serves, so it reports no bytes or GB/s."""
         committed = len(self.outcomes) - len(self.failed)
         if not committed:
-            verb = "refused" if all(outcome.refused for outcome in self.outcomes) else "not committed"
-            return f"version {self.version} {verb} by every receiver ({len(self.outcomes)}): {self._causes()}"
-        moved = (
+            verb = "refused by" if all(outcome.refused for outcome in self.outcomes) else "failed on"
+            return f"version {self.version} {verb} every receiver ({len(self.outcomes)}): {self._causes()}"
+        done = (
             f"version {self.version} committed on {committed} of {len(self.outcomes)} receivers: "
-            f"{self.total_bytes} bytes, {self.num_tensors} tensors in {self.seconds * 1e3:.1f} ms "
-            f"({self.gbps:.2f} GB/s)"
+            f"{self.num_tensors} tensors, {moved(self.total_bytes, self.seconds)}"
         )
-        return moved if self.ok else f"{moved}; {len(self.failed)} did not: {self._causes()}"
+        return done if self.ok else f"{done}; {len(self.failed)} did not: {self._causes()}"
 
     def failure(self) -> str:
         """Why the push did not commit everywhere, on one line: the receivers that did not, and

@@ -100,6 +100,8 @@ def summary(report: SyncReport, urls: dict[str, str], num_servers: int) -> str:
     """The last line: how many servers committed and what moved. A push that none committed moved
     nothing anyone serves: the line says it was refused (or failed) and with which errors, whose
     messages stderr gave once, one line per server."""
+    from weightsync.report import moved
+
     failed = {urls[outcome.address] for outcome in report.failed}
     committed = len(set(urls.values()) - failed)
     head = f"version {report.version}: committed on {committed} of {num_servers} servers"
@@ -107,10 +109,7 @@ def summary(report: SyncReport, urls: dict[str, str], num_servers: int) -> str:
         verb = "refused" if all(outcome.refused for outcome in report.failed) else "failed"
         kinds = ", ".join(dict.fromkeys(outcome.kind for outcome in report.failed))
         return f"{head}: {verb} ({kinds}, the reason is on stderr); no weights moved"
-    return (
-        f"{head}; {report.total_bytes} bytes, {report.num_tensors} tensors in {report.seconds:.3f} s "
-        f"({report.gbps:.2f} GB/s)"
-    )
+    return f"{head}; {report.num_tensors} tensors, {moved(report.total_bytes, report.seconds)}"
 
 
 def ask_servers(urls: list[str], timeout: float, token: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

@@ -24,6 +24,7 @@ import time
 from weightsync.errors import SinkError
 from weightsync.lora import check_name
 from weightsync.messages import Adapter, Plan
+from weightsync.report import moved
 from weightsync.server.loop import EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.sink import WeightSink, WrappingSink
@@ -148,13 +149,7 @@ class ServerSink(WrappingSink):
         self._dirty = False
         self.stats.committed(time.perf_counter() - self._started, self.metrics)
         self.loop.resume("sync", version)
-        log.info(
-            "sync of version %d committed: %d bytes in %.3f s (%.2f GB/s)",
-            version,
-            self.stats.total_bytes,
-            self.stats.seconds,
-            self.stats.gbps,
-        )
+        log.info("sync of version %d committed: %s", version, moved(self.stats.total_bytes, self.stats.seconds))
 
     def adapter_sink(self, adapter: Adapter) -> WeightSink:
         check_name(adapter, [self.model_name])
