@@ -23,7 +23,8 @@
       BenchError(WeightSyncError, RuntimeError) a benchmark's receiver process failed or stopped answering
 
 docs/errors.md draws the same tree, and tests/unit/test_errors.py checks that the two drawings,
-`__all__` and the classes agree.
+`__all__` and the classes agree. `one_line`, the one way an error is put on one line (a report's
+summary, `SyncFailed`'s message, the command's stderr), lives here too, outside `__all__`.
 """
 
 from __future__ import annotations
@@ -187,3 +188,12 @@ class ServerError(WeightSyncError):
 
 class BenchError(WeightSyncError, RuntimeError):
     """A benchmark's receiver process failed, died or stopped answering."""
+
+
+def one_line(error: BaseException | str) -> str:
+    """An error's message on one line: a message of several lines (a peer's traceback) keeps its
+    first and last (where the peer's error is named); an empty one is the error's class name."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__ if isinstance(error, BaseException) else ""
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"

@@ -39,7 +39,9 @@ class SenderOptions:
     cast: torch.dtype | Mapping[str, torch.dtype] | None = None
     timeout: float = DEFAULT_TIMEOUT_S
     num_slots: int = 2
-    raise_on_failure: bool = False
+    raise_on_failure: bool = True
+    """`push` raises `SyncFailed` when a receiver did not commit; False returns the report instead,
+    for a caller that handles each receiver's outcome itself."""
     verify: Verify = "off"
     auth_token: str | None = None
     """The shared token; None takes $WEIGHTSYNC_AUTH_TOKEN (resolved once, here)."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
-from weightsync.auth import check_bind, new_nonce, proof, proof_matches
+from weightsync.auth import TOKEN_ENV, check_bind, new_nonce, proof, proof_matches
 from weightsync.checksum import VERIFY_MODES, Verify, check_verify, stricter
 from weightsync.errors import (
     AuthError,
@@ -45,6 +45,7 @@ from weightsync.errors import (
 from weightsync.landing import Landing, Staging
 from weightsync.messages import (
     PROTOCOL_VERSION,
+    Abort,
     Accept,
     Auth,
     Commit,
@@ -236,6 +237,9 @@ class WeightReceiver:
         # The sender goes on at once. Where a token is required, its next frame must be its
         # small Auth: bound it until it is checked.
         message = link.recv(self._timeout, HANDSHAKE_FRAME_BYTES if self.auth_required else MAX_FRAME_BYTES)
+        if isinstance(message, Abort) and message.version < 0:  # the sender refused our proof, and left
+            log.warning("closing connection from sender: %s", message.reason)
+            return None
         try:
             if self.authenticate(welcome, message):
                 message = link.recv(None)  # that was the sender's Auth frame
@@ -297,7 +301,10 @@ class WeightReceiver:
         if self._token is None:
             return isinstance(message, Auth)
         if not isinstance(message, Auth) or not proof_matches(self._token, "sender", welcome.nonce, message.proof):
-            raise AuthError("the sender did not prove it holds this receiver's auth token")
+            raise AuthError(
+                "auth token refused: the sender did not prove it holds this receiver's auth token (it has none); "
+                f"give the sender the receiver's token (auth_token=, or ${TOKEN_ENV})"
+            )
         return True
 
     def begin(self, offer: Offer) -> Landing:
@@ -308,8 +315,16 @@ class WeightReceiver:
         try:
             landing = self._begin(offer)
         except BaseException as exc:
-            # A refused plan is a failed sync too: say why (state and version stay as they were).
-            log.warning("push of version %d refused: %s", offer.version, exc)
+            # A refused plan is a failed sync too: say why (state and version stay as they were),
+            # once: this is the receiving side's only line for it (a server adds none).
+            plan = offer.plan
+            log.warning(
+                "push of version %d refused (%d bytes, %d tensors): %s",
+                offer.version,
+                plan.total_bytes,
+                len(plan.tensors),
+                exc,
+            )
             self._set(last_error=f"sync of version {offer.version} failed: {exc}")
             self._busy.release()
             raise

@@ -66,6 +66,8 @@ class RelaySink(WeightSink):
         sink: this host's own sink (a mapping, callable or WeightSink), or None to forward only.
         timeout: seconds any wait may last, upstream-facing and downstream.
         sender: further `WeightSender` options for the downstream push (bucket_bytes, verify...).
+            A downstream receiver that does not commit is logged (a warning) and reported in
+            `last_report`, never raised: `raise_on_failure` is always False here.
     """
 
     traits = SinkTraits(borrows=False)
@@ -87,7 +89,8 @@ class RelaySink(WeightSink):
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._inner = as_sink(sink) if sink is not None else None
-        options = dataclasses.replace(sender or SenderOptions(), timeout=timeout)
+        # a downstream receiver that fails is logged, not raised: this host's own sync goes on
+        options = dataclasses.replace(sender or SenderOptions(), timeout=timeout, raise_on_failure=False)
         self._sender = WeightSender(addresses, options=options)
         self._timeout = float(timeout)
         inner = self._inner.traits if self._inner is not None else None

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 
+from weightsync.errors import one_line
 from weightsync.messages import SyncTimes
 
-__all__ = ["ReceiverOutcome", "SyncReport"]
+__all__ = ["ReceiverOutcome", "SyncReport", "moved"]
+
+REFUSALS = frozenset({"AuthError", "NegotiationError", "PlanError"})
+"""The error kinds of a receiver that refused a push (its terms, its plan, its token) rather than
+failing while it moved."""
+
+
+def moved(num_bytes: int, seconds: float) -> str:
+    """What a sync moved, for people: bytes and milliseconds, then GB/s where it is a rate worth
+    reading (a latency-bound sync of a small model would read "0.00 GB/s")."""
+    text = f"{num_bytes} bytes in {seconds * 1e3:.1f} ms"
+    gbps = num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+    return f"{text} ({gbps:.2f} GB/s)" if round(gbps, 2) > 0 else text
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,6 +43,15 @@ class ReceiverOutcome:
     changed_fraction: float = 1.0
     """The fraction of elements whose wire bits changed since the sender's previous push (1.0
     without a previous push or with `delta` off)."""
+
+    @property
+    def refused(self) -> bool:
+        """True when the receiver refused the push (`REFUSALS`): nothing of it was served."""
+        return not self.committed and self.kind in REFUSALS
+
+    def cause(self) -> str:
+        """Why it did not commit, on one line: address, error kind and message ("" if it committed)."""
+        return f"{self.address}: {self.kind}: {one_line(self.error)}" if not self.committed else ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,3 +88,33 @@ class SyncReport:
     @property
     def failed(self) -> tuple[ReceiverOutcome, ...]:
         return tuple(outcome for outcome in self.outcomes if not outcome.committed)
+
+    def summary(self) -> str:
+        """The push on one line: what moved where it committed, else who refused or failed it and
+        why (the first cause; a refusal's message names its fix). A push that committed nowhere
+        moved nothing anyone serves, so it reports no bytes or GB/s."""
+        committed = len(self.outcomes) - len(self.failed)
+        if not committed:
+            verb = "refused by" if all(outcome.refused for outcome in self.outcomes) else "failed on"
+            return f"version {self.version} {verb} every receiver ({len(self.outcomes)}): {self._causes()}"
+        done = (
+            f"version {self.version} committed on {committed} of {len(self.outcomes)} receivers: "
+            f"{self.num_tensors} tensors, {moved(self.total_bytes, self.seconds)}"
+        )
+        return done if self.ok else f"{done}; {len(self.failed)} did not: {self._causes()}"
+
+    def failure(self) -> str:
+        """Why the push did not commit everywhere, on one line: the receivers that did not, and
+        the first cause (the message of `SyncFailed`); "" when every receiver committed."""
+        if self.ok:
+            return ""
+        return f"version {self.version} did not commit on {len(self.failed)} of {len(self.outcomes)} receivers: " + (
+            self._causes()
+        )
+
+    def _causes(self) -> str:
+        """The receivers that did not commit and the first one's cause."""
+        first, *others = self.failed
+        if not others:
+            return first.cause()
+        return f"{', '.join(o.address for o in self.failed)}; the first: {first.kind}: {one_line(first.error)}"

@@ -98,7 +98,9 @@ class WeightSender:
         timeout: seconds any single wait may last; a receiver that exceeds it is failed, not
             waited on (`push(deadline=...)` bounds a whole push).
         num_slots: shared-memory ring slots (2 lets packing overlap unpacking).
-        raise_on_failure: raise `SyncFailed` from `push` if any receiver did not commit.
+        raise_on_failure: True (the default): `push` raises `SyncFailed` (carrying the report)
+            when any receiver did not commit. False: `push` returns the report whatever
+            happened, for a caller that handles each receiver's outcome (`report.failed`).
         verify: "off", "bucket" (checksum every bucket, xxh3-64, for the receivers to check) or
             "full" (also every tensor where it finally sits).
             A receiver may require "bucket"; the strictest side wins.
@@ -167,14 +169,16 @@ class WeightSender:
                 base weights, which stay as they are. Always sent whole (never as a delta).
 
         Returns:
-            A SyncReport; `report.ok` is True when every receiver committed.
+            A SyncReport. Every receiver committed, unless `raise_on_failure=False`: then
+            `report.ok` says whether they did, and `report.failed` which did not and why.
 
         Raises:
             ConfigError: bad arguments (nothing was sent).
             PlanError: the source yielded a tensor that does not match its metadata (the sync
                 is aborted on every receiver).
             TransferTimeout: the push ran past `deadline` (aborted on every receiver).
-            SyncFailed: some receiver did not commit and `raise_on_failure` is set.
+            SyncFailed: some receiver did not commit (unless `raise_on_failure=False`); its
+                message names them and the first cause on one line, `.report` has every outcome.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigError(f"version must be a non-negative integer, got {version!r}")
@@ -242,18 +246,9 @@ class WeightSender:
             wire_bytes=sum(delivery.plan.total_bytes for delivery in deliveries if delivery.addresses),
             changed_fraction=changed_fraction,
         )
-        log.info(
-            "pushed version %d: %d bytes (%d on the wire) in %.3f s (%.2f GB/s), %d/%d receivers committed",
-            version,
-            report.total_bytes,
-            report.wire_bytes,
-            report.seconds,
-            report.gbps,
-            len(report.outcomes) - len(report.failed),
-            len(report.outcomes),
-        )
+        log.info("push: %s", report.summary())
         if self.options.raise_on_failure and not report.ok:
-            raise SyncFailed("; ".join(f"{o.address}: {o.kind}: {o.error}" for o in report.failed), report)
+            raise SyncFailed(report.failure(), report)
         return report
 
     def _next_step(self, takers: list[str], welcomes: Mapping[str, Welcome]) -> Step:

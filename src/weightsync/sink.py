@@ -8,7 +8,7 @@ is copied straight into place; otherwise whole tensors are handed to `load` as t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -223,9 +223,14 @@ class StagedSink(WeightSink):
         self.inner.abort(version, error, intact=intact)
 
 
-def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bool) -> None:
+def check_against(
+    plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bool, groups: Sequence[Sequence[str]] = ()
+) -> None:
     """Raise PlanError naming every tensor of `plan` that `tensors` lacks or disagrees with; when
-    every disagreement is the same dtype for another, the error leads with the fix."""
+    every disagreement is the same dtype for another, the error leads with the fix.
+
+    `strict`: the plan must carry every tensor of `tensors`; `groups`: at least one name of each
+    group (names that share one tensor, such as tied embeddings)."""
     problems: list[str] = []
     kinds: set[tuple[str, str] | None] = set()
     """(sent, expected) for a dtype-only disagreement; None for any other."""
@@ -241,10 +246,11 @@ def check_against(plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bo
                 f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {expected}{list(target.shape)}"
             )
             kinds.add((spec.dtype, expected) if tuple(target.shape) == spec.shape else None)
-    if strict:
-        missing = sorted(set(tensors) - {spec.name for spec in plan.tensors})
-        problems += [f"plan lacks {name!r}" for name in missing]
-        kinds.update([None] if missing else [])
+    planned = {spec.name for spec in plan.tensors}
+    missing = [repr(name) for name in sorted(set(tensors) - planned)] if strict else []
+    missing += [" / ".join(repr(name) for name in group) for group in groups if not planned.intersection(group)]
+    problems += [f"plan lacks {names}" for names in missing]
+    kinds.update([None] if missing else [])
     if not problems:
         return
     (only,) = kinds if len(kinds) == 1 else (None,)

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import WAIT_S, wait_until
 from tests.models import save_model
-from weightsync import WeightSyncError
+from weightsync import SyncFailed, WeightSyncError
 from weightsync.server.client import RolloutClient, ServerError
 
 ray = pytest.importorskip("ray")
@@ -126,6 +126,11 @@ def test_catch_up_from_a_source_that_moved_on_is_refused(cluster, policy):
         with RolloutClient(fleet.ready_urls()[0], timeout=WAIT_S) as anonymous, pytest.raises(ServerError) as refused:
             anonymous.completions([5, 6], max_tokens=2, temperature=0)
         assert refused.value.status == 401
+        # a live server that refuses a push raises, once the fleet has done its bookkeeping
+        with pytest.raises(SyncFailed, match="unknown tensor 'extra.weight'") as failed:
+            fleet.push(model.state_dict() | {"extra.weight": torch.zeros(4)}, 11)
+        assert isinstance(failed.value.report, fleet_module.FleetReport) and not failed.value.report.ok
+        assert "\n" not in str(failed.value) and fleet.version == 10 and len(fleet.ready_urls()) == 1
         (name,) = fleet.add(1)
         step(model, seed=11)  # the trainer stepped: its weights are no longer version 10
         with pytest.raises(WeightSyncError, match="is not version 10"):

@@ -208,7 +208,7 @@ def test_a_server_started_without_lora_refuses_adapters_and_says_how(tiny_models
     model_dir = tiny_models["qwen2"]
     policy = peft_policy(model_dir, seed=1)
     tensors, adapter = adapter_from_peft(policy, "policy")
-    with live_server(model_dir, engine="hf") as server, WeightSender(server.address) as sender:
+    with live_server(model_dir, engine="hf") as server, WeightSender(server.address, raise_on_failure=False) as sender:
         report = sender.push(tensors, version=1, adapter=adapter)
     assert not report.ok and "start it with --max-lora-rank N" in report.failed[0].error
 

@@ -81,8 +81,15 @@ def test_cast_pushes_a_bfloat16_checkpoint_into_a_float32_server(tiny_models, tm
     save_file({name: t.to(torch.bfloat16) for name, t in tensors.items()}, checkpoint / "model.safetensors")
     shutil.copy(served / "config.json", checkpoint / "config.json")
     with live_server(served) as server:
-        status, _, err = push(capsys, "--model", str(checkpoint), "--to", server.url)
-        assert status == 1 and "PlanError" in err and "bfloat16" in err, err
+        status, out, err = push(capsys, "--model", str(checkpoint), "--to", server.url)
+        assert status == 1 and "Traceback" not in err, err
+        # the refusal, once, on one line of stderr, naming the fix; the summary moves no bytes
+        (refused,) = err.strip().splitlines()
+        assert refused.startswith(f"weightsync push: {server.url}: PlanError: the push sends bfloat16 "), err
+        assert refused.endswith("push float32 (cast=torch.float32, or no cast) or serve a bfloat16 model"), err
+        assert out.strip().splitlines() == [
+            "version 1: committed on 0 of 1 servers: refused (PlanError, the reason is on stderr); no weights moved"
+        ], out
         status, out, err = push(capsys, "--model", str(checkpoint), "--to", server.url, "--cast", "float32")
         assert status == 0, err
         assert server.client.weight_info()["version"] == 1 and "committed on 1 of 1" in out

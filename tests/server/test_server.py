@@ -23,7 +23,8 @@ def greedy(server, prompt, max_tokens: int = 12) -> dict:  # type: ignore[no-unt
 
 
 def push(server, tensors, version: int):  # type: ignore[no-untyped-def]
-    with WeightSender([server.address], timeout=20.0) as sender:
+    """The push's report, committed or not (the tests read each outcome)."""
+    with WeightSender([server.address], timeout=20.0, raise_on_failure=False) as sender:
         return sender.push(tensors, version)
 
 

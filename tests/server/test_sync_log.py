@@ -1,26 +1,31 @@
 """The server logs every sync on one line (version, bytes, seconds, outcome), and every push the
-engine refuses, with its reason."""
+engine refuses once, with its reason; the sending side says it once too: the push raises it."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.server.conftest import live_server
-from weightsync import WeightSender
+from weightsync import SyncFailed, WeightSender
 
 
 def test_each_sync_and_each_refused_push_is_one_line(tiny_models, caplog) -> None:
     model = tiny_models["qwen2"]
     good = load_file(model / "model.safetensors")
-    caplog.set_level(logging.INFO, logger="weightsync.server.sync")
+    caplog.set_level(logging.INFO, logger="weightsync")
     with live_server(model) as server, WeightSender([server.address], timeout=20.0) as sender:
         report = sender.push(good, 1)
-        assert sender.push(good | {"extra.weight": torch.zeros(4)}, 2).failed
-    lines = [r.getMessage() for r in caplog.records if r.name == "weightsync.server.sync"]
-    assert lines[0].startswith(f"sync of version 1 committed: {report.total_bytes} bytes in "), lines
-    assert lines[0].endswith(" GB/s)")
-    assert lines[1].startswith("push of version 2 refused (") and "unknown tensor 'extra.weight'" in lines[1], lines
-    assert len(lines) == 2, lines
+        with pytest.raises(SyncFailed) as refused:
+            sender.push(good | {"extra.weight": torch.zeros(4)}, 2)
+    assert "unknown tensor 'extra.weight'" in str(refused.value)
+    synced = [r.getMessage() for r in caplog.records if r.name == "weightsync.server.sync"]
+    assert synced[0].startswith(f"sync of version 1 committed: {report.total_bytes} bytes in "), synced
+    assert synced[0].endswith(" GB/s)") and len(synced) == 1, synced
+    # the refusal: one warning on the server's side (its receiver), none on the sender's
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "'extra.weight'" in r.getMessage()]
+    assert [r.name for r in warned] == ["weightsync.receiver"], [(r.name, r.getMessage()) for r in warned]
+    assert warned[0].getMessage().startswith("push of version 2 refused ("), warned[0].getMessage()

@@ -3,11 +3,13 @@ crosses the wire, and a receiver refuses to listen beyond loopback without one."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from tests.helpers import receiving, sending
-from weightsync import ConfigError, WeightReceiver, wire
+from tests.helpers import receiving, sending, wait_until
+from weightsync import ConfigError, SyncFailed, WeightReceiver, wire
 from weightsync.auth import TOKEN_ENV
 
 TOKEN = "correct horse battery staple"
@@ -29,24 +31,34 @@ def test_the_same_token_on_both_sides_syncs(transport: str) -> None:
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 @pytest.mark.parametrize(
-    ("receiver_token", "sender_token", "says"),
+    ("receiver_token", "sender_token", "says", "logged"),
     [
-        (TOKEN, None, "the sender did not prove it holds this receiver's auth token"),
-        (TOKEN, OTHER, "did not prove it holds our auth token"),
-        (None, TOKEN, "did not prove it holds our auth token"),
+        (TOKEN, None, "the sender did not prove it holds this receiver's auth token", "the sender did not prove"),
+        (TOKEN, OTHER, "holds another auth token than this sender", "this receiver holds another auth token"),
+        (None, TOKEN, "holds no auth token", "this receiver holds no auth token"),
     ],
     ids=["sender-without", "wrong-token", "receiver-without"],
 )
-def test_a_missing_or_wrong_token_is_refused(transport, receiver_token, sender_token, says) -> None:
+def test_a_missing_or_wrong_token_is_refused(transport, receiver_token, sender_token, says, logged, caplog) -> None:
+    """The push raises, saying the token was refused and where tokens come from; the receiver
+    logs one warning line, which never holds a token."""
     dest = {"w": torch.zeros(64)}
+    caplog.set_level(logging.INFO, logger="weightsync")
     with (
         receiving(dest, transport, auth_token=receiver_token) as receiver,
         sending(receiver.address, auth_token=sender_token) as sender,
     ):
-        report = sender.push(weights(), 1)
-        assert not report.ok
-        assert report.failed[0].kind == "AuthError" and says in report.failed[0].error, report.failed[0]
+        with pytest.raises(SyncFailed) as refused:
+            sender.push(weights(), 1)
         assert receiver.version is None and receiver.state == "empty"
+        assert wait_until(lambda: any(r.name == "weightsync.receiver" for r in caplog.records))
+    message = str(refused.value)
+    assert f"{receiver.address}: AuthError: auth token refused: " in message and says in message, message
+    assert f"${TOKEN_ENV}" in message and "\n" not in message
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("closing connection from sender: auth token refused: "), warned
+    assert logged in warned[0], warned
+    assert all(TOKEN not in record.getMessage() and OTHER not in record.getMessage() for record in caplog.records)
     assert not dest["w"].any()
 
 

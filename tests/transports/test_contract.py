@@ -401,13 +401,23 @@ def test_cast_on_send_non_contiguous_and_chunked(transport):
 
 
 def test_cast_mismatching_the_destination_is_a_plan_error_that_names_the_fix(transport):
+    """By default the push raises SyncFailed, whose one-line message names the receiver, the
+    refusal and its fix; the report it carries has the receiver's own error."""
     dest = {f"w{i}": torch.zeros(4, dtype=torch.float32) for i in range(12)}
-    with receiving(dest, transport) as receiver, sending(receiver.address, cast=torch.bfloat16) as sender:
-        report = sender.push({name: torch.ones(4) for name in dest}, version=1)
+    with (
+        receiving(dest, transport) as receiver,
+        sending(receiver.address, cast=torch.bfloat16) as sender,
+        pytest.raises(SyncFailed) as failed,
+    ):
+        sender.push({name: torch.ones(4) for name in dest}, version=1)
+    message = str(failed.value)
+    assert message.startswith(f"version 1 did not commit on 1 of 1 receivers: {receiver.address}: PlanError: ")
+    assert "push float32 (cast=torch.float32, or no cast) or serve a bfloat16 model" in message
+    assert "\n" not in message
+    report = failed.value.report
     assert [o.kind for o in report.failed] == ["PlanError"]
     error = report.failed[0].error
     assert "the push sends bfloat16 where this receiver holds float32 (12 tensors" in error
-    assert "push float32 (cast=torch.float32, or no cast) or serve a bfloat16 model" in error
     assert "\n" not in error and "(and " not in error, "one line, not a list of every tensor"
     assert all(torch.equal(t, torch.zeros(4)) for t in dest.values())
 
@@ -602,7 +612,7 @@ def test_sink_errors_fail_that_receiver_only(transport, hook):
     with (
         receiving(bad_sink, transport) as bad,
         receiving(good_dest, transport) as good,
-        sending([bad.address, good.address], bucket_bytes=256) as sender,
+        sending([bad.address, good.address], bucket_bytes=256, raise_on_failure=False) as sender,
     ):
         report = sender.push(source, version=3)
         assert [o.address for o in report.failed] == [bad.address]
@@ -632,7 +642,7 @@ def test_sink_abort_raising_does_not_hide_the_failure(transport):
             raise RuntimeError("abort failed as well")
 
     both = Both("load")
-    with receiving(both, transport) as receiver, sending(receiver.address) as sender:
+    with receiving(both, transport) as receiver, sending(receiver.address, raise_on_failure=False) as sender:
         report = sender.push({"w": torch.ones(4)}, version=1)
         assert report.failed[0].kind == "SinkError"
         assert "engine rejected" in receiver.last_error
@@ -641,15 +651,31 @@ def test_sink_abort_raising_does_not_hide_the_failure(transport):
         assert sender.push({"w": torch.ones(4)}, version=2).ok
 
 
-def test_raise_on_failure(transport):
+def test_push_raises_by_default_and_returns_the_report_when_asked(transport):
+    """A push that does not commit everywhere raises SyncFailed (one line: which receivers, the
+    first cause), even when others committed; `raise_on_failure=False` returns the report."""
+    with (
+        receiving({"w": torch.zeros(4)}, transport) as good,
+        receiving({"v": torch.zeros(4)}, transport) as bad,
+        receiving({"v": torch.zeros(4)}, transport) as worse,
+        sending([good.address, bad.address, worse.address]) as sender,
+    ):
+        with pytest.raises(SyncFailed) as info:
+            sender.push({"w": torch.ones(4)}, version=1)
+        message = str(info.value)
+        assert message.startswith(
+            f"version 1 did not commit on 2 of 3 receivers: {bad.address}, {worse.address}; the first: PlanError: "
+        ), message
+        assert "unknown tensor 'w'" in message and "\n" not in message
+        report = info.value.report
+        assert [o.committed for o in report.outcomes] == [True, False, False] and good.version == 1
     with (
         receiving({"w": torch.zeros(4)}, transport) as receiver,
-        sending(receiver.address, raise_on_failure=True) as sender,
+        sending(receiver.address, raise_on_failure=False) as sender,
     ):
-        with pytest.raises(SyncFailed, match="PlanError") as info:
-            sender.push({"other": torch.ones(4)}, version=1)
-        assert not info.value.report.ok
-        assert info.value.report.failed[0].address == receiver.address
+        report = sender.push({"other": torch.ones(4)}, version=1)
+        assert not report.ok and report.failed[0].address == receiver.address
+        assert report.failed[0].kind == "PlanError" and receiver.version is None
         assert sender.push({"w": torch.ones(4)}, version=2).ok
 
 
@@ -668,7 +694,7 @@ def test_plan_mismatch_is_refused_and_the_previous_version_kept(transport, misma
     dest = {"w": torch.zeros(8), "b": torch.zeros(2)}
     good = {"w": random_tensor(torch.float32, (8,), seed=1), "b": random_tensor(torch.float32, (2,), seed=2)}
     bad_source, text = MISMATCHES[mismatch]
-    with receiving(dest, transport) as receiver, sending(receiver.address) as sender:
+    with receiving(dest, transport) as receiver, sending(receiver.address, raise_on_failure=False) as sender:
         assert sender.push(good, version=1).ok
         report = sender.push(bad_source, version=2)
         assert not report.ok
@@ -688,7 +714,7 @@ def test_plan_mismatch_on_one_receiver_does_not_stop_the_others(transport):
     with (
         receiving({"w": torch.zeros(9)}, transport) as wrong,
         receiving({"w": torch.zeros(8)}, transport) as right,
-        sending([wrong.address, right.address]) as sender,
+        sending([wrong.address, right.address], raise_on_failure=False) as sender,
     ):
         report = sender.push(source, version=1)
     assert [(o.address, o.kind) for o in report.failed] == [(wrong.address, "PlanError")]
@@ -699,7 +725,10 @@ def test_tensor_dict_sink_not_strict_accepts_a_subset(transport):
     from weightsync import TensorDictSink
 
     dest = {"w": torch.zeros(4), "frozen": torch.full((2,), 7.0)}
-    with receiving(TensorDictSink(dest, strict=False), transport) as receiver, sending(receiver.address) as sender:
+    with (
+        receiving(TensorDictSink(dest, strict=False), transport) as receiver,
+        sending(receiver.address, raise_on_failure=False) as sender,
+    ):
         assert sender.push({"w": torch.ones(4)}, version=1).ok
         assert sender.push({"nope": torch.ones(4)}, version=2).failed[0].kind == "PlanError"
     assert torch.equal(dest["w"], torch.ones(4)) and torch.equal(dest["frozen"], torch.full((2,), 7.0))
@@ -802,7 +831,9 @@ def test_sender_minimum_above_a_receiver_limit_fails_that_receiver_only(transpor
     with (
         receiving(Recorder(), transport, max_bucket_bytes=1024) as small,
         receiving(Recorder(), transport) as roomy,
-        sending([small.address, roomy.address], bucket_bytes=8192, min_bucket_bytes=4096) as sender,
+        sending(
+            [small.address, roomy.address], bucket_bytes=8192, min_bucket_bytes=4096, raise_on_failure=False
+        ) as sender,
     ):
         report = sender.push({"w": torch.ones(2000)}, version=1)
         assert [o.address for o in report.failed] == [small.address]
@@ -833,7 +864,10 @@ def test_sender_minimum_with_auto_size_is_honoured(transport):
 def test_unreachable_receiver_fails_and_the_others_commit(transport):
     gone = WeightReceiver(Recorder(), transport=transport)
     gone.close()
-    with receiving(Recorder(), transport) as alive, sending([gone.address, alive.address], timeout=5) as sender:
+    with (
+        receiving(Recorder(), transport) as alive,
+        sending([gone.address, alive.address], timeout=5, raise_on_failure=False) as sender,
+    ):
         report = sender.push({"w": torch.ones(3)}, version=1)
     assert [(o.address, o.kind) for o in report.failed] == [(gone.address, "ConnectError")]
     assert alive.version == 1
@@ -845,13 +879,13 @@ def test_busy_receiver_refuses_a_second_sender(transport):
     sink = Recorder(gate=gate)
     with receiving(sink, transport) as receiver:
         first_report = []
-        first = WeightSender(receiver.address, timeout=WAIT_S)
+        first = WeightSender(receiver.address, timeout=WAIT_S, raise_on_failure=False)
         thread = threading.Thread(target=lambda: first_report.append(first.push({"w": torch.ones(4)}, version=1)))
         thread.start()
         try:
             assert sink.loading.wait(WAIT_S)
             assert receiver.state == "syncing"
-            with sending(receiver.address) as second:
+            with sending(receiver.address, raise_on_failure=False) as second:
                 report = second.push({"w": torch.ones(4)}, version=2)
             assert [o.kind for o in report.failed] == ["NegotiationError"]
             assert "busy" in report.failed[0].error
@@ -882,7 +916,7 @@ def test_receiver_closed_mid_sync_aborts_before_close_returns(transport):
     dest = {"a": torch.zeros(64), "b": torch.zeros(64)}
     sink = Recorder(dest)
     receiver = WeightReceiver(sink, transport=transport, timeout=WAIT_S)
-    with sending(receiver.address, bucket_bytes=256) as sender:
+    with sending(receiver.address, bucket_bytes=256, raise_on_failure=False) as sender:
         reports = []
         pusher = threading.Thread(target=lambda: reports.append(sender.push(Held(), version=1)))
         pusher.start()
@@ -976,7 +1010,7 @@ def test_destination_of_the_wrong_dtype_from_a_custom_sink_is_a_plan_error(trans
         def destination(self, name):  # type: ignore[no-untyped-def]
             return {"w": torch.zeros(4, dtype=torch.float16)}.get(name)
 
-    with receiving(Loose(), transport) as receiver, sending(receiver.address) as sender:
+    with receiving(Loose(), transport) as receiver, sending(receiver.address, raise_on_failure=False) as sender:
         report = sender.push({"w": torch.ones(4)}, version=1)
     assert [o.kind for o in report.failed] == ["PlanError"]
     assert "'w'" in report.failed[0].error and receiver.state == "empty"
@@ -988,7 +1022,10 @@ def test_destination_of_the_wrong_dtype_from_a_custom_sink_is_a_plan_error(trans
 def test_failure_after_staging_only_keeps_the_previous_version(transport):
     """Bytes that landed in staging (a callable sink) are not live: the previous version stands."""
     sink = Recorder()
-    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, bucket_bytes=64, raise_on_failure=False) as sender,
+    ):
         assert sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=1).ok
         sink.fail_load = RuntimeError("engine busy")
         report = sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=2)
@@ -1012,7 +1049,10 @@ def test_dirty_stays_dirty_until_a_sync_commits(transport):
             super().load(named)
 
     sink = FailsOnB()
-    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, bucket_bytes=64, raise_on_failure=False) as sender,
+    ):
         assert not sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=1).ok
         assert (receiver.state, receiver.version) == ("dirty", None)
         # a refused plan and an aborted sync leave it dirty: it still holds a mix
@@ -1036,7 +1076,7 @@ def test_sink_hears_abort_when_landing_refuses_after_begin(transport):
             return torch.zeros(3)
 
     sink = WrongDestination()
-    with receiving(sink, transport) as receiver, sending(receiver.address) as sender:
+    with receiving(sink, transport) as receiver, sending(receiver.address, raise_on_failure=False) as sender:
         report = sender.push({"w": torch.ones(4)}, version=1)
         assert report.failed[0].kind == "PlanError"
         assert sink.hooks() == ["begin", "abort"]
@@ -1051,7 +1091,10 @@ def test_failed_sync_into_a_live_loader_leaves_the_receiver_dirty(transport):
         traits = SinkTraits(live_loads=True)
 
     sink = LiveLoader()
-    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=64) as sender:
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, bucket_bytes=64, raise_on_failure=False) as sender,
+    ):
         assert sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=1).ok
         sink.fail_load = ValueError("engine rejected b")
         report = sender.push({"a": torch.ones(16), "b": torch.ones(16)}, version=2)
@@ -1089,7 +1132,10 @@ def test_an_adapter_lands_whole_and_leaves_the_base_weights_as_they_are(transpor
     lora = {name: random_tensor(torch.float32, shape, seed=2) for name, shape in LORA.items()}
     adapter = Adapter("policy", 4, 8.0, ("layer",))
     sink = AdapterServingSink({"layer.weight": torch.zeros(6, 8)})
-    with receiving(sink, transport) as receiver, sending(receiver.address, verify="bucket") as sender:
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, verify="bucket", raise_on_failure=False) as sender,
+    ):
         assert sender.push(base, version=1).ok
         before = receiver.status
         report = sender.push(lora, version=5, adapter=adapter)
@@ -1114,7 +1160,10 @@ def test_an_adapter_lands_whole_and_leaves_the_base_weights_as_they_are(transpor
 
 def test_a_receiver_that_serves_no_adapters_refuses_them(transport: str) -> None:
     lora = {name: random_tensor(torch.float32, shape) for name, shape in LORA.items()}
-    with receiving({"layer.weight": torch.zeros(6, 8)}, transport) as receiver, sending(receiver.address) as sender:
+    with (
+        receiving({"layer.weight": torch.zeros(6, 8)}, transport) as receiver,
+        sending(receiver.address, raise_on_failure=False) as sender,
+    ):
         report = sender.push(lora, version=1, adapter=Adapter("policy", 4, 8.0, ("layer",)))
         assert not report.ok and "serves no LoRA adapters" in report.failed[0].error
         assert (receiver.version, receiver.state) == (None, "empty")

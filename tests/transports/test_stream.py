@@ -83,7 +83,10 @@ def test_batches_hand_over_a_bucket_at_a_time_and_commit_after_the_last(transpor
 
 def test_consumer_that_stops_early_aborts_the_sync(transport):
     sink = StreamSink(timeout=10)
-    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, raise_on_failure=False) as sender,
+    ):
         pusher = Pusher(lambda: sender.push(MODEL, version=3))
         for _name, _tensor in sink.stream(version=3):
             break  # the stream is dropped here: the sync is abandoned at once
@@ -100,7 +103,10 @@ def test_consumer_that_stops_early_aborts_the_sync(transport):
 
 def test_no_consumer_times_out_the_sync_and_the_late_consumer_hears_why():
     sink = StreamSink(timeout=0.5)
-    with receiving(sink, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET, timeout=10) as sender:
+    with (
+        receiving(sink, "shm") as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, timeout=10, raise_on_failure=False) as sender,
+    ):
         report = sender.push(MODEL, version=5)
         assert not report.ok and "no consumer took a bucket" in report.failed[0].error
         with pytest.raises(TransferTimeout, match="no consumer took a bucket"):
@@ -141,7 +147,10 @@ def test_stream_waits_a_bounded_time_for_a_sync_and_checks_the_version():
     with pytest.raises(ConfigError):
         StreamSink(timeout=0)
     sink = StreamSink(timeout=10)
-    with receiving(sink, "shm") as receiver, sending(receiver.address, bucket_bytes=BUCKET) as sender:
+    with (
+        receiving(sink, "shm") as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, raise_on_failure=False) as sender,
+    ):
         pusher = Pusher(lambda: sender.push(MODEL, version=7))
         with pytest.raises(PlanError, match="version 7, expected 8"):
             next(sink.stream(version=8))

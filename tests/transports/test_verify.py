@@ -76,7 +76,10 @@ def test_a_flipped_byte_fails_the_sync_and_the_next_push_succeeds(transport, whe
     dest = zeros(source)
     received: dict[str, torch.Tensor] = {}
     sink = dest if where == "in-place" else (lambda items: received.update((n, t.clone()) for n, t in items))
-    with receiving(sink, transport) as receiver, sending(receiver.address, bucket_bytes=BUCKET, verify="bucket") as s:
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, verify="bucket", raise_on_failure=False) as s,
+    ):
         assert s.push(source, 0).ok  # version 0 lands intact (only version 1 is corrupted)
         report = s.push(source, 1)
         assert not report.ok
@@ -101,7 +104,9 @@ def test_a_receiver_that_requires_verification_gets_it(transport, flip_bucket_1)
     source = model()
     with (
         receiving(zeros(source), transport, verify="bucket") as receiver,
-        sending(receiver.address, bucket_bytes=BUCKET) as sender,  # the sender's own default: off
+        sending(
+            receiver.address, bucket_bytes=BUCKET, raise_on_failure=False
+        ) as sender,  # the sender's own default: off
     ):
         report = sender.push(source, 1)
         assert report.failed and report.failed[0].kind == "ChecksumError"
@@ -162,7 +167,7 @@ def test_a_content_digest_that_differs_fails_the_commit(monkeypatch: pytest.Monk
     source = model()
     with (
         receiving(zeros(source), "shm") as receiver,
-        sending(receiver.address, bucket_bytes=BUCKET, verify="bucket") as sender,
+        sending(receiver.address, bucket_bytes=BUCKET, verify="bucket", raise_on_failure=False) as sender,
     ):
         report = sender.push(source, 1)
         assert report.failed[0].kind == "ChecksumError" and "content digest" in report.failed[0].error
@@ -203,7 +208,7 @@ def test_full_verification_catches_bytes_in_the_wrong_place(transport: str, monk
     for verify, caught in (("bucket", False), ("full", True)):
         with (
             receiving(zeros(source), transport) as receiver,
-            sending(receiver.address, bucket_bytes=BUCKET, verify=verify) as sender,
+            sending(receiver.address, bucket_bytes=BUCKET, verify=verify, raise_on_failure=False) as sender,
         ):
             report = sender.push(source, 1)
             assert report.ok is not caught, (verify, report.failed)

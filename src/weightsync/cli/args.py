@@ -12,7 +12,28 @@ from collections.abc import Callable
 
 from weightsync.auth import TOKEN_ENV
 
-__all__ = ["add_auth_token", "at_least", "auth_token", "port", "positive_seconds", "seconds"]
+__all__ = ["DefaultsFormatter", "add_auth_token", "at_least", "auth_token", "port", "positive_seconds", "seconds"]
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every command's --help format: each option's help ends with its default, "(default: X)",
+    unless the help already says what it is (a default that depends on other flags or on the
+    machine is written out in the help itself), or the option has none (None, an empty list)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if "default" in help_text or default in (None, "", [], (), argparse.SUPPRESS) or not action.option_strings:
+            return action.help
+        if isinstance(default, bool):  # a flag: --x/--no-x says its default by name, a plain flag is off
+            if not isinstance(action, argparse.BooleanOptionalAction):
+                return action.help
+            default = f"--{'' if default else 'no-'}{action.dest.replace('_', '-')}"
+        elif isinstance(default, (list, tuple)):
+            default = ",".join(str(item) for item in default)
+        elif isinstance(default, float) and default.is_integer():
+            default = int(default)  # 60, not 60.0: as it would be typed
+        return f"{help_text} (default: {default})".lstrip()
 
 
 def seconds(text: str) -> float:
@@ -53,7 +74,7 @@ def at_least(minimum: int) -> Callable[[str], int]:
 
 
 def add_auth_token(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--auth-token", default=None, help=f"{what} (default ${TOKEN_ENV})")
+    parser.add_argument("--auth-token", default=None, help=f"{what} (default: ${TOKEN_ENV})")
 
 
 def auth_token(args: argparse.Namespace) -> str | None:

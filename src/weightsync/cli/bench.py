@@ -8,7 +8,7 @@ import json
 import sys
 
 from weightsync.bench.link import Link
-from weightsync.cli.args import at_least, positive_seconds
+from weightsync.cli.args import DefaultsFormatter, at_least, positive_seconds
 
 __all__ = ["add_parser", "run"]
 
@@ -80,6 +80,7 @@ def bucket_mb(text: str) -> float | None:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser(
         "bench",
+        formatter_class=DefaultsFormatter,
         help="measure transfer speed against memcpy and the usual baselines",
         description="Push a synthetic bf16 model through each transport to receivers in other processes, "
         "verify every byte, and compare with memcpy and torch.save / safetensors / multiprocessing baselines.",
@@ -101,23 +102,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--size-gb",
         type=positive_gib,
         default=None,
-        help=f"model size in GiB (default {DEFAULT_SIZE_GB:g}, or the largest size that fits in the memory "
+        help=f"model size in GiB (default: {DEFAULT_SIZE_GB:g}, or the largest size that fits in the memory "
         "available now)",
     )
     bench.add_argument("--bucket-mb", type=bucket_mb, default=None, help="bucket size in MiB, or auto (default)")
-    bench.add_argument("--receivers", type=counts, default=(1,), help="receiver counts, e.g. 1 or 1,4 (default 1)")
-    bench.add_argument("--repeat", type=at_least(1), default=3, help="syncs per configuration (default 3)")
+    bench.add_argument("--receivers", type=counts, default=(1,), help="receiver counts, e.g. 1 or 1,4")
+    bench.add_argument("--repeat", type=at_least(1), default=3, help="syncs per configuration")
     bench.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True, help="run the baselines")
-    bench.add_argument("--num-slots", type=at_least(1), default=2, help="shared-memory ring slots (default 2)")
-    bench.add_argument("--verify", choices=("off", "bucket", "full"), default="off", help="checksums (default off)")
-    bench.add_argument("--memcpy-mb", type=float, default=1024.0, help="memcpy reference buffer in MiB (1024)")
+    bench.add_argument("--num-slots", type=at_least(1), default=2, help="shared-memory ring slots")
+    bench.add_argument("--verify", choices=("off", "bucket", "full"), default="off", help="checksums")
+    bench.add_argument("--memcpy-mb", type=float, default=1024.0, help="memcpy reference buffer in MiB")
     bench.add_argument("--seed", type=int, default=0, help="content seed")
-    bench.add_argument(
-        "--timeout", type=positive_seconds, default=120.0, help="seconds any step may take (default 120)"
-    )
-    bench.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="where source and destinations live (default cpu)"
-    )
+    bench.add_argument("--timeout", type=positive_seconds, default=120.0, help="seconds any step may take")
+    bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where source and destinations live")
     bench.add_argument(
         "--delta-lr",
         type=float,

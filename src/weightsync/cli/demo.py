@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from weightsync.cli.args import at_least, positive_seconds
+from weightsync.cli.args import DefaultsFormatter, at_least, positive_seconds
 from weightsync.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
@@ -18,35 +18,43 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = subparsers.add_parser(
         "demo",
+        formatter_class=DefaultsFormatter,
         help="a real GRPO run that pushes weights to rollout engines after every step",
         description="Train a tiny policy with GRPO on a checkable task. Rollouts come from rollout "
         "engines (two `weightsync serve` processes by default), and the weights are pushed to them "
         "after every step. Writes steps.jsonl, reward_and_sync.png and summary.json to --out.",
     )
-    demo.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
-    demo.add_argument("--servers", type=at_least(1), default=2, help="rollout servers (disaggregated; default 2)")
+    demo.add_argument(
+        "--mode",
+        choices=["disaggregated", "colocated"],
+        default="disaggregated",
+        help="rollout servers in their own processes, or the engine in the trainer's process (inproc)",
+    )
+    demo.add_argument("--servers", type=at_least(1), default=2, help="rollout servers (disaggregated)")
     demo.add_argument(
         "--engine",
         choices=["auto", "hf", "vllm"],
         default="auto",
-        help="rollout servers' engine: auto (default) is vllm where it is installed, else hf",
+        help="rollout servers' engine: auto is vllm where it is installed, else hf (default: auto)",
     )
-    demo.add_argument("--steps", type=at_least(1), help="training steps (default 80; 300 with --lora)")
-    demo.add_argument("--prompts-per-step", type=at_least(1), default=16)
-    demo.add_argument("--group", type=at_least(2), default=8, help="samples per prompt (default 8)")
-    demo.add_argument("--lr", type=float, help="learning rate (default 3e-3; 7e-3 with --lora)")
-    demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy (default 0)")
-    demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old (default 1)")
+    demo.add_argument("--steps", type=at_least(1), help="training steps (default: 80; 300 with --lora)")
+    demo.add_argument("--prompts-per-step", type=at_least(1), default=16, help="prompts per training step")
+    demo.add_argument("--group", type=at_least(2), default=8, help="samples per prompt")
+    demo.add_argument("--lr", type=float, help="learning rate (default: 3e-3; 7e-3 with --lora)")
+    demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy")
+    demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old")
     demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the policy, the prompts and the sampling")
     demo.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any request or sync may take")
-    demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory (default runs/demo)")
-    demo.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory")
+    demo.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar over the steps"
+    )
     demo.add_argument(
         "--delta",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="delta sync: send servers on a network transport only what changed (default on)",
+        help="delta sync: send servers on a network transport only what changed (default: --delta)",
     )
     demo.add_argument(
         "--delta-all", action="store_true", help="with --delta: send only what changed over every transport (shm too)"
@@ -57,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="train a LoRA adapter on the policy (its own weights frozen after a warm-up on a neighbouring "
         "skill) and push only the adapter after every step; the servers serve it by name (docs/demo.md)",
     )
-    demo.add_argument("--lora-rank", type=at_least(1), help=f"with --lora: the adapter's rank (default {LORA_RANK})")
+    demo.add_argument("--lora-rank", type=at_least(1), help=f"with --lora: the adapter's rank (default: {LORA_RANK})")
     demo.set_defaults(handler=run)
 
 

@@ -9,7 +9,7 @@ import argparse
 import json
 import time
 
-from weightsync.cli.args import add_auth_token, auth_token, positive_seconds
+from weightsync.cli.args import DefaultsFormatter, add_auth_token, auth_token, positive_seconds
 from weightsync.cli.push import wait_until_up
 from weightsync.errors import ConfigError
 
@@ -19,6 +19,7 @@ __all__ = ["add_parser", "run"]
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     digest = subparsers.add_parser(
         "digest",
+        formatter_class=DefaultsFormatter,
         help="check the content digest servers hold against each other, a checkpoint or a value",
         description="Read each server's content digest (from its last verified push) and compare. With "
         "--model, the expected digest is computed from that checkpoint as a push would send it "
@@ -32,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--timeout",
         type=positive_seconds,
         default=60.0,
-        help="seconds any HTTP call, and the wait for servers that are starting, may last (default 60)",
+        help="seconds any HTTP call, and the wait for servers that are starting, may last",
     )
     add_auth_token(digest, "the servers' shared secret")
     digest.add_argument("--json", action="store_true", help="print the result as JSON")

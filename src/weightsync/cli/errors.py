@@ -10,7 +10,7 @@ status, never a traceback (`weightsync --traceback COMMAND ...` shows it instead
 from __future__ import annotations
 
 from weightsync.auth import TOKEN_ENV
-from weightsync.errors import AuthError, ConfigError, ServerError, WeightSyncError
+from weightsync.errors import AuthError, ConfigError, ServerError, WeightSyncError, one_line
 
 __all__ = ["FAILED", "INTERRUPTED", "TERMINATED", "USAGE", "describe"]
 
@@ -55,12 +55,3 @@ def missing_package(exc: ImportError, command: str) -> str:
         return f"vLLM does not import here ({one_line(exc)}): run scripts/install-vllm.sh"
     extra = EXTRAS.get(command, "dev")
     return f"{one_line(exc)}: install what `{command}` needs from your weightsync checkout: pip install -e '.[{extra}]'"
-
-
-def one_line(exc: BaseException) -> str:
-    """The message on one line: a message of several lines (a peer's traceback) keeps its first
-    and last (where the peer's error is named)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    if not lines:
-        return type(exc).__name__
-    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"

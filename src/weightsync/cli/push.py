@@ -2,10 +2,11 @@
 
 weightsync push --model DIR --to http://127.0.0.1:8000 [URL ...] [--version N] [--verify bucket] [--cast bfloat16]
 
-Like `WeightSender.push`, it reports per server and goes on with the others: a server that does
-not answer, refuses or fails is one line on stderr, the servers that answered are pushed to,
-and the exit status is 1 when any server did not commit. The summary comes last, and says how
-many committed.
+Like `WeightSender.push`, it fails when any server did not commit (exit status 1), and it
+reports per server and goes on with the others: a server that does not answer, refuses or fails
+is one line on stderr, the servers that answered are pushed to. The summary comes last, on one
+line: how many servers committed, and what moved, or, when none did, that the push was refused
+(or failed) and why.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.checksum import VERIFY_MODES
-from weightsync.cli.args import add_auth_token, at_least, auth_token, positive_seconds
+from weightsync.cli.args import DefaultsFormatter, add_auth_token, at_least, auth_token, positive_seconds
 from weightsync.cli.errors import FAILED, describe
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, one_line
+
+if TYPE_CHECKING:
+    from weightsync.report import SyncReport
 
 __all__ = ["CAST_DTYPES", "add_parser", "run"]
 
@@ -30,6 +34,7 @@ CAST_DTYPES = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "fl
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     push = subparsers.add_parser(
         "push",
+        formatter_class=DefaultsFormatter,
         help="push a safetensors checkpoint to running servers",
         description="Read DIR's safetensors checkpoint one tensor at a time and push it to every server "
         "that answers; each server's outcome is reported, and the exit status is 1 if any did not commit.",
@@ -42,8 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         help="push a --version lower than one a server already serves (it moves that server back)",
     )
-    push.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any wait may last (default 60)")
-    push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="bucket or full checksums (default off)")
+    push.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any wait may last")
+    push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="bucket or full checksums")
     push.add_argument(
         "--cast",
         choices=CAST_DTYPES,
@@ -74,10 +79,12 @@ def run(args: argparse.Namespace) -> int:
     source = SafetensorsSource(args.model)
     cast = dtype_from_name(args.cast) if args.cast else None
     urls = {address: url for url, info in infos.items() for address in info["addresses"]}
-    with WeightSender(list(urls), timeout=args.timeout, verify=args.verify, auth_token=token, cast=cast) as sender:
+    # the report is read here, server by server: every outcome is printed, then the exit status says
+    options = {"timeout": args.timeout, "verify": args.verify, "auth_token": token, "cast": cast}
+    with WeightSender(list(urls), raise_on_failure=False, **options) as sender:
         report = sender.push(source, version)
     for outcome in report.failed:
-        print(f"weightsync push: {urls[outcome.address]}: {outcome.kind}: {outcome.error}", file=sys.stderr)
+        print(f"weightsync push: {urls[outcome.address]}: {outcome.kind}: {one_line(outcome.error)}", file=sys.stderr)
     if args.json:
         outcomes = outcomes_json(report, urls, unreachable)
         print(json.dumps(report_json(report) | {"ok": report.ok and not unreachable, "outcomes": outcomes}))
@@ -85,13 +92,24 @@ def run(args: argparse.Namespace) -> int:
         for outcome in report.outcomes:
             if outcome.committed:
                 print(f"{urls[outcome.address]}: committed version {report.version}")
-        committed = len(report.outcomes) - len(report.failed)
-        print(
-            f"version {report.version}: committed on {committed} of {len(infos) + len(unreachable)} servers; "
-            f"{report.total_bytes} "
-            f"bytes, {report.num_tensors} tensors in {report.seconds:.3f} s ({report.gbps:.2f} GB/s)"
-        )
+        print(summary(report, urls, len(infos) + len(unreachable)))
     return 0 if report.ok and not unreachable else FAILED
+
+
+def summary(report: SyncReport, urls: dict[str, str], num_servers: int) -> str:
+    """The last line: how many servers committed and what moved. A push that none committed moved
+    nothing anyone serves: the line says it was refused (or failed) and with which errors, whose
+    messages stderr gave once, one line per server."""
+    from weightsync.report import moved
+
+    failed = {urls[outcome.address] for outcome in report.failed}
+    committed = len(set(urls.values()) - failed)
+    head = f"version {report.version}: committed on {committed} of {num_servers} servers"
+    if not committed:
+        verb = "refused" if all(outcome.refused for outcome in report.failed) else "failed"
+        kinds = ", ".join(dict.fromkeys(outcome.kind for outcome in report.failed))
+        return f"{head}: {verb} ({kinds}, the reason is on stderr); no weights moved"
+    return f"{head}; {report.num_tensors} tensors, {moved(report.total_bytes, report.seconds)}"
 
 
 def ask_servers(urls: list[str], timeout: float, token: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from weightsync.checksum import VERIFY_MODES
-from weightsync.cli.args import add_auth_token, at_least, auth_token, port, seconds
+from weightsync.cli.args import DefaultsFormatter, add_auth_token, at_least, auth_token, port, seconds
 from weightsync.cli.errors import TERMINATED
 from weightsync.transports import serving_transports
 
@@ -30,20 +30,19 @@ GRACEFUL_SHUTDOWN_S = 5
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = subparsers.add_parser(
         "serve",
+        formatter_class=DefaultsFormatter,
         help="run a rollout server that receives weight syncs",
         description="Serve a model over an OpenAI-compatible API; weights arrive by `weightsync push` "
         "or a WeightSender, straight into the engine's memory.",
     )
-    serve.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="inference engine (default hf)")
+    serve.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="inference engine")
     serve.add_argument("--model", required=True, help="model directory (config.json, tokenizer, checkpoint)")
     serve.add_argument("--load-format", choices=("dummy", "auto"), default="dummy", help="dummy (default) or auto")
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the dir's name)")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP interface (default 127.0.0.1)")
-    serve.add_argument("--port", type=port, default=8000, help="HTTP port, 0 for any free one (default 8000)")
-    serve.add_argument(
-        "--transport", choices=serving_transports(), default="shm", help="weight transport (default shm)"
-    )
-    serve.add_argument("--receiver-host", default="127.0.0.1", help="tcp receiver interface (default 127.0.0.1)")
+    serve.add_argument("--host", default="127.0.0.1", help="HTTP interface")
+    serve.add_argument("--port", type=port, default=8000, help="HTTP port, 0 for any free one")
+    serve.add_argument("--transport", choices=serving_transports(), default="shm", help="weight transport")
+    serve.add_argument("--receiver-host", default="127.0.0.1", help="tcp receiver interface")
     serve.add_argument("--receiver-port", type=port, default=0, help="tcp receiver port (default any)")
     serve.add_argument("--sync-mode", choices=("wait", "abort", "keep"), default="wait", help="pause mode for syncs")
     serve.add_argument("--ready-timeout", type=seconds, default=30.0, help="seconds a request waits for weights")
@@ -53,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--verify",
         choices=VERIFY_MODES,
         default="off",
-        help="the verification every push must use: bucket checksums, or full (also every tensor where it lands); default off",
+        help="the verification every push must use: bucket checksums, or full (also every tensor where it lands)",
     )
     add_auth_token(
         serve,
@@ -90,14 +89,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=0,
         metavar="N",
         help="serve LoRA adapters pushed to this server (in memory, by their name), of rank up to N "
-        "(default 0: adapters are refused)",
+        "(default: 0, adapters are refused)",
     )
     serve.add_argument(
         "--lora-versions",
         type=at_least(1),
         default=2,
         metavar="K",
-        help="versions of each LoRA adapter kept resident (default 2)",
+        help="versions of each LoRA adapter kept resident",
     )
     serve.add_argument(
         "--vllm-args",

@@ -24,7 +24,7 @@ from typing import Any
 
 from weightsync.auth import resolve_token
 from weightsync.checksum import check_verify
-from weightsync.errors import ConfigError, ResourceError, WeightSyncError
+from weightsync.errors import ConfigError, ResourceError, SyncFailed, WeightSyncError
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
@@ -125,7 +125,9 @@ class RolloutFleet:
         auth_token: the shared secret of servers and pushes (default: the trainer's
             $WEIGHTSYNC_AUTH_TOKEN), handed to each actor through Ray.
         timeout: seconds for any wait: a server's start, a describe, a sync.
-        sender: further `WeightSender` options (bucket_bytes, cast, num_slots, ...).
+        sender: further `WeightSender` options (bucket_bytes, cast, num_slots, ...). With
+            `raise_on_failure=False`, `push` and `catch_up` return their report when a live
+            server did not commit, instead of raising `SyncFailed`.
         serve: further `ServeConfig` fields.
     """
 
@@ -184,9 +186,10 @@ class RolloutFleet:
             # failing, so a restarting server is re-learned, not dropped.
             max_task_retries=-1 if max_restarts else 0,
         )
-        self._sender_options = sender or SenderOptions(
-            timeout=timeout, verify=check_verify(verify), auth_token=auth_token
-        )
+        options = sender or SenderOptions(timeout=timeout, verify=check_verify(verify), auth_token=auth_token)
+        self._raise_on_failure = options.raise_on_failure
+        # the fleet reads every report first (who committed, who died), then raises if asked to
+        self._sender_options = dataclasses.replace(options, raise_on_failure=False)
         self._timeout = timeout
         self._actors: dict[str, Any] = {}
         self._members: dict[str, ServerInfo] = {}
@@ -251,7 +254,15 @@ class RolloutFleet:
     def push(self, source: Any, version: int) -> FleetReport:
         """Push `source` as `version` to every live server; dead ones are dropped first.
 
-        Returns a FleetReport: `report.sync` per server, `report.dropped`, `report.joined`.
+        Returns:
+            A FleetReport: `report.sync` per server, `report.dropped`, `report.joined`. Every
+            live server committed, unless the fleet's sender options say
+            `raise_on_failure=False` (then `report.ok` says whether they did).
+
+        Raises:
+            SyncFailed: a server that is still alive did not commit (one that died, before or
+                during the push, is dropped and reported, not raised); `.report` is the
+                FleetReport, and the fleet's bookkeeping is done.
         """
         with self._lock:
             dropped, joined = self._refresh()
@@ -265,7 +276,15 @@ class RolloutFleet:
             died = self._drop_dead_among(report)
             self._mark_ready()
             addresses = frozenset(a for info in members if info.name in died for a in info.addresses)
-            return FleetReport(report, dropped | died, joined, addresses)
+            return self._checked(FleetReport(report, dropped | died, joined, addresses))
+
+    def _checked(self, report: FleetReport) -> FleetReport:
+        """`report`, or SyncFailed carrying it when a live server did not commit (and the fleet
+        raises on failure)."""
+        if self._raise_on_failure and not report.ok:
+            live = [o for o in report.sync.outcomes if o.address not in report.dropped_addresses]
+            raise SyncFailed(dataclasses.replace(report.sync, outcomes=tuple(live)).failure(), report)
+        return report
 
     def _drop_dead_among(self, report: SyncReport) -> dict[str, str]:
         """Servers whose push failed because they died meanwhile (killed between the check before
@@ -288,7 +307,8 @@ class RolloutFleet:
 
     def catch_up(self, source: Any) -> FleetReport | None:
         """Bring every live server that lacks the fleet's version to it, from `source`, which
-        must hold that version's weights (the trainer's, unchanged since that push).
+        must hold that version's weights (the trainer's, unchanged since that push). Raises
+        `SyncFailed` as `push` does.
 
         With verify on (the default), the content digest of what was sent is checked against the
         one recorded at the push: a source that moved on is refused, and the servers it reached
@@ -315,7 +335,7 @@ class RolloutFleet:
                     f"as pushed ({expected}); the servers it reached are not ready"
                 )
             self._mark_ready()
-            return FleetReport(report, dropped, joined)
+            return self._checked(FleetReport(report, dropped, joined))
 
     def _refresh(self) -> tuple[dict[str, str], tuple[str, ...]]:
         """Describe every member: drop the dead, re-learn the restarted (new process)."""

@@ -12,10 +12,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
 from weightsync.messages import Adapter, Plan
-from weightsync.sink import SinkTraits, WeightSink
+from weightsync.sink import SinkTraits, WeightSink, check_against
 
 __all__ = ["InPlaceModelSink", "alias_groups"]
 
@@ -71,22 +70,7 @@ class InPlaceModelSink(WeightSink):
         return list(self._tensors)
 
     def begin(self, plan: Plan, version: int) -> None:
-        problems = []
-        sent = set()
-        for spec in plan.tensors:
-            target = self._tensors.get(spec.name)
-            sent.add(spec.name)
-            if target is None:
-                problems.append(f"unknown tensor {spec.name!r}")
-            elif tuple(target.shape) != spec.shape or target.dtype != dtype_from_name(spec.dtype):
-                expected = f"{str(target.dtype).removeprefix('torch.')}{list(target.shape)}"
-                problems.append(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {expected}")
-        for group in self._groups:
-            if not sent.intersection(group):
-                problems.append(f"plan lacks {' / '.join(repr(name) for name in group)}")
-        if problems:
-            more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-            raise PlanError("plan does not match the model: " + "; ".join(problems[:8]) + more)
+        check_against(plan, self._tensors, strict=False, groups=self._groups)
 
     def destination(self, name: str) -> torch.Tensor | None:
         return self._standby[name] if self.staged else self._tensors[name]

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from weightsync.checksum import Verify
-from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed
+from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed, one_line
 from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
 from weightsync.options import DEFAULT_TIMEOUT_S
@@ -76,6 +76,9 @@ class RolloutServers:
             content digest of what it holds (`weightsync digest`).
         cast: send floating-point weights as this dtype (e.g. torch.bfloat16 to bf16 servers).
         auth_token: the servers' shared token (default $WEIGHTSYNC_AUTH_TOKEN).
+        raise_on_failure: True (the default): `push` raises `SyncFailed` when a server did not
+            commit (once it has left `live`); False: `push` returns the report, and `live` says
+            which servers are left.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class RolloutServers:
         verify: Verify = "bucket",
         cast: torch.dtype | None = None,
         auth_token: str | None = None,
+        raise_on_failure: bool = True,
     ) -> None:
         if not urls:
             raise ConfigError("give at least one rollout server URL")
@@ -95,7 +99,8 @@ class RolloutServers:
         """The servers that committed every push so far and never failed a request: the ones to
         generate on."""
         self._lock = threading.Lock()  # requests on several threads drop servers
-        # raise_on_failure is spelled out: each caller decides what a server that did not commit means.
+        self._raise_on_failure = raise_on_failure
+        # the report is read first (a server that did not commit leaves `live`), then raised
         self._sender_options: dict[str, Any] = {
             "timeout": timeout,
             "verify": verify,
@@ -114,7 +119,11 @@ class RolloutServers:
     def push(self, tensors: Any, version: int, adapter: Adapter | None = None) -> SyncReport:
         """Push `tensors` (a module's `ModuleSource`, a state dict, a `WeightSource`) as `version`
         (of LoRA `adapter`, if given) to every live server; a server any of whose receivers did
-        not commit leaves `live`."""
+        not commit leaves `live`.
+
+        Raises:
+            SyncFailed: a server did not commit (unless `raise_on_failure=False`).
+        """
         if self._closed:
             raise ResourceError("the rollout servers' sender is closed")
         addresses = [a for client in list(self.live) for a in self._receivers[client.base_url]]
@@ -129,8 +138,10 @@ class RolloutServers:
         for client in list(self.live):
             missed = [failed[a] for a in self._receivers[client.base_url] if a in failed]
             if missed:
-                why = "; ".join(f"{o.kind}: {o.error}" for o in missed)
+                why = "; ".join(f"{o.kind}: {one_line(o.error)}" for o in missed)
                 self.drop(client, f"did not commit version {version} ({why})")
+        if self._raise_on_failure and not report.ok:
+            raise SyncFailed(report.failure(), report)
         return report
 
     def drop(self, client: RolloutClient, why: str) -> None:
@@ -209,7 +220,10 @@ class WeightsyncRollout:
         if max_staleness < 0:
             raise ConfigError(f"max_staleness must be 0 or more, got {max_staleness}")
         self.max_staleness = max_staleness
-        self.servers = RolloutServers(urls, timeout=timeout, verify=verify, cast=cast, auth_token=auth_token)
+        # a server that fails a push leaves `servers.live`; generation goes on with the others
+        self.servers = RolloutServers(
+            urls, timeout=timeout, verify=verify, cast=cast, auth_token=auth_token, raise_on_failure=False
+        )
         self.version: int | None = None
         """The version last pushed (the trainer's `global_step` then)."""
         self.reports: list[SyncReport] = []
@@ -422,10 +436,12 @@ class WeightsyncTransfer:
         """Push every (name, tensor) of `iterator` as the next version."""
         servers = self._servers()
         source = StateDictSource(list(iterator))
-        report = servers.push(source, self.version + 1)
+        try:
+            report = servers.push(source, self.version + 1)  # raises SyncFailed unless every server committed
+        except SyncFailed as exc:
+            self.reports.append(exc.report)  # type: ignore[arg-type]  # RolloutServers' is a SyncReport
+            raise
         self.reports.append(report)
-        if report.failed:
-            raise SyncFailed(f"version {report.version} did not commit on every rollout server", report)
         self.version = report.version
 
     def resume(self) -> None:

@@ -119,7 +119,6 @@ class EngineKwargs:
             timeout=self.timeout,
             num_slots=self.num_slots,
             verify=self.verify,
-            raise_on_failure=True,
         )
 
     def receiver_options(self) -> ReceiverOptions:

@@ -24,6 +24,7 @@ import time
 from weightsync.errors import SinkError
 from weightsync.lora import check_name
 from weightsync.messages import Adapter, Plan
+from weightsync.report import moved
 from weightsync.server.loop import EngineLoop, PauseMode
 from weightsync.server.metrics import ServerMetrics
 from weightsync.sink import WeightSink, WrappingSink
@@ -135,19 +136,9 @@ class ServerSink(WrappingSink):
 
     def begin(self, plan: Plan, version: int) -> None:
         self.paused_s = 0.0
-        try:
-            self.inner.begin(plan, version)
-            if not self.traits.staged:
-                self._park(version)
-        except Exception as exc:
-            log.warning(
-                "push of version %d refused (%d bytes, %d tensors): %s",
-                version,
-                plan.total_bytes,
-                len(plan.tensors),
-                exc,
-            )
-            raise
+        self.inner.begin(plan, version)  # a refusal is logged once, by the receiver
+        if not self.traits.staged:
+            self._park(version)
         self._started = time.perf_counter()
         self.stats = self.stats.next(version, plan.total_bytes, plan.bucket_bytes, self.metrics)
 
@@ -158,13 +149,7 @@ class ServerSink(WrappingSink):
         self._dirty = False
         self.stats.committed(time.perf_counter() - self._started, self.metrics)
         self.loop.resume("sync", version)
-        log.info(
-            "sync of version %d committed: %d bytes in %.3f s (%.2f GB/s)",
-            version,
-            self.stats.total_bytes,
-            self.stats.seconds,
-            self.stats.gbps,
-        )
+        log.info("sync of version %d committed: %s", version, moved(self.stats.total_bytes, self.stats.seconds))
 
     def adapter_sink(self, adapter: Adapter) -> WeightSink:
         check_name(adapter, [self.model_name])

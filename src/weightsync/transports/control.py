@@ -9,6 +9,7 @@ the data planes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
@@ -20,7 +21,7 @@ from typing import TypeVar
 
 import msgspec
 
-from weightsync.auth import new_nonce, proof, proof_matches
+from weightsync.auth import TOKEN_ENV, new_nonce, proof, proof_matches
 from weightsync.errors import (
     AuthError,
     PeerClosedError,
@@ -165,7 +166,14 @@ class SenderChannel:
             )
         if self._token is not None:
             if not proof_matches(self._token, "receiver", nonce, welcome.proof):
-                raise AuthError(f"receiver {address} did not prove it holds our auth token")
+                holds = "holds no auth token" if not welcome.proof else "holds another auth token than this sender"
+                # tell the receiver why we leave (it logs it); our own proof is never sent to it
+                with contextlib.suppress(WeightSyncError):
+                    link.send(Abort(-1, f"auth token refused: this receiver {holds}"), self.timeout)
+                raise AuthError(
+                    f"auth token refused: receiver {address} {holds}; give both sides the same token "
+                    f"(auth_token=, or ${TOKEN_ENV})"
+                )
             link.send(Auth(proof(self._token, "sender", welcome.nonce)), self.timeout)
         return welcome
 
@@ -276,7 +284,8 @@ class SenderChannel:
         if inbox is not None and isinstance(error, PeerClosedError):
             inbox.closed.wait(min(CLOSE_GRACE_S, self.timeout))  # it usually said why before closing
             error = inbox.reason() or error
-        log.warning("receiver %s failed: %s", address, error)
+        # info, not a warning: the push reports it (SyncFailed, or the report's outcomes)
+        log.info("receiver %s failed: %s", address, error)
         self.drop(address)
         return error
 

@@ -74,7 +74,9 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
             workers' addresses (rendezvous.py); loopback by default, the trainer's reachable
             address when the workers run on other hosts.
         receiver_host: where each worker's receiver listens (networked transports).
-        options: the sender's options: bucket size, cast, verification, delta, timeout, token.
+        options: the sender's options: bucket size, cast, verification, delta, timeout, token
+            (`raise_on_failure` is not among them: `send_weights` always raises `SyncFailed`,
+            once it has ended vLLM's update).
     """
 
     backend: ClassVar[str] = "weightsync"
@@ -178,7 +180,10 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             workers = rendezvous.collect()
         if not workers:
             raise ConnectError("no vLLM worker announced its receiver; is the server's backend 'weightsync'?")
-        sender = WeightSender([worker.address for worker in workers], options=options)
+        # the push returns its report whatever happened: a failed round must end vLLM's update
+        # on every worker before `send_weights` raises
+        unraised = dataclasses.replace(options, raise_on_failure=False)
+        sender = WeightSender([worker.address for worker in workers], options=unraised)
         log.info("weightsync: %d vLLM worker(s) over %s", len(workers), init_info.transport)
         return cls(client=client, source=source, sender=sender, workers=workers)
 
