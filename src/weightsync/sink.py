@@ -253,15 +253,22 @@ def check_against(
     kinds.update([None] if missing else [])
     if not problems:
         return
+    raise mismatch(problems, kinds, "the receiver's tensors")
+
+
+def mismatch(problems: Sequence[str], kinds: set[tuple[str, str] | None], what: str) -> PlanError:
+    """The error for a plan that disagrees with `what` a receiver holds, `problems` one per tensor.
+    `kinds` holds (sent, expected) for each dtype-only disagreement and None for any other: when
+    every disagreement is the same dtype for another, the error leads with the fix."""
     (only,) = kinds if len(kinds) == 1 else (None,)
     if only is not None:
         sent, expected = only
-        raise PlanError(
+        return PlanError(
             f"the push sends {sent} where this receiver holds {expected} ({len(problems)} tensors, e.g. "
             f"{problems[0]}): push {expected} (cast=torch.{expected}, or no cast) or serve a {sent} model"
         )
     more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-    raise PlanError("plan does not match the receiver's tensors: " + "; ".join(problems[:8]) + more)
+    return PlanError(f"plan does not match {what}: " + "; ".join(problems[:8]) + more)
 
 
 def as_sink(sink: WeightSink | LoadFn | Mapping[str, torch.Tensor]) -> WeightSink:

@@ -61,6 +61,20 @@ def test_a_plan_of_fused_experts_is_refused_and_one_per_expert_accepted(tmp_path
     assert len(feed) == 45 and feed[expert] == expert
 
 
+def test_a_plan_in_another_dtype_is_refused_with_the_fix(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    save_model("qwen2", tmp_path)
+    layout = checkpoint_layout(tmp_path, torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    plan = build_plan(wire_specs(HFCheckpointSource(model).metas(), torch.bfloat16), 1 << 20)
+    with pytest.raises(PlanError, match=r"^the push sends bfloat16 where this receiver holds float32 .*or serve a"):
+        check_plan_layout(plan, layout)
+    del_one = build_plan(wire_specs(HFCheckpointSource(model).metas(), torch.bfloat16)[1:], 1 << 20)
+    with pytest.raises(PlanError, match=r"^plan does not match the model's checkpoint layout: "):
+        check_plan_layout(del_one, layout)  # a dtype and a missing tensor: no single fix to name
+
+
 def test_a_weightsync_source_serves_as_vllms() -> None:
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM

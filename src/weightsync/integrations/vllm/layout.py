@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import PlanError
 from weightsync.hf_checkpoint import checkpoint_metas
 from weightsync.messages import Plan
+from weightsync.sink import mismatch
 from weightsync.source import TensorMeta
 
 __all__ = ["CheckpointLayout", "check_plan_layout", "checkpoint_layout"]
@@ -81,18 +81,22 @@ def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | N
     """Raise PlanError naming every way `plan` disagrees with `layout`; otherwise return the
     name each planned tensor is fed to vLLM under (None: a tied duplicate, not fed)."""
     problems = []
+    kinds: set[tuple[str, str] | None] = set()
     for spec in plan.tensors:
         expected = layout.tensors.get(spec.name)
         if expected is None:
             problems.append(f"unknown tensor {spec.name!r}")
+            kinds.add(None)
             continue
         shape, dtype = expected
         if spec.shape != shape or dtype_from_name(spec.dtype) != dtype:
-            wanted = f"{str(dtype).removeprefix('torch.')}{list(shape)}"
-            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {wanted}")
+            held = str(dtype).removeprefix("torch.")
+            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {held}{list(shape)}")
+            kinds.add((spec.dtype, held) if spec.shape == shape else None)
     sent = {spec.name for spec in plan.tensors}
     if len(sent) != len(plan.tensors):
         problems.append("plan names a tensor twice")
+        kinds.add(None)
     feed: dict[str, str | None] = {name: name for name in sent}
     tied: set[str] = set()
     for group in layout.ties:
@@ -100,15 +104,16 @@ def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | N
         present = [name for name in group if name in sent]
         if not present:
             problems.append(f"plan lacks {' / '.join(repr(name) for name in group)}")
+            kinds.add(None)
             continue
         for name in present:
             feed[name] = None
         feed[present[0]] = group[0]
     missing = sorted(set(layout.tensors) - sent - tied)
     problems += [f"plan lacks {name!r}" for name in missing]
+    kinds.update([None] if missing else [])
     if problems:
-        more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
-        raise PlanError("plan does not match the model's checkpoint layout: " + "; ".join(problems[:8]) + more)
+        raise mismatch(problems, kinds, "the model's checkpoint layout")
     return feed
 
 
