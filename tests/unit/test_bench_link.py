@@ -32,6 +32,19 @@ def test_a_bad_link_is_refused_with_its_form(text):
         Link.parse(text)
 
 
+def test_the_crossover_is_where_a_full_push_would_take_as_long_as_a_delta_push():
+    from weightsync.bench.delta import DeltaStep
+    from weightsync.bench.link import crossover_gbit
+
+    # 1 GB over a 1 GB/s (8 Gbit/s) link at full efficiency: a full push takes 1 s; a delta push
+    # 0.1 s on the wire (100 MB) plus 0.4 s of CPU. Full = delta where 0.9 GB / rate = 0.4 s.
+    steps = [DeltaStep("tcp", step, 0.03, 10**8, 10**9, 0.5, 1.0, "delta", 0.1) for step in range(4)]
+    result = LinkResult("8gbit", 1.0, [1.0, 1.0, 1.0], steps)
+    assert crossover_gbit([result], "tcp") == pytest.approx(0.9 / 0.4 * 8)
+    assert crossover_gbit([result], "nixl") is None
+    assert "tcp: a delta push stops paying above about 18 Gbit/s" in format_link_table([result])
+
+
 def _namespace_refusal() -> str | None:
     """Why no namespace can be made here, or None: tried in a child, this process is untouched."""
     context = multiprocessing.get_context("spawn")

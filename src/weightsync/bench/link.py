@@ -360,6 +360,23 @@ def summarize(result: LinkResult) -> list[TransportOnLink]:
     return rows
 
 
+def crossover_gbit(results: Sequence[LinkResult], transport: str) -> float | None:
+    """The link rate, in Gbit/s, above which a delta push of `transport` stops beating a full one,
+    from its figures on the fastest link measured: a push spends `bytes / (efficiency * rate)`
+    on the wire (the efficiency that link showed) and a delta push the rest of its time on the
+    CPU (diff, apply, hashes), the same at any rate. None without a delta push on that link."""
+    rows = [row for result in results for row in summarize(result) if row.transport == transport]
+    if not rows:
+        return None
+    row = max(rows, key=lambda row: row.link_gbps)
+    wire_gbps = row.full_bytes / row.steady_full_s / 1e9  # what the full push got from the link
+    cpu_s = row.steady_delta_s - row.patch_bytes / 1e9 / wire_gbps
+    if cpu_s <= 0:
+        return None
+    efficiency = wire_gbps / row.link_gbps
+    return (row.full_bytes - row.patch_bytes) / 1e9 / (efficiency * cpu_s) * 8
+
+
 def format_link_table(results: Sequence[LinkResult]) -> str:
     """Per link: its measured rate, then per transport the full and delta pushes (first, second,
     steady state) and their ratios to the link and to each other."""
@@ -381,6 +398,10 @@ def format_link_table(results: Sequence[LinkResult]) -> str:
                 f" {row.steady_delta_s:>7.3f} {row.delta_to_full:>11.2f} {row.changed_fraction:>8.4f}"
                 f" {row.patch_bytes / 1e6:>9.1f}"
             )
+    for transport in dict.fromkeys(row.transport for result in results for row in summarize(result)):
+        rate = crossover_gbit(results, transport)
+        if rate is not None:
+            lines.append(f"{transport}: a delta push stops paying above about {rate:.0f} Gbit/s on this CPU")
     return "\n".join(lines)
 
 

@@ -212,7 +212,7 @@ def run_delta_bench(args: argparse.Namespace) -> int:
 
 
 def run_link_bench(args: argparse.Namespace) -> int:
-    from weightsync.bench.link import LINK_TRANSPORTS, format_link_table, run_links
+    from weightsync.bench.link import LINK_TRANSPORTS, crossover_gbit, format_link_table, run_links
     from weightsync.errors import ConfigError
 
     transports = args.transport or _installed(LINK_TRANSPORTS)
@@ -236,7 +236,8 @@ def run_link_bench(args: argparse.Namespace) -> int:
     table = format_link_table(results)
     if args.json:
         print(table, file=sys.stderr)
-        print(json.dumps([result.to_json() for result in results]))
+        crossover = {name: crossover_gbit(results, name) for name in transports}
+        print(json.dumps({"links": [result.to_json() for result in results], "crossover_gbit": crossover}))
     else:
         print(table)
     return 0
