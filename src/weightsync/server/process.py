@@ -32,10 +32,13 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 
-__all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent"]
+from weightsync.server import footprint
+
+__all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent", "on_hard_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +134,7 @@ class ChildProcess:
         members = self._group_members()  # while the child's group id is still its own
         self.kill()
         self._wait_ended(members, STOP_TIMEOUT_S)
+        footprint.reap(self.pid)  # what a server killed before it could clean up left behind
         if self._lifeline >= 0:
             os.close(self._lifeline)
             self._lifeline = -1
@@ -200,9 +204,19 @@ class ChildProcess:
         self._lines.put(None)
 
 
+_HARD_EXIT: list[Callable[[], object]] = []
+
+
+def on_hard_exit(callback: Callable[[], object]) -> None:
+    """Run `callback` before this process ends itself hard (`exit_with_parent`: the parent died and
+    this process did not stop within its grace); a server removes what it made there."""
+    _HARD_EXIT.append(callback)
+
+
 def exit_with_parent(fd: int, grace_s: float = PARENT_GONE_GRACE_S) -> None:
     """Stop this process once the parent that holds the other end of pipe `fd` is gone: SIGTERM
-    to ourselves (a server shuts down cleanly), then a hard exit `grace_s` seconds later."""
+    to ourselves (a server shuts down cleanly), then a hard exit `grace_s` seconds later (after
+    the `on_hard_exit` callbacks)."""
 
     def watch() -> None:
         try:
@@ -214,6 +228,11 @@ def exit_with_parent(fd: int, grace_s: float = PARENT_GONE_GRACE_S) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         log.warning("not stopped %.0f s after the parent died: killing this process group", grace_s)
+        for callback in _HARD_EXIT:
+            try:
+                callback()
+            except Exception as exc:  # the exit goes on: it is the last resort
+                log.warning("cleaning up before the hard exit failed: %s", exc)
         with contextlib.suppress(OSError):  # our own group (ChildProcess gave us a session): no orphans
             os.killpg(os.getpgid(0), signal.SIGKILL)
         os._exit(1)

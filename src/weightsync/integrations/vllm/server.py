@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -62,6 +63,13 @@ RPC_TIMEOUT_S = 120.0
 
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds requests in flight get to finish when the server is stopped."""
+
+ENGINE_SHUTDOWN_S = 3.0
+"""Seconds `weightsync serve` gives vLLM's own shutdown (its workers' exit, its engine core's)
+before it ends whatever is left of vLLM's processes: vLLM alone may wait 5 s, then 4 more."""
+
+NOTE_EVERY_S = 1.0
+"""How often, while vLLM's processes start, the shared memory they map is noted (`serve`'s `note`)."""
 
 
 class _Front:
@@ -211,9 +219,15 @@ async def serve(
     announce: Callable[[str], None] = lambda address: None,
     log_level: str = "info",
     stop: asyncio.Event | None = None,
+    note: Callable[[], None] = lambda: None,
+    shutdown_timeout: float | None = None,
 ) -> list[int]:
     """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(addresses)` once ready (every
     worker's receiver, comma-separated). Returns the signals that stopped it (none: `stop`).
+    `note()` is called while vLLM's processes start, once they serve, and before they stop: the
+    caller records what they made (`weightsync.server.footprint.Footprint.note`). vLLM's own
+    shutdown gets `shutdown_timeout` seconds (None: as long as it takes); a caller that bounds
+    it ends what is left of vLLM's processes once `serve` returns.
 
     Raises:
         ConfigError: vLLM refused the arguments.
@@ -241,13 +255,17 @@ async def serve(
         watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
         try:
             front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
-            engine = await asyncio.to_thread(build_engine, args)
+            engine = await _build(args, note)
+
+            def ready(addresses: str) -> None:
+                note()  # every vLLM process is up: the most they map
+                announce(addresses)
+
             try:
-                await _serve_engine(config, args, engine, front, serving, announce)
+                await _serve_engine(config, args, engine, front, serving, ready)
             finally:
-                started = time.monotonic()
-                engine.shutdown()
-                log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
+                note()  # what vLLM's processes map, before they go
+                _shutdown(engine, shutdown_timeout)
         except BaseException as exc:
             front.health = Health(False, "failed", f"the server could not start: {exc}")
             raise
@@ -258,6 +276,29 @@ async def serve(
             if watch is not None:
                 watch.cancel()
     return caught
+
+
+async def _build(args: argparse.Namespace, note: Callable[[], None]) -> Any:
+    """vLLM's engine, built on a thread (it blocks for 20-30 s); `note()` every `NOTE_EVERY_S`
+    meanwhile, as its processes start."""
+    building = asyncio.ensure_future(asyncio.to_thread(build_engine, args))
+    while not building.done():
+        await asyncio.wait({building}, timeout=NOTE_EVERY_S)
+        note()
+    return building.result()
+
+
+def _shutdown(engine: Any, timeout: float | None) -> None:
+    """vLLM's own shutdown, given `timeout` seconds; on a thread that is left behind if it takes
+    longer (the caller then ends vLLM's processes, and the shutdown returns)."""
+    started = time.monotonic()
+    thread = threading.Thread(target=engine.shutdown, daemon=True, name="weightsync-vllm-shutdown")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.info("vLLM's engine did not shut down within %.0f s: its processes are ended", timeout)
+    else:
+        log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
 
 
 async def _stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
