@@ -151,10 +151,11 @@ def reap(pid: int, root: str | None = None) -> list[str]:
     the /dev/shm names removed."""
     removed = []
     for folder in Path(root or tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{pid}-*"):
-        with contextlib.suppress(OSError):
-            removed += _remove(folder, set((folder / MANIFEST).read_text().split()))
-        if folder.exists():  # no manifest: nothing was mapped yet
-            removed += _remove(folder, set())
+        try:
+            noted = set((folder / MANIFEST).read_text().split())
+        except OSError:  # no manifest: it mapped nothing yet
+            noted = set()
+        removed += _remove(folder, noted)
     return removed
 
 
@@ -194,9 +195,9 @@ def _remove(folder: Path, segments: set[str]) -> list[str]:
     remove `folder`. Returns the names unlinked."""
     names = set(segments)
     with contextlib.suppress(OSError):
-        for entry in folder.iterdir():
-            if RENDEZVOUS.fullmatch(entry.name):
-                names |= {path.name for path in SHM_DIR.glob(f"{glob_escape(entry.name)}-*")}
+        ids = {f"{entry.name}-" for entry in folder.iterdir() if RENDEZVOUS.fullmatch(entry.name)}
+        if ids:
+            names |= {name for name in os.listdir(SHM_DIR) if name.startswith(tuple(ids))}
     removed = []
     for name in sorted(names):
         with contextlib.suppress(FileNotFoundError):
@@ -204,10 +205,6 @@ def _remove(folder: Path, segments: set[str]) -> list[str]:
             removed.append(name)
     shutil.rmtree(folder, ignore_errors=True)
     return removed
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def _become_subreaper() -> None:

@@ -12,7 +12,9 @@ SIGKILL), no child is left behind:
   then stops its children quietly instead of every process printing its own interruption;
 - its session is also its process group, and everything the child starts stays in it (vLLM's
   engine core and worker processes, for one): a child that has to be killed, or exits on its own
-  but leaves processes behind, is swept as a group, so none of its descendants outlives it.
+  but leaves processes behind, is swept as a group, so none of its descendants outlives it;
+- a `weightsync serve` child removes what it and its engine made on the host as it stops
+  (server/footprint.py); one that had to be killed cannot, so `close` reaps what it left.
 
 Linux's PR_SET_PDEATHSIG would not do: it fires when the *thread* that forked the child exits,
 not the process, and parents start children from pool threads.

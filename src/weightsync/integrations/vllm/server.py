@@ -255,7 +255,10 @@ async def serve(
         watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
         try:
             front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
-            engine = await _build(args, note)
+            # With a bounded shutdown the caller ends vLLM's processes: a stop need not wait for the build.
+            engine = await _build(args, note, serving if shutdown_timeout is not None else None)
+            if engine is None:  # stopped while vLLM loaded
+                return caught
 
             def ready(addresses: str) -> None:
                 note()  # every vLLM process is up: the most they map
@@ -278,14 +281,38 @@ async def serve(
     return caught
 
 
-async def _build(args: argparse.Namespace, note: Callable[[], None]) -> Any:
+async def _build(args: argparse.Namespace, note: Callable[[], None], stop: asyncio.Task[None] | None) -> Any:
     """vLLM's engine, built on a thread (it blocks for 20-30 s); `note()` every `NOTE_EVERY_S`
-    meanwhile, as its processes start."""
-    building = asyncio.ensure_future(asyncio.to_thread(build_engine, args))
+    meanwhile, as its processes start. None if `stop` ends first: the build is left to its
+    thread (a daemon), and fails once the caller has ended vLLM's processes."""
+    loop = asyncio.get_running_loop()
+    building: asyncio.Future[Any] = loop.create_future()
+
+    def build() -> None:
+        try:
+            result: tuple[Any, BaseException | None] = (build_engine(args), None)
+        except BaseException as exc:
+            result = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
+            loop.call_soon_threadsafe(_settle, building, *result)
+
+    threading.Thread(target=build, daemon=True, name="weightsync-vllm-build").start()
+    waits: set[asyncio.Future[Any]] = {building} if stop is None else {building, stop}
     while not building.done():
-        await asyncio.wait({building}, timeout=NOTE_EVERY_S)
+        await asyncio.wait(waits, timeout=NOTE_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
         note()
+        if stop is not None and stop.done() and not building.done():
+            return None
     return building.result()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
 
 
 def _shutdown(engine: Any, timeout: float | None) -> None:
