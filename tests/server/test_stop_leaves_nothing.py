@@ -7,6 +7,7 @@ server's processes made (tests/leftovers.py): another run on the host is never c
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 from tests.helpers import ENGINES, WAIT_S, wait_until
 from tests.leftovers import Footprints, tree
+from weightsync.server.process import ChildProcess
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -29,16 +31,16 @@ START_S = 300.0
 GONE_S = 15.0
 """A stopped server's exit: requests in flight, vLLM's own shutdown (at most 3 s), the rest."""
 
+ANNOUNCEMENT = "weightsync serve: http://"
+
+LOADING_GONE_S = 8.0
+"""A server stopped while vLLM loads does not wait for the load (20-30 s)."""
+
 ENV = {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
 
 
 def serve_command(model: Path, engine: str) -> list[str]:
     return [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model), "--port", "0"]
-
-
-def started(process: subprocess.Popen[str]) -> None:
-    line = process.stdout.readline() if process.stdout else ""  # the announcement, once it is up
-    assert line.startswith("weightsync serve: http://"), line
 
 
 def running(pids: list[int]) -> list[int]:
@@ -52,33 +54,49 @@ def running(pids: list[int]) -> list[int]:
     return alive
 
 
+def stop(server: ChildProcess, signum: int, footprints: Footprints) -> tuple[int, set[str], set[str]]:
+    """Signal the server alone; its exit status, and what it made that is still there once it
+    and all its processes are gone (before `ChildProcess.close`, which would reap it)."""
+    footprints.during(server.pid)
+    processes = tree(server.pid)
+    server.process.send_signal(signum)
+    status = server.process.wait(GONE_S)
+    assert wait_until(lambda: not running(processes), timeout=WAIT_S), running(processes)
+    return status, *footprints.left()
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
 def test_a_stopped_server_leaves_nothing(tiny_models: dict[str, Path], engine: str, signum: int) -> None:
     footprints = Footprints()
-    server = subprocess.Popen(
-        serve_command(tiny_models["qwen2"], engine),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=os.environ | ENV,
-        start_new_session=True,  # the signal reaches the server alone, not a group it shares
-    )
+    server = ChildProcess(serve_command(tiny_models["qwen2"], engine), env=os.environ | ENV)
     try:
-        started(server)
-        footprints.during(server.pid)
-        processes = tree(server.pid)
-        server.send_signal(signum)
-        _, stderr = server.communicate(timeout=GONE_S)
+        assert server.wait_for_line(ANNOUNCEMENT, START_S), server.why_not_started("the server", START_S)
+        status, shm, tmp = stop(server, signum, footprints)
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.communicate()
-    assert server.returncode == (0 if signum == signal.SIGTERM else 130), stderr
-    assert wait_until(lambda: not running(processes), timeout=WAIT_S), running(processes)
-    assert footprints.left() == (set(), set()), (footprints.shm, footprints.tmp)
+        server.close()
+    assert status == (0 if signum == signal.SIGTERM else 130)
+    assert (shm, tmp) == (set(), set()), (footprints.shm, footprints.tmp)
     if engine == "vllm":  # it did make things: the check above had something to check
         assert footprints.shm and footprints.tmp, (footprints.shm, footprints.tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_a_server_stopped_while_vllm_loads_stops_at_once_and_leaves_nothing(tiny_models: dict[str, Path]) -> None:
+    footprints = Footprints()
+    server = ChildProcess(serve_command(tiny_models["qwen2"], "vllm"), env=os.environ | ENV)
+    try:  # vLLM's engine core and its worker are up: the load is under way
+        assert wait_until(lambda: len(tree(server.pid)) >= 4 or not server.alive(), timeout=START_S)
+        assert server.alive()
+        started = time.monotonic()
+        status, shm, tmp = stop(server, signal.SIGTERM, footprints)
+        seconds = time.monotonic() - started
+    finally:
+        server.close()
+    assert status == 0
+    assert (shm, tmp) == (set(), set()), (footprints.shm, footprints.tmp)
+    assert seconds < LOADING_GONE_S, seconds
 
 
 PARENT = textwrap.dedent(

@@ -64,6 +64,10 @@ RPC_TIMEOUT_S = 120.0
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds requests in flight get to finish when the server is stopped."""
 
+STOP_RPC_S = 1.0
+"""Seconds the workers get to close their receivers at a stop: a worker busy in a sync answers
+only once the sync ends (up to its timeout), and vLLM's shutdown ends the workers anyway."""
+
 ENGINE_SHUTDOWN_S = 3.0
 """Seconds `weightsync serve` gives vLLM's own shutdown (its workers' exit, its engine core's)
 before it ends whatever is left of vLLM's processes: vLLM alone may wait 5 s, then 4 more."""
@@ -420,8 +424,9 @@ async def _serve_engine(
         finally:
             front.app = None
             front.health = Health(False, "failed", "the server is stopping")
+            control.close()  # a sync in progress ends here: vLLM's engine goes next
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(engine.shutdown_weight_transfer_engine(), RPC_TIMEOUT_S)
+                await asyncio.wait_for(engine.shutdown_weight_transfer_engine(), STOP_RPC_S)
     finally:
         registry.unregister(bridge)
         await bell.close()
