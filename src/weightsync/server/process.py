@@ -32,6 +32,7 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +41,7 @@ import psutil
 
 from weightsync.server import footprint
 
-__all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent", "on_hard_exit"]
+__all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent", "on_hard_exit", "quiet_children"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ChildProcess:
             self.process = subprocess.Popen(
                 command,
                 stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
                 env=(os.environ if env is None else env) | {PARENT_FD_ENV: str(read_fd)},
                 pass_fds=(read_fd,),
@@ -80,8 +82,11 @@ class ChildProcess:
             os.close(read_fd)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._found = threading.Event()
+        self._quiet = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True, name="weightsync-child-stdout")
         self._reader.start()
+        self._relay = threading.Thread(target=self._relay_stderr, daemon=True, name="weightsync-child-stderr")
+        self._relay.start()
 
     @property
     def pid(self) -> int:
@@ -124,6 +129,7 @@ class ChildProcess:
         """Ask the child to stop (SIGTERM), without waiting. Its lifeline stays open until `close`:
         a child told to stop by a living parent gets its whole `STOP_TIMEOUT_S` to shut down (vLLM's
         engine takes seconds), not the short grace of a child whose parent died."""
+        self._quiet.set()
         if self.alive():
             self.process.terminate()
 
@@ -143,7 +149,8 @@ class ChildProcess:
         # Every writer of the stdout pipe is gone now: the reader sees EOF and closes it. Closing it
         # here instead would block on the reader's lock while a writer lived on.
         self._reader.join(STOP_TIMEOUT_S)
-        if self._reader.is_alive():
+        self._relay.join(STOP_TIMEOUT_S)
+        if self._reader.is_alive() or self._relay.is_alive():
             log.warning("pid %d: its stdout is still open in another process; leaving it", self.pid)
 
     def _exited_within(self, timeout: float) -> bool:
@@ -192,6 +199,21 @@ class ChildProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
 
+    def _relay_stderr(self) -> None:
+        """The child's stderr onto ours, line by line, until it is told to stop (or this process
+        is stopping: `quiet_children`): what it says while it shuts down is not news."""
+        stderr = self.process.stderr
+        try:
+            for line in stderr or ():
+                if not (self._quiet.is_set() or _QUIET.is_set()):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            if stderr is not None:
+                stderr.close()
+
     def _read(self) -> None:
         stdout = self.process.stdout
         try:
@@ -204,6 +226,15 @@ class ChildProcess:
             if stdout is not None:
                 stdout.close()
         self._lines.put(None)
+
+
+_QUIET = threading.Event()
+
+
+def quiet_children() -> None:
+    """This process is stopping (SIGTERM, Ctrl-C): its children's stderr is no longer shown, so
+    that the stop prints one line (a sync the stop aborted, say, is not news)."""
+    _QUIET.set()
 
 
 _HARD_EXIT: list[Callable[[], object]] = []
