@@ -31,6 +31,7 @@ GONE_S = 10.0
 
 def start_demo(out: Path, engine: str = "hf", stderr: int | IO[str] = subprocess.PIPE) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "weightsync", "demo", "--engine", engine, "--steps", "10000", "--out", str(out)]
+    command += ["--timeout", str(START_S)]  # the servers' start-up on a loaded host (vLLM's: a minute or more)
     return subprocess.Popen(
         [*command, "--no-progress", "--prompts-per-step", "2", "--group", "2"],
         stdout=subprocess.PIPE,
