@@ -1,4 +1,5 @@
-"""`weightsync demo` as a process: however it ends, its rollout servers end with it.
+"""`weightsync demo` as a process: however it ends, its rollout servers end with it, and nothing
+they made stays on the host (no /dev/shm segment, nothing in the temporary folder).
 
 The signal goes to the demo process alone, not to its process group (a terminal's Ctrl-C
 reaches the whole group, which hid the bug: servers outlived a demo sent SIGTERM)."""
@@ -6,16 +7,19 @@ reaches the whole group, which hid the bug: servers outlived a demo sent SIGTERM
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import ENGINES, wait_until
+from tests.leftovers import Footprints, tree
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -25,12 +29,13 @@ START_S = 180.0
 GONE_S = 10.0
 
 
-def start_demo(out: Path) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "weightsync", "demo", "--engine", "hf", "--steps", "10000", "--out", str(out)]
+def start_demo(out: Path, engine: str = "hf", stderr: int | IO[str] = subprocess.PIPE) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "weightsync", "demo", "--engine", engine, "--steps", "10000", "--out", str(out)]
+    command += ["--timeout", str(START_S)]  # the servers' start-up on a loaded host (vLLM's: a minute or more)
     return subprocess.Popen(
         [*command, "--no-progress", "--prompts-per-step", "2", "--group", "2"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         env=os.environ | {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"},
         preexec_fn=default_sigint,
@@ -43,14 +48,21 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def training(out: Path) -> bool:
-    steps = out / "steps.jsonl"
-    return steps.is_file() and steps.read_text().count("\n") >= 1
+def training(out: Path, steps: int = 1) -> bool:
+    done = out / "steps.jsonl"
+    return done.is_file() and done.read_text().count("\n") >= steps
 
 
 def running(process: psutil.Process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        return running(psutil.Process(pid))
     except psutil.NoSuchProcess:
         return False
 
@@ -87,3 +99,31 @@ def test_killing_the_demo_alone_leaves_no_server(tmp_path, signum, observe) -> N
             "weightsync demo: " + ("terminated" if signum == signal.SIGTERM else "interrupted")
         ], stderr
     observe(f"{signum.name}: both servers gone {seconds:.1f} s after the signal; demo exit status {demo.returncode}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigterm_at_a_random_step_leaves_nothing_and_prints_one_line(tmp_path: Path, engine: str) -> None:
+    """No process, nothing new in /dev/shm or the temporary folder (of what the demo's processes
+    made), and one line on stderr after the signal."""
+    step = random.randint(1, 5)
+    footprints = Footprints()
+    with open(tmp_path / "stderr", "w+") as stderr:
+        demo = start_demo(tmp_path / "run", engine, stderr)
+        try:
+            assert wait_until(lambda: training(tmp_path / "run", step) or demo.poll() is not None, timeout=START_S)
+            assert demo.poll() is None, (tmp_path / "stderr").read_text()
+            footprints.during(demo.pid)
+            processes = tree(demo.pid)
+            said = os.fstat(stderr.fileno()).st_size  # what it printed before the signal
+            demo.send_signal(signal.SIGTERM)
+            demo.communicate(timeout=GONE_S * 2)
+        finally:
+            if demo.poll() is None:
+                demo.kill()
+                demo.communicate()
+    after = (tmp_path / "stderr").read_bytes()[said:].decode().splitlines()
+    assert demo.returncode == 143, after
+    assert after == ["weightsync demo: terminated"], after
+    assert wait_until(lambda: not any(alive(pid) for pid in processes)), [pid for pid in processes if alive(pid)]
+    assert footprints.left() == (set(), set()), (step, footprints.shm, footprints.tmp)

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import WAIT_S, wait_until
+from tests.leftovers import Footprints
 from tests.models import save_model
 from tests.server.checks import _Gated
 from weightsync import WeightSender
@@ -71,17 +72,22 @@ class Served:
 def serving(model_dir: Path, transport: str, *options: str) -> Iterator[Served]:
     command = [sys.executable, "-m", "weightsync", "serve", "--engine", "vllm", "--model", str(model_dir)]
     command += ["--port", "0", "--ready-timeout", "1", "--transport", transport, "--vllm-args", TP2, *options]
+    footprints = Footprints()
     process = ChildProcess(command, env=os.environ | ENV)
     try:
         line = process.wait_for_line("weightsync serve:", START_S)
         assert line is not None, process.why_not_started("weightsync serve --engine vllm -tp 2", START_S)
         found = re.match(r"weightsync serve: (\S+) receiver (\S+)", line)
         assert found is not None, line
+        footprints.during(process.pid)
         served = Served(process, found.group(1), found.group(2).split(","))
         yield served
         served.http.close()
+        footprints.during(process.pid)
     finally:
         process.close()
+    # vLLM's all-reduce segments (vllm_dist_*), message queues (psm_*), sockets: all removed
+    assert footprints.left() == (set(), set()), (footprints.shm, footprints.tmp)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from types import FrameType
 from weightsync import __version__
 from weightsync.cli import bench, demo, digest, push, serve
 from weightsync.cli.errors import TERMINATED, describe
-from weightsync.server.process import PARENT_FD_ENV, exit_with_parent
+from weightsync.server.process import PARENT_FD_ENV, exit_with_parent, quiet_children
 
 __all__ = ["build_parser", "main"]
 
@@ -74,16 +74,28 @@ def watch_parent() -> None:
 @contextlib.contextmanager
 def sigterm_exits() -> Iterator[None]:
     """SIGTERM raises SystemExit(143) in the main thread, so cleanup runs (children stopped, shared
-    memory released) before the process exits; the previous handler is back afterwards."""
+    memory released) before the process exits; SIGTERM and Ctrl-C also quiet the children's
+    stderr (`quiet_children`). The previous handlers are back afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def terminate(signum: int, frame: FrameType | None) -> None:
+        quiet_children()
         raise SystemExit(TERMINATED)
 
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        quiet_children()
+        raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGTERM, terminate)
+    # Ctrl-C as Python's default, unless SIGINT is ignored (a shell's background job)
+    previous_int = signal.getsignal(signal.SIGINT)
+    if previous_int is signal.default_int_handler:
+        signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, previous_int)

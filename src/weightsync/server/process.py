@@ -12,7 +12,9 @@ SIGKILL), no child is left behind:
   then stops its children quietly instead of every process printing its own interruption;
 - its session is also its process group, and everything the child starts stays in it (vLLM's
   engine core and worker processes, for one): a child that has to be killed, or exits on its own
-  but leaves processes behind, is swept as a group, so none of its descendants outlives it.
+  but leaves processes behind, is swept as a group, so none of its descendants outlives it;
+- a `weightsync serve` child removes what it and its engine made on the host as it stops
+  (server/footprint.py); one that had to be killed cannot, so `close` reaps what it left.
 
 Linux's PR_SET_PDEATHSIG would not do: it fires when the *thread* that forked the child exits,
 not the process, and parents start children from pool threads.
@@ -30,12 +32,16 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 
-__all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent"]
+from weightsync.server import footprint
+
+__all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent", "on_hard_exit", "quiet_children"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,7 @@ class ChildProcess:
             self.process = subprocess.Popen(
                 command,
                 stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
                 env=(os.environ if env is None else env) | {PARENT_FD_ENV: str(read_fd)},
                 pass_fds=(read_fd,),
@@ -75,8 +82,11 @@ class ChildProcess:
             os.close(read_fd)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._found = threading.Event()
+        self._quiet = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True, name="weightsync-child-stdout")
         self._reader.start()
+        self._relay = threading.Thread(target=self._relay_stderr, daemon=True, name="weightsync-child-stderr")
+        self._relay.start()
 
     @property
     def pid(self) -> int:
@@ -119,6 +129,7 @@ class ChildProcess:
         """Ask the child to stop (SIGTERM), without waiting. Its lifeline stays open until `close`:
         a child told to stop by a living parent gets its whole `STOP_TIMEOUT_S` to shut down (vLLM's
         engine takes seconds), not the short grace of a child whose parent died."""
+        self._quiet.set()
         if self.alive():
             self.process.terminate()
 
@@ -131,13 +142,15 @@ class ChildProcess:
         members = self._group_members()  # while the child's group id is still its own
         self.kill()
         self._wait_ended(members, STOP_TIMEOUT_S)
+        footprint.reap(self.pid)  # what a server killed before it could clean up left behind
         if self._lifeline >= 0:
             os.close(self._lifeline)
             self._lifeline = -1
         # Every writer of the stdout pipe is gone now: the reader sees EOF and closes it. Closing it
         # here instead would block on the reader's lock while a writer lived on.
         self._reader.join(STOP_TIMEOUT_S)
-        if self._reader.is_alive():
+        self._relay.join(STOP_TIMEOUT_S)
+        if self._reader.is_alive() or self._relay.is_alive():
             log.warning("pid %d: its stdout is still open in another process; leaving it", self.pid)
 
     def _exited_within(self, timeout: float) -> bool:
@@ -186,6 +199,21 @@ class ChildProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
 
+    def _relay_stderr(self) -> None:
+        """The child's stderr onto ours, line by line, until it is told to stop (or this process
+        is stopping: `quiet_children`): what it says while it shuts down is not news."""
+        stderr = self.process.stderr
+        try:
+            for line in stderr or ():
+                if not (self._quiet.is_set() or _QUIET.is_set()):
+                    sys.stderr.write(line)
+                    sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        finally:
+            if stderr is not None:
+                stderr.close()
+
     def _read(self) -> None:
         stdout = self.process.stdout
         try:
@@ -200,9 +228,28 @@ class ChildProcess:
         self._lines.put(None)
 
 
+_QUIET = threading.Event()
+
+
+def quiet_children() -> None:
+    """This process is stopping (SIGTERM, Ctrl-C): its children's stderr is no longer shown, so
+    that the stop prints one line (a sync the stop aborted, say, is not news)."""
+    _QUIET.set()
+
+
+_HARD_EXIT: list[Callable[[], object]] = []
+
+
+def on_hard_exit(callback: Callable[[], object]) -> None:
+    """Run `callback` before this process ends itself hard (`exit_with_parent`: the parent died and
+    this process did not stop within its grace); a server removes what it made there."""
+    _HARD_EXIT.append(callback)
+
+
 def exit_with_parent(fd: int, grace_s: float = PARENT_GONE_GRACE_S) -> None:
     """Stop this process once the parent that holds the other end of pipe `fd` is gone: SIGTERM
-    to ourselves (a server shuts down cleanly), then a hard exit `grace_s` seconds later."""
+    to ourselves (a server shuts down cleanly), then a hard exit `grace_s` seconds later (after
+    the `on_hard_exit` callbacks)."""
 
     def watch() -> None:
         try:
@@ -214,6 +261,11 @@ def exit_with_parent(fd: int, grace_s: float = PARENT_GONE_GRACE_S) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(grace_s)
         log.warning("not stopped %.0f s after the parent died: killing this process group", grace_s)
+        for callback in _HARD_EXIT:
+            try:
+                callback()
+            except Exception as exc:  # the exit goes on: it is the last resort
+                log.warning("cleaning up before the hard exit failed: %s", exc)
         with contextlib.suppress(OSError):  # our own group (ChildProcess gave us a session): no orphans
             os.killpg(os.getpgid(0), signal.SIGKILL)
         os._exit(1)

@@ -38,7 +38,8 @@ import contextlib
 import dataclasses
 import logging
 import time
-from typing import Protocol
+from collections.abc import Coroutine
+from typing import Any, Protocol
 
 from weightsync.errors import SinkError
 from weightsync.integrations.vllm.events import (
@@ -172,8 +173,22 @@ class SyncControl:
         """LoRA ids of versions no longer served, still in vLLM until no request runs on them."""
         self._retired: collections.deque[int] = collections.deque(maxlen=1024)
         """LoRA ids gone from vLLM, which the workers may drop (told in every `AdapterLanded` reply)."""
+        self._deciding: set[asyncio.Task[None]] = set()
+        self._closed = False
         if version is not None:
             metrics.version.set(version)
+
+    def close(self) -> None:
+        """The server is stopping: end the decisions in progress and call vLLM no more (its engine
+        is about to go, and a call into it then would wait for ever)."""
+        self._closed = True
+        for task in list(self._deciding):
+            task.cancel()
+
+    def _decide_in_background(self, decision: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(decision)
+        self._deciding.add(task)
+        task.add_done_callback(self._deciding.discard)
 
     @property
     def receiver(self) -> Status:
@@ -202,7 +217,7 @@ class SyncControl:
     async def resume(self, owner: str) -> None:
         """Let go of `owner`'s pause; generation resumes when nobody else holds one."""
         self._owners.pop(owner, None)
-        if self._owners or self._pausing is None:
+        if self._owners or self._pausing is None or self._closed:
             return
         self._pausing = None
         await self.engine.resume_generation()
@@ -246,7 +261,7 @@ class SyncControl:
                 raise SinkError(f"version {version} refused: the sync of version {window.version} is in progress")
             window = self._window = _Window(version)
             window.opening = asyncio.ensure_future(self._open_window(window))
-            asyncio.ensure_future(self._decide(window))
+            self._decide_in_background(self._decide(window))
         await asyncio.shield(window.opening)
 
     async def _open_window(self, window: _Window) -> None:
@@ -278,7 +293,7 @@ class SyncControl:
         landing = self._landing.get(key)
         if landing is None:
             landing = self._landing[key] = _AdapterLanding()
-            asyncio.ensure_future(self._decide_adapter(key, landing))
+            self._decide_in_background(self._decide_adapter(key, landing))
         landing.landed[event.rank] = event
         why = await asyncio.wait_for(asyncio.shield(landing.decided), 3 * self.sync_timeout)
         if why:
@@ -379,7 +394,11 @@ class SyncControl:
         """Wait for vLLM's update call on every worker (each bounded by its receiver's timeouts);
         returns why it failed, "" if it did not."""
         while not update.done():
-            await asyncio.wait([update], timeout=POLL_S)
+            try:
+                await asyncio.wait([update], timeout=POLL_S)
+            except asyncio.CancelledError:  # the server stops (`close`)
+                update.cancel()
+                raise
             if self.engine.errored:
                 update.cancel()
                 return "vLLM's engine died during the sync"

@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -62,6 +63,17 @@ RPC_TIMEOUT_S = 120.0
 
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds requests in flight get to finish when the server is stopped."""
+
+STOP_RPC_S = 1.0
+"""Seconds the workers get to close their receivers at a stop: a worker busy in a sync answers
+only once the sync ends (up to its timeout), and vLLM's shutdown ends the workers anyway."""
+
+ENGINE_SHUTDOWN_S = 3.0
+"""Seconds `weightsync serve` gives vLLM's own shutdown (its workers' exit, its engine core's)
+before it ends whatever is left of vLLM's processes: vLLM alone may wait 5 s, then 4 more."""
+
+NOTE_EVERY_S = 1.0
+"""How often, while vLLM's processes start, the shared memory they map is noted (`serve`'s `note`)."""
 
 
 class _Front:
@@ -211,9 +223,15 @@ async def serve(
     announce: Callable[[str], None] = lambda address: None,
     log_level: str = "info",
     stop: asyncio.Event | None = None,
+    note: Callable[[], None] = lambda: None,
+    shutdown_timeout: float | None = None,
 ) -> list[int]:
     """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(addresses)` once ready (every
     worker's receiver, comma-separated). Returns the signals that stopped it (none: `stop`).
+    `note()` is called while vLLM's processes start, once they serve, and before they stop: the
+    caller records what they made (`weightsync.server.footprint.Footprint.note`). vLLM's own
+    shutdown gets `shutdown_timeout` seconds (None: as long as it takes); a caller that bounds
+    it ends what is left of vLLM's processes once `serve` returns.
 
     Raises:
         ConfigError: vLLM refused the arguments.
@@ -241,13 +259,20 @@ async def serve(
         watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
         try:
             front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
-            engine = await asyncio.to_thread(build_engine, args)
+            # With a bounded shutdown the caller ends vLLM's processes: a stop need not wait for the build.
+            engine = await _build(args, note, serving if shutdown_timeout is not None else None)
+            if engine is None:  # stopped while vLLM loaded
+                return caught
+
+            def ready(addresses: str) -> None:
+                note()  # every vLLM process is up: the most they map
+                announce(addresses)
+
             try:
-                await _serve_engine(config, args, engine, front, serving, announce)
+                await _serve_engine(config, args, engine, front, serving, ready)
             finally:
-                started = time.monotonic()
-                engine.shutdown()
-                log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
+                note()  # what vLLM's processes map, before they go
+                _shutdown(engine, shutdown_timeout)
         except BaseException as exc:
             front.health = Health(False, "failed", f"the server could not start: {exc}")
             raise
@@ -258,6 +283,53 @@ async def serve(
             if watch is not None:
                 watch.cancel()
     return caught
+
+
+async def _build(args: argparse.Namespace, note: Callable[[], None], stop: asyncio.Task[None] | None) -> Any:
+    """vLLM's engine, built on a thread (it blocks for 20-30 s); `note()` every `NOTE_EVERY_S`
+    meanwhile, as its processes start. None if `stop` ends first: the build is left to its
+    thread (a daemon), and fails once the caller has ended vLLM's processes."""
+    loop = asyncio.get_running_loop()
+    building: asyncio.Future[Any] = loop.create_future()
+
+    def build() -> None:
+        try:
+            result: tuple[Any, BaseException | None] = (build_engine(args), None)
+        except BaseException as exc:
+            result = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
+            loop.call_soon_threadsafe(_settle, building, *result)
+
+    threading.Thread(target=build, daemon=True, name="weightsync-vllm-build").start()
+    waits: set[asyncio.Future[Any]] = {building} if stop is None else {building, stop}
+    while not building.done():
+        await asyncio.wait(waits, timeout=NOTE_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
+        note()
+        if stop is not None and stop.done() and not building.done():
+            return None
+    return building.result()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+def _shutdown(engine: Any, timeout: float | None) -> None:
+    """vLLM's own shutdown, given `timeout` seconds; on a thread that is left behind if it takes
+    longer (the caller then ends vLLM's processes, and the shutdown returns)."""
+    started = time.monotonic()
+    thread = threading.Thread(target=engine.shutdown, daemon=True, name="weightsync-vllm-shutdown")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        log.info("vLLM's engine did not shut down within %.0f s: its processes are ended", timeout)
+    else:
+        log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
 
 
 async def _stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
@@ -352,8 +424,9 @@ async def _serve_engine(
         finally:
             front.app = None
             front.health = Health(False, "failed", "the server is stopping")
+            control.close()  # a sync in progress ends here: vLLM's engine goes next
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(engine.shutdown_weight_transfer_engine(), RPC_TIMEOUT_S)
+                await asyncio.wait_for(engine.shutdown_weight_transfer_engine(), STOP_RPC_S)
     finally:
         registry.unregister(bridge)
         await bell.close()

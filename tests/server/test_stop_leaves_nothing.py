@@ -1,0 +1,137 @@
+"""`weightsync serve`, however it is stopped (SIGTERM, SIGINT, its parent killed), leaves nothing
+of what it or its engine made on the host: no process, no /dev/shm segment, nothing in the
+temporary folder (vLLM's sockets and rendezvous file, the doorbell's folder, the server's own).
+
+/dev/shm and the temporary folder are compared as sets before and after, restricted to what the
+server's processes made (tests/leftovers.py): another run on the host is never counted."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import ENGINES, WAIT_S, wait_until
+from tests.leftovers import Footprints, tree
+from weightsync.server.process import ChildProcess
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+START_S = 300.0
+"""vLLM's server on a busy 2-core host (the hf one starts in seconds)."""
+
+GONE_S = 15.0
+"""A stopped server's exit: requests in flight, vLLM's own shutdown (at most 3 s), the rest."""
+
+ANNOUNCEMENT = "weightsync serve: http://"
+
+LOADING_GONE_S = 8.0
+"""A server stopped while vLLM loads does not wait for the load (20-30 s)."""
+
+ENV = {"PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def serve_command(model: Path, engine: str) -> list[str]:
+    return [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model), "--port", "0"]
+
+
+def running(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def stop(server: ChildProcess, signum: int, footprints: Footprints) -> tuple[int, set[str], set[str]]:
+    """Signal the server alone; its exit status, and what it made that is still there once it
+    and all its processes are gone (before `ChildProcess.close`, which would reap it)."""
+    footprints.during(server.pid)
+    processes = tree(server.pid)
+    server.process.send_signal(signum)
+    status = server.process.wait(GONE_S)
+    assert wait_until(lambda: not running(processes), timeout=WAIT_S), running(processes)
+    return status, *footprints.left()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
+def test_a_stopped_server_leaves_nothing(tiny_models: dict[str, Path], engine: str, signum: int) -> None:
+    footprints = Footprints()
+    server = ChildProcess(serve_command(tiny_models["qwen2"], engine), env=os.environ | ENV)
+    try:
+        assert server.wait_for_line(ANNOUNCEMENT, START_S), server.why_not_started("the server", START_S)
+        status, shm, tmp = stop(server, signum, footprints)
+    finally:
+        server.close()
+    assert status == (0 if signum == signal.SIGTERM else 130)
+    assert (shm, tmp) == (set(), set()), (footprints.shm, footprints.tmp)
+    if engine == "vllm":  # it did make things: the check above had something to check
+        assert footprints.shm and footprints.tmp, (footprints.shm, footprints.tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_a_server_stopped_while_vllm_loads_stops_at_once_and_leaves_nothing(tiny_models: dict[str, Path]) -> None:
+    footprints = Footprints()
+    server = ChildProcess(serve_command(tiny_models["qwen2"], "vllm"), env=os.environ | ENV)
+    try:  # vLLM's engine core and its worker are up: the load is under way
+        assert wait_until(lambda: len(tree(server.pid)) >= 4 or not server.alive(), timeout=START_S)
+        assert server.alive()
+        started = time.monotonic()
+        status, shm, tmp = stop(server, signal.SIGTERM, footprints)
+        seconds = time.monotonic() - started
+    finally:
+        server.close()
+    assert status == 0
+    assert (shm, tmp) == (set(), set()), (footprints.shm, footprints.tmp)
+    assert seconds < LOADING_GONE_S, seconds
+
+
+PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from weightsync.server.process import ChildProcess
+    child = ChildProcess(sys.argv[1:])
+    print(child.pid, child.wait_for_line("weightsync serve: http://", {start}) is not None, flush=True)
+    time.sleep(3600)
+    """
+)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_server_whose_parent_is_killed_leaves_nothing(tiny_models: dict[str, Path], engine: str) -> None:
+    """The parent (SIGKILL) cannot stop or reap the server: the server stops itself and cleans up."""
+    footprints = Footprints()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT.format(start=START_S), *serve_command(tiny_models["qwen2"], engine)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ | ENV,
+    )
+    try:
+        pid, up = (parent.stdout.readline() if parent.stdout else "").split()
+        assert up == "True"
+        footprints.during(int(pid))
+        processes = tree(int(pid))
+        parent.kill()
+        parent.communicate(timeout=WAIT_S)
+        killed = time.monotonic()
+        assert wait_until(lambda: not running(processes), timeout=GONE_S), running(processes)
+        gone = time.monotonic() - killed
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.communicate()
+    assert footprints.left() == (set(), set()), (footprints.shm, footprints.tmp, f"gone {gone:.1f} s after")
