@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import ENGINES
 from tests.server.conftest import live_server
 from weightsync import cli
 
@@ -115,9 +116,11 @@ def test_every_server_unreachable(capsys, tmp_path: Path) -> None:
     assert [line.split(": ")[1] for line in failed] == [DEAD, "http://127.0.0.1:1"]
 
 
-def test_a_push_started_while_the_server_starts_commits_once_it_is_up(tiny_models, tmp_path) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_push_started_while_the_server_starts_commits_once_it_is_up(tiny_models, tmp_path, engine) -> None:
     """The server's process is started and the push at once: the port refuses connections, then
-    answers 503 while the engine loads; the push waits (saying so on one line) and commits."""
+    answers 503 while the engine loads (vLLM's takes 25-75 s here); the push waits (saying so on
+    one line) and commits."""
     import os
     import socket
     import subprocess
@@ -126,22 +129,36 @@ def test_a_push_started_while_the_server_starts_commits_once_it_is_up(tiny_model
     from weightsync.server.client import RolloutClient
     from weightsync.server.process import ChildProcess
 
+    env = os.environ | {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+
     model = tiny_models["qwen2"]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = ChildProcess([sys.executable, "-m", "weightsync", "serve", "--model", str(model), "--port", str(port)])
+    serve = [
+        sys.executable,
+        "-m",
+        "weightsync",
+        "serve",
+        "--engine",
+        engine,
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+    ]
+    server = ChildProcess(serve, env=env)
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "weightsync", "push", "--model", str(model), "--to", url, "--timeout", "120"],
+            [sys.executable, "-m", "weightsync", "push", "--model", str(model), "--to", url, "--timeout", "240"],
             capture_output=True,
             text=True,
-            timeout=180,
-            env=os.environ,
+            timeout=300,
+            env=env,
         )
         assert done.returncode == 0, done.stderr
-        assert done.stderr.startswith(f"weightsync push: waiting up to 120 s for {url}: "), done.stderr
+        assert done.stderr.startswith(f"weightsync push: waiting up to 240 s for {url}: "), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert done.stdout.splitlines()[0] == f"{url}: committed version 1", done.stdout
         with RolloutClient(url) as client:
