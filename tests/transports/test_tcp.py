@@ -9,7 +9,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.helpers import assert_all_bit_exact, random_tensor, random_values, receiving, sending
+from tests.helpers import assert_all_bit_exact, random_tensor, random_values, receiving, sending, wait_until
 from weightsync.errors import SyncFailed
 from weightsync.transports import tcp
 
@@ -64,7 +64,9 @@ def test_a_sender_that_fails_while_packing_commits_nowhere_and_the_next_push_lan
         changed = {name: tensor + 1 for name, tensor in MODEL.items()}
         with pytest.raises(RuntimeError, match="cast failed"), contextlib.suppress(SyncFailed):
             sender.push(changed, 2)
-        # the failed bucket had begun to land in the live destinations: the receiver says so
+        # the failed bucket had begun to land in the live destinations: once the receiver has
+        # seen its link close (the push raised first), it says so
+        assert wait_until(lambda: receiver.state != "syncing")
         assert receiver.version is None and receiver.state == "dirty"
         monkeypatch.setattr(tcp, "write_piece", write_piece)
         report = sender.push(changed, 3)

@@ -46,9 +46,15 @@ class StreamSendPlane(SendPlane):
         """Streams a bucket while this thread packs it (`_pack_while_streaming`)."""
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
-        if hashes is None and any(self._view_of(item) is None for item in items):
-            return self._pack_while_streaming(index, items, live)
-        views = [self._bytes_of(item) for item in items]
+        plain = [self._view_of(item) for item in items]
+        if any(view is None for view in plain):
+            self._reserve(items)
+            if hashes is None:
+                return self._pack_while_streaming(index, items, plain, live)
+        views = [
+            self._pack(item, 0, item.piece.nbytes) if view is None else view
+            for item, view in zip(items, plain, strict=True)
+        ]
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
         return self._stream(index, items, live, checksum, lambda: iter(views))
 
@@ -72,14 +78,15 @@ class StreamSendPlane(SendPlane):
 
         return self.channel.each(live, stream, parallel=True)
 
-    def _pack_while_streaming(self, index: int, items: list[BucketItem], live: Sequence[str]) -> Failures:
-        """Pack the bucket chunk by chunk on this thread while another streams what is packed."""
-        self._reserve(items)
+    def _pack_while_streaming(
+        self, index: int, items: list[BucketItem], plain: list[np.ndarray | None], live: Sequence[str]
+    ) -> Failures:
+        """Pack the bucket chunk by chunk on this thread while another streams what is packed
+        (`plain`: each piece's bytes where they need no packing)."""
         packed = _Packed(self.options.timeout)
         streaming = self._streamer.submit(self._stream, index, items, live, 0, packed.chunks)
         try:
-            for item in items:
-                view = self._view_of(item)
+            for item, view in zip(items, plain, strict=True):
                 if view is not None:
                     packed.add(view)
                     continue
@@ -122,13 +129,6 @@ class StreamSendPlane(SendPlane):
         out = self._scratch[piece.bucket_offset + start : piece.bucket_offset + start + nbytes]
         write_piece(item.tensor, item.wire_dtype, piece.tensor_offset + start, nbytes, out)
         return out
-
-    def _bytes_of(self, item: BucketItem) -> np.ndarray:
-        view = self._view_of(item)
-        if view is not None:
-            return view
-        self._reserve([item])
-        return self._pack(item, 0, item.piece.nbytes)
 
 
 class _Packed:
