@@ -145,8 +145,9 @@ class DeviceRing(msgspec.Struct, frozen=True, tag=True):
 
 
 class Group(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (collective), after `Accept`: join a new process group before the
-    buckets, because the members that accepted this plan differ from the current group's."""
+    """Sender -> receiver (collective), after `Accept`, before the buckets: the process group
+    of this sync. A receiver joins it unless it is a member already (same `prefix`): a new
+    group forms when the members that accepted the plan differ from the current group's."""
 
     store_host: str
     store_port: int

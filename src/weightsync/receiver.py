@@ -258,6 +258,8 @@ class WeightReceiver:
             return
         try:
             link.send(Accept(offer.version, landing.lends_chunked), self._timeout)
+            if offer.plan.buckets:
+                plane.begin(landing)
             for index in range(len(offer.plan.buckets)):
                 link.bucket = index
                 plane.receive(index, landing)

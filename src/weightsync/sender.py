@@ -284,10 +284,12 @@ class WeightSender:
             return [a for a in route.live(failures, welcomes) if a in delivery.addresses]
 
         hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
-        for route in self._routes:
-            receivers = live(route)
-            failures |= route.plane.setup(plan, receivers, lambda: route.channel.offer(offer, receivers))  # noqa: B023
         try:
+            for route in self._routes:
+                failures |= route.plane.prepare(plan, live(route))
+                failures |= route.channel.offer(offer, live(route))
+                if plan.buckets and live(route):
+                    failures |= route.plane.begin(plan, live(route))
             for index, items in bucket_items(plan, delivery.metas, delivery.source.tensors()):
                 if not any(live(route) for route in self._routes):
                     break  # every receiver failed: nothing left to send to

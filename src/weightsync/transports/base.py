@@ -12,16 +12,18 @@ A sync is always the same conversation; `WeightSender.push` runs the sending hal
 
     WeightSender.push                              WeightReceiver (one thread per sender)
       channel.connect ---- Hello --------------->  Welcome (+ the sender's Auth)
-      plane.setup(plan, offer):
-        [ring announcement ------------------->    plane.on_setup]
-        channel.offer ---- Offer(plan) --------->  begin -> Landing
+      plane.prepare   ---- [Ring] -------------->  plane.on_setup        (between syncs)
+      channel.offer   ---- Offer(plan) --------->  begin -> Landing
                       <--- Accept / Failed -----
+      plane.begin     <--> [Group, NixlTarget] <-> plane.begin(landing)  (plans with buckets)
       plane.send(k, items)  x N  -- bucket k -->   plane.receive(k, landing)  x N
+                      <--- BucketDone(k) -------   (ring, nixl, inproc: the credit window)
       plane.finish                                 plane.finish(landing)
       channel.commit ----- Commit ------------->   commit
                       <--- Committed / Failed --
 
-Each plane method returns what happened to each receiver (`Failures`); the sender holds the
+Every step is called by the two loops, in the open: a plane that needs set-up messages sends
+and reads them in `prepare`/`begin`, never hidden inside its first bucket. Each plane method returns what happened to each receiver (`Failures`); the sender holds the
 state. A transport declares itself once, as a `TransportSpec` in the registry (`__init__.py`).
 """
 
@@ -107,10 +109,16 @@ class SendPlane(ABC):
         self.channel = channel
         self.options = options
 
-    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
-        """Prepare to move `plan`'s buckets, around `offer` (which sends the plan and waits for
-        every receiver in `live` to accept); returns the receivers that failed. Default: offer."""
-        return offer()
+    def prepare(self, plan: Plan, live: Sequence[str]) -> Failures:
+        """Before `plan` is offered to `live`: what receivers must take between syncs (a ring to
+        map). Returns the receivers that failed."""
+        return {}
+
+    def begin(self, plan: Plan, accepted: Sequence[str]) -> Failures:
+        """Every receiver in `accepted` took `plan`, which has buckets: this sync's own set-up
+        (a group to form, targets to read), mirrored by `ReceivePlane.begin`. Returns the
+        receivers that failed."""
+        return {}
 
     @abstractmethod
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
@@ -139,6 +147,11 @@ class ReceivePlane(ABC):
     def on_setup(self, message: Message) -> bool:
         """Take a setup message sent between syncs (a ring to map); False if it is not one."""
         return False
+
+    def begin(self, landing: Landing) -> None:
+        """This receiver accepted `landing.plan`, which has buckets: the sync's own set-up, the
+        mirror of `SendPlane.begin` (join a group, send a target)."""
+        return None
 
     @abstractmethod
     def receive(self, index: int, landing: Landing) -> None:

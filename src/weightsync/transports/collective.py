@@ -11,8 +11,9 @@ Control messages travel over one TCP connection per receiver, as in the tcp tran
 (handshake, plan, checksums, commit). The bucket bytes travel by gloo send/recv in a process
 group of the sender (rank 0) and the receivers that accepted the plan, formed through a
 `TCPStore` the sender hosts. A group lives as long as its membership: when the receivers that
-accept a plan differ from the current group's (one joined, died or refused), the sender sends
-each a `Group` before the first bucket and everyone builds the new one.
+accept a plan differ from the current group's (one joined, died or refused), everyone builds a
+new one. The sender names the group in a `Group` to each receiver at the start of every sync
+with buckets (`begin` on both sides), so a receiver always knows which group carries it.
 
 Both sides keep two buckets in flight: the sender packs bucket k+1 while bucket k is on the
 wire, a receiver posts bucket k+1 before unpacking bucket k (a thread of its own forwards
@@ -36,10 +37,11 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TypeAlias
 
+import msgspec
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -47,7 +49,7 @@ import torch.distributed as dist
 from weightsync.checksum import SyncHashes
 from weightsync.errors import CollectiveError, ProtocolError, ResourceError, WeightSyncError
 from weightsync.landing import Landing
-from weightsync.messages import BucketReady, Group, Message, Plan
+from weightsync.messages import BucketReady, Group, Plan
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import (
     Failures,
@@ -277,42 +279,41 @@ class ChainSendPlane(SendPlane):
         self._members: list[Link] = []
         self._in_flight: list[_InFlight | None] = [None, None]
         self._plan: Plan | None = None
+        self._invitation = Group("", 0, "", 0, 0, BACKEND)
+        """The current group's `Group` message (rank aside), sent at the start of every sync."""
 
-    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
-        failures = offer()
+    def begin(self, plan: Plan, accepted: Sequence[str]) -> Failures:
+        """Invite every receiver to its group: the current one, or a new one (formed here) when
+        the members that accepted `plan` differ. Ranks go host by host, so that the chain
+        crosses from one host to the next only once."""
         self._plan, self._in_flight = plan, [None, None]
-        accepted = [address for address in live if address not in failures]
-        if plan.buckets and accepted:
-            failures |= self._form_group(accepted)
-        return failures
-
-    def _form_group(self, live: Sequence[str]) -> Failures:
-        """Make the live receivers (and only them) the group, unless they already are; ranks go
-        host by host, so that the chain crosses from one host to the next only once."""
-        ordered = sorted(live, key=lambda address: socket_link(self.channel.link(address)).sock.getpeername()[0])
+        ordered = sorted(accepted, key=lambda address: socket_link(self.channel.link(address)).sock.getpeername()[0])
         members = [self.channel.link(address) for address in ordered]
-        if self._member is not None and members == self._members:
-            return {}
-        self._disband()
-        host = socket_link(members[0]).sock.getsockname()[0]  # our address as the receivers reach us
-        if self._store is None or self._store_host != host:
-            self._store, self._store_host = host_store(host, self.options.timeout), host
-        store, prefix, world_size = self._store, secrets.token_hex(16), len(ordered) + 1
+        if self._member is None or members != self._members:
+            self._disband()
+            host = socket_link(members[0]).sock.getsockname()[0]  # our address as the receivers reach us
+            if self._store is None or self._store_host != host:
+                self._store, self._store_host = host_store(host, self.options.timeout), host
+            self._invitation = Group(host, self._store.port, secrets.token_hex(16), 0, len(ordered) + 1, BACKEND)
+        invitation = self._invitation
 
         def invite(address: str, link: Link) -> None:
             rank = ordered.index(address) + 1
-            link.send(Group(host, store.port, prefix, rank, world_size, BACKEND), self.options.timeout)
+            link.send(msgspec.structs.replace(invitation, rank=rank), self.options.timeout)
 
         failures = self.channel.each(ordered, invite)
         if failures:
             error = CollectiveError("a receiver left while the process group was forming", transport="collective")
             return failures | self._fail_all([a for a in ordered if a not in failures], error)
-        try:
-            group = _new_group(store, prefix, 0, world_size, host, self.options.timeout)
-        except CollectiveError as exc:
-            return self._fail_all(ordered, exc)
-        self._member, self._members = _Member(group, 0, world_size, self.options.timeout), members
-        log.info("collective: formed a process group of %d ranks (the sender and its receivers)", world_size)
+        if self._member is None:
+            store, world_size = self._store, invitation.world_size
+            assert store is not None
+            try:
+                group = _new_group(store, invitation.prefix, 0, world_size, invitation.store_host, self.options.timeout)
+            except CollectiveError as exc:
+                return self._fail_all(ordered, exc)
+            self._member, self._members = _Member(group, 0, world_size, self.options.timeout), members
+            log.info("collective: formed a process group of %d ranks (the sender and its receivers)", world_size)
         return {}
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
@@ -399,37 +400,34 @@ class ChainReceivePlane(ReceivePlane):
         self._buffers: list[torch.Tensor] = []
         self._pending: tuple[_InFlight, int] | None = None
         self._failure: WeightSyncError | None = None
-        self._first: Message | None = None
-        """Bucket 0's announcement, read while looking for a `Group`."""
+        self._prefix = ""
+        """The key namespace of the group it is a member of."""
+
+    def begin(self, landing: Landing) -> None:
+        try:
+            invitation = expect_on(self.link, Group, self.options.timeout, "the sync's Group")
+            if self._member is None or invitation.prefix != self._prefix:
+                self._join(invitation)
+            assert self._member is not None
+            cuda = landing.any_on_device() and torch.cuda.is_available()
+            self._buffers = self._member.buffers(landing.plan.bucket_bytes, pinned=cuda)
+            self._pending, self._failure = None, None
+        except BaseException as exc:
+            self._forget(exc)
+            raise
 
     def receive(self, index: int, landing: Landing) -> None:
         try:
-            if index == 0:
-                self._start(landing)
             self._receive(index, landing)
         except BaseException as exc:
             self._forget(exc)
             raise
 
-    def _start(self, landing: Landing) -> None:
-        message = next_message(self.link, self.options.timeout)
-        if isinstance(message, Group):
-            self._join(message)
-            message = expect_on(self.link, BucketReady, self.options.timeout, "BucketReady for bucket 0")
-        if self._member is None:
-            raise ProtocolError(
-                "no process group was formed for this sync", transport="collective", version=landing.version
-            )
-        cuda = landing.any_on_device() and torch.cuda.is_available()
-        self._buffers = self._member.buffers(landing.plan.bucket_bytes, pinned=cuda)
-        self._pending, self._failure, self._first = None, None, message
-
     def _receive(self, index: int, landing: Landing) -> None:
         member = self._member
         if member is None:
             raise ProtocolError("no process group was formed for this sync", transport="collective")
-        first, self._first = self._first, None
-        announced = first if first is not None else next_message(self.link, self.options.timeout)
+        announced = next_message(self.link, self.options.timeout)
         if not isinstance(announced, BucketReady) or announced.index != index:
             raise ProtocolError(
                 f"expected BucketReady for bucket {index}, got {announced!r}"[:200],
@@ -472,7 +470,7 @@ class ChainReceivePlane(ReceivePlane):
             self._failure = exc  # keep receiving and forwarding: the others are not held up
 
     def _forget(self, exc: BaseException) -> None:
-        pending, self._pending, self._first = self._pending, None, None
+        pending, self._pending = self._pending, None
         if pending is not None:
             pending[0].forget()  # the error's traceback must not keep the group's connections
         if isinstance(exc, CollectiveError):
@@ -487,6 +485,7 @@ class ChainReceivePlane(ReceivePlane):
         host = socket_link(self.link).sock.getsockname()[0]  # our address as the sender reaches us
         group = _new_group(store, message.prefix, message.rank, message.world_size, host, timeout)
         self._member = _Member(group, message.rank, message.world_size, timeout, self.link)
+        self._prefix = message.prefix
 
     def close(self) -> None:
         member, self._member = self._member, None

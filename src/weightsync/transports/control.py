@@ -35,6 +35,7 @@ from weightsync.messages import (
     Abort,
     Accept,
     Auth,
+    BucketDone,
     Commit,
     Committed,
     Failed,
@@ -124,6 +125,8 @@ class SenderChannel:
         self._welcomes: dict[str, Welcome] = {}
         self._lends: dict[str, bool] = {}
         """Each receiver's last `Accept.lends`."""
+        self._acked: dict[str, int] = {}
+        """The credit window: the last bucket of this sync each receiver acked (`BucketDone`)."""
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
@@ -182,6 +185,7 @@ class SenderChannel:
 
         def send(address: str, link: Link) -> None:
             link.version, link.bucket = offer.version, None
+            self._acked[address] = -1
             link.send(offer, self.timeout)
 
         failures = self.each(live, send)
@@ -203,8 +207,11 @@ class SenderChannel:
 
         def confirm(address: str, link: Link) -> None:
             reply = self.reply(address, deadline)
-            while not isinstance(reply, Committed):  # acks of the last buckets may come first
+            while isinstance(reply, BucketDone):  # the window's last acks come first
+                self._acked[address] = reply.index
                 reply = self.reply(address, deadline)
+            if not isinstance(reply, Committed):
+                raise ProtocolError(f"expected Committed, got {type(reply).__name__}", transport=self.scheme)
             self._check_version(reply, commit.version)
             replies[address] = reply
 
@@ -238,6 +245,12 @@ class SenderChannel:
             raise ProtocolError(f"receiver answered for version {reply.version}, not {version}", transport=self.scheme)
 
     # --- tools for the data planes ---------------------------------------------------------------
+
+    def wait_acked(self, address: str, index: int, deadline: float) -> None:
+        """Wait until `address` acked bucket `index` of this sync (`BucketDone`, sent in order):
+        the credit window of a plane whose receivers ack buckets to free the space they used."""
+        while self._acked.get(address, -1) < index:
+            self._acked[address] = self.expect(address, BucketDone, deadline).index
 
     def reply(self, address: str, deadline: float) -> Message:
         """The next message from `address`; a `Failed` raises RemoteError."""
@@ -309,6 +322,7 @@ class SenderChannel:
         self._inboxes.pop(address, None)
         self._welcomes.pop(address, None)
         self._lends.pop(address, None)
+        self._acked.pop(address, None)
         if link is not None:
             link.close()
 

@@ -18,8 +18,8 @@ from weightsync.errors import ProtocolError
 from weightsync.landing import Landing
 from weightsync.messages import BucketDone, BucketReady
 from weightsync.pack import BucketItem, write_piece
-from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
-from weightsync.transports.control import SenderChannel, expect_on
+from weightsync.transports.base import Failures, Link, ReceivePlane, SendPlane, TransportSpec
+from weightsync.transports.control import expect_on
 from weightsync.transports.links import queue_link
 
 __all__ = ["SPEC", "DirectReceivePlane", "DirectSendPlane"]
@@ -31,18 +31,11 @@ IN_FLIGHT = 2
 class DirectSendPlane(SendPlane):
     """Hands each bucket's items to every receiver; waits for the one `IN_FLIGHT` before."""
 
-    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
-        super().__init__(channel, options)
-        self._acked: dict[str, int] = {}
-
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
-        if index == 0:
-            self._acked = {}
         deadline = time.monotonic() + self.options.timeout
 
         def hand_over(address: str, link: Link) -> None:
-            while self._acked.get(address, -1) < index - IN_FLIGHT:
-                self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
+            self.channel.wait_acked(address, index - IN_FLIGHT, deadline)
             queue_link(link).hand_over(index, items)
             link.bucket = index
             link.send(BucketReady(index, 0), self.options.timeout)

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import select
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -179,7 +179,6 @@ class NixlSendPlane(SendPlane):
         super().__init__(channel, options)
         self._agent: NixlAgent | None = None
         self._peers: dict[str, _Peer] = {}
-        self._acked: dict[str, int] = {}
         self._writing: set[str] = set()
         """Receivers told (`NixlWrites`) that this sync writes into their live destinations."""
         self._scratch: np.ndarray | None = None
@@ -198,7 +197,7 @@ class NixlSendPlane(SendPlane):
         self._last_push_s = 0.0
         """How long the previous push took from setup to its last bucket (bounds the next collapse)."""
 
-    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
+    def prepare(self, plan: Plan, live: Sequence[str]) -> Failures:
         try:
             if self._agent is None:
                 self._agent = NixlAgent("sender")  # before the offer: its start-up is not the receivers' wait
@@ -211,14 +210,13 @@ class NixlSendPlane(SendPlane):
         self._sources = (current, set())
         self._collapse_left_s = min(self.options.timeout / 4, COLLAPSE_SHARE * self._last_push_s)
         self._started = time.monotonic()
-        failures = offer()
-        accepted = [address for address in live if address not in failures]
-        self._acked = dict.fromkeys(accepted, -1)
         self._writing = set()
-        if not plan.buckets:
-            return failures  # receivers answer a plan of no buckets with no target
+        return {}
+
+    def begin(self, plan: Plan, accepted: Sequence[str]) -> Failures:
+        """Read every receiver's target for `plan` (`NixlReceivePlane.begin`)."""
         deadline = time.monotonic() + self.options.timeout
-        return failures | self.channel.each(accepted, lambda a, link: self._load_target(a, link, plan, deadline))
+        return self.channel.each(accepted, lambda a, link: self._load_target(a, link, plan, deadline))
 
     def _load_target(self, address: str, link: Link, plan: Plan, deadline: float) -> None:
         """Take the receiver's `NixlTarget` and load its agent (the same agent again is a no-op)."""
@@ -287,8 +285,7 @@ class NixlSendPlane(SendPlane):
             raise ProtocolError(f"no NIXL target from receiver {address}", transport="nixl")
         through_slot = bool(peer.target.slots) and not peer.sites[tensors].all()
         done = index - (len(peer.target.slots) if through_slot else IN_PLACE_AHEAD)
-        while self._acked.get(address, -1) < done:
-            self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
+        self.channel.wait_acked(address, done, deadline)
 
     def _local_bytes(self, items: Sequence[BucketItem]) -> tuple[list[np.ndarray], Registered | None, bool]:
         """Each piece's bytes in registered host memory: the source's own, or packed in scratch;
@@ -503,8 +500,6 @@ class NixlReceivePlane(ReceivePlane):
         """How long the previous sync took from its target to its last bucket."""
 
     def receive(self, index: int, landing: Landing) -> None:
-        if index == 0:
-            self._offer_target(landing)
         message = self._await_ready(index, landing)
         pieces = [piece for piece in landing.plan.buckets[index] if piece.nbytes and not self._sites[piece.tensor]]
         if pieces:
@@ -522,7 +517,7 @@ class NixlReceivePlane(ReceivePlane):
         self.link.send(BucketDone(index), self.options.timeout)
         self._last_sync_s = time.monotonic() - self._started
 
-    def _offer_target(self, landing: Landing) -> None:
+    def begin(self, landing: Landing) -> None:
         """Expose this sync's landing sites (a new agent when they changed) and send the target."""
         plan = landing.plan
         views: dict[int, np.ndarray] = {}

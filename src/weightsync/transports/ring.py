@@ -10,8 +10,9 @@ same pure function of the plan (`staging_layout`). A bucket wholly in the stagin
 slot, so the sender packs it while receivers are still busy with earlier slots; before it writes
 into space an earlier tensor held, it waits for every ack of that tensor's last bucket.
 
-A ring is announced before the offer, so every receiver has mapped it before it accepts, and
-unlinked right after: a crash of either side leaves nothing behind. The rings themselves (how a
+A ring is announced before the offer (`prepare`), so every receiver has mapped it before it
+accepts, and unlinked right after (`begin`; `finish` or `abort` when the plan had no buckets or
+failed first): a crash of either side leaves nothing behind. The rings themselves (how a
 slot is made, shared, written and read) live in shm.py and cudaipc.py.
 """
 
@@ -105,14 +106,13 @@ class RingSendPlane(SendPlane):
         self._ring: SendRing | None = None
         self._members: set[Link] = set()
         """The links that have opened the ring; a reconnected receiver needs a new ring."""
-        self._acked: dict[str, int] = {}
         self._staging = StagingLayout()
         """This sync's tensors in the staging area."""
         self._slot_users: list[int] = []
         """The last bucket written into each slot (-1: none this sync)."""
         self._slots_used = 0
 
-    def setup(self, plan: Plan, live: Sequence[str], offer: Callable[[], Failures]) -> Failures:
+    def prepare(self, plan: Plan, live: Sequence[str]) -> Failures:
         plan_bytes = plan.bucket_bytes
         self._slot_users, self._slots_used = [-1] * self.options.num_slots, 0
         staging = staging_layout(plan) if self._stages else StagingLayout()
@@ -135,11 +135,15 @@ class RingSendPlane(SendPlane):
             message = ring.announcement()
             failures = self.channel.each(live, lambda address, link: link.send(message, self.options.timeout))
         self._staging = staging if ring.staging_bytes else StagingLayout()
-        self._acked = {address: -1 for address in live}
-        try:
-            return failures | offer()  # every receiver that accepts has opened the ring
-        finally:
-            ring.unlink()
+        return failures
+
+    def begin(self, plan: Plan, accepted: Sequence[str]) -> Failures:
+        self._unlink()  # every receiver that accepted has opened the ring
+        return {}
+
+    def finish(self, live: Sequence[str]) -> Failures:
+        self._unlink()  # a plan of no buckets has no `begin`
+        return {}
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
         ring = self._ring
@@ -154,7 +158,7 @@ class RingSendPlane(SendPlane):
             after = max(after, self._slot_users[slot])
             self._slot_users[slot] = index
         deadline = time.monotonic() + self.options.timeout
-        failures = self.channel.each(live, lambda address, link: self._wait_ack(address, after, deadline))
+        failures = self.channel.each(live, lambda address, link: self.channel.wait_acked(address, after, deadline))
         views = ring.write(slot, items, readback=hashes is not None, staged=staged)
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
         message = BucketReady(index, slot, checksum)
@@ -165,9 +169,12 @@ class RingSendPlane(SendPlane):
 
         return failures | self.channel.each([a for a in live if a not in failures], notify)
 
-    def _wait_ack(self, address: str, index: int, deadline: float) -> None:
-        while self._acked.get(address, -1) < index:
-            self._acked[address] = self.channel.expect(address, BucketDone, deadline).index
+    def abort(self) -> None:
+        self._unlink()
+
+    def _unlink(self) -> None:
+        if self._ring is not None:
+            self._ring.unlink()
 
     def close(self) -> None:
         if self._ring is not None:
