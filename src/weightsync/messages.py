@@ -1,7 +1,8 @@
-"""The wire's typed data: the transfer plan and every control message.
+"""The wire's typed data: the transfer plan and the control messages every transport speaks.
 
-Every message a peer can send is a frozen msgspec Struct declared here and encoded only in
-`wire.py`. Messages are tagged, so a decoder accepts exactly these types and nothing else. What a
+Every message a peer can send is a frozen, tagged msgspec Struct (`Message`), declared here or,
+for one transport's own set-up and bucket messages, in that transport's file, and encoded only in
+`wire.py`. A link decodes exactly the core messages and its transport's, and nothing else. What a
 push reports to its caller (`SyncReport`) is in report.py.
 """
 
@@ -13,7 +14,7 @@ __all__ = [
     "Abort",
     "Accept",
     "Adapter",
-    "BucketData",
+    "CORE_MESSAGES",
     "BucketDone",
     "BucketReady",
     "Commit",
@@ -21,15 +22,10 @@ __all__ = [
     "Failed",
     "Hello",
     "Message",
-    "NixlTarget",
-    "NixlWrites",
     "Offer",
     "SyncTimes",
     "Piece",
     "Plan",
-    "Ring",
-    "DeviceRing",
-    "DeviceSlot",
     "TensorSpec",
     "Welcome",
 ]
@@ -80,7 +76,13 @@ class Plan(msgspec.Struct, frozen=True):
 # --- control messages -------------------------------------------------------------------------
 
 
-class Hello(msgspec.Struct, frozen=True, tag=True):
+class Message(msgspec.Struct, frozen=True, tag=True):
+    """A control message: a frozen Struct tagged with its class name on the wire. The ones every
+    transport speaks are below (`CORE_MESSAGES`); a transport declares its own next to it, in
+    its `TransportSpec.messages`, and its links decode exactly the two sets."""
+
+
+class Hello(Message, frozen=True):
     """Sender -> receiver, first frame on a connection."""
 
     protocol: int
@@ -89,7 +91,7 @@ class Hello(msgspec.Struct, frozen=True, tag=True):
     """The sender's challenge: a receiver with a token answers it in `Welcome.proof`."""
 
 
-class Welcome(msgspec.Struct, frozen=True, tag=True):
+class Welcome(Message, frozen=True):
     """Receiver -> sender: what the receiver can afford and what it holds."""
 
     protocol: int
@@ -107,55 +109,10 @@ class Welcome(msgspec.Struct, frozen=True, tag=True):
     else "" (never verified, dirty, or a sink without destinations to patch)."""
 
 
-class Auth(msgspec.Struct, frozen=True, tag=True):
+class Auth(Message, frozen=True):
     """Sender -> receiver, right after `Welcome`: HMAC of the receiver's nonce (see auth.py)."""
 
     proof: str
-
-
-class Ring(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (shm only): the shared-memory slots buckets are written to, and the
-    staging area tensors larger than a bucket are written to whole ("" and 0: none)."""
-
-    segments: tuple[str, ...]
-    slot_bytes: int
-    staging: str = ""
-    staging_bytes: int = 0
-
-
-class DeviceSlot(msgspec.Struct, frozen=True):
-    """One GPU ring slot as CUDA IPC shares it (the fields of torch's `_share_cuda_`): plain
-    bytes and numbers, opened by the receiver with `_new_shared_cuda`."""
-
-    device: int
-    handle: bytes
-    size: int
-    offset: int
-    ref_counter_handle: bytes
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool
-
-
-class DeviceRing(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (cudaipc only): the GPU memory slots buckets are written to."""
-
-    slots: tuple[DeviceSlot, ...]
-    slot_bytes: int
-
-
-class Group(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (collective), after `Accept`, before the buckets: the process group
-    of this sync. A receiver joins it unless it is a member already (same `prefix`): a new
-    group forms when the members that accepted the plan differ from the current group's."""
-
-    store_host: str
-    store_port: int
-    prefix: str
-    """A fresh random key namespace in the sender's store, known only to this group's members."""
-    rank: int
-    world_size: int
-    backend: str
 
 
 class Adapter(msgspec.Struct, frozen=True):
@@ -172,7 +129,7 @@ class Adapter(msgspec.Struct, frozen=True):
     """Scale by alpha / sqrt(rank) instead of alpha / rank."""
 
 
-class Offer(msgspec.Struct, frozen=True, tag=True):
+class Offer(Message, frozen=True):
     """Sender -> receiver: the plan of version `version`; receivers accept or fail."""
 
     version: int
@@ -188,7 +145,7 @@ class Offer(msgspec.Struct, frozen=True, tag=True):
     which it leaves as they are; None: the plan is the base weights."""
 
 
-class Accept(msgspec.Struct, frozen=True, tag=True):
+class Accept(Message, frozen=True):
     """Receiver -> sender: the plan fits; send the buckets."""
 
     version: int
@@ -197,30 +154,7 @@ class Accept(msgspec.Struct, frozen=True, tag=True):
     that can hold such a tensor whole (shm's staging area) spares it a copy, from the next sync."""
 
 
-class NixlTarget(msgspec.Struct, frozen=True, tag=True):
-    """Receiver -> sender (nixl), right after `Accept`: where the sender may write this sync's
-    buckets. Plain bytes and numbers; the sender checks every count against the plan."""
-
-    metadata: bytes
-    """The receiver's NIXL agent metadata (how to connect, and the remote keys of the memory it
-    registered), opaque bytes loaded by the sender's agent (`add_remote_agent`)."""
-    sites: tuple[int, ...]
-    """Per plan tensor: the address of its destination's first byte, written in place, or 0 when
-    the tensor lands through a slot (it is staged, or lives on a device)."""
-    slots: tuple[int, ...]
-    """Addresses of the receiver's ring slots of `slot_bytes` each, or () when no piece needs one."""
-    slot_bytes: int
-
-
-class NixlWrites(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (nixl), just before the sync's first write into an in-place site: from
-    bucket `index` on, live destinations may change under the receiver (one-sided writes it does
-    not see). A sync that ends before this message leaves them intact."""
-
-    index: int
-
-
-class BucketReady(msgspec.Struct, frozen=True, tag=True):
+class BucketReady(Message, frozen=True):
     """Sender -> receiver (shm, collective, nixl): bucket `index` sits in ring slot `slot` (shm;
     nixl: its pieces that land through a slot, the rest is in place already), or is the next to
     come down the chain (collective)."""
@@ -231,22 +165,13 @@ class BucketReady(msgspec.Struct, frozen=True, tag=True):
     """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
 
 
-class BucketData(msgspec.Struct, frozen=True, tag=True):
-    """Sender -> receiver (tcp): the raw bytes of bucket `index`'s pieces follow, in plan order."""
-
-    index: int
-    nbytes: int
-    checksum: int = 0
-    """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
-
-
-class BucketDone(msgspec.Struct, frozen=True, tag=True):
+class BucketDone(Message, frozen=True):
     """Receiver -> sender: bucket `index` has landed; its slot may be reused."""
 
     index: int
 
 
-class Commit(msgspec.Struct, frozen=True, tag=True):
+class Commit(Message, frozen=True):
     """Sender -> receiver: every bucket was sent; commit `version` if everything arrived."""
 
     version: int
@@ -271,7 +196,7 @@ class SyncTimes(msgspec.Struct, frozen=True):
     """Parking the engine for the sync (a rollout server): waiting for requests to drain."""
 
 
-class Committed(msgspec.Struct, frozen=True, tag=True):
+class Committed(Message, frozen=True):
     """Receiver -> sender: `version` is committed and serving."""
 
     version: int
@@ -281,14 +206,14 @@ class Committed(msgspec.Struct, frozen=True, tag=True):
     """What a delta sync may now be based on here (as `Welcome.content`)."""
 
 
-class Abort(msgspec.Struct, frozen=True, tag=True):
+class Abort(Message, frozen=True):
     """Sender -> receiver: the sync of `version` is abandoned."""
 
     version: int
     reason: str
 
 
-class Failed(msgspec.Struct, frozen=True, tag=True):
+class Failed(Message, frozen=True):
     """Receiver -> sender: the receiver rejected or failed the sync; `kind` is the error class."""
 
     version: int
@@ -296,22 +221,17 @@ class Failed(msgspec.Struct, frozen=True, tag=True):
     message: str
 
 
-Message = (
-    Hello
-    | Welcome
-    | Auth
-    | Ring
-    | DeviceRing
-    | Group
-    | Offer
-    | Accept
-    | NixlTarget
-    | NixlWrites
-    | BucketReady
-    | BucketData
-    | BucketDone
-    | Commit
-    | Committed
-    | Abort
-    | Failed
+CORE_MESSAGES: tuple[type[Message], ...] = (
+    Hello,
+    Welcome,
+    Auth,
+    Offer,
+    Accept,
+    BucketReady,
+    BucketDone,
+    Commit,
+    Committed,
+    Abort,
+    Failed,
 )
+"""The conversation every transport shares."""

@@ -137,7 +137,9 @@ class WeightReceiver:
         self._before_sync: ReceiverState = "empty"
         self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
-        self._listener = listener_for(spec.link, spec.name, host=options.host, port=options.port, timeout=self._timeout)
+        self._listener = listener_for(
+            spec.link, spec.name, host=options.host, port=options.port, timeout=self._timeout, messages=spec.messages
+        )
         self._listener.start(self._serve)
 
     # --- what it holds --------------------------------------------------------------------------

@@ -135,7 +135,7 @@ class WeightSender:
                 spec.check("sender")
                 channel = SenderChannel(
                     spec.name,
-                    opener(spec.link, spec.name),
+                    opener(spec.link, spec.name, spec.messages),
                     timeout=self._timeout,
                     auth_token=options.auth_token if spec.across_processes else None,
                 )

@@ -1,7 +1,7 @@
 """Framing and encoding: typed control messages and raw byte runs over a stream socket.
 
-A frame is a 4-byte big-endian length followed by a msgpack-encoded message from `messages.py`.
-The decoder accepts only those tagged types (no pickle, no arbitrary objects), and a frame's
+A frame is a 4-byte big-endian length followed by a msgpack-encoded `Message`. A connection
+decodes only the core messages and its transport's own (no pickle, no arbitrary objects), and a frame's
 length is checked against `MAX_FRAME_BYTES` before anything is allocated for it. Raw payload
 bytes are never framed: a message announces them (`BucketData.nbytes`) and they follow as is.
 """
@@ -12,12 +12,13 @@ import select
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from functools import cache
+from typing import Any, ParamSpec, TypeVar, Union
 
 import msgspec
 
 from weightsync.errors import PeerClosedError, ProtocolError, TransferTimeout, TransportError
-from weightsync.messages import Message
+from weightsync.messages import CORE_MESSAGES, Message
 
 __all__ = ["HANDSHAKE_FRAME_BYTES", "MAX_FRAME_BYTES", "Connection", "decode", "encode"]
 
@@ -33,7 +34,6 @@ about 1.5x faster than 32 MiB ones (the kernel's copies stay in cache)."""
 
 _HEADER = struct.Struct("!I")
 _encoder = msgspec.msgpack.Encoder()
-_decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -46,10 +46,16 @@ def encode(message: Message) -> bytes:
     return _encoder.encode(message)
 
 
-def decode(data: bytes | bytearray | memoryview) -> Message:
-    """Decode one message; anything but a well-formed known message raises ProtocolError."""
+@cache
+def _decoder(messages: tuple[type[Message], ...]) -> msgspec.msgpack.Decoder[Message]:
+    return msgspec.msgpack.Decoder(Union[CORE_MESSAGES + messages])  # noqa: UP007
+
+
+def decode(data: bytes | bytearray | memoryview, messages: tuple[type[Message], ...] = ()) -> Message:
+    """Decode one message, a core one or one of `messages` (a transport's own); anything else
+    raises ProtocolError."""
     try:
-        return _decoder.decode(data)
+        return _decoder(messages).decode(data)
     except (msgspec.MsgspecError, UnicodeDecodeError) as exc:  # a str field may hold invalid UTF-8 (found by atheris)
         raise ProtocolError(f"malformed control message: {exc}") from exc
 
@@ -58,12 +64,14 @@ class Connection:
     """A connected stream socket carrying frames and raw byte runs, every wait bounded.
 
     `version` and `bucket` are set by the sync loop so that errors say where they happened.
-    Timeouts are in seconds; None waits forever and is used only between syncs.
+    Timeouts are in seconds; None waits forever and is used only between syncs. `messages`: the
+    transport's own messages, decoded besides the core ones.
     """
 
-    def __init__(self, sock: socket.socket, transport: str) -> None:
+    def __init__(self, sock: socket.socket, transport: str, messages: tuple[type[Message], ...] = ()) -> None:
         self.sock = sock
         self.transport = transport
+        self.messages = messages
         self.version: int | None = None
         self.bucket: int | None = None
 
@@ -80,7 +88,7 @@ class Connection:
             raise self._error(ProtocolError, f"control frame of {length} bytes exceeds {max_bytes}")
         body = bytearray(length)
         self.recv_into(memoryview(body), timeout)
-        return decode(body)
+        return decode(body, self.messages)
 
     def send_bytes(self, data: Any, timeout: float | None) -> None:
         """Send a buffer as is (zero copy from the caller's memory)."""

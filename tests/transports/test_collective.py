@@ -16,10 +16,11 @@ import torch
 from tests.helpers import WAIT_S, Recorder, assert_all_bit_exact, random_tensor, receiving, sending
 from tests.unit.test_wire import RawPeer
 from weightsync import TensorDictSink, WeightSink
-from weightsync.messages import Accept, Failed, Group, Offer
+from weightsync.messages import Accept, Failed, Offer
 from weightsync.plan import build_plan, plan_digest, wire_specs
 from weightsync.source import as_source
 from weightsync.transports import collective
+from weightsync.transports.collective import Group
 
 
 @pytest.fixture

@@ -938,9 +938,9 @@ def test_tcp_receiver_restarted_on_the_same_port_rejoins(noticed, monkeypatch):
     held, release = threading.Event(), threading.Event()
     real_connect = links.connect_tcp
 
-    def connect_tcp(address: str, scheme: str, timeout: float) -> Connection:
+    def connect_tcp(address: str, scheme: str, timeout: float, messages=()) -> Connection:
         """The sender's links, with a hook on the reader that waits for its replies."""
-        link = real_connect(address, scheme, timeout)
+        link = real_connect(address, scheme, timeout, messages)
         real_wait, first = link.wait_readable, not opened
         opened.append(link)
 

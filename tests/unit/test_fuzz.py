@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightsync.messages import Abort, Accept, BucketData, BucketReady, Commit, Group, Hello, Offer, Ring, Welcome
+from weightsync.messages import Abort, Accept, BucketReady, Commit, Hello, Offer, Welcome
 from weightsync.plan import build_plan, plan_digest, wire_specs
 from weightsync.source import as_source
+from weightsync.transports.collective import Group
+from weightsync.transports.shm import Ring
+from weightsync.transports.tcp import BucketData
 from weightsync.wire import encode
 
 pytest.importorskip("atheris")

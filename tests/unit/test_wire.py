@@ -32,7 +32,6 @@ from weightsync.messages import (
     PROTOCOL_VERSION,
     Abort,
     Accept,
-    BucketData,
     BucketDone,
     BucketReady,
     Commit,
@@ -42,12 +41,17 @@ from weightsync.messages import (
     Offer,
     Piece,
     Plan,
-    Ring,
     TensorSpec,
     Welcome,
 )
 from weightsync.plan import build_plan, plan_digest
+from weightsync.transports.collective import Group
+from weightsync.transports.shm import Ring
+from weightsync.transports.tcp import BucketData
 from weightsync.wire import MAX_FRAME_BYTES, Connection, decode, encode
+
+TRANSPORT_MESSAGES = (Ring, BucketData, Group)
+"""Some transports' own messages, decoded here besides the core ones."""
 
 HEADER = struct.Struct("!I")
 PICKLED = pickle.dumps(Hello(PROTOCOL_VERSION, "pickled"))
@@ -84,8 +88,25 @@ messages = st.one_of(
 
 @given(message=messages)
 def test_every_message_round_trips(message):
-    assert decode(encode(message)) == message
-    assert type(decode(encode(message))) is type(message)
+    assert decode(encode(message), TRANSPORT_MESSAGES) == message
+    assert type(decode(encode(message), TRANSPORT_MESSAGES)) is type(message)
+
+
+@pytest.mark.parametrize(
+    ("message", "transport"),
+    [
+        (Ring(("weightsync-1-0123456789ab-0",), 64), "tcp"),
+        (BucketData(0, 8), "shm"),
+        (Group("h", 1, "p", 1, 2, "gloo"), "shm"),
+    ],
+)
+def test_a_link_decodes_only_the_core_messages_and_its_transports(message, transport):
+    from weightsync.transports import get_transport
+
+    own = get_transport(type(message).__module__.rpartition(".")[2]).messages
+    assert decode(encode(message), own) == message
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode(encode(message), get_transport(transport).messages)
 
 
 def test_invalid_utf8_in_a_string_field_is_a_protocol_error():
@@ -98,7 +119,7 @@ def test_invalid_utf8_in_a_string_field_is_a_protocol_error():
 @given(data=st.binary(max_size=200))
 def test_garbage_is_a_protocol_error_or_a_message(data):
     try:
-        message = decode(data)
+        message = decode(data, TRANSPORT_MESSAGES)
     except ProtocolError:
         return
     assert encode(message)  # whatever decodes is one of the typed messages

@@ -176,6 +176,9 @@ class TransportSpec:
     """How the conversation travels: a Unix socket, TCP, or in-process."""
     send_plane: Callable[[SenderChannel, PlaneOptions], SendPlane]
     receive_plane: Callable[[Link, PlaneOptions], ReceivePlane]
+    messages: tuple[type[Message], ...] = ()
+    """Its own control messages (set-up, bucket announcements), declared in its file: its links
+    decode these and the core ones (`messages.CORE_MESSAGES`), nothing else."""
     summary: str
     """Reach and how bytes move, one line (the registry's table)."""
     uses_slots: bool = False

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from weightsync.checksum import SyncHashes
 from weightsync.errors import CollectiveError, ProtocolError, ResourceError, WeightSyncError
 from weightsync.landing import Landing
-from weightsync.messages import BucketReady, Group, Plan
+from weightsync.messages import BucketReady, Message, Plan
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import (
     Failures,
@@ -62,7 +62,7 @@ from weightsync.transports.base import (
 from weightsync.transports.control import SenderChannel, expect_on, next_message
 from weightsync.transports.links import socket_link
 
-__all__ = ["SPEC", "ChainReceivePlane", "ChainSendPlane", "host_store"]
+__all__ = ["Group", "SPEC", "ChainReceivePlane", "ChainSendPlane", "host_store"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,20 @@ Forwarded: TypeAlias = "Future[list[dist.Work]]"
 """Settled once a forwarding rank has received a bucket and passed it on."""
 ForwardJob: TypeAlias = "tuple[list[dist.Work], list[torch.Tensor], Forwarded]"
 """What a forwarding rank's thread takes: the receives of a bucket's chunks, the chunks, the result."""
+
+
+class Group(Message, frozen=True):
+    """Sender -> receiver (collective), after `Accept`, before the buckets: the process group
+    of this sync. A receiver joins it unless it is a member already (same `prefix`): a new
+    group forms when the members that accepted the plan differ from the current group's."""
+
+    store_host: str
+    store_port: int
+    prefix: str
+    """A fresh random key namespace in the sender's store, known only to this group's members."""
+    rank: int
+    world_size: int
+    backend: str
 
 
 def _send(group: Gloo, chunk: torch.Tensor, peer: int, tag: int) -> dist.Work:
@@ -536,5 +550,6 @@ SPEC = TransportSpec(
     link="tcp",
     send_plane=ChainSendPlane,
     receive_plane=ChainReceivePlane,
+    messages=(Group,),
     summary="any hosts, a group: source -> bucket -> rank 1 -> rank 2 ... (gloo chain)",
 )

@@ -17,17 +17,39 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import msgspec
 import numpy as np
 import torch
 
 from weightsync.errors import ConfigError, ProtocolError
 from weightsync.landing import Landing
-from weightsync.messages import DeviceRing, DeviceSlot, Message, Piece
+from weightsync.messages import Message, Piece
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import PlaneOptions, TransportSpec
 from weightsync.transports.ring import RingReceivePlane, RingSendPlane, check_ring
 
-__all__ = ["SPEC", "DeviceRingSlots", "OpenedRing"]
+__all__ = ["DeviceSlot", "DeviceRing", "SPEC", "DeviceRingSlots", "OpenedRing"]
+
+
+class DeviceSlot(msgspec.Struct, frozen=True):
+    """One GPU ring slot as CUDA IPC shares it (the fields of torch's `_share_cuda_`): plain
+    bytes and numbers, opened by the receiver with `_new_shared_cuda`."""
+
+    device: int
+    handle: bytes
+    size: int
+    offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class DeviceRing(Message, frozen=True):
+    """Sender -> receiver (cudaipc only): the GPU memory slots buckets are written to."""
+
+    slots: tuple[DeviceSlot, ...]
+    slot_bytes: int
 
 
 def require_cuda(role: str) -> None:
@@ -125,6 +147,7 @@ SPEC = TransportSpec(
     link="unix",
     send_plane=lambda channel, options: RingSendPlane(channel, options, DeviceRingSlots),
     receive_plane=lambda link, options: RingReceivePlane(link, options, open_ring),
+    messages=(DeviceRing,),
     summary="same GPU, other process: source -> GPU ring slot -> each receiver (device copies)",
     uses_slots=True,
     needs_cuda=True,

@@ -90,7 +90,7 @@ def queue_link(link: Link) -> QueueLink:
 # --- socket links -------------------------------------------------------------------------------
 
 
-def connect_unix(address: str, scheme: str, timeout: float) -> Connection:
+def connect_unix(address: str, scheme: str, timeout: float, messages: tuple[type[Message], ...] = ()) -> Connection:
     check_address(address, scheme, "unix")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -99,17 +99,17 @@ def connect_unix(address: str, scheme: str, timeout: float) -> Connection:
     except OSError as exc:
         sock.close()
         raise ConnectError(f"cannot reach receiver {address}: {exc.strerror or exc}", transport=scheme) from exc
-    return Connection(sock, scheme)
+    return Connection(sock, scheme, messages)
 
 
-def connect_tcp(address: str, scheme: str, timeout: float) -> Connection:
+def connect_tcp(address: str, scheme: str, timeout: float, messages: tuple[type[Message], ...] = ()) -> Connection:
     host, port = parse_tcp_address(address, scheme)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
         raise ConnectError(f"cannot reach receiver {address}: {exc.strerror or exc}", transport=scheme) from exc
     _tune(sock)
-    return Connection(sock, scheme)
+    return Connection(sock, scheme, messages)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -121,8 +121,11 @@ def _tune(sock: socket.socket) -> None:
 class SocketListener:
     """Accepts connections on a Unix socket (abstract namespace) or a TCP port."""
 
-    def __init__(self, scheme: str, kind: str, *, host: str, port: int, timeout: float) -> None:
+    def __init__(
+        self, scheme: str, kind: str, *, host: str, port: int, timeout: float, messages: tuple[type[Message], ...] = ()
+    ) -> None:
         self.scheme = scheme
+        self.messages = messages
         self.timeout = timeout
         self._sock = _unix_listener(scheme) if kind == "unix" else _tcp_listener(host, port)
         name = self._sock.getsockname()
@@ -142,7 +145,7 @@ class SocketListener:
                 sock, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            conn = Connection(sock, self.scheme)
+            conn = Connection(sock, self.scheme, self.messages)
             with self._threads.lock:
                 self._links.add(conn)
             self._threads.spawn(self._serve_one, "conn", serve, conn)
@@ -353,21 +356,24 @@ def connect_inproc(address: str, scheme: str, timeout: float) -> QueueLink:
     return ours
 
 
-def listener_for(kind: str, scheme: str, *, host: str, port: int, timeout: float) -> Listener:
-    """A listener for links of `kind` ("unix", "tcp" or "inproc")."""
+def listener_for(
+    kind: str, scheme: str, *, host: str, port: int, timeout: float, messages: tuple[type[Message], ...] = ()
+) -> Listener:
+    """A listener for links of `kind` ("unix", "tcp" or "inproc") that carry the core messages
+    and `messages` (the transport's own)."""
     if kind == "inproc":
         return InprocListener(scheme, timeout=timeout)
-    return SocketListener(scheme, kind, host=host, port=port, timeout=timeout)
+    return SocketListener(scheme, kind, host=host, port=port, timeout=timeout, messages=messages)
 
 
-def opener(kind: str, scheme: str) -> Callable[[str, float], Link]:
+def opener(kind: str, scheme: str, messages: tuple[type[Message], ...] = ()) -> Callable[[str, float], Link]:
     """What opens a link of `kind` to a receiver of transport `scheme`: (address, timeout) -> Link."""
 
     def open_link(address: str, timeout: float) -> Link:
         if kind == "inproc":
             return connect_inproc(address, scheme, timeout)
         if kind == "unix":
-            return connect_unix(address, scheme, timeout)
-        return connect_tcp(address, scheme, timeout)
+            return connect_unix(address, scheme, timeout, messages)
+        return connect_tcp(address, scheme, timeout, messages)
 
     return open_link

@@ -38,7 +38,7 @@ import numpy as np
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
 from weightsync.landing import Landing
-from weightsync.messages import BucketDone, BucketReady, NixlTarget, NixlWrites, Plan
+from weightsync.messages import BucketDone, BucketReady, Message, Plan
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec, fail_all
 from weightsync.transports.control import SenderChannel, next_message
@@ -56,7 +56,16 @@ from weightsync.transports.nixl_agent import (
 )
 from weightsync.transports.ring import MAX_SLOTS
 
-__all__ = ["SPEC", "NixlAgent", "NixlReceivePlane", "NixlSendPlane", "live_registrations", "require_nixl"]
+__all__ = [
+    "NixlTarget",
+    "NixlWrites",
+    "SPEC",
+    "NixlAgent",
+    "NixlReceivePlane",
+    "NixlSendPlane",
+    "live_registrations",
+    "require_nixl",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,29 @@ the receiver, and a bucket written in place holds no memory: 4 GiB in 256 MiB bu
 budget split over the slots, which is what a slot or the sender's scratch may take."""
 
 # --- the sending side ---------------------------------------------------------------------------
+
+
+class NixlTarget(Message, frozen=True):
+    """Receiver -> sender (nixl), right after `Accept`: where the sender may write this sync's
+    buckets. Plain bytes and numbers; the sender checks every count against the plan."""
+
+    metadata: bytes
+    """The receiver's NIXL agent metadata (how to connect, and the remote keys of the memory it
+    registered), opaque bytes loaded by the sender's agent (`add_remote_agent`)."""
+    sites: tuple[int, ...]
+    """Per plan tensor: the address of its destination's first byte, written in place, or 0 when
+    the tensor lands through a slot (it is staged, or lives on a device)."""
+    slots: tuple[int, ...]
+    """Addresses of the receiver's ring slots of `slot_bytes` each, or () when no piece needs one."""
+    slot_bytes: int
+
+
+class NixlWrites(Message, frozen=True):
+    """Sender -> receiver (nixl), just before the sync's first write into an in-place site: from
+    bucket `index` on, live destinations may change under the receiver (one-sided writes it does
+    not see). A sync that ends before this message leaves them intact."""
+
+    index: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -588,6 +620,10 @@ SPEC = TransportSpec(
     link="tcp",
     send_plane=NixlSendPlane,
     receive_plane=NixlReceivePlane,
+    messages=(
+        NixlTarget,
+        NixlWrites,
+    ),
     summary="any hosts: NIXL writes into receiver memory (RDMA where the hosts have it)",
     largest_auto_bucket_bytes=AUTO_BUCKET_BYTES,
     check=require_nixl,

@@ -28,17 +28,27 @@ import numpy as np
 from weightsync import hostpin
 from weightsync.errors import ProtocolError, ResourceError
 from weightsync.landing import Landing
-from weightsync.messages import Message, Piece, Plan, Ring
+from weightsync.messages import Message, Piece, Plan
 from weightsync.pack import BucketItem, write_piece
 from weightsync.plan import tensor_nbytes
 from weightsync.transports.base import PlaneOptions, TransportSpec
 from weightsync.transports.ring import RingReceivePlane, RingSendPlane, StagingLayout, check_ring, staging_layout
 
-__all__ = ["SPEC", "MappedRing", "ShmRing", "reap_stale_segments"]
+__all__ = ["Ring", "SPEC", "MappedRing", "ShmRing", "reap_stale_segments"]
 
 SHM_DIR = "/dev/shm"
 _SEGMENT = re.compile(r"weightsync-(\d+)-[0-9a-f]{12}-\d{1,2}")
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+class Ring(Message, frozen=True):
+    """Sender -> receiver (shm only): the shared-memory slots buckets are written to, and the
+    staging area tensors larger than a bucket are written to whole ("" and 0: none)."""
+
+    segments: tuple[str, ...]
+    slot_bytes: int
+    staging: str = ""
+    staging_bytes: int = 0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -265,6 +275,7 @@ SPEC = TransportSpec(
     link="unix",
     send_plane=lambda channel, options: RingSendPlane(channel, options, ShmRing, stages=True),
     receive_plane=lambda link, options: RingReceivePlane(link, options, open_ring),
+    messages=(Ring,),
     summary="same host: source -> shared ring slot -> each receiver",
     uses_slots=True,
 )

@@ -21,17 +21,26 @@ import torch
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError, TransferTimeout
 from weightsync.landing import Landing
-from weightsync.messages import BucketData
+from weightsync.messages import Message
 from weightsync.pack import BucketItem, piece_bytes, write_piece
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
 from weightsync.transports.control import SenderChannel, expect_on
 from weightsync.transports.links import socket_link
 
-__all__ = ["PACK_CHUNK_BYTES", "SPEC", "StreamReceivePlane", "StreamSendPlane"]
+__all__ = ["BucketData", "PACK_CHUNK_BYTES", "SPEC", "StreamReceivePlane", "StreamSendPlane"]
 
 PACK_CHUNK_BYTES = 4 << 20
 """Packing hands the stream this much at a time: small enough that the link starts at once,
 large enough that handing over costs nothing."""
+
+
+class BucketData(Message, frozen=True):
+    """Sender -> receiver (tcp): the raw bytes of bucket `index`'s pieces follow, in plan order."""
+
+    index: int
+    nbytes: int
+    checksum: int = 0
+    """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
 
 
 class StreamSendPlane(SendPlane):
@@ -195,5 +204,6 @@ SPEC = TransportSpec(
     link="tcp",
     send_plane=StreamSendPlane,
     receive_plane=StreamReceivePlane,
+    messages=(BucketData,),
     summary="any host: source memory -> socket -> destination memory",
 )
