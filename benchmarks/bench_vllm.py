@@ -55,8 +55,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from weightsync import SenderOptions
-from weightsync.bench.measure import environment, loader_copy_gbps, memcpy_gbps
 from weightsync.server.process import PARENT_FD_ENV, ChildProcess
+from weightsync_bench.measure import environment, loader_copy_gbps, memcpy_gbps
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_server import build_model  # noqa: E402

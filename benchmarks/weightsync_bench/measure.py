@@ -15,8 +15,8 @@ import numpy as np
 import psutil
 import torch
 
-from weightsync.bench.config import GIB
 from weightsync.pack import STREAMING_COPY
+from weightsync_bench.config import GIB
 
 __all__ = ["PeakRss", "environment", "h2d_gbps", "loader_copy_gbps", "memcpy_gbps"]
 
