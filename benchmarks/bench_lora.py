@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import shutil
 import statistics
 import sys
@@ -37,36 +36,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
-from bench_server import PROMPT, ROOT, build_model  # this script's folder is on sys.path
 from weightsync import WeightSender, adapter_from_peft
-from weightsync.server.process import ChildProcess
+from weightsync_bench.saved_model import PROMPT, build_model
+from weightsync_bench.served import Served
 
 NAME = "bench"
 
 
-class Server:
+class Server(Served):
     """`weightsync serve --max-lora-rank R` on the saved model, in its own process."""
 
     def __init__(self, model: Path, engine: str, rank: int, timeout: float) -> None:
-        command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model)]
-        command += ["--load-format", "auto", "--port", "0", "--ready-timeout", str(timeout)]
-        command += ["--max-lora-rank", str(rank), "--log-level", "warning"]
-        env = os.environ | {"PYTHONPATH": str(ROOT / "src"), "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
-        self.process = ChildProcess(command, env=env)
-        line = self.process.wait_for_line("weightsync serve: http://", timeout)
-        if line is None:
-            why = self.process.why_not_started(f"the {engine} server", timeout)
-            self.process.close()
-            raise RuntimeError(why)
-        self.client = httpx.Client(base_url=line.split()[2], timeout=timeout)
-        deadline = time.monotonic() + timeout
-        while self.client.get("/health").status_code != 200:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the {engine} server never became healthy")
-            time.sleep(0.05)
+        extra = ["--load-format", "auto", "--max-lora-rank", str(rank), "--log-level", "warning"]
+        super().__init__(model, engine, timeout, extra, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+        self.wait_healthy(timeout)
         self.addresses: list[str] = self.client.get("/weight_info").json()["addresses"]
 
     def first_token(self, model: str) -> tuple[int, Any]:
@@ -76,10 +61,6 @@ class Server:
         response.raise_for_status()
         answer = response.json()
         return answer["choices"][0]["token_ids"][0], answer.get("weight_version")
-
-    def close(self) -> None:
-        self.client.close()
-        self.process.close()
 
 
 def new_adapter(model_dir: Path, rank: int) -> Any:

@@ -5,8 +5,8 @@
 For vLLM, use `benchmarks/bench_vllm.py`: stock vLLM's server with the `weightsync` backend, a
 push through vLLM's own trainer API against vLLM's own reload from disk, at TP=1 and TP=2.
 
-Builds a Qwen2-shaped bf16 model of about `--size-gb` (bench_server.build_model), starts the
-transformers engine in this process on dummy weights, and measures, alternating, `--repeat`
+Builds a Qwen2-shaped bf16 model of about `--size-gb` (`weightsync_bench.saved_model`), starts
+the transformers engine in this process on dummy weights, and measures, alternating, `--repeat`
 times each:
 - floor: the engine takes the checkpoint's tensors from this process's memory, with no transfer
   (a `copy_` of each tensor into its parameter);
@@ -31,10 +31,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import build_model  # noqa: E402
-from weightsync import WeightReceiver, WeightSender  # noqa: E402
-from weightsync.checkpoint import SafetensorsSource  # noqa: E402
+from weightsync import WeightReceiver, WeightSender
+from weightsync.checkpoint import SafetensorsSource
+from weightsync_bench.saved_model import build_model
 
 
 def _push(address: str, model: str, go: Any, results: Any) -> None:

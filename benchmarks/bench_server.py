@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import string
 import subprocess
 import sys
 import tempfile
@@ -34,70 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 from safetensors.torch import load_file
 
 from weightsync import WeightSender
-from weightsync.demo.task import save_char_tokenizer
-from weightsync.server.process import ChildProcess
-
-ROOT = Path(__file__).resolve().parent.parent
-GIB = 1 << 30
-PROMPT = [5, 6, 7, 8]
-CHARS = string.ascii_letters + string.digits + string.punctuation + " \n"
-VOCAB = {token: index for index, token in enumerate(["<pad>", "<unk>", "<eos>", *CHARS])}
-"""A one-character-per-token vocabulary (letters, digits, punctuation, space, newline): no download."""
-VOCAB_SIZE = 128
-"""The model's vocabulary size: the tokenizer's ids, padded (ids it never produces are fine)."""
-
-
-def build_model(path: Path, size_gb: float, dtype: str = "bfloat16") -> int:
-    """A Qwen2-shaped model of about `size_gb` GiB in `dtype` (a torch dtype's name) saved at
-    `path`; returns its parameter bytes."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    hidden, intermediate = 1536, 4096
-    element_bytes = getattr(torch, dtype).itemsize
-    per_layer = element_bytes * (2 * hidden * hidden + 2 * hidden * 256 + 3 * hidden * intermediate)
-    layers = max(1, round((size_gb * GIB - element_bytes * 2 * VOCAB_SIZE * hidden) / per_layer))
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=layers,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=2,
-        pad_token_id=0,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.save_pretrained(path)
-    save_char_tokenizer(path, VOCAB)
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def evict_from_page_cache(model: Path) -> None:
-    """Drop the checkpoint's pages from the page cache, so the next load reads the disk."""
-    for path in model.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def rss(pid: int, field: str = "VmHWM") -> int:
-    """A process's peak (VmHWM) or current (VmRSS) resident set size, bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/PID/status")
+from weightsync_bench.config import GIB
+from weightsync_bench.measure import status_bytes
+from weightsync_bench.saved_model import PROMPT, build_model, evict_from_page_cache
+from weightsync_bench.served import Served
 
 
 def runtime_rss(engine: str) -> int:
@@ -109,39 +51,6 @@ def runtime_rss(engine: str) -> int:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     line = next(line for line in out.stdout.splitlines() if line.startswith("VmHWM:"))
     return int(line.split()[1]) * 1024
-
-
-class Served:
-    """`weightsync serve` in its own process; `listening_s` is process start -> URL printed."""
-
-    def __init__(self, model: Path, engine: str, load_format: str, timeout: float) -> None:
-        started = time.perf_counter()
-        command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model)]
-        command += ["--load-format", load_format, "--port", "0", "--ready-timeout", str(timeout)]
-        self.process = ChildProcess(command, env=os.environ | {"PYTHONPATH": str(ROOT / "src")})
-        # vLLM logs to stdout too: our line, within the timeout; the child's reader keeps draining.
-        line = self.process.wait_for_line("weightsync serve: http://", timeout)
-        if line is None:
-            why = self.process.why_not_started("the server", timeout)
-            self.process.close()
-            raise RuntimeError(why)
-        self.listening_s = time.perf_counter() - started
-        self.started = started
-        self.url = line.split()[2]
-        self.client = httpx.Client(base_url=self.url, timeout=timeout)
-
-    def wait_healthy(self, timeout: float) -> float:
-        """Seconds from process start until /health answers 200."""
-        deadline = time.monotonic() + timeout
-        while self.client.get("/health").status_code != 200:
-            if time.monotonic() > deadline:
-                raise TimeoutError("server never became healthy")
-            time.sleep(0.01)
-        return time.perf_counter() - self.started
-
-    def close(self) -> None:
-        self.client.close()
-        self.process.close()
 
 
 def first_token_after_push(served: Served, tensors: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -223,10 +132,10 @@ def run(engine: str, size_gb: float, model_dir: Path | None, timeout: float, war
         for load_format in ("auto", "dummy"):
             if not warm_cache:
                 evict_from_page_cache(model)
-            served = Served(model, engine, load_format, timeout)
+            served = Served(model, engine, timeout, ["--load-format", load_format])
             try:
                 row: dict[str, Any] = {"listening_seconds": served.listening_s}
-                row["peak_rss_at_start_bytes"] = rss(served.process.pid)
+                row["peak_rss_at_start_bytes"] = status_bytes("VmHWM", served.process.pid)
                 if load_format == "auto":
                     row["serving_seconds"] = served.wait_healthy(timeout)
                     served.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}).raise_for_status()
@@ -234,8 +143,8 @@ def run(engine: str, size_gb: float, model_dir: Path | None, timeout: float, war
                     row |= first_token_after_push(served, trainer_copy(model), timeout)
                 info = served.client.get("/weight_info").json()
                 row["weight_bytes"] = info["weight_bytes"]
-                row["peak_rss_bytes"] = rss(served.process.pid)
-                row["rss_at_end_bytes"] = rss(served.process.pid, "VmRSS")
+                row["peak_rss_bytes"] = status_bytes("VmHWM", served.process.pid)
+                row["rss_at_end_bytes"] = status_bytes("VmRSS", served.process.pid)
                 row["peak_rss_over_weights"] = row["peak_rss_bytes"] / info["weight_bytes"]
                 row["peak_rss_above_runtime_over_weights"] = (
                     row["peak_rss_bytes"] - result["runtime_only_peak_rss_bytes"]

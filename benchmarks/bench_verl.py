@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/bench_verl.py [--size-gb 2] [--rollouts 2] [--rounds 4]
 
 One trainer process (this one) and `--rollouts` rollout processes on this host move the same
-synthetic bf16 model (weightsync.bench.model: Llama-shaped, its embedding larger than a 64 MiB
+synthetic bf16 model (weightsync_bench.model: Llama-shaped, its embedding larger than a 64 MiB
 bucket) every round; each rollout process copies every tensor it is handed into its own
 preallocated weights with `copy_`, as a loader does, and every byte is checked after each method.
 
@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.model import allocate, fill, model_shapes, verify
+from weightsync_bench.model import allocate, fill, model_shapes, verify
 
 SEED = 16
 VERL_BUCKET_MB = 2048

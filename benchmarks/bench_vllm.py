@@ -4,9 +4,9 @@ reload of the same weights from disk, on the same server, in one run.
     .venv/bin/python benchmarks/bench_vllm.py --json vllm.json          # 1 GiB, TP=1 and 2, shm, 3 rounds
     .venv/bin/python benchmarks/bench_vllm.py --size-gb 0.1 --repeat 1  # smoke test, a few minutes
 
-It builds a Qwen2-shaped float32 model of about `--size-gb` GiB (bench_server.build_model). float32,
-because vLLM's CPU backend runs it reliably on this Xeon (bf16 there can hit an AMX SIGILL on a
-short first prompt: shared/notes/machine.md), and because then the checkpoint, vLLM's weights and
+It builds a Qwen2-shaped float32 model of about `--size-gb` GiB (`weightsync_bench.saved_model`).
+float32, because vLLM's CPU backend runs it reliably on this Xeon (bf16 there can hit an AMX
+SIGILL on a short first prompt: shared/notes/machine.md), and because then the checkpoint, vLLM's weights and
 the trainer's tensors have one dtype: neither side casts. For each `--tp` it starts stock vLLM's
 OpenAI server (`python -m vllm.entrypoints.openai.api_server`, dummy weights,
 `--weight-transfer-config '{"backend": "weightsync"}'`, `VLLM_SERVER_DEV_MODE=1`) and measures,
@@ -55,11 +55,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from weightsync import SenderOptions
-from weightsync.bench.measure import environment, loader_copy_gbps, memcpy_gbps
 from weightsync.server.process import PARENT_FD_ENV, ChildProcess
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_server import build_model  # noqa: E402
+from weightsync_bench.measure import environment, loader_copy_gbps, memcpy_gbps
+from weightsync_bench.saved_model import build_model, read_through
 
 GIB = 1 << 30
 DTYPE = "float32"
@@ -355,14 +353,6 @@ def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             server.close()
     result["environment"]["loadavg_end"] = os.getloadavg()
     return summarize(result)
-
-
-def read_through(model: Path) -> None:
-    """Read the checkpoint once, so that it is in the page cache whatever wrote it."""
-    for path in model.glob("*.safetensors"):
-        with path.open("rb") as file:
-            while file.read(64 << 20):
-                pass
 
 
 def load_trainer(model: Path) -> PreTrainedModel:

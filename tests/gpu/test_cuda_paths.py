@@ -131,7 +131,7 @@ def test_a_flipped_byte_on_the_way_to_a_cuda_destination_is_caught(monkeypatch):
 
 
 def test_bench_on_the_gpu_verifies_every_byte():
-    from weightsync.bench import MIB, BenchConfig, run
+    from weightsync_bench import MIB, BenchConfig, run
 
     with pytest.raises(ConfigError, match="baselines run on cpu only"):
         BenchConfig(device="cuda")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bench import MIB, BenchConfig, format_table, run
 from weightsync.errors import ConfigError
+from weightsync_bench import MIB, BenchConfig, format_table, run
 
 
 def test_a_tiny_run_verifies_every_byte_on_each_transport():
@@ -64,8 +64,8 @@ def test_a_run_that_does_not_fit_says_which_size_does(monkeypatch):
     the share of memory a run may use, and the size that fits."""
     import types
 
-    from weightsync.bench import GIB, fitting_size_bytes, runs
     from weightsync.errors import ResourceError
+    from weightsync_bench import GIB, fitting_size_bytes, runs
 
     available = int(17.2 * GIB)
     monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=available))
@@ -86,8 +86,8 @@ def test_the_default_size_fits_the_machine(monkeypatch, capsys):
     import types
 
     from weightsync import cli
-    from weightsync.bench import GIB, runs
     from weightsync.cli import bench as bench_cli
+    from weightsync_bench import GIB, runs
 
     seen = {}
 
@@ -96,7 +96,7 @@ def test_the_default_size_fits_the_machine(monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int(17.2 * GIB)))
-    monkeypatch.setattr("weightsync.bench.run", fake_run)
+    monkeypatch.setattr("weightsync_bench.run", fake_run)
     assert cli.main(["bench"]) == 130
     assert seen["size"] == 3 * GIB + GIB // 4
     assert "4 GiB does not fit in the memory available now; measuring 3.25 GiB" in capsys.readouterr().err
@@ -104,7 +104,7 @@ def test_the_default_size_fits_the_machine(monkeypatch, capsys):
 
 
 def test_a_tiny_delta_run_reports_modes_bytes_and_memcpy():
-    from weightsync.bench.delta import format_delta_table, run_delta
+    from weightsync_bench.delta import format_delta_table, run_delta
 
     results = run_delta(["tcp"], 4 * MIB, lr=1e-6, steps=2, memcpy_bytes=MIB)
     assert [(r.step, r.delta_mode) for r in results] == [(0, "full"), (1, "delta"), (2, "delta")]

@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 
-from weightsync.bench.link import Link, LinkResult, enter_namespace, format_link_table, run_links, summarize
 from weightsync.errors import ConfigError, ResourceError
+from weightsync_bench.link import Link, LinkResult, enter_namespace, format_link_table, run_links, summarize
 
 
 @pytest.mark.parametrize(
@@ -33,8 +33,8 @@ def test_a_bad_link_is_refused_with_its_form(text):
 
 
 def test_the_crossover_is_where_a_full_push_would_take_as_long_as_a_delta_push():
-    from weightsync.bench.delta import DeltaStep
-    from weightsync.bench.link import crossover_gbit
+    from weightsync_bench.delta import DeltaStep
+    from weightsync_bench.link import crossover_gbit
 
     # 1 GB over a 1 GB/s (8 Gbit/s) link at full efficiency: a full push takes 1 s; a delta push
     # 0.1 s on the wire (100 MB) plus 0.4 s of CPU. Full = delta where 0.9 GB / rate = 0.4 s.

@@ -24,6 +24,10 @@ import pytest
 import weightsync
 
 PACKAGE = Path(weightsync.__file__).parent
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "weightsync_bench"
+"""The benchmarks' package (`weightsync bench`), shipped beside weightsync but never imported by it
+at module level: only `weightsync bench` loads it, from inside its handlers."""
+BENCH_LOADERS = {"cli/bench.py"}
 
 OPTIONAL = (
     "ray",
@@ -261,6 +265,42 @@ def test_importing_weightsync_loads_no_optional_stack():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", f"`import weightsync` loaded {out.stdout.strip()}"
+
+
+def test_no_import_cycle_among_the_benchmark_modules():
+    runtime = [edge for edge in import_edges(BENCH) if not edge.type_only]
+    cycle = find_cycle(runtime)
+    assert not cycle, describe(cycle, module_names(BENCH))
+    assert ("weightsync_bench", "weightsync_bench.runs") in {(edge.source, edge.target) for edge in runtime}
+
+
+def test_the_package_imports_the_benchmarks_only_inside_the_bench_command():
+    """weightsync_bench lives outside the package: no module of weightsync imports it at module
+    level, and only `weightsync bench` (cli/bench.py) imports it at all: in a function, or for types."""
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = {id(node) for node, type_only in _module_level_imports(tree.body) if not type_only}
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            if not any(name.split(".")[0] == "weightsync_bench" for name in names):
+                continue
+            where = str(path.relative_to(PACKAGE))
+            if id(node) in top or where not in BENCH_LOADERS:
+                importers.append(f"{where}:{node.lineno}")
+    assert not importers, importers
+    assert not (PACKAGE / "bench").exists(), "the benchmarks have one home: benchmarks/weightsync_bench"
+
+
+def test_importing_weightsync_or_its_command_loads_no_benchmark_module():
+    code = "import sys, weightsync, weightsync.cli; print(sorted(m for m in sys.modules if 'weightsync_bench' in m))"
+    paths = [str(PACKAGE.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"`import weightsync.cli` loaded {out.stdout.strip()}"
 
 
 # --- the checker itself, on a package made for it ------------------------------------------------

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.measure import memcpy_gbps
 from weightsync.receiver import WeightReceiver
 from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
+from weightsync_bench.measure import memcpy_gbps
 
 __all__ = ["DeltaStep", "format_delta_table", "run_delta"]
 

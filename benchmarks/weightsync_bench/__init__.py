@@ -16,14 +16,19 @@ count, as they do in RSS.
 
 config.py what a run measures; model.py the synthetic model and its content; measure.py memcpy,
 peak RSS and the environment; receivers.py the receiving processes; runs.py the runs;
-results.py what they measured, as JSON and as a table.
+results.py what they measured, as JSON and as a table; cli.py the command's run and output
+(weightsync.cli.bench parses its flags); delta.py and link.py the `--delta-lr` and `--link` runs.
+
+This package is the benchmarks' one home: it lives in benchmarks/ beside the scripts that use it,
+outside the library package `weightsync`, and ships in the same distribution so that an
+installed `weightsync bench` runs it. weightsync imports it only inside `weightsync bench`.
 """
 
 from __future__ import annotations
 
-from weightsync.bench.config import BASELINES, DEFAULT_TRANSPORTS, GIB, MIB, TRANSPORTS, BenchConfig
-from weightsync.bench.results import BenchReport, MethodResult, format_table
-from weightsync.bench.runs import fitting_size_bytes, run
+from weightsync_bench.config import BASELINES, DEFAULT_TRANSPORTS, GIB, MIB, TRANSPORTS, BenchConfig
+from weightsync_bench.results import BenchReport, MethodResult, format_table
+from weightsync_bench.runs import fitting_size_bytes, run
 
 __all__ = [
     "BASELINES",

@@ -6,9 +6,9 @@ import dataclasses
 import statistics
 from typing import Any
 
-from weightsync.bench.config import GIB, MIB
-from weightsync.bench.measure import environment
 from weightsync.pack import STREAMING_COPY
+from weightsync_bench.config import GIB, MIB
+from weightsync_bench.measure import environment
 
 __all__ = ["BenchReport", "MethodResult", "format_table"]
 

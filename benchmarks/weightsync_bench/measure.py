@@ -15,10 +15,10 @@ import numpy as np
 import psutil
 import torch
 
-from weightsync.bench.config import GIB
 from weightsync.pack import STREAMING_COPY
+from weightsync_bench.config import GIB
 
-__all__ = ["PeakRss", "environment", "h2d_gbps", "loader_copy_gbps", "memcpy_gbps"]
+__all__ = ["PeakRss", "environment", "h2d_gbps", "loader_copy_gbps", "memcpy_gbps", "status_bytes"]
 
 
 def environment() -> dict[str, Any]:
@@ -81,12 +81,14 @@ def h2d_gbps(num_bytes: int = GIB, rounds: int = 3) -> float:
     return num_bytes / best / 1e9
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A size field of a process's /proc/PID/status, in bytes: its peak (VmHWM) or current (VmRSS)
+    resident set size, say; this process's by default."""
+    with open(f"/proc/{pid}/status") as status:
         for line in status:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
+    raise OSError(f"/proc/{pid}/status has no {field}")
 
 
 class PeakRss:
@@ -102,7 +104,7 @@ class PeakRss:
         try:
             with open("/proc/self/clear_refs", "w") as refs:
                 refs.write("5")  # reset VmHWM to the current RSS
-            self._before = _status_bytes("VmRSS")
+            self._before = status_bytes("VmRSS")
         except OSError:
             self._start_sampling()
 
@@ -120,7 +122,7 @@ class PeakRss:
 
     def stop(self) -> int:
         if self._sampler is None:
-            return max(0, _status_bytes("VmHWM") - self._before)
+            return max(0, status_bytes("VmHWM") - self._before)
         self._stop.set()
         self._sampler.join()
         self._sampler = None

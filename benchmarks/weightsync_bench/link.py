@@ -8,9 +8,9 @@ namespace holds only its own loopback, so no byte leaves it, and it ends with th
 to tear down, whatever way the run ends.
 
 In the namespace, per link: a plain socket stream measures the link's own rate (one process
-`sendall`s a buffer, another `recv_into`s it), then `bench.delta.run_delta` pushes RL-like updates
-over every networked transport, delta and full, step by step. nixl goes over UCX's tcp transport
-(`UCX_TLS=tcp`): shared memory would bypass the link.
+`sendall`s a buffer, another `recv_into`s it), then `weightsync_bench.delta.run_delta` pushes
+RL-like updates over every networked transport, delta and full, step by step. nixl goes over
+UCX's tcp transport (`UCX_TLS=tcp`): shared memory would bypass the link.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def _inside(conn: Connection, links: Sequence[Link], options: dict[str, Any]) ->
         enter_namespace()
         os.environ["UCX_TLS"] = "tcp"  # nixl over UCX's tcp: its shared-memory paths skip the link
         os.environ["UCX_NET_DEVICES"] = "lo"
-        from weightsync.bench.delta import run_delta
+        from weightsync_bench.delta import run_delta
 
         for link in links:
             shape(link)

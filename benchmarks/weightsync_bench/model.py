@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from weightsync.bench.config import DTYPE
 from weightsync.pack import byte_view
+from weightsync_bench.config import DTYPE
 
 __all__ = ["Shapes", "allocate", "fill", "model_shapes", "verify"]
 

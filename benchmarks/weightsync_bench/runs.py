@@ -17,13 +17,13 @@ from typing import Any
 import psutil
 import torch
 
-from weightsync.bench.config import BASELINES, DTYPE, GIB, BenchConfig
-from weightsync.bench.measure import PeakRss, h2d_gbps, loader_copy_gbps, memcpy_gbps
-from weightsync.bench.model import allocate, fill, model_shapes
-from weightsync.bench.receivers import Worker, broadcast
-from weightsync.bench.results import BenchReport, MethodResult
 from weightsync.errors import ResourceError
 from weightsync.sender import WeightSender
+from weightsync_bench.config import BASELINES, DTYPE, GIB, BenchConfig
+from weightsync_bench.measure import PeakRss, h2d_gbps, loader_copy_gbps, memcpy_gbps
+from weightsync_bench.model import allocate, fill, model_shapes
+from weightsync_bench.receivers import Worker, broadcast
+from weightsync_bench.results import BenchReport, MethodResult
 
 __all__ = ["MEMORY_SHARE", "fitting_size_bytes", "run"]
 

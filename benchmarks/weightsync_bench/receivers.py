@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from weightsync.bench.measure import PeakRss
-from weightsync.bench.model import Shapes, allocate, verify
 from weightsync.errors import BenchError
 from weightsync.receiver import WeightReceiver
+from weightsync_bench.measure import PeakRss
+from weightsync_bench.model import Shapes, allocate, verify
 
 __all__ = ["Worker", "broadcast"]
 
