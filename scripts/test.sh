@@ -20,7 +20,7 @@ fi
 .venv/bin/ruff format --check .
 .venv/bin/mypy  # [tool.mypy] in pyproject.toml: the package, strict on the core
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"  # NIXL's UCX stays on loopback
-.venv/bin/pytest -q "$@"
+.venv/bin/pytest -q --durations=25 "$@"  # the slowest tests, to keep the run short
 # The nixl tests again over UCX's tcp transport, the path a host pair without RDMA takes (the run
 # above used UCX's default, shared memory). Exit status 5: the arguments selected no nixl test.
 if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
