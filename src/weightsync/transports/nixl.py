@@ -595,8 +595,8 @@ class NixlReceivePlane(ReceivePlane):
                     version=conn.version,
                     bucket=index,
                 )
-            for piece in landing.plan.buckets[index]:  # the sender writes into these from now on
-                if self._sites[piece.tensor]:
+            for piece in landing.plan.buckets[index]:
+                if self._sites[piece.tensor]:  # the sender writes at its target from now on, unseen
                     landing.target(piece)
 
     def close(self) -> None:
