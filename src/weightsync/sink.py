@@ -2,7 +2,7 @@
 
 A `WeightSink` may expose destination tensors by name (`destination`), in which case every chunk
 is copied straight into place; otherwise whole tensors are handed to `load` as they complete
-(`landing.py` decides which, piece by piece).
+(`landing.py` decides which, once per tensor when the sync begins).
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def test_a_flipped_byte_in_a_patch_fails_and_the_next_push_is_full(transport, mo
     def corrupted(self: Landing, index: int, checksum: int | None = None) -> None:
         piece = self.plan.buckets[index][0]
         if self.version == 2 and self.delta and self.plan.tensors[piece.tensor].encoding != "dense" and piece.nbytes:
-            self.host_view(piece)[0] ^= 0x40
+            self.target(piece)[0] ^= 0x40
         original(self, index, checksum)
 
     monkeypatch.setattr(Landing, "finish_bucket", corrupted)

@@ -47,7 +47,7 @@ def flip_bucket_1(monkeypatch: pytest.MonkeyPatch) -> None:
             piece = self.plan.buckets[1][0]
             lent = self._lent.get(piece.tensor)
             if lent is None:
-                self.host_view(piece)[0] ^= 0x40
+                self.target(piece)[0] ^= 0x40
             else:
                 self._lent[piece.tensor] = flipped = np.array(lent, copy=True)
                 flipped[piece.tensor_offset] ^= 0x40
@@ -201,7 +201,7 @@ def test_full_verification_catches_bytes_in_the_wrong_place(transport: str, monk
     def misplaced(self: Landing, index: int, checksum: int | None = None) -> None:
         original(self, index, checksum)
         if index == 0:
-            self.host_view(self.plan.buckets[0][0])[:2] = 0x7F  # after the check passed
+            self.target(self.plan.buckets[0][0])[:2] = 0x7F  # after the check passed
 
     monkeypatch.setattr(Landing, "finish_bucket", misplaced)
     source = model()

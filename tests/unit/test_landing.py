@@ -101,3 +101,23 @@ def test_the_arena_holds_what_is_live_at_once(sizes: tuple[int, ...], expected: 
             buckets_b = {i for i, bucket in enumerate(plan.buckets) for p in bucket if p.tensor == b}
             if a < b and buckets_a & buckets_b:
                 assert spans[a][1] <= spans[b][0] or spans[b][1] <= spans[a][0], "live tensors never overlap"
+
+
+def test_each_tensor_s_route_is_decided_once_at_begin() -> None:
+    plan = plan_of(100, 3000, 200, 100, 3000)  # t1 and t4 are chunked
+    dest = {"t0": torch.zeros(100), "t3": torch.zeros(200)[::2]}  # t3's destination is not contiguous
+
+    class Borrows(WeightSink):
+        def destination(self, name: str) -> torch.Tensor | None:
+            return dest.get(name)
+
+    class Keeps(Borrows):
+        traits = SinkTraits(borrows=False)
+
+    borrows = Landing(plan, Borrows(), 1, plan_digest(plan))
+    assert borrows.routes == ("host", "arena", "lent", "lent", "arena")
+    assert borrows.lends_chunked and not borrows.patchable
+    assert [site is not None for site in borrows.sites()] == [True, False, False, False, False]
+    keeps = Landing(plan, Keeps(), 1, plan_digest(plan))
+    assert keeps.routes == ("host", "own", "own", "own", "own")
+    assert not keeps.lends_chunked

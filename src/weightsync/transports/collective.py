@@ -423,7 +423,7 @@ class ChainReceivePlane(ReceivePlane):
             if self._member is None or invitation.prefix != self._prefix:
                 self._join(invitation)
             assert self._member is not None
-            cuda = landing.any_on_device() and torch.cuda.is_available()
+            cuda = "device" in landing.routes and torch.cuda.is_available()
             self._buffers = self._member.buffers(landing.plan.bucket_bytes, pinned=cuda)
             self._pending, self._failure = None, None
         except BaseException as exc:

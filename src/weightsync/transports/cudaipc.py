@@ -117,9 +117,9 @@ class OpenedRing:
         with torch.cuda.device(self.device):
             for piece in pieces:
                 landing.copy_in(piece, out[piece.bucket_offset : piece.bucket_offset + piece.nbytes])
-                view = landing.device_view(piece)
-                if view is not None:
-                    devices.add(view.device)
+                target = landing.target(piece)
+                if isinstance(target, torch.Tensor):
+                    devices.add(target.device)
         for device in devices:  # the sender may overwrite the slot once we ack it
             torch.cuda.synchronize(device)
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError
-from weightsync.landing import Landing
+from weightsync.landing import IN_PLACE, Landing
 from weightsync.messages import BucketDone, BucketReady
 from weightsync.pack import BucketItem, write_piece
 from weightsync.transports.base import Failures, Link, ReceivePlane, SendPlane, TransportSpec
@@ -60,11 +60,10 @@ class DirectReceivePlane(ReceivePlane):
 
 def _land(landing: Landing, item: BucketItem) -> None:
     piece = item.piece
-    device = landing.device_view(piece)
-    if device is not None:
-        write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, device)
-    elif landing.direct(piece.tensor):
-        write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, landing.host_view(piece))
+    if landing.routes[piece.tensor] in IN_PLACE:
+        target = landing.target(piece)
+        assert target is not None
+        write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, target)
     elif piece.tensor_offset == 0:
         # the whole tensor, adopted as it is (no copy): its later pieces, if any, are in it already
         landing.adopt(piece.tensor, item.tensor.detach().to(item.wire_dtype))

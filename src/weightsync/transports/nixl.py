@@ -552,11 +552,7 @@ class NixlReceivePlane(ReceivePlane):
     def begin(self, landing: Landing) -> None:
         """Expose this sync's landing sites (a new agent when they changed) and send the target."""
         plan = landing.plan
-        views: dict[int, np.ndarray] = {}
-        for tensor in range(len(plan.tensors)):
-            site = landing.host_site(tensor)
-            if site is not None and site.nbytes:
-                views[tensor] = site
+        views = {tensor: site for tensor, site in enumerate(landing.sites()) if site is not None and site.nbytes}
         through_slots = any(piece.nbytes and piece.tensor not in views for bucket in plan.buckets for piece in bucket)
         slot_bytes = plan.bucket_bytes if through_slots else 0
         wanted = {address_of(view): view.nbytes for view in views.values()}
@@ -599,7 +595,9 @@ class NixlReceivePlane(ReceivePlane):
                     version=conn.version,
                     bucket=index,
                 )
-            landing.mark_live_written()
+            for piece in landing.plan.buckets[index]:
+                if self._sites[piece.tensor]:  # the sender writes at its target from now on, unseen
+                    landing.target(piece)
 
     def close(self) -> None:
         exposure, self._exposure = self._exposure, None

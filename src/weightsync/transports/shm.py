@@ -205,7 +205,7 @@ class MappedRing:
 
     def read(self, slot: int, pieces: Sequence[Piece], landing: Landing) -> None:
         """Land `pieces` out of slot `slot` (or the staging area)."""
-        if self.pinned is None and any(landing.on_device(piece.tensor) for piece in pieces):
+        if self.pinned is None and any(landing.routes[piece.tensor] == "device" for piece in pieces):
             self.pin()
         out, staged = self.slots[slot], self._staged(landing.plan)
         for piece in pieces:
