@@ -88,6 +88,9 @@ class TransportError(WeightSyncError):
         transport: name of the transport ("shm", "tcp", ...), or "" if unknown.
         version: weight version being synced, or None outside a sync.
         bucket: index of the bucket in flight, or None outside the bucket loop.
+
+    Where it happened travels on the error: whoever raises it says what it knows, and the sync
+    loop it passes through fills in the version and bucket (`at`).
     """
 
     def __init__(
@@ -98,17 +101,27 @@ class TransportError(WeightSyncError):
         version: int | None = None,
         bucket: int | None = None,
     ) -> None:
-        where = []
-        if transport:
-            where.append(f"transport={transport}")
-        if version is not None:
-            where.append(f"version={version}")
-        if bucket is not None:
-            where.append(f"bucket={bucket}")
-        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        super().__init__(message)
+        self.detail = message
         self.transport = transport
         self.version = version
         self.bucket = bucket
+
+    def at(self, *, version: int | None = None, bucket: int | None = None) -> TransportError:
+        """Say where it happened, as the loop that catches it knows, unless the raiser did."""
+        self.version = self.version if self.version is not None else version
+        self.bucket = self.bucket if self.bucket is not None else bucket
+        return self
+
+    def __str__(self) -> str:
+        where = [f"{key}={value}" for key, value in self._where() if value not in ("", None)]
+        return f"{self.detail} ({', '.join(where)})" if where else self.detail
+
+    def _where(self) -> tuple[tuple[str, object], ...]:
+        return ("transport", self.transport), ("version", self.version), ("bucket", self.bucket)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable with where it happened
+        return type(self), (self.detail,), dict(self._where())
 
 
 class ConnectError(TransportError):

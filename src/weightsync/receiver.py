@@ -40,6 +40,7 @@ from weightsync.errors import (
     PlanError,
     ProtocolError,
     RemoteError,
+    TransportError,
     WeightSyncError,
 )
 from weightsync.landing import Landing, Staging
@@ -251,22 +252,21 @@ class WeightReceiver:
         return message
 
     def _sync(self, link: Link, plane: ReceivePlane, offer: Offer) -> None:
-        link.version, link.bucket = offer.version, None
         started = time.perf_counter()
         try:
             landing = self.begin(offer)
         except WeightSyncError as exc:
             link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
             return
+        bucket: int | None = None  # the bucket in flight: where an error that stops the sync happened
         try:
             link.send(Accept(offer.version, landing.lends_chunked), self._timeout)
             if offer.plan.buckets:
                 plane.begin(landing)
-            for index in range(len(offer.plan.buckets)):
-                link.bucket = index
-                plane.receive(index, landing)
+            for bucket in range(len(offer.plan.buckets)):
+                plane.receive(bucket, landing)
             plane.finish(landing)
-            link.bucket = None
+            bucket = None
             commit = expect_on(link, Commit, self._timeout)
             committing = time.perf_counter()
             self.commit(landing, commit)
@@ -276,6 +276,8 @@ class WeightReceiver:
             if landing.arena_unused:  # its tensors are lent from the ring now: no need to keep it
                 self._staging.release_arena()
         except BaseException as exc:
+            if isinstance(exc, TransportError):
+                exc.at(version=offer.version, bucket=bucket)
             self.abort(landing, exc)
             if isinstance(exc, WeightSyncError) and not isinstance(exc, (PeerClosedError, RemoteError)):
                 with contextlib.suppress(WeightSyncError):

@@ -19,7 +19,15 @@ from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.delta import Baseline, Diff, Step, settled
-from weightsync.errors import ConfigError, NegotiationError, RemoteError, SyncFailed, TransferTimeout, WeightSyncError
+from weightsync.errors import (
+    ConfigError,
+    NegotiationError,
+    RemoteError,
+    SyncFailed,
+    TransferTimeout,
+    TransportError,
+    WeightSyncError,
+)
 from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
@@ -286,18 +294,18 @@ class WeightSender:
         hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
         try:
             for route in self._routes:
-                failures |= route.plane.prepare(plan, live(route))
-                failures |= route.channel.offer(offer, live(route))
+                failures |= _at(version, None, route.plane.prepare(plan, live(route)))
+                failures |= _at(version, None, route.channel.offer(offer, live(route)))
                 if plan.buckets and live(route):
-                    failures |= route.plane.begin(plan, live(route))
+                    failures |= _at(version, None, route.plane.begin(plan, live(route)))
             for index, items in bucket_items(plan, delivery.metas, delivery.source.tensors()):
                 if not any(live(route) for route in self._routes):
                     break  # every receiver failed: nothing left to send to
                 _check_deadline(ends, version, index)
                 for route in self._routes:
-                    failures |= route.plane.send(index, items, live(route), hashes[route.name])
+                    failures |= _at(version, index, route.plane.send(index, items, live(route), hashes[route.name]))
             for route in self._routes:
-                failures |= route.plane.finish(live(route))
+                failures |= _at(version, None, route.plane.finish(live(route)))
         except BaseException as exc:
             for route in self._routes:
                 route.plane.abort()
@@ -308,6 +316,7 @@ class WeightSender:
         for route in self._routes:
             commit, content = _commit_message(version, digest, verify, hashes[route.name], delivery.content)
             replies, failed = route.channel.commit(commit, live(route))
+            _at(version, None, failed)
             for address, reply in replies.items():
                 route.channel.record(address, reply.content)
             committed |= replies
@@ -388,6 +397,14 @@ def _deliveries(
             Delivery("delta", plan, patches.metas(), patches, patched, base=diff.base, content=diff.pending_content)
         )
     return deliveries
+
+
+def _at(version: int, bucket: int | None, failures: Failures) -> Failures:
+    """`failures`, each transport error saying where it happened (unless its raiser did)."""
+    for error in failures.values():
+        if isinstance(error, TransportError):
+            error.at(version=version, bucket=bucket)
+    return failures
 
 
 def _check_deadline(ends: float | None, version: int, index: int) -> None:

@@ -63,8 +63,7 @@ def decode(data: bytes | bytearray | memoryview, messages: tuple[type[Message], 
 class Connection:
     """A connected stream socket carrying frames and raw byte runs, every wait bounded.
 
-    `version` and `bucket` are set by the sync loop so that errors say where they happened.
-    Timeouts are in seconds; None waits forever and is used only between syncs. `messages`: the
+    Its errors name the transport; the sync loops add the version and bucket. Timeouts are in seconds; None waits forever and is used only between syncs. `messages`: the
     transport's own messages, decoded besides the core ones.
     """
 
@@ -72,8 +71,6 @@ class Connection:
         self.sock = sock
         self.transport = transport
         self.messages = messages
-        self.version: int | None = None
-        self.bucket: int | None = None
 
     def send(self, message: Message, timeout: float | None) -> None:
         body = encode(message)
@@ -151,4 +148,4 @@ class Connection:
             raise self._error(PeerClosedError, f"connection lost: {exc}") from exc
 
     def _error(self, cls: type[TransportError], message: str) -> TransportError:
-        return cls(message, transport=self.transport, version=self.version, bucket=self.bucket)
+        return cls(message, transport=self.transport)

@@ -131,3 +131,14 @@ def test_every_error_survives_pickling():
             error = cls("bad")
         back = pickle.loads(pickle.dumps(error))
         assert type(back) is cls and str(back) == str(error) and vars(back) == vars(error), name
+
+
+def test_a_transport_error_is_told_where_it_happened_by_the_loop_it_passes():
+    """The raiser says what it knows; the sync loop fills in the rest and never overrides it."""
+    error = errors.PeerClosedError("gone", transport="tcp")
+    assert str(error) == "gone (transport=tcp)"
+    assert error.at(version=4, bucket=0) is error
+    assert str(error) == "gone (transport=tcp, version=4, bucket=0)"
+    raised_knowing = errors.ChecksumError("bad bytes", version=2, bucket=5).at(version=9, bucket=1)
+    assert (raised_knowing.version, raised_knowing.bucket) == (2, 5)
+    assert str(errors.ProtocolError("odd").at(version=1)) == "odd (version=1)"

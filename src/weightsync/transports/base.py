@@ -61,13 +61,10 @@ LinkKind: TypeAlias = Literal["unix", "tcp", "inproc"]
 
 
 class Link(Protocol):
-    """One control connection, either end: typed messages, every wait bounded.
-
-    `version` and `bucket` are set by the sync loop so that errors say where they happened."""
+    """One control connection, either end: typed messages, every wait bounded. Its errors name
+    the transport; the sync loops add the version and bucket (`TransportError.at`)."""
 
     transport: str
-    version: int | None
-    bucket: int | None
 
     def send(self, message: Message, timeout: float | None) -> None: ...
 

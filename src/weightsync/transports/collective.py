@@ -344,7 +344,6 @@ class ChainSendPlane(SendPlane):
         message = BucketReady(index, slot, checksum)
 
         def announce(address: str, link: Link) -> None:
-            link.bucket = index
             link.send(message, self.options.timeout)
 
         failures = self.channel.each(live, announce)

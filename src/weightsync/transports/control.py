@@ -93,9 +93,7 @@ class _Inbox:
         try:
             item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            raise TransferTimeout(
-                "peer sent no reply in time", transport=link.transport, version=link.version, bucket=link.bucket
-            ) from None
+            raise TransferTimeout("peer sent no reply in time", transport=link.transport) from None
         if isinstance(item, WeightSyncError):
             raise item
         if isinstance(item, Failed):
@@ -184,7 +182,6 @@ class SenderChannel:
         """Send the plan; returns the receivers that did not accept it, with why."""
 
         def send(address: str, link: Link) -> None:
-            link.version, link.bucket = offer.version, None
             self._acked[address] = -1
             link.send(offer, self.timeout)
 
@@ -264,8 +261,6 @@ class SenderChannel:
             raise ProtocolError(
                 f"expected {getattr(kind, '__name__', 'a message')}, got {type(message).__name__}",
                 transport=self.scheme,
-                version=link.version,
-                bucket=link.bucket,
             )
         return message
 
@@ -360,7 +355,5 @@ def expect_on(link: Link, kind: type[M], timeout: float, what: str = "") -> M:
         raise ProtocolError(
             f"expected {what or kind.__name__}, got {message!r}"[:200],
             transport=link.transport,
-            version=link.version,
-            bucket=link.bucket,
         )
     return message

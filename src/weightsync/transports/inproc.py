@@ -37,7 +37,6 @@ class DirectSendPlane(SendPlane):
         def hand_over(address: str, link: Link) -> None:
             self.channel.wait_acked(address, index - IN_FLIGHT, deadline)
             queue_link(link).hand_over(index, items)
-            link.bucket = index
             link.send(BucketReady(index, 0), self.options.timeout)
 
         return self.channel.each(live, hand_over)

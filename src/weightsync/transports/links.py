@@ -254,8 +254,6 @@ class QueueLink:
 
     def __init__(self, transport: str, inbox: _Mailbox, outbox: _Mailbox, items: dict[int, list[BucketItem]]) -> None:
         self.transport = transport
-        self.version: int | None = None
-        self.bucket: int | None = None
         self._inbox, self._outbox = inbox, outbox
         self._items = items
         self._items_lock = threading.Lock()
@@ -300,7 +298,7 @@ class QueueLink:
             return self._items.pop(index, None)
 
     def _error(self, cls: type[TransportError], message: str) -> TransportError:
-        return cls(message, transport=self.transport, version=self.version, bucket=self.bucket)
+        return cls(message, transport=self.transport)
 
 
 _LISTENING: weakref.WeakValueDictionary[str, InprocListener] = weakref.WeakValueDictionary()

@@ -371,7 +371,6 @@ class NixlSendPlane(SendPlane):
         slots: dict[str, int] = {}
 
         def post(address: str, link: Link) -> None:
-            link.bucket = index
             peer = self._peers[address]
             remote, slots[address] = peer.remote_rows(index, pieces)
             if not len(pieces.local):
@@ -380,7 +379,7 @@ class NixlSendPlane(SendPlane):
                 # before the first write into live memory: a sync that ends sooner left it intact
                 link.send(NixlWrites(index), self.options.timeout)
                 self._writing.add(address)
-            transfers[address], states[address] = agent.post_write(pieces.local, remote, peer.agent, link)
+            transfers[address], states[address] = agent.post_write(pieces.local, remote, peer.agent)
 
         def announce_if_done(address: str, link: Link) -> None:
             if address in transfers and not self._done(transfers[address], states, address, link, deadline):
@@ -406,7 +405,7 @@ class NixlSendPlane(SendPlane):
         """Whether the write to `address` completed; raises when it failed or ran past `deadline`."""
         if states[address] == "PROC":
             try:
-                states[address] = self._require_agent().state(transfer, link)
+                states[address] = self._require_agent().state(transfer)
             except TransportError:
                 states[address] = "ERR"
                 raise
@@ -419,8 +418,6 @@ class NixlSendPlane(SendPlane):
             if states[address] == "PROC"
             else "the write failed",
             transport="nixl",
-            version=link.version,
-            bucket=link.bucket,
         )
 
     def _release_stranded(self, wait_s: float) -> None:
@@ -540,7 +537,6 @@ class NixlReceivePlane(ReceivePlane):
                 raise ProtocolError(
                     f"bucket {index} names slot {message.slot}, which this receiver does not have",
                     transport=self.link.transport,
-                    version=self.link.version,
                     bucket=index,
                 )
             for piece in pieces:
@@ -577,12 +573,11 @@ class NixlReceivePlane(ReceivePlane):
         while True:
             while not _readable(conn.sock, PROGRESS_S):
                 if self._exposure is not None:
-                    self._exposure.agent.progress(conn)
+                    self._exposure.agent.progress()
                 if time.monotonic() > deadline:
                     raise TransferTimeout(
                         f"bucket {index} was not written within {self.options.timeout} s",
                         transport=conn.transport,
-                        version=conn.version,
                         bucket=index,
                     )
             message = next_message(conn, self.options.timeout)
@@ -592,7 +587,6 @@ class NixlReceivePlane(ReceivePlane):
                 raise ProtocolError(
                     f"expected BucketReady for bucket {index}, got {message!r}"[:200],
                     transport=conn.transport,
-                    version=conn.version,
                     bucket=index,
                 )
             for piece in landing.plan.buckets[index]:

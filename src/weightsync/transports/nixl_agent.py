@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from weightsync.errors import ConfigError, PeerClosedError, TransportError, WeightSyncError
-from weightsync.transports.base import Link
 
 __all__ = [
     "INSTALL_HINT",
@@ -73,7 +72,7 @@ def require_nixl(role: str) -> None:
 
 
 @contextlib.contextmanager
-def nixl_errors(what: str, version: int | None = None, bucket: int | None = None) -> Iterator[None]:
+def nixl_errors(what: str) -> Iterator[None]:
     """Translate NIXL's exceptions (bindings classes with no common base) at the boundary."""
     try:
         yield
@@ -85,7 +84,7 @@ def nixl_errors(what: str, version: int | None = None, bucket: int | None = None
         # NIXL's own frames hold its agent, which must not outlive `close` in an error that a
         # sink or a log record keeps: empty them (they have returned; the traceback stays).
         traceback.clear_frames(exc.__traceback__)
-        raise cls(message, transport="nixl", version=version, bucket=bucket) from exc
+        raise cls(message, transport="nixl") from exc
 
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -239,30 +238,29 @@ class NixlAgent:
         with nixl_errors("forget a receiver"):
             self._agent.remove_remote_agent(name)
 
-    def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str, where: Link) -> tuple[Any, str]:
+    def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> tuple[Any, str]:
         """Post the WRITE of every (address, nbytes, 0) row of `local` to the same row of
-        `remote` in `peer`; returns the transfer and its state ("DONE", "PROC" or "ERR").
-        Errors name `where`'s version and bucket."""
-        with nixl_errors(f"post a write to {peer}", where.version, where.bucket):
+        `remote` in `peer`; returns the transfer and its state ("DONE", "PROC" or "ERR")."""
+        with nixl_errors(f"post a write to {peer}"):
             local_descs = self._agent.get_xfer_descs(local, "DRAM")
             remote_descs = self._agent.get_xfer_descs(remote, "DRAM")
             transfer = self._agent.initialize_xfer("WRITE", local_descs, remote_descs, peer)
         try:
-            with nixl_errors(f"write to {peer}", where.version, where.bucket):
+            with nixl_errors(f"write to {peer}"):
                 return transfer, str(self._agent.transfer(transfer))
         except BaseException:
             self.release(transfer)
             raise
 
-    def state(self, transfer: Any, where: Link | None) -> str:
+    def state(self, transfer: Any) -> str:
         """Progress, then the transfer's state: "DONE", "PROC" or "ERR"."""
-        with nixl_errors("complete a write", *((where.version, where.bucket) if where is not None else ())):
+        with nixl_errors("complete a write"):
             return str(self._agent.check_xfer_state(transfer))
 
     def ended(self, transfer: Any) -> bool:
         """Progress, then whether a transfer is over, done or failed (never raises)."""
         try:
-            return self.state(transfer, None) != "PROC"
+            return self.state(transfer) != "PROC"
         except TransportError:
             return True
 
@@ -275,8 +273,8 @@ class NixlAgent:
         else:
             transfer._agent = None  # a released handle needs no agent (see the class docstring)
 
-    def progress(self, where: Link) -> None:
-        with nixl_errors("make progress", where.version, where.bucket):
+    def progress(self) -> None:
+        with nixl_errors("make progress"):
             self._agent.get_new_notifs()
 
 

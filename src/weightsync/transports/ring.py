@@ -164,7 +164,6 @@ class RingSendPlane(SendPlane):
         message = BucketReady(index, slot, checksum)
 
         def notify(address: str, link: Link) -> None:
-            link.bucket = index
             link.send(message, self.options.timeout)
 
         return failures | self.channel.each([a for a in live if a not in failures], notify)
@@ -208,14 +207,12 @@ class RingReceivePlane(ReceivePlane):
             raise ProtocolError(
                 f"expected BucketReady for bucket {index}, got {message!r}"[:200],
                 transport=self.link.transport,
-                version=self.link.version,
                 bucket=index,
             )
         if ring is None or not 0 <= message.slot < ring.num_slots or landing.plan.bucket_bytes > ring.slot_bytes:
             raise ProtocolError(
                 "bucket refers to a ring slot this receiver has not mapped",
                 transport=self.link.transport,
-                version=self.link.version,
                 bucket=index,
             )
         ring.read(message.slot, landing.plan.buckets[index], landing)

@@ -80,7 +80,6 @@ class StreamSendPlane(SendPlane):
 
         def stream(address: str, link: Link) -> None:
             conn = socket_link(link)
-            conn.bucket = index
             conn.send(message, self.options.timeout)
             for chunk in chunks():
                 conn.send_bytes(chunk, self.options.timeout)
@@ -191,7 +190,6 @@ class StreamReceivePlane(ReceivePlane):
             raise ProtocolError(
                 f"expected BucketData({index}, {expected}), got {message!r}"[:200],
                 transport=conn.transport,
-                version=conn.version,
                 bucket=index,
             )
         for piece in pieces:
