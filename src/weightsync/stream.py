@@ -96,8 +96,8 @@ class StreamSink(WeightSink):
         self._changed = threading.Condition()
         self._sync: _Sync | None = None
         self._refused: _Sync | None = None
-        """The last offer refused before its sync began: a sync that failed before it began, for
-        the stream that waits for its version (until one takes it or a sync of that version begins)."""
+        """The last offer refused before its sync began, as a sync that failed before it began:
+        for the stream that waits for its version, until one takes it or the next sync begins."""
 
     def stream(self, version: int | None = None) -> TensorStream:
         """The tensors of the next sync nobody has taken yet, as they land.
@@ -120,9 +120,7 @@ class StreamSink(WeightSink):
 
     def begin(self, plan: Plan, version: int) -> None:
         with self._changed:
-            self._sync = _Sync(version)
-            if self._refused is not None and self._refused.version == version:
-                self._refused = None  # the newer word on this version
+            self._sync, self._refused = _Sync(version), None
             self._changed.notify_all()
 
     def refused(self, version: int, error: BaseException) -> None:

@@ -176,6 +176,12 @@ class _WindowSink(StreamSink):
         if self.open:
             super().refused(version, error)
 
+    def open_window(self) -> None:
+        """vLLM's update window opens: take one sync. No refusal from before it belongs to it."""
+        with self._changed:
+            self._refused = None
+            self.open = True
+
     def _start(self) -> None:
         if self._pending is None:
             return
@@ -433,7 +439,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         sink = self._require()
         initialize_layerwise_reload(self.model)
         self._reloading = True
-        sink.open = True
+        sink.open_window()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class also synchronises an accelerator, which raises on a CPU-only torch.
