@@ -311,12 +311,12 @@ def test_a_refused_round_fails_at_once_and_the_next_round_is_labelled(server, tr
         report = engine.send_weights(version=30)
         assert report is not None and report.ok, report
         served = _checksums(server.url)
+        other = [(name, tensor + 1) for name, tensor in source]  # weights that would show if they landed
         if refusal == "token":  # the workers hold no token: they do not take a trainer with one
             engine.shutdown()
-            engine = _engine(server.url, source, timeout=REFUSAL_TIMEOUT_S, auth_token="t" * 32)
+            engine = _engine(server.url, _Listed(other), timeout=REFUSAL_TIMEOUT_S, auth_token="t" * 32)
         else:  # refused by every worker's receiver, before vLLM's loader sees it
-            pairs = list(source)
-            engine.source = _Listed(pairs[:-1] + [pairs[0]])
+            engine.source = _Listed(other[:-1] + [other[0]])
         started = time.monotonic()
         with pytest.raises(SyncFailed) as failed:
             engine.send_weights(version=31)
