@@ -6,7 +6,8 @@ The receive loop is the mirror of `WeightSender.push`, one per connected sender:
     handshake   Hello -> Welcome (+ the sender's Auth)
     setup       the data plane takes what the sender sets up between syncs (a ring to map)
     sync        Offer -> begin (check the plan, sink.begin) -> Accept
-                (an Offer of a LoRA adapter lands in `sink.adapter_sink(adapter)` instead)
+                (an Offer of a LoRA adapter lands in `sink.adapter_sink(adapter)` instead;
+                a refused Offer -> sink.refused -> Failed, and the sync never began)
                 for each bucket k: data_plane.receive(k, landing)
                 data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
                 any failure -> abort (sink.abort, told whether the served weights are intact)
@@ -314,10 +315,13 @@ class WeightReceiver:
         return True
 
     def begin(self, offer: Offer) -> Landing:
-        """Check an offered plan and start its sync; the landing site it will go to."""
+        """Check an offered plan and start its sync; the landing site it will go to. A refused
+        offer raises why, once the sink heard it (`WeightSink.refused`)."""
         if not self._busy.acquire(blocking=False):
             log.warning("push of version %d refused: busy with another sync", offer.version)
-            raise NegotiationError(f"receiver is busy with another sync; version {offer.version} refused")
+            busy = NegotiationError(f"receiver is busy with another sync; version {offer.version} refused")
+            self._refuse(offer, busy)
+            raise busy
         try:
             landing = self._begin(offer)
         except BaseException as exc:
@@ -332,6 +336,7 @@ class WeightReceiver:
                 exc,
             )
             self._set(last_error=f"sync of version {offer.version} failed: {exc}")
+            self._refuse(offer, exc)
             self._busy.release()
             raise
         if offer.adapter is None:  # an adapter sync leaves the base weights, and so the state, as they are
@@ -339,6 +344,16 @@ class WeightReceiver:
             self._base = ""  # every sync writes destinations: nothing to patch until it commits
             self._set(state="syncing")
         return landing
+
+    def _refuse(self, offer: Offer, error: BaseException) -> None:
+        """Tell the sink that `offer` was refused before its sync began (a consumer waiting for
+        its version stops waiting). An adapter's offer was never the base weights' sync."""
+        if offer.adapter is not None:
+            return
+        try:
+            self._sink.refused(offer.version, error)
+        except Exception:  # the sink failing here must not hide the refusal
+            log.exception("sink.refused raised")
 
     def _begin(self, offer: Offer) -> Landing:
         check_plan(offer.plan, self._max_bucket_bytes)

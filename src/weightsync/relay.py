@@ -164,6 +164,10 @@ class RelaySink(WeightSink):
         if self._inner is not None:
             self._inner.abort(version, error, intact=intact)
 
+    def refused(self, version: int, error: BaseException) -> None:
+        if self._inner is not None:
+            self._inner.refused(version, error)
+
     def _finish(self) -> SyncReport | BaseException:
         """Wait for the downstream push (it ends once the last tensor was sent and committed)."""
         if self._thread is None:

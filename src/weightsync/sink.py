@@ -60,7 +60,8 @@ class WeightSink:
 
     Order of calls for one sync: `begin` (may reject the plan before any byte moves), then
     `destination` per tensor, then `load` per bucket for tensors without a destination, then
-    exactly one of `commit` or `abort`.
+    exactly one of `commit` or `abort`. An offer refused before its sync began (by `begin`, or
+    by the receiver: busy, a plan it cannot take) gets `refused` instead, and nothing after.
     """
 
     traits = SinkTraits()
@@ -94,6 +95,11 @@ class WeightSink:
         are still the previous version, untouched; False when the sync partly overwrote them
         (the receiver now reports itself dirty until the next good sync)."""
 
+    def refused(self, version: int, error: BaseException) -> None:
+        """The receiver refused an offer of `version` before its sync began (`error` says why);
+        the weights being served are untouched. For a sink whose consumer may be waiting for that
+        version (`StreamSink`): it need not wait out its timeout."""
+
     def adapter_sink(self, adapter: Adapter) -> WeightSink:
         """The sink a sync of LoRA adapter `adapter` lands in (lora.AdapterSink), for an engine
         that serves adapters; PlanError to refuse it."""
@@ -120,6 +126,9 @@ class WrappingSink(WeightSink):
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.inner.load(named_tensors)
+
+    def refused(self, version: int, error: BaseException) -> None:
+        self.inner.refused(version, error)
 
     def adapter_sink(self, adapter: Adapter) -> WeightSink:
         return self.inner.adapter_sink(adapter)
@@ -221,6 +230,9 @@ class StagedSink(WeightSink):
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         self.inner.abort(version, error, intact=intact)
+
+    def refused(self, version: int, error: BaseException) -> None:
+        self.inner.refused(version, error)
 
 
 def check_against(

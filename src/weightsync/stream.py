@@ -31,6 +31,9 @@ consumer has moved past the last of them. The consumer's `TensorStream` yields t
 - A consumer that stops early (breaks out of its loop, closes the stream, raises, or is collected)
   aborts the sync: the receiver's next `load` or `commit` raises SinkError, this receiver aborts,
   and the sender reports it failed. Closing a stream is safe from any thread.
+- An offer the receiver refuses before its sync begins (busy with another sync, a plan it
+  cannot take) reaches the sink as `refused`: the stream waiting for that version raises the
+  refusal at once rather than wait out its timeout.
 
 One receiver per sink, one stream per sync: a stream takes the next sync nobody has taken yet.
 """
@@ -92,6 +95,9 @@ class StreamSink(WeightSink):
         self.timeout = float(timeout)
         self._changed = threading.Condition()
         self._sync: _Sync | None = None
+        self._refused: _Sync | None = None
+        """The last offer refused before its sync began, as a sync that failed before it began:
+        for the stream that waits for its version, until one takes it or the next sync begins."""
 
     def stream(self, version: int | None = None) -> TensorStream:
         """The tensors of the next sync nobody has taken yet, as they land.
@@ -99,7 +105,8 @@ class StreamSink(WeightSink):
         Args:
             version: the version expected, or None for whichever comes. A sync of another version
                 in progress is aborted and the stream raises PlanError; one that already ended
-                untaken is skipped.
+                untaken is skipped. An offer of this version that the receiver refused before
+                its sync began raises the refusal.
 
         Returns:
             A `TensorStream`: an iterator of (name, tensor) pairs in plan order, and a context
@@ -113,7 +120,13 @@ class StreamSink(WeightSink):
 
     def begin(self, plan: Plan, version: int) -> None:
         with self._changed:
-            self._sync = _Sync(version)
+            self._sync, self._refused = _Sync(version), None
+            self._changed.notify_all()
+
+    def refused(self, version: int, error: BaseException) -> None:
+        """The stream waiting for `version` (or the next to ask for it) raises `error`."""
+        with self._changed:
+            self._refused = _Sync(version, error=error)
             self._changed.notify_all()
 
     def load(self, named_tensors: NamedTensors) -> None:
@@ -173,6 +186,10 @@ class StreamSink(WeightSink):
                     sync.claimed, sync.stopped = True, f"the consumer expected version {stream._version}"
                     self._changed.notify_all()
                     raise PlanError(f"the sync in progress is version {sync.version}, expected {stream._version}")
+            refused = self._refused
+            if refused is not None and refused.version == stream._version:
+                self._refused, refused.claimed = None, True
+                return refused  # ended before it began: the stream raises its error
             left = ends - time.monotonic()
             if left <= 0:
                 which = "" if stream._version is None else f" of version {stream._version}"

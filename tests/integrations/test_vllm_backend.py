@@ -13,7 +13,9 @@ digest equals that of the checkpoint's own tensors), greedy output equals transf
 same weights, and, pushed in buckets that split layers, what every worker serves equals vLLM's
 own reload of the checkpoint (vLLM's per-parameter checksums); a plan with a tensor twice and another missing, an empty sync and (MoE) the
 fused stacks as transformers holds them fail loudly and label no version; a push outside vLLM's
-update window is refused.
+update window is refused; a round the workers refuse (the trainer's token, a plan the receiver
+refuses) raises at once, not after the timeout, leaves what every worker serves as it was, and
+the next round lands and is labelled.
 
 Skipped where vLLM is not installed (scripts/install-vllm.sh installs it).
 """
@@ -159,8 +161,8 @@ def _checkpoint_digest(served: Served, source: VLLMWeightSource) -> str:
     return source_digest([(name, written[name]) for name in names])
 
 
-def _engine(url: str, source: object, transport: str = "shm", bucket_bytes: int | str = "auto"):  # type: ignore[no-untyped-def]
-    options = SenderOptions(verify="full", timeout=20, bucket_bytes=bucket_bytes)
+def _engine(url: str, source: object, transport: str = "shm", bucket_bytes: int | str = "auto", **more: object):  # type: ignore[no-untyped-def]
+    options = SenderOptions(**{"verify": "full", "timeout": 20, "bucket_bytes": bucket_bytes} | more)  # type: ignore[arg-type]
     return WeightTransferTrainerFactory.trainer_init(
         WeightsyncTrainerInitInfo(rank=0, transport=transport, options=options),
         client=HTTPVLLMWeightSyncClient(url, timeout=120),
@@ -291,4 +293,54 @@ def test_a_push_outside_the_update_window_is_refused(server, trainer_model) -> N
         assert not report.ok
         assert all("no weight update is open" in (outcome.error or "") for outcome in report.failed)
     finally:
+        engine.shutdown()
+
+
+REFUSAL_TIMEOUT_S = 30.0
+"""The sender's timeout, and so every worker's, in the refusal test: a round that waited for it
+could not end within `PROMPTLY_S`."""
+PROMPTLY_S = 10.0
+
+
+@pytest.mark.parametrize("refusal", ["token", "plan"])
+def test_a_refused_round_fails_at_once_and_the_next_round_is_labelled(server, trainer_model, refusal) -> None:
+    source = _source(server.kind, trainer_model)
+    engine = _engine(server.url, source, timeout=REFUSAL_TIMEOUT_S)
+    httpx.post(f"{server.url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+    try:
+        report = engine.send_weights(version=30)
+        assert report is not None and report.ok, report
+        served = _checksums(server.url)
+        other = [(name, tensor + 1) for name, tensor in source]  # weights that would show if they landed
+        if refusal == "token":  # the workers hold no token: they do not take a trainer with one
+            engine.shutdown()
+            engine = _engine(server.url, _Listed(other), timeout=REFUSAL_TIMEOUT_S, auth_token="t" * 32)
+        else:  # refused by every worker's receiver, before vLLM's loader sees it
+            engine.source = _Listed(other[:-1] + [other[0]])
+        started = time.monotonic()
+        with pytest.raises(SyncFailed) as failed:
+            engine.send_weights(version=31)
+        assert time.monotonic() - started < PROMPTLY_S, "the round waited for the workers' timeout"
+        message = str(failed.value)
+        assert "\n" not in message and any(worker.address in message for worker in engine.workers), message
+        assert ("AuthError" if refusal == "token" else "PlanError: plan names a tensor twice") in message
+        assert _label(server.url) == "30"
+        assert _checksums(server.url) == served, "a refused round changed what the workers serve"
+
+        if refusal == "token":  # a trainer started again, with the workers' (no) token
+            engine.shutdown()
+            engine = _engine(server.url, source, timeout=REFUSAL_TIMEOUT_S)
+            next_version: int | None = 31
+        else:  # the same trainer: its next version is still 31
+            engine.source = source
+            next_version = None
+        started = time.monotonic()
+        report = engine.send_weights(next_version)  # every worker left the refused round: it starts at once
+        assert time.monotonic() - started < PROMPTLY_S
+        assert report is not None and report.ok and report.version == 31, report
+        assert report.content_digest == _checkpoint_digest(server, source)
+        assert _label(server.url) == "31"
+        assert _checksums(server.url) == served  # the same weights again, pushed whole
+    finally:
+        httpx.post(f"{server.url}/resume", timeout=30).raise_for_status()
         engine.shutdown()

@@ -215,3 +215,51 @@ def test_a_rank_other_than_0_only_walks_the_source_whatever_its_kind() -> None:
         )  # type: ignore[arg-type]
         assert engine.sender is None and engine.workers == []
         assert engine.send_weights() is None
+
+
+@pytest.mark.parametrize(
+    ("worker_token", "trainer_token"),
+    [("t" * 32, None), ("t" * 32, "o" * 32), (None, "t" * 32)],
+    ids=["trainer-without", "wrong-token", "worker-without"],
+)
+def test_a_worker_that_refuses_the_sender_fails_the_round_before_any_window_opens(
+    worker_token: str | None, trainer_token: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("vllm")
+    from weightsync.auth import TOKEN_ENV
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    import time
+
+    from weightsync import StateDictSource, StreamSink, SyncFailed, WeightReceiver, WeightSender
+    from weightsync.integrations.vllm.trainer import WeightsyncTrainerEngine
+
+    class Recording:  # vLLM's client: no call may reach the workers
+        calls: list[str] = []
+
+        def __getattr__(self, name: str) -> object:
+            return lambda *args, **kwargs: self.calls.append(name)
+
+    class Walked(StateDictSource):  # the other ranks walk the source: rank 0 must too
+        walked: list[str] = []
+
+        def tensors(self):  # type: ignore[no-untyped-def]
+            for name, tensor in super().tensors():
+                self.walked.append(name)
+                yield name, tensor
+
+    model = torch.nn.Linear(3, 2)
+    with WeightReceiver(StreamSink(timeout=30), "tcp", auth_token=worker_token, timeout=30) as worker:
+        sender = WeightSender([worker.address], timeout=30, raise_on_failure=False, auth_token=trainer_token)
+        engine = WeightsyncTrainerEngine(client=Recording(), source=Walked(model.named_parameters()), sender=sender)  # type: ignore[arg-type]
+        started = time.monotonic()
+        with pytest.raises(SyncFailed, match=f"version 1 was not labelled: {worker.address}: AuthError") as failed:
+            engine.send_weights()
+        assert time.monotonic() - started < 10
+        assert Recording.calls == [], "an update window was opened for a round no worker could take"
+        assert Walked.walked == ["weight", "bias"]
+        assert [(outcome.address, outcome.kind) for outcome in failed.value.report.failed] == [
+            (worker.address, "AuthError")
+        ]
+        assert engine.version == 0 and worker.version is None
+        engine.shutdown()

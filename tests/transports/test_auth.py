@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import receiving, sending, wait_until
-from weightsync import ConfigError, SyncFailed, WeightReceiver, wire
+from weightsync import AuthError, ConfigError, SyncFailed, WeightReceiver, wire
 from weightsync.auth import TOKEN_ENV
 
 TOKEN = "correct horse battery staple"
@@ -60,6 +60,35 @@ def test_a_missing_or_wrong_token_is_refused(transport, receiver_token, sender_t
     assert logged in warned[0], warned
     assert all(TOKEN not in record.getMessage() and OTHER not in record.getMessage() for record in caplog.records)
     assert not dest["w"].any()
+
+
+@pytest.mark.parametrize(
+    ("receiver_token", "sender_token", "says"),
+    [
+        (TOKEN, None, "requires an auth token and this sender holds none"),
+        (TOKEN, OTHER, "holds another auth token than this sender"),
+        (None, TOKEN, "holds no auth token"),
+    ],
+    ids=["sender-without", "wrong-token", "receiver-without"],
+)
+def test_connect_tells_which_receivers_refuse_the_sender_before_any_push(
+    receiver_token, sender_token, says, caplog, monkeypatch
+) -> None:
+    """A caller learns it before it starts anything the push would fill; the receiver logs why
+    the sender left, and the same token on both sides connects."""
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    caplog.set_level(logging.INFO, logger="weightsync")
+    with (
+        receiving({"w": torch.zeros(64)}, "tcp", auth_token=receiver_token) as refusing,
+        receiving({"w": torch.zeros(64)}, "tcp", auth_token=sender_token) as taking,
+        sending([refusing.address, taking.address], auth_token=sender_token) as sender,
+    ):
+        refused = sender.connect()
+        assert list(refused) == [refusing.address] and isinstance(refused[refusing.address], AuthError)
+        assert says in str(refused[refusing.address]) and f"${TOKEN_ENV}" in str(refused[refusing.address])
+        assert wait_until(lambda: any(r.name == "weightsync.receiver" for r in caplog.records))
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and warned[0].startswith("closing connection from sender: auth token refused: "), warned
 
 
 def test_the_token_never_crosses_the_wire(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,13 +6,15 @@ sync on this receiver (the sender reports it); a sync that fails raises on the c
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
-from weightsync import ConfigError, PlanError, SinkError, TransferTimeout, WeightSyncError
+from weightsync import ConfigError, NegotiationError, PlanError, SinkError, TransferTimeout, WeightSyncError
+from weightsync.source import TensorMeta
 from weightsync.stream import StreamSink
 
 MODEL = {
@@ -168,3 +170,56 @@ def test_close_from_another_thread_wakes_the_consumer():
     timer.join()
     with pytest.raises(StopIteration):
         next(stream)
+
+
+class _Twice:
+    """A trainer's source that names one tensor twice: a plan the receiver refuses."""
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta("norm", (64,), torch.float32)] * 2
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter([("norm", MODEL["norm"])] * 2)
+
+
+def test_a_stream_for_a_refused_offer_raises_the_refusal_not_a_timeout(transport):
+    sink = StreamSink(timeout=30)  # a long timeout: the refusal, not the wait, must end the stream
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, raise_on_failure=False) as sender,
+    ):
+        report = sender.push(_Twice(), version=3)  # refused before the consumer asks for it
+        assert not report.ok and "twice" in report.failed[0].error
+        started = time.monotonic()
+        with pytest.raises(PlanError, match="twice"):
+            next(sink.stream(version=3))
+        assert time.monotonic() - started < 10, "the consumer waited out its timeout"
+        assert receiver.version is None and receiver.state == "empty"
+        # the next sync, of any version, is taken as usual
+        pusher = Pusher(lambda: sender.push(MODEL, version=4))
+        got = {name: tensor.clone() for name, tensor in sink.stream(version=4)}
+        assert pusher.join().ok  # type: ignore[attr-defined]
+        assert_all_bit_exact(got, MODEL)
+
+
+def test_a_stream_waiting_while_the_receiver_is_busy_hears_the_refusal(transport):
+    sink = StreamSink(timeout=30)
+    with (
+        receiving(sink, transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET) as first,
+        sending(receiver.address, bucket_bytes=BUCKET, raise_on_failure=False) as second,
+    ):
+        pusher = Pusher(lambda: first.push(MODEL, version=1))
+        holding = sink.stream(version=1)
+        name, tensor = next(holding)  # the consumer holds version 1's first bucket: the receiver is busy
+        got = {name: tensor.clone()}
+        waiter = Pusher(lambda: next(sink.stream(version=2)))  # a consumer already waiting for version 2
+        started = time.monotonic()
+        report = second.push(MODEL, version=2)
+        assert not report.ok and report.failed[0].kind == "NegotiationError", report
+        assert isinstance(waiter.join(), NegotiationError)
+        assert time.monotonic() - started < 10, "the waiting consumer waited out its timeout"
+        got |= {name: tensor.clone() for name, tensor in holding}
+        assert pusher.join().ok  # type: ignore[attr-defined]
+        assert_all_bit_exact(got, MODEL)
+        assert receiver.version == 1

@@ -16,15 +16,17 @@ Code written against vLLM's own trainer API switches to weightsync by naming it:
 
 One round of `send_weights`, every phase at its call site::
 
+    sender.connect()                             every worker's receiver takes this sender
     client.start_weight_update()                 every worker: vLLM's layerwise reload begins
     client.update_weights({"version": v})  ||    every worker lands version v as it arrives
     sender.push(source, v)                       one push to every worker's receiver
     client.finish_weight_update(str(v))          every worker: reload ends; vLLM labels v
 
 The update call and the push run side by side (a worker's `update_weights` returns once its
-receiver has landed the sync), and a version is labelled only when the push committed on every
-worker and every worker's update returned. Otherwise `send_weights` raises `SyncFailed` and no
-version is labelled.
+receiver has landed the sync, or at once when its receiver refused the push), and a version is
+labelled only when the push committed on every worker and every worker's update returned.
+Otherwise `send_weights` raises `SyncFailed` and no version is labelled. A worker that refuses
+the sender itself (another auth token, unreachable) fails the round before any window opens.
 """
 
 from __future__ import annotations
@@ -44,12 +46,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSource
 
-from weightsync.errors import ConfigError, ConnectError, SyncFailed
+from weightsync.errors import ConfigError, ConnectError, RemoteError, SyncFailed, WeightSyncError, one_line
 from weightsync.integrations.vllm import register
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.worker import WeightsyncInitInfo
 from weightsync.options import SenderOptions
-from weightsync.report import SyncReport
+from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sender import WeightSender
 from weightsync.source import TensorMeta, WeightSource
 
@@ -194,7 +196,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
 
         Raises:
             ConfigError: `version` is not larger than the last one.
-            SyncFailed: some worker did not land the version; none was labelled.
+            SyncFailed: some worker did not land the version, or refused this sender (then no
+                update window was opened); none was labelled, and no worker is left inside an
+                update.
         """
         source = _as_weightsync(self.source)
         if self.sender is None:
@@ -204,6 +208,17 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         version = self.version + 1 if version is None else version
         if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
             raise ConfigError(f"version must be an integer above the last one ({self.version}), got {version!r}")
+
+        # A worker that refuses this sender (its token, its protocol) or cannot be reached would
+        # never see the push: its update call would wait out its timeout. Find out first, and
+        # open no window then.
+        refused = self.sender.connect()
+        if refused:
+            for _ in source.tensors():  # as the push would: the other ranks walk it (collectives)
+                pass
+            report = _not_pushed(version, self.sender.addresses, refused)
+            causes = [outcome.cause() for outcome in report.failed if outcome.address in refused]
+            raise SyncFailed(f"version {version} was not labelled: " + "; ".join(causes), report)
 
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-update")
@@ -219,9 +234,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             return report
 
         self._end_failed_update()
-        why = [f"{outcome.address}: {outcome.kind}: {outcome.error}" for outcome in report.failed]
+        why = [outcome.cause() for outcome in report.failed]
         if landed is not None:
-            why.append(f"vLLM's update_weights: {landed}")
+            why.append(f"vLLM's update_weights: {one_line(landed)}")
         raise SyncFailed(f"version {version} was not labelled: " + "; ".join(why), report)
 
     def _end_failed_update(self) -> None:
@@ -236,6 +251,22 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         sender, self.sender = self.sender, None
         if sender is not None:
             sender.close()
+
+
+def _not_pushed(version: int, addresses: list[str], refused: dict[str, WeightSyncError]) -> SyncReport:
+    """The report of a push that never started: the workers in `refused` would not take this
+    sender (why), so no worker was sent anything."""
+    outcomes = []
+    for address in addresses:
+        error = refused.get(address)
+        if error is None:
+            outcomes.append(
+                ReceiverOutcome(address, False, "SyncFailed", "not pushed: another worker refused the sender")
+            )
+        else:
+            kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
+            outcomes.append(ReceiverOutcome(address, False, kind, str(error)))
+    return SyncReport(version, 0, 0, 0, 0, 0.0, tuple(outcomes))
 
 
 def _error_of(future: Any, timeout: float) -> BaseException | None:

@@ -17,7 +17,9 @@ weight-update lifecycle::
 A push that arrives outside a start/finish window is refused before any byte moves, and so is a
 plan that does not match the model's checkpoint (a name twice, a name missing, a wrong shape or
 dtype, an empty sync): vLLM's layerwise reload counts elements, not names, and would otherwise
-finish a reload with a layer silently left as it was.
+finish a reload with a layer silently left as it was. A push refused inside the window (by
+those checks, or by the receiver's own: busy with another sync, a plan it cannot take) ends the
+update call waiting for it at once (`_WindowSink.refused`), rather than after its timeout.
 
 A sync that fails part way (the trainer died, a timeout, a loader error) still ends vLLM's
 layerwise reload here, so that the model stays whole; the sender's report names the worker and
@@ -144,13 +146,9 @@ class _WindowSink(StreamSink):
 
     def begin(self, plan: Plan, version: int) -> None:
         self._pending = None
-        try:
-            feed = check_plan_layout(plan, self.layout)
-            if not self.deferred:
-                self._require_open(version)
-        except BaseException as exc:
-            self._end_waiting_stream(plan, version, exc)
-            raise
+        feed = check_plan_layout(plan, self.layout)
+        if not self.deferred:
+            self._require_open(version)
         self.feed = feed
         if self.deferred:
             self._pending = (plan, version)
@@ -167,9 +165,22 @@ class _WindowSink(StreamSink):
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         pending, self._pending = self._pending, None
-        if pending is not None:
-            self._end_waiting_stream(*pending, error)
+        if pending is not None:  # it never reached the stream: there it ends before it began
+            self.refused(pending[1], error)
         super().abort(version, error, intact=intact)
+
+    def refused(self, version: int, error: BaseException) -> None:
+        """The receiver refused the offer of `version` (this sink's checks, or its own: busy, a
+        plan it cannot take): vLLM's update call waiting for it ends now, on every worker alike,
+        rather than after its timeout. Outside the window no update call waits for it."""
+        if self.open:
+            super().refused(version, error)
+
+    def open_window(self) -> None:
+        """vLLM's update window opens: take one sync. No refusal from before it belongs to it."""
+        with self._changed:
+            self._refused = None
+            self.open = True
 
     def _start(self) -> None:
         if self._pending is None:
@@ -185,13 +196,6 @@ class _WindowSink(StreamSink):
                 f"version {version} refused: no weight update is open on this vLLM worker "
                 "(the trainer calls start_weight_update before it pushes)"
             )
-
-    def _end_waiting_stream(self, plan: Plan, version: int, error: BaseException) -> None:
-        """vLLM's update call may already wait on this sync: end it now, on every worker alike,
-        rather than after its timeout."""
-        if self.open:
-            super().begin(plan, version)
-            super().abort(version, error, intact=True)
 
 
 class _ServedSink(WrappingSink):
@@ -435,7 +439,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         sink = self._require()
         initialize_layerwise_reload(self.model)
         self._reloading = True
-        sink.open = True
+        sink.open_window()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class also synchronises an accelerator, which raises on a CPU-only torch.
