@@ -10,7 +10,6 @@ in the steps after.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -18,11 +17,9 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Literal
 
-from weightsync.auth import TOKEN_ENV
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.delta import Baseline, Diff, Step, settled
 from weightsync.errors import (
-    AuthError,
     ConfigError,
     NegotiationError,
     RemoteError,
@@ -52,11 +49,6 @@ from weightsync.transports.links import opener
 __all__ = ["WeightSender"]
 
 log = logging.getLogger(__name__)
-
-_TOKENLESS = (
-    "auth token refused: receiver {address} requires an auth token and this sender holds none; "
-    f"give both sides the same token (auth_token=, or ${TOKEN_ENV})"
-)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -171,25 +163,12 @@ class WeightSender:
 
     def connect(self) -> dict[str, WeightSyncError]:
         """Connect every receiver not connected yet (the handshake and, with a token, the proof
-        both ways), pushing nothing; returns those that refused this sender, would refuse its
-        push (they require a token and this sender holds none) or could not be reached, with why
-        ({} when every one takes it). `push` connects by itself: this tells a caller before it
-        starts anything a push would fill (the vLLM backend, before it opens vLLM's update window).
-        """
-        welcomes, failures = self._connect()
-        if self.options.auth_token is not None:
-            return failures
-        for route in self._routes:
-            for address in route.live(failures, welcomes):
-                if welcomes[address].proof:  # it answered our nonce: it holds a token, and refuses us
-                    failures[address] = self._leave(route, address, AuthError(_TOKENLESS.format(address=address)))
-        return failures
-
-    def _leave(self, route: Route, address: str, error: WeightSyncError) -> WeightSyncError:
-        """Tell a receiver still in its handshake why this sender leaves (it logs it), and drop it."""
-        with contextlib.suppress(WeightSyncError):
-            route.channel.link(address).send(Abort(-1, str(error)), self._timeout)
-        return route.channel.fail(address, error)
+        both ways), pushing nothing; returns those that refused this sender, or that it refused
+        (their token differs from its own, or only one side holds one), or could not be reached,
+        with why ({} when every one takes it). `push` connects by itself: this tells a caller
+        before it starts anything a push would fill (the vLLM backend, before it opens vLLM's
+        update window)."""
+        return self._connect()[1]
 
     def push(
         self, tensors: Any, version: int, *, deadline: float | None = None, adapter: Adapter | None = None

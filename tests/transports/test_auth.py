@@ -33,7 +33,7 @@ def test_the_same_token_on_both_sides_syncs(transport: str) -> None:
 @pytest.mark.parametrize(
     ("receiver_token", "sender_token", "says", "logged"),
     [
-        (TOKEN, None, "the sender did not prove it holds this receiver's auth token", "the sender did not prove"),
+        (TOKEN, None, "requires an auth token and this sender holds none", "this receiver requires an auth token"),
         (TOKEN, OTHER, "holds another auth token than this sender", "this receiver holds another auth token"),
         (None, TOKEN, "holds no auth token", "this receiver holds no auth token"),
     ],

@@ -165,18 +165,25 @@ class SenderChannel:
             raise ProtocolError(
                 f"receiver speaks protocol {welcome.protocol}, sender {PROTOCOL_VERSION}", transport=self.scheme
             )
+        if self._token is None and welcome.proof:  # it answered our nonce: it holds a token, and would refuse us
+            self._leave(address, "requires an auth token and this sender holds none")
         if self._token is not None:
             if not proof_matches(self._token, "receiver", nonce, welcome.proof):
-                holds = "holds no auth token" if not welcome.proof else "holds another auth token than this sender"
-                # tell the receiver why we leave (it logs it); our own proof is never sent to it
-                with contextlib.suppress(WeightSyncError):
-                    link.send(Abort(-1, f"auth token refused: this receiver {holds}"), self.timeout)
-                raise AuthError(
-                    f"auth token refused: receiver {address} {holds}; give both sides the same token "
-                    f"(auth_token=, or ${TOKEN_ENV})"
+                self._leave(
+                    address, "holds another auth token than this sender" if welcome.proof else "holds no auth token"
                 )
             link.send(Auth(proof(self._token, "sender", welcome.nonce)), self.timeout)
         return welcome
+
+    def _leave(self, address: str, holds: str) -> None:
+        """Refuse a receiver over the tokens: tell it why we leave (it logs it; our own proof is
+        never sent to it), and raise AuthError."""
+        with contextlib.suppress(WeightSyncError):
+            self._links[address].send(Abort(-1, f"auth token refused: this receiver {holds}"), self.timeout)
+        raise AuthError(
+            f"auth token refused: receiver {address} {holds}; give both sides the same token "
+            f"(auth_token=, or ${TOKEN_ENV})"
+        )
 
     def offer(self, offer: Offer, live: Sequence[str]) -> Failures:
         """Send the plan; returns the receivers that did not accept it, with why."""
