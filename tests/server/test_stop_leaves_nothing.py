@@ -43,6 +43,16 @@ def serve_command(model: Path, engine: str) -> list[str]:
     return [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model), "--port", "0"]
 
 
+def start_server(model: Path, engine: str) -> ChildProcess:
+    """`weightsync serve` as a terminal starts it: SIGINT at its default, even where this run is a
+    background job (which ignores SIGINT, and so would its children: Ctrl-C could not reach them)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return ChildProcess(serve_command(model, engine), env=os.environ | ENV)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def running(pids: list[int]) -> list[int]:
     alive = []
     for pid in pids:
@@ -69,7 +79,7 @@ def stop(server: ChildProcess, signum: int, footprints: Footprints) -> tuple[int
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
 def test_a_stopped_server_leaves_nothing(tiny_models: dict[str, Path], engine: str, signum: int) -> None:
     footprints = Footprints()
-    server = ChildProcess(serve_command(tiny_models["qwen2"], engine), env=os.environ | ENV)
+    server = start_server(tiny_models["qwen2"], engine)
     try:
         assert server.wait_for_line(ANNOUNCEMENT, START_S), server.why_not_started("the server", START_S)
         status, shm, tmp = stop(server, signum, footprints)
@@ -85,7 +95,7 @@ def test_a_stopped_server_leaves_nothing(tiny_models: dict[str, Path], engine: s
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_a_server_stopped_while_vllm_loads_stops_at_once_and_leaves_nothing(tiny_models: dict[str, Path]) -> None:
     footprints = Footprints()
-    server = ChildProcess(serve_command(tiny_models["qwen2"], "vllm"), env=os.environ | ENV)
+    server = start_server(tiny_models["qwen2"], "vllm")
     try:  # vLLM's engine core and its worker are up: the load is under way
         assert wait_until(lambda: len(tree(server.pid)) >= 4 or not server.alive(), timeout=START_S)
         assert server.alive()
