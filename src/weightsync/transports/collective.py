@@ -419,11 +419,11 @@ class ChainReceivePlane(ReceivePlane):
     def begin(self, landing: Landing) -> None:
         try:
             invitation = expect_on(self.link, Group, self.options.timeout, "the sync's Group")
-            if self._member is None or invitation.prefix != self._prefix:
-                self._join(invitation)
-            assert self._member is not None
+            member = self._member
+            if member is None or invitation.prefix != self._prefix:
+                member = self._join(invitation)
             cuda = "device" in landing.routes and torch.cuda.is_available()
-            self._buffers = self._member.buffers(landing.plan.bucket_bytes, pinned=cuda)
+            self._buffers = member.buffers(landing.plan.bucket_bytes, pinned=cuda)
             self._pending, self._failure = None, None
         except BaseException as exc:
             self._forget(exc)
@@ -489,7 +489,7 @@ class ChainReceivePlane(ReceivePlane):
         if isinstance(exc, CollectiveError):
             self.close()  # the group is broken; the sender forms a new one
 
-    def _join(self, message: Group) -> None:
+    def _join(self, message: Group) -> _Member:
         if message.backend != BACKEND or not 0 < message.rank < message.world_size <= MAX_WORLD_SIZE:
             raise ProtocolError(f"cannot join {message!r}"[:200], transport="collective")
         self.close()
@@ -499,6 +499,7 @@ class ChainReceivePlane(ReceivePlane):
         group = _new_group(store, message.prefix, message.rank, message.world_size, host, timeout)
         self._member = _Member(group, message.rank, message.world_size, timeout, self.link)
         self._prefix = message.prefix
+        return self._member
 
     def close(self) -> None:
         member, self._member = self._member, None
