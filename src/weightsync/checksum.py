@@ -5,10 +5,10 @@ on one core here) and sends the bucket's checksum, a hash of its pieces' hashes,
 The receiver hashes the same bytes where they landed, before any tensor of the bucket reaches
 the sink, and fails the sync on a mismatch: one extra read of every byte on each side.
 
-The same piece hashes give each tensor's digest (xxh3-64 of its bytes as sent: the piece hash
+The same piece hashes give each tensor's hash (xxh3-64 of its bytes as sent: the piece hash
 when the tensor is one piece, a running hash over its pieces when it is chunked), and the
-tensors' digests give the content digest of the whole version: xxh3-128 over every tensor's
-name, dtype, shape and digest. It does not depend on the bucket layout, so `source_digest`
+tensor hashes give the content digest of the whole version: xxh3-128 over every tensor's
+name, dtype, shape and hash. It does not depend on the bucket layout, so `source_digest`
 recomputes it from a checkpoint without knowing how a push was cut.
 
 With verify="full", the receiver also re-hashes every tensor where it finally sits (its
@@ -41,7 +41,7 @@ __all__ = [
     "check_verify",
     "content_digest",
     "stricter",
-    "tensor_digests",
+    "tensor_hashes",
 ]
 
 Verify: TypeAlias = Literal["off", "bucket", "full"]
@@ -68,10 +68,10 @@ def bucket_checksum(piece_hashes: Sequence[int]) -> int:
 
 def piece_hashes(views: Iterable[np.ndarray]) -> list[int]:
     """xxh3-64 of each of `views` (uint8 arrays in host memory)."""
-    return [_digest(view) for view in views]
+    return [_hash(view) for view in views]
 
 
-def _digest(view: np.ndarray) -> int:
+def _hash(view: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(view.data)
 
 
@@ -83,41 +83,41 @@ HASH_TIMEOUT_S = 600.0
 unbounded."""
 
 
-def tensor_digests(views: Sequence[np.ndarray]) -> list[int]:
+def tensor_hashes(views: Sequence[np.ndarray]) -> list[int]:
     """xxh3-64 of each of `views` (uint8 arrays in host memory), in order, over `HASH_THREADS`
     threads (started per call: a model's worth of hashing dwarfs starting them, and none lingers)."""
     if len(views) < 2 or HASH_THREADS == 1:
         return piece_hashes(views)
     with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="weightsync-hash") as hashers:
-        return list(hashers.map(_digest, views, timeout=HASH_TIMEOUT_S))
+        return list(hashers.map(_hash, views, timeout=HASH_TIMEOUT_S))
 
 
-def content_digest(specs: Sequence[TensorSpec], tensor_digests: Sequence[int]) -> str:
+def content_digest(specs: Sequence[TensorSpec], tensor_hashes: Sequence[int]) -> str:
     """One digest of a whole version, a value of its named tensors: xxh3-128 over every tensor's
     name, wire dtype, shape and xxh3-64, taken in name order. Independent of the order a source
     yields the tensors in and of the bucket layout; both sides compute it, so a trainer can check
     what a server holds against what it sent (or against a checkpoint on disk, whose tensors come
     in another order) without moving the weights again."""
     digest = xxhash.xxh3_128()
-    for spec, tensor_digest in sorted(zip(specs, tensor_digests, strict=True), key=lambda entry: entry[0].name):
+    for spec, tensor_hash in sorted(zip(specs, tensor_hashes, strict=True), key=lambda entry: entry[0].name):
         digest.update(f"{spec.name}\0{spec.dtype}\0{','.join(map(str, spec.shape))}\0".encode())
-        digest.update(tensor_digest.to_bytes(8, "little"))
+        digest.update(tensor_hash.to_bytes(8, "little"))
     return digest.hexdigest()
 
 
 class SyncHashes:
     """One sync's hashes on one side, fed one bucket at a time in plan order: each bucket's
-    checksum and, once its last piece went by, each tensor's digest."""
+    checksum and, once its last piece went by, each tensor's hash."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.checksums: list[int] = []
         num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
         self._chunked = {tensor: xxhash.xxh3_64() for tensor, count in num_pieces.items() if count > 1}
-        self._digests: list[int | None] = [None] * len(plan.tensors)
+        self._tensor_hashes: list[int | None] = [None] * len(plan.tensors)
         for tensor in range(len(plan.tensors)):
             if tensor not in num_pieces:  # no bytes at all (an empty tensor): no piece goes by
-                self._digests[tensor] = xxhash.xxh3_64_intdigest(b"")
+                self._tensor_hashes[tensor] = xxhash.xxh3_64_intdigest(b"")
 
     def bucket(self, pieces: Sequence[Piece], views: Sequence[np.ndarray]) -> int:
         """Hash bucket `len(self.checksums)`'s bytes (`views`, one per piece); its checksum."""
@@ -125,11 +125,11 @@ class SyncHashes:
         for piece, view, piece_hash in zip(pieces, views, hashes, strict=True):
             running = self._chunked.get(piece.tensor)
             if running is None:
-                self._digests[piece.tensor] = piece_hash
+                self._tensor_hashes[piece.tensor] = piece_hash
                 continue
             running.update(view.data)
             if piece.tensor_offset + piece.nbytes == _nbytes(self.plan, piece.tensor):
-                self._digests[piece.tensor] = running.intdigest()
+                self._tensor_hashes[piece.tensor] = running.intdigest()
         checksum = bucket_checksum(hashes)
         self.checksums.append(checksum)
         return checksum
@@ -139,13 +139,13 @@ class SyncHashes:
         """Whether every bucket of the plan went by."""
         return len(self.checksums) == len(self.plan.buckets)
 
-    def tensor_digests(self) -> tuple[int, ...]:
+    def tensor_hashes(self) -> tuple[int, ...]:
         """Each tensor's xxh3-64, in plan order (once `complete`)."""
-        return tuple(-1 if digest is None else digest for digest in self._digests)
+        return tuple(-1 if value is None else value for value in self._tensor_hashes)
 
     def content_digest(self) -> str:
         """The content digest of the sync (once `complete`)."""
-        return content_digest(self.plan.tensors, self.tensor_digests())
+        return content_digest(self.plan.tensors, self.tensor_hashes())
 
 
 def _nbytes(plan: Plan, tensor: int) -> int:

@@ -30,7 +30,7 @@ from typing import Literal, TypeAlias
 import numpy as np
 import torch
 
-from weightsync.checksum import HASH_TIMEOUT_S, content_digest, tensor_digests
+from weightsync.checksum import HASH_TIMEOUT_S, content_digest, tensor_hashes
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import PlanError
 from weightsync.messages import TensorSpec
@@ -87,7 +87,7 @@ def _digest_later(specs: Sequence[TensorSpec], tensors: list[torch.Tensor]) -> F
     The tensors (the baseline) stay unchanged until the next diff, which waits for it."""
     hashing = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
     try:
-        return hashing.submit(lambda: content_digest(specs, tensor_digests([byte_view(t) for t in tensors])))
+        return hashing.submit(lambda: content_digest(specs, tensor_hashes([byte_view(t) for t in tensors])))
     finally:
         hashing.shutdown(wait=False)  # the thread ends once the digest is done
 

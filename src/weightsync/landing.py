@@ -32,7 +32,7 @@ import psutil
 import torch
 import xxhash
 
-from weightsync.checksum import SyncHashes, Verify, content_digest, tensor_digests
+from weightsync.checksum import SyncHashes, Verify, content_digest, tensor_hashes
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, PlanError
 from weightsync.hostmem import host_bytes
@@ -128,7 +128,7 @@ class Landing:
         plan: the accepted plan.
         sink: where the sync goes.
         version: the version being synced.
-        digest: the plan's digest, as offered.
+        plan_id: the plan's id, as offered.
         verify: this sync's verification ("off", "bucket" or "full").
         staging: the receiver's reusable staging space.
         delta: the plan patches the version the destinations hold (`Offer.base`): encoded
@@ -140,7 +140,7 @@ class Landing:
         plan: Plan,
         sink: WeightSink,
         version: int,
-        digest: str,
+        plan_id: str,
         verify: Verify = "off",
         staging: Staging | None = None,
         *,
@@ -150,7 +150,7 @@ class Landing:
         self.delta = delta
         self.sink = sink
         self.version = version
-        self.digest = digest
+        self.plan_id = plan_id
         self.verify: Verify = verify
         self.hashes = SyncHashes(plan)
         """The checksums of the buckets verified so far, and the tensors' digests."""
@@ -249,7 +249,7 @@ class Landing:
         travelled), or None when some tensor has no destination to hash."""
         if not self.patchable:
             return None
-        digests = tensor_digests([byte_view(dest.cpu()) for dest in self._dest if dest is not None])
+        digests = tensor_hashes([byte_view(dest.cpu()) for dest in self._dest if dest is not None])
         return content_digest(self.plan.tensors, digests)
 
     def check_tensors(self, expected: Sequence[int]) -> None:

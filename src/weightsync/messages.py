@@ -30,12 +30,13 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a
 chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5: `NixlTarget`
 and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the tensors
 larger than a bucket; 7: the content digest takes the tensors in name order; 8: an `Offer` may
-carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap")."""
+carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap"; 10: `Offer` and `Commit` name the
+plan by `plan_id`, and only a ring's `BucketReady` names a slot)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -134,7 +135,8 @@ class Offer(Message, frozen=True):
 
     version: int
     plan: Plan
-    digest: str
+    plan_id: str
+    """The plan's id (`plan.plan_id`: a hash of it), named again by the `Commit`."""
     verify: str = "off"
     """With "bucket", every bucket carries a checksum that the receiver checks."""
     base: str = ""
@@ -155,14 +157,15 @@ class Accept(Message, frozen=True):
 
 
 class BucketReady(Message, frozen=True):
-    """Sender -> receiver (shm, collective, nixl): bucket `index` sits in ring slot `slot` (shm;
-    nixl: its pieces that land through a slot, the rest is in place already), or is the next to
-    come down the chain (collective)."""
+    """Sender -> receiver: bucket `index` is there to land (in a ring slot, written in place, or
+    next down the chain)."""
 
     index: int
-    slot: int
     checksum: int = 0
     """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
+    slot: int = -1
+    """The ring slot that holds the bucket's bytes (shm, cudaipc: the sender's ring; nixl: the
+    receiver's, for the pieces not written in place), or -1 where no ring carries them."""
 
 
 class BucketDone(Message, frozen=True):
@@ -175,9 +178,10 @@ class Commit(Message, frozen=True):
     """Sender -> receiver: every bucket was sent; commit `version` if everything arrived."""
 
     version: int
-    digest: str
+    plan_id: str
+    """The id of the plan committed (`Offer.plan_id`)."""
     content: str = ""
-    """With verify="bucket": the digest of every bucket's checksum (see checksum.content_digest)."""
+    """The version's content digest (checksum.content_digest) where the sync was verified, else ""."""
     tensors: tuple[int, ...] = ()
     """With verify="full": xxh3-64 of every tensor's bytes, in plan order."""
 

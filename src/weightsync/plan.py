@@ -32,7 +32,7 @@ __all__ = [
     "build_plan",
     "check_plan",
     "dense_nbytes",
-    "plan_digest",
+    "plan_id",
     "tensor_nbytes",
     "wire_specs",
 ]
@@ -147,8 +147,8 @@ def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int) -> Plan:
     return Plan(bucket_bytes=bucket_bytes, tensors=tuple(specs), buckets=tuple(buckets), total_bytes=total)
 
 
-def plan_digest(plan: Plan) -> str:
-    """A hash of the plan's canonical encoding; sender and receivers compare it at commit."""
+def plan_id(plan: Plan) -> str:
+    """The plan's id: a hash of its canonical encoding, named by the offer and again by the commit."""
     return hashlib.blake2b(msgspec.msgpack.encode(plan), digest_size=16).hexdigest()
 
 

@@ -60,7 +60,7 @@ from weightsync.messages import (
     Welcome,
 )
 from weightsync.options import ReceiverOptions, build_options
-from weightsync.plan import check_plan, plan_digest
+from weightsync.plan import check_plan, plan_id
 from weightsync.sink import WeightSink, as_sink, sink_errors
 from weightsync.transports import get_transport
 from weightsync.transports.base import Link, PlaneOptions, ReceivePlane
@@ -357,8 +357,8 @@ class WeightReceiver:
 
     def _begin(self, offer: Offer) -> Landing:
         check_plan(offer.plan, self._max_bucket_bytes)
-        if plan_digest(offer.plan) != offer.digest:
-            raise PlanError("plan digest does not match the plan")
+        if plan_id(offer.plan) != offer.plan_id:
+            raise PlanError("the offer's plan_id does not match its plan")
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
         if offer.base and offer.base != self._base:
@@ -376,7 +376,9 @@ class WeightReceiver:
             sink.begin(offer.plan, offer.version)
         try:
             verify = check_verify(offer.verify)
-            return Landing(offer.plan, sink, offer.version, offer.digest, verify, self._staging, delta=bool(offer.base))
+            return Landing(
+                offer.plan, sink, offer.version, offer.plan_id, verify, self._staging, delta=bool(offer.base)
+            )
         except BaseException as exc:  # the sink began: it must hear that the sync is off
             with contextlib.suppress(Exception):
                 sink.abort(offer.version, exc, intact=True)
@@ -401,7 +403,7 @@ class WeightReceiver:
         self._busy.release()
 
     def _verified_content(self, landing: Landing, commit: Commit) -> str:
-        if (commit.version, commit.digest) != (landing.version, landing.digest):
+        if (commit.version, commit.plan_id) != (landing.version, landing.plan_id):
             raise PlanError(f"commit of version {commit.version} does not match the sync of version {landing.version}")
         if not commit.content:
             return ""

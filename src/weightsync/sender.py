@@ -31,7 +31,7 @@ from weightsync.errors import (
 from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
-from weightsync.plan import build_plan, dense_nbytes, plan_digest, tensor_nbytes, wire_specs
+from weightsync.plan import build_plan, dense_nbytes, plan_id, tensor_nbytes, wire_specs
 from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sizing import (
     ALIGN_BYTES,
@@ -293,9 +293,9 @@ class WeightSender:
         committed (their replies), those that failed in it, and the content digest committed
         ("" unverified)."""
         plan = delivery.plan
-        digest = plan_digest(plan)
+        identity = plan_id(plan)
         failures = dict(failures)
-        offer = Offer(version, plan, digest, verify, delivery.base, adapter)
+        offer = Offer(version, plan, identity, verify, delivery.base, adapter)
 
         def live(route: Route) -> list[str]:
             return [a for a in route.live(failures, welcomes) if a in delivery.addresses]
@@ -323,7 +323,7 @@ class WeightSender:
         committed: dict[str, Committed] = {}
         contents = []
         for route in self._routes:
-            commit, content = _commit_message(version, digest, verify, hashes[route.name], delivery.content)
+            commit, content = _commit_message(version, identity, verify, hashes[route.name], delivery.content)
             replies, failed = route.channel.commit(commit, live(route))
             _at(version, None, failed)
             for address, reply in replies.items():
@@ -422,7 +422,7 @@ def _check_deadline(ends: float | None, version: int, index: int) -> None:
 
 
 def _commit_message(
-    version: int, digest: str, verify: Verify, hashes: SyncHashes | None, pending: str | Future[str]
+    version: int, identity: str, verify: Verify, hashes: SyncHashes | None, pending: str | Future[str]
 ) -> tuple[Commit, str]:
     """The Commit for one transport's receivers, and the content digest it carries ("" unverified).
 
@@ -430,12 +430,12 @@ def _commit_message(
     diff), whatever travelled; else it comes from the buckets' hashes, when they were hashed."""
     content = settled(pending)
     if content:
-        tensors = hashes.tensor_digests() if verify == "full" and hashes is not None and hashes.complete else ()
-        return Commit(version, digest, content, tensors), content
+        tensors = hashes.tensor_hashes() if verify == "full" and hashes is not None and hashes.complete else ()
+        return Commit(version, identity, content, tensors), content
     if hashes is None or not hashes.complete:
-        return Commit(version, digest), ""
+        return Commit(version, identity), ""
     content = hashes.content_digest()
-    return Commit(version, digest, content, hashes.tensor_digests() if verify == "full" else ()), content
+    return Commit(version, identity, content, hashes.tensor_hashes() if verify == "full" else ()), content
 
 
 def _outcome(

@@ -23,7 +23,7 @@ with atheris.instrument_imports(include=["weightsync"]):
     from weightsync.errors import PlanError, ProtocolError
     from weightsync.landing import Landing
     from weightsync.messages import Offer
-    from weightsync.plan import check_plan, plan_digest
+    from weightsync.plan import check_plan, plan_id
     from weightsync.sink import CallableSink
     from weightsync.transports.collective import Group
     from weightsync.transports.shm import Ring
@@ -50,11 +50,11 @@ def one_input(data: bytes) -> None:
         check_plan(message.plan, MAX_BUCKET_BYTES)
     except PlanError:
         return
-    plan_digest(message.plan)
+    plan_id(message.plan)
     if message.plan.total_bytes > LAND_AT_MOST:
         return
     try:
-        landing = Landing(message.plan, CallableSink(lambda named: None), message.version, message.digest)
+        landing = Landing(message.plan, CallableSink(lambda named: None), message.version, message.plan_id)
     except PlanError:
         return
     for index, bucket in enumerate(message.plan.buckets):

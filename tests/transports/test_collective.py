@@ -17,7 +17,7 @@ from tests.helpers import WAIT_S, Recorder, assert_all_bit_exact, random_tensor,
 from tests.unit.test_wire import RawPeer
 from weightsync import TensorDictSink, WeightSink
 from weightsync.messages import Accept, Failed, Offer
-from weightsync.plan import build_plan, plan_digest, wire_specs
+from weightsync.plan import build_plan, plan_id, wire_specs
 from weightsync.source import as_source
 from weightsync.transports import collective
 from weightsync.transports.collective import Group
@@ -143,7 +143,7 @@ def test_rendezvous_and_group_listen_only_on_the_control_connections_address():
 
 def _offer(version: int = 1) -> Offer:
     plan = build_plan(wire_specs(as_source({"w": torch.ones(64)}).metas(), None), 1024)
-    return Offer(version, plan, plan_digest(plan))
+    return Offer(version, plan, plan_id(plan))
 
 
 @pytest.mark.parametrize(

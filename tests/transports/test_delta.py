@@ -18,7 +18,7 @@ from weightsync.delta import Baseline
 from weightsync.landing import Landing
 from weightsync.messages import Offer
 from weightsync.patch import apply_patch
-from weightsync.plan import build_plan, plan_digest, wire_specs
+from weightsync.plan import build_plan, plan_id, wire_specs
 from weightsync.source import as_source
 
 BUCKET = 1 << 16
@@ -170,7 +170,7 @@ def test_a_receiver_at_the_wrong_base_gets_the_full_version(transport: str, obse
         assert [o.mode for o in report.outcomes] == ["delta", "full"]
         assert good.version == lagging.version == 2
         with pytest.raises(NegotiationError, match="patch onto content"):
-            lagging.begin(Offer(3, report_plan(trainer), plan_digest(report_plan(trainer)), "bucket", base="0" * 32))
+            lagging.begin(Offer(3, report_plan(trainer), plan_id(report_plan(trainer)), "bucket", base="0" * 32))
         observe(
             "the receiver at version 0 got the full version 2 alongside a delta; a patch onto another base: NegotiationError"
         )
@@ -258,7 +258,7 @@ with WeightSender(sys.argv[1], cast=torch.bfloat16, delta="all", bucket_bytes=40
         trainer.step()
         assert sender.push(trainer.state(), version).ok
     print("PUSHED", flush=True)
-    for plane in (ring.RingSendPlane, tcp.StreamSendPlane):
+    for plane in (ring.RingSendPlane, tcp.SocketSendPlane):
         original = plane.send
         def stalling(self, index, *args, original=original):
             if index == 1:

@@ -17,7 +17,7 @@ from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sendin
 from weightsync.errors import ProtocolError
 from weightsync.landing import Landing
 from weightsync.messages import Plan, TensorSpec
-from weightsync.plan import build_plan, plan_digest
+from weightsync.plan import build_plan, plan_id
 from weightsync.sink import CallableSink
 from weightsync.transports.ring import staging_layout
 from weightsync.transports.shm import MappedRing
@@ -128,7 +128,7 @@ def test_a_plan_that_overflows_the_staging_area_is_refused() -> None:
     plan = plan_of([3000, 3000])
     slots = [mmap.mmap(-1, BUCKET) for _ in range(2)]
     ring = MappedRing(slots, mmap.mmap(-1, staging_layout(plan).nbytes - 64))
-    landing = Landing(plan, CallableSink(lambda named: None), 1, plan_digest(plan))
+    landing = Landing(plan, CallableSink(lambda named: None), 1, plan_id(plan))
     with pytest.raises(ProtocolError, match="staging area holds"):
         ring.read(0, plan.buckets[0], landing)
     ring.close()

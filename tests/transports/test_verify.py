@@ -19,7 +19,7 @@ from tests.peer_process import sending
 from weightsync import ConfigError, NegotiationError, WeightReceiver
 from weightsync.landing import Landing
 from weightsync.messages import Offer, TensorSpec
-from weightsync.plan import build_plan, plan_digest
+from weightsync.plan import build_plan, plan_id
 
 BUCKET = 4096
 
@@ -132,7 +132,7 @@ def test_an_offer_weaker_than_the_receiver_requires_is_refused() -> None:
     plan = build_plan([TensorSpec("w", "float32", (4,), "float32")], 64)
     with receiving({"w": torch.zeros(4)}, "inproc", verify="bucket") as receiver:
         with pytest.raises(NegotiationError, match="requires verify='bucket'"):
-            receiver.begin(Offer(1, plan, plan_digest(plan), "off"))
+            receiver.begin(Offer(1, plan, plan_id(plan), "off"))
         assert receiver.state == "empty"
 
 

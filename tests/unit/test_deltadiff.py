@@ -294,8 +294,8 @@ def test_a_hostile_blocks_patch_is_refused_and_writes_nothing(monkeypatch, path:
 
 
 def test_whole_model_digests_on_threads_equal_one_by_one() -> None:
-    from weightsync.checksum import piece_hashes, tensor_digests
+    from weightsync.checksum import piece_hashes, tensor_hashes
 
     rng = np.random.default_rng(5)
     views = [rng.integers(0, 256, size, dtype=np.uint8) for size in (0, 1, 4097, 1 << 20, 3, 1 << 16)]
-    assert tensor_digests(views) == piece_hashes(views) == [xxhash.xxh3_64_intdigest(v.tobytes()) for v in views]
+    assert tensor_hashes(views) == piece_hashes(views) == [xxhash.xxh3_64_intdigest(v.tobytes()) for v in views]

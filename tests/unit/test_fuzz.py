@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from weightsync.messages import Abort, Accept, BucketReady, Commit, Hello, Offer, Welcome
-from weightsync.plan import build_plan, plan_digest, wire_specs
+from weightsync.plan import build_plan, plan_id, wire_specs
 from weightsync.source import as_source
 from weightsync.transports.collective import Group
 from weightsync.transports.shm import Ring
@@ -35,14 +35,14 @@ def seeds() -> list[bytes]:
     frames = []
     for bucket_bytes in (128, 4096):
         plan = build_plan(specs, bucket_bytes)
-        frames.append(encode(Offer(1, plan, plan_digest(plan), "bucket")))
+        frames.append(encode(Offer(1, plan, plan_id(plan), "bucket")))
     return frames + [
         encode(Hello(2, "sender", "nonce")),
         encode(Welcome(2, "receiver", 1 << 20, 3, "off", "n", "p")),
         encode(Ring(("weightsync-1-0123456789ab-0",), 4096)),
         encode(Group("127.0.0.1", 29500, "prefix", 1, 2, "gloo")),
         encode(Accept(1)),
-        encode(BucketReady(0, 0, 12345)),
+        encode(BucketReady(0, 12345, 1)),
         encode(BucketData(0, 128, 0)),
         encode(Commit(1, "digest", "content", (1, 2))),
         encode(Abort(1, "reason")),

@@ -9,7 +9,7 @@ import torch
 
 from weightsync.landing import Landing, Staging, arena_layout
 from weightsync.messages import Plan, TensorSpec
-from weightsync.plan import build_plan, plan_digest
+from weightsync.plan import build_plan, plan_id
 from weightsync.sink import CallableSink, SinkTraits, WeightSink
 
 BUCKET = 4096
@@ -33,7 +33,7 @@ def ring_of(plan: Plan, values: dict[int, torch.Tensor]) -> list[np.ndarray]:
 
 
 def land(plan: Plan, sink: WeightSink, slots: list[np.ndarray], staging: Staging | None = None) -> None:
-    landing = Landing(plan, sink, 1, plan_digest(plan), staging=staging)
+    landing = Landing(plan, sink, 1, plan_id(plan), staging=staging)
     for index, bucket in enumerate(plan.buckets):
         for piece in bucket:
             landing.copy_in(piece, slots[index][piece.bucket_offset : piece.bucket_offset + piece.nbytes])
@@ -114,10 +114,10 @@ def test_each_tensor_s_route_is_decided_once_at_begin() -> None:
     class Keeps(Borrows):
         traits = SinkTraits(borrows=False)
 
-    borrows = Landing(plan, Borrows(), 1, plan_digest(plan))
+    borrows = Landing(plan, Borrows(), 1, plan_id(plan))
     assert borrows.routes == ("host", "arena", "lent", "lent", "arena")
     assert borrows.lends_chunked and not borrows.patchable
     assert [site is not None for site in borrows.sites()] == [True, False, False, False, False]
-    keeps = Landing(plan, Keeps(), 1, plan_digest(plan))
+    keeps = Landing(plan, Keeps(), 1, plan_id(plan))
     assert keeps.routes == ("host", "own", "own", "own", "own")
     assert not keeps.lends_chunked

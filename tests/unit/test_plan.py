@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tests.helpers import DTYPES
 from weightsync import ConfigError, PlanError, build_plan
 from weightsync.messages import Piece, Plan, TensorSpec
-from weightsync.plan import check_plan, plan_digest, tensor_nbytes, wire_specs
+from weightsync.plan import check_plan, plan_id, tensor_nbytes, wire_specs
 from weightsync.source import TensorMeta
 
 ALIGN = 64
@@ -220,8 +220,8 @@ def test_plan_digest_is_stable_and_sensitive():
     again = build_plan([_one("float32", (100,))], 128)
     other = build_plan([_one("float32", (100,))], 192)
     renamed = build_plan([TensorSpec("v", "float32", (100,), "float32")], 128)
-    assert plan_digest(plan) == plan_digest(again)
-    assert len({plan_digest(plan), plan_digest(other), plan_digest(renamed)}) == 3
+    assert plan_id(plan) == plan_id(again)
+    assert len({plan_id(plan), plan_id(other), plan_id(renamed)}) == 3
 
 
 # --- wire_specs (cast on send) --------------------------------------------------------------------

@@ -44,7 +44,7 @@ from weightsync.messages import (
     TensorSpec,
     Welcome,
 )
-from weightsync.plan import build_plan, plan_digest
+from weightsync.plan import build_plan, plan_id
 from weightsync.transports.collective import Group
 from weightsync.transports.shm import Ring
 from weightsync.transports.tcp import BucketData
@@ -331,7 +331,7 @@ def assert_still_serves(receiver, dest, version: int = 11) -> None:  # type: ign
 def small_offer(version: int = 5, **plan_changes: object) -> Offer:
     plan = build_plan([TensorSpec("w", "float32", (64,), "float32"), TensorSpec("v", "int64", (3,), "int64")], 256)
     plan = msgspec.structs.replace(plan, **plan_changes)
-    return Offer(version, plan, plan_digest(plan))
+    return Offer(version, plan, plan_id(plan))
 
 
 @pytest.mark.parametrize(
@@ -449,7 +449,7 @@ def test_huge_tensor_claim_is_refused_before_allocating(transport):
         peer = RawPeer(receiver.address)
         try:
             peer.hello()
-            peer.send(Offer(1, plan, plan_digest(plan)))
+            peer.send(Offer(1, plan, plan_id(plan)))
             reply = peer.recv()
         finally:
             peer.close()
@@ -481,7 +481,7 @@ def test_empty_tensor_with_overflowing_shape_is_refused(transport, shape):
         peer = RawPeer(receiver.address)
         try:
             peer.hello()
-            peer.send(Offer(1, plan, plan_digest(plan)))
+            peer.send(Offer(1, plan, plan_id(plan)))
             reply = peer.recv()
         finally:
             peer.close()
@@ -540,7 +540,7 @@ def test_raw_tcp_sync_commits(tcp_live):
         for message, data in _payload(offer, w, v):
             peer.send(message)
             peer.sock.sendall(data)
-        peer.send(Commit(3, offer.digest))
+        peer.send(Commit(3, offer.plan_id))
         reply = peer.recv()  # (its timings vary)
         assert isinstance(reply, Committed) and reply.version == 3
     finally:
@@ -585,7 +585,7 @@ def test_raw_tcp_sync_tampered_is_refused(tcp_live, tamper, kind):
             if tamper == "commit-digest":
                 peer.send(Commit(3, "0" * 32))
             elif tamper == "commit-version":
-                peer.send(Commit(4, offer.digest))
+                peer.send(Commit(4, offer.plan_id))
             else:
                 peer.send(Hello(PROTOCOL_VERSION, "again"))
         reply = peer.recv()

@@ -341,7 +341,7 @@ class ChainSendPlane(SendPlane):
         buffer = member.buffers(plan.bucket_bytes, pinned=any(item.tensor.is_cuda for item in items))[slot]
         views = [np.asarray(view) for view in pack_bucket(items, buffer.numpy())]
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
-        message = BucketReady(index, slot, checksum)
+        message = BucketReady(index, checksum)
 
         def announce(address: str, link: Link) -> None:
             link.send(message, self.options.timeout)

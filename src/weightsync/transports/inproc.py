@@ -37,7 +37,7 @@ class DirectSendPlane(SendPlane):
         def hand_over(address: str, link: Link) -> None:
             self.channel.wait_acked(address, index - IN_FLIGHT, deadline)
             queue_link(link).hand_over(index, items)
-            link.send(BucketReady(index, 0), self.options.timeout)
+            link.send(BucketReady(index), self.options.timeout)
 
         return self.channel.each(live, hand_over)
 

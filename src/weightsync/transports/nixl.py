@@ -6,7 +6,7 @@ The conversation travels on a TCP link, as tcp's does; bucket bytes move by NIXL
     receiver, after Accept:  NixlTarget(agent metadata, in-place sites, ring slots)  ->  loaded
     sender, bucket k:        WRITE every piece: source bytes -> its site, or slot k % num_slots
                              wait until the writes completed (NIXL flushes the endpoint: the
-                             bytes are in the receiver's memory), then BucketReady(k, slot, checksum)
+                             bytes are in the receiver's memory), then BucketReady(k, checksum, slot)
     receiver:                copy the slot's pieces into place, finish bucket k  <-  BucketDone(k)
 
 A piece whose source is a plain host tensor of its wire dtype is written straight from the
@@ -134,7 +134,7 @@ class _Peer:
     def remote_rows(self, index: int, pieces: _Pieces) -> tuple[np.ndarray, int]:
         """Where each piece goes in this receiver (rows of address, nbytes, 0), and the slot."""
         slots = self.target.slots
-        slot = index % len(slots) if slots else 0
+        slot = index % len(slots) if slots else -1
         sites = self.sites[pieces.tensor]
         through_slot = np.uint64(slots[slot]) + pieces.bucket_offset if slots else np.zeros_like(sites)
         addresses = np.where(sites != 0, sites + pieces.tensor_offset, through_slot)
@@ -384,7 +384,7 @@ class NixlSendPlane(SendPlane):
         def announce_if_done(address: str, link: Link) -> None:
             if address in transfers and not self._done(transfers[address], states, address, link, deadline):
                 return
-            link.send(BucketReady(index, slots[address], checksum), self.options.timeout)
+            link.send(BucketReady(index, checksum, slots[address]), self.options.timeout)
             waiting.remove(address)
 
         try:

@@ -161,7 +161,7 @@ class RingSendPlane(SendPlane):
         failures = self.channel.each(live, lambda address, link: self.channel.wait_acked(address, after, deadline))
         views = ring.write(slot, items, readback=hashes is not None, staged=staged)
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
-        message = BucketReady(index, slot, checksum)
+        message = BucketReady(index, checksum, slot)
 
         def notify(address: str, link: Link) -> None:
             link.send(message, self.options.timeout)

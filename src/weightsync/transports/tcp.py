@@ -1,9 +1,9 @@
 """TCP transport: across hosts.
 
-Bucket bytes are streamed straight from the source tensors' memory (`sendall` on views, no
+Bucket bytes are sent straight from the source tensors' memory (`sendall` on views, no
 packing copy) and received straight into their landing sites (`recv_into`), so a same-dtype
 sync costs no copy in user space on either side; only cast or non-host pieces are packed into a
-scratch bucket first. Without checksums, packing and the wire overlap: a thread streams each
+scratch bucket first. Without checksums, packing and the wire overlap: a thread sends each
 `PACK_CHUNK_BYTES` of the bucket as soon as it is packed, so a cast push moves at the slower of
 the cast and the link, not their sum. With checksums the bucket's checksum leads its bytes, so
 it is packed whole first.
@@ -27,10 +27,10 @@ from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlan
 from weightsync.transports.control import SenderChannel, expect_on
 from weightsync.transports.links import socket_link
 
-__all__ = ["BucketData", "PACK_CHUNK_BYTES", "SPEC", "StreamReceivePlane", "StreamSendPlane"]
+__all__ = ["BucketData", "PACK_CHUNK_BYTES", "SPEC", "SocketReceivePlane", "SocketSendPlane"]
 
 PACK_CHUNK_BYTES = 4 << 20
-"""Packing hands the stream this much at a time: small enough that the link starts at once,
+"""Packing hands the sending thread this much at a time: small enough that the link starts at once,
 large enough that handing over costs nothing."""
 
 
@@ -43,7 +43,7 @@ class BucketData(Message, frozen=True):
     """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
 
 
-class StreamSendPlane(SendPlane):
+class SocketSendPlane(SendPlane):
     """Each bucket's bytes follow its `BucketData` on the receiver's socket, one thread each."""
 
     def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
@@ -52,22 +52,22 @@ class StreamSendPlane(SendPlane):
         """Where pieces that are not plain host bytes (casts, GPU tensors) are packed to be sent."""
         self._scratch_pinned = False
         self._thread: ThreadPoolExecutor | None = None
-        """Streams a bucket while this thread packs it (`_pack_while_streaming`)."""
+        """Streams a bucket while this thread packs it (`_pack_while_sending`)."""
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
         plain = [self._view_of(item) for item in items]
         if any(view is None for view in plain):
             self._reserve(items)
             if hashes is None:
-                return self._pack_while_streaming(index, items, plain, live)
+                return self._pack_while_sending(index, items, plain, live)
         views = [
             self._pack(item, 0, item.piece.nbytes) if view is None else view
             for item, view in zip(items, plain, strict=True)
         ]
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
-        return self._stream(index, items, live, checksum, lambda: iter(views))
+        return self._send_bucket(index, items, live, checksum, lambda: iter(views))
 
-    def _stream(
+    def _send_bucket(
         self,
         index: int,
         items: list[BucketItem],
@@ -78,21 +78,21 @@ class StreamSendPlane(SendPlane):
         """`BucketData`, then the bucket's bytes as `chunks()` yields them, to every receiver."""
         message = BucketData(index, sum(item.piece.nbytes for item in items), checksum)
 
-        def stream(address: str, link: Link) -> None:
+        def send(address: str, link: Link) -> None:
             conn = socket_link(link)
             conn.send(message, self.options.timeout)
             for chunk in chunks():
                 conn.send_bytes(chunk, self.options.timeout)
 
-        return self.channel.each(live, stream, parallel=True)
+        return self.channel.each(live, send, parallel=True)
 
-    def _pack_while_streaming(
+    def _pack_while_sending(
         self, index: int, items: list[BucketItem], plain: list[np.ndarray | None], live: Sequence[str]
     ) -> Failures:
-        """Pack the bucket chunk by chunk on this thread while another streams what is packed
+        """Pack the bucket chunk by chunk on this thread while another sends what is packed
         (`plain`: each piece's bytes where they need no packing)."""
         packed = _Packed(self.options.timeout)
-        streaming = self._streamer.submit(self._stream, index, items, live, 0, packed.chunks)
+        sending = self._sending_thread.submit(self._send_bucket, index, items, live, 0, packed.chunks)
         try:
             for item, view in zip(items, plain, strict=True):
                 if view is not None:
@@ -101,16 +101,16 @@ class StreamSendPlane(SendPlane):
                 for start in range(0, item.piece.nbytes, PACK_CHUNK_BYTES):
                     packed.add(self._pack(item, start, min(PACK_CHUNK_BYTES, item.piece.nbytes - start)))
         except BaseException:
-            packed.stop(failed=True)  # each stream drops its link: a receiver mid-bucket sees it close
-            streaming.result()
+            packed.stop(failed=True)  # each send drops its link: a receiver mid-bucket sees it close
+            sending.result()
             raise
         packed.stop()
-        return streaming.result()
+        return sending.result()
 
     @property
-    def _streamer(self) -> ThreadPoolExecutor:
+    def _sending_thread(self) -> ThreadPoolExecutor:
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-tcp-stream")
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-tcp-send")
         return self._thread
 
     def close(self) -> None:
@@ -140,7 +140,7 @@ class StreamSendPlane(SendPlane):
 
 
 class _Packed:
-    """Chunks handed from the packing thread to the streaming one, in order."""
+    """Chunks handed from the packing thread to the sending one, in order."""
 
     def __init__(self, timeout: float) -> None:
         self._chunks: list[np.ndarray] = []
@@ -155,7 +155,7 @@ class _Packed:
             self._ready.notify_all()
 
     def stop(self, failed: bool = False) -> None:
-        """No more chunks: all were packed, or packing failed (streams then raise)."""
+        """No more chunks: all were packed, or packing failed (sends then raise)."""
         with self._ready:
             self._done, self._failed = True, failed
             self._ready.notify_all()
@@ -178,7 +178,7 @@ class _Packed:
             yield chunk
 
 
-class StreamReceivePlane(ReceivePlane):
+class SocketReceivePlane(ReceivePlane):
     """Reads each bucket's bytes off the socket into their landing sites."""
 
     def receive(self, index: int, landing: Landing) -> None:
@@ -200,8 +200,8 @@ class StreamReceivePlane(ReceivePlane):
 SPEC = TransportSpec(
     name="tcp",
     link="tcp",
-    send_plane=StreamSendPlane,
-    receive_plane=StreamReceivePlane,
+    send_plane=SocketSendPlane,
+    receive_plane=SocketReceivePlane,
     messages=(BucketData,),
     summary="any host: source memory -> socket -> destination memory",
 )
