@@ -40,12 +40,10 @@ from weightsync.hostpin import readable_tensor
 from weightsync.messages import Piece, Plan
 from weightsync.pack import byte_view, copy_bytes
 from weightsync.patch import apply_patch
-from weightsync.plan import bucket_spans, tensor_nbytes
+from weightsync.plan import arena_layout, tensor_nbytes
 from weightsync.sink import WeightSink, sink_errors
 
 __all__ = ["Landing", "Route", "Staging"]
-
-ALIGN = 64
 
 Route = Literal["host", "device", "lent", "arena", "own", "patch"]
 """Where a tensor lands (the module's docstring says what each means)."""
@@ -89,34 +87,6 @@ def _prefaulted(nbytes: int) -> torch.Tensor:
     buffer = host_bytes(nbytes)
     buffer.fill_(0)  # touch every page now, not during a sync
     return buffer
-
-
-def arena_layout(plan: Plan, tensors: Sequence[int]) -> tuple[dict[int, int], int]:
-    """Where each of `tensors` (chunked, in plan order) sits in the arena, and the arena's size.
-
-    A chunked tensor is live from its first bucket to its last; two can share a bucket (one ends
-    where the next begins), so each goes at the lowest offset free of the ones still live."""
-    spans = bucket_spans(plan)
-    offsets: dict[int, int] = {}
-    live: list[tuple[int, int, int]] = []  # (offset, end, last bucket)
-    size = 0
-    for tensor in tensors:
-        first, last = spans.get(tensor, (0, 0))
-        live = sorted(entry for entry in live if entry[2] >= first)
-        nbytes = _aligned(tensor_nbytes(plan.tensors[tensor]))
-        offset = 0
-        for start, end, _ in live:
-            if offset + nbytes <= start:
-                break
-            offset = max(offset, end)
-        offsets[tensor] = offset
-        live.append((offset, offset + nbytes, last))
-        size = max(size, offset + nbytes)
-    return offsets, size
-
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
 class Landing:

@@ -36,7 +36,8 @@ chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded
 and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the tensors
 larger than a bucket; 7: the content digest takes the tensors in name order; 8: an `Offer` may
 carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap"; 10: `Offer` and `Commit` name the
-plan by `plan_id`, and only a ring's `BucketReady` names a slot)."""
+plan by `plan_id`, only a ring's `BucketReady` names a slot, and the sender tells an shm
+receiver where it staged each tensor larger than a bucket in a `Staged`)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -26,6 +26,7 @@ from weightsync.source import TensorMeta
 
 __all__ = [
     "ENCODINGS",
+    "arena_layout",
     "INDEX_BYTES",
     "PATCH_BLOCK",
     "bucket_spans",
@@ -65,6 +66,30 @@ def bucket_spans(plan: Plan) -> dict[int, tuple[int, int]]:
         for piece in bucket:
             spans[piece.tensor] = (spans.get(piece.tensor, (index, index))[0], index)
     return spans
+
+
+def arena_layout(plan: Plan, tensors: Sequence[int]) -> tuple[dict[int, int], int]:
+    """Where each of `tensors` (chunked, in plan order) sits in an area that holds each whole
+    from its first bucket to its last (a receiver's arena, a ring's staging area), and the area's
+    size. Two can share a bucket (one ends where the next begins), so each goes at the lowest
+    offset free of the ones still live."""
+    spans = bucket_spans(plan)
+    offsets: dict[int, int] = {}
+    live: list[tuple[int, int, int]] = []  # (offset, end, last bucket)
+    size = 0
+    for tensor in tensors:
+        first, last = spans.get(tensor, (0, 0))
+        live = sorted(entry for entry in live if entry[2] >= first)
+        nbytes = align_up(tensor_nbytes(plan.tensors[tensor]))
+        offset = 0
+        for start, end, _ in live:
+            if offset + nbytes <= start:
+                break
+            offset = max(offset, end)
+        offsets[tensor] = offset
+        live.append((offset, offset + nbytes, last))
+        size = max(size, offset + nbytes)
+    return offsets, size
 
 
 def tensor_nbytes(spec: TensorSpec) -> int:

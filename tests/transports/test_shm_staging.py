@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
 from weightsync.errors import ProtocolError
 from weightsync.landing import Landing
-from weightsync.messages import Plan, TensorSpec
+from weightsync.messages import Message, Plan, TensorSpec
 from weightsync.plan import build_plan, plan_id
 from weightsync.sink import CallableSink
-from weightsync.transports.ring import staging_layout
+from weightsync.transports.base import PlaneOptions
+from weightsync.transports.ring import RingReceivePlane, Staged, staging_layout
 from weightsync.transports.shm import MappedRing
 
 BUCKET = 4096
@@ -124,12 +125,33 @@ def test_chunked_tensors_reach_a_loader_and_a_destination_exact_when_staged_spac
             assert_all_bit_exact(dest, source)
 
 
-def test_a_plan_that_overflows_the_staging_area_is_refused() -> None:
+class _Link:
+    """A link whose sender has sent one message."""
+
+    transport = "shm"
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+
+    def recv(self, timeout: float | None, max_bytes: int = 0) -> Message:
+        return self.message
+
+
+@pytest.mark.parametrize("where", ["past the area", "no such tensor"])
+def test_a_tensor_staged_outside_the_staging_area_is_refused(where: str) -> None:
     plan = plan_of([3000, 3000])
+    layout = staging_layout(plan)
     slots = [mmap.mmap(-1, BUCKET) for _ in range(2)]
-    ring = MappedRing(slots, mmap.mmap(-1, staging_layout(plan).nbytes - 64))
+    ring = MappedRing(slots, mmap.mmap(-1, layout.nbytes))
+    offsets = dict(layout.offsets)
+    if where == "past the area":
+        offsets[max(offsets)] += 64  # the sender's layout, one tensor shifted past the end
+    else:
+        offsets[len(plan.tensors)] = 0
+    plane = RingReceivePlane(_Link(Staged(tuple(offsets.items()))), PlaneOptions(timeout=5.0), lambda m, o: ring)
+    assert plane.on_setup(Staged(()))  # the ring "announced"
     landing = Landing(plan, CallableSink(lambda named: None), 1, plan_id(plan))
-    with pytest.raises(ProtocolError, match="staging area holds"):
-        ring.read(0, plan.buckets[0], landing)
-    ring.close()
+    with pytest.raises(ProtocolError, match="outside the plan or the ring's staging area"):
+        plane.begin(landing)
+    plane.close()
     assert np.asarray(ring.staging).size == 0

@@ -79,8 +79,9 @@ def test_the_namespace_is_the_runs_own(tmp_path):
     assert row.transport == "tcp" and len(row.full_s) == len(row.delta_s) == 3
     assert [step.delta_mode for step in result.steps] == ["full", "delta", "delta"]  # delta pushes are verified
     assert 0 < row.changed_fraction < 0.1 and row.patch_bytes < 0.5 * row.full_bytes
-    # 16 MiB cannot cross a 2 Gbit/s link in less than 67 ms
-    assert min(row.full_s) > 0.8 * row.full_bytes / 0.25e9
+    # 16 MiB cannot cross a 2 Gbit/s link in less than 67 ms; the shaper's burst lets the first
+    # bytes through at once (a run measured 53 ms), and unshaped loopback takes under 10 ms
+    assert min(row.full_s) > 0.5 * row.full_bytes / 0.25e9
     table = format_link_table(results)
     assert table.startswith("link 2gbit: plain socket stream") and "\n  tcp " in table
     assert result.to_json()["transports"][0]["transport"] == "tcp"

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from weightsync.landing import Landing, Staging, arena_layout
+from weightsync.landing import Landing, Staging
 from weightsync.messages import Plan, TensorSpec
-from weightsync.plan import build_plan, plan_id
+from weightsync.plan import arena_layout, build_plan, plan_id
 from weightsync.sink import CallableSink, SinkTraits, WeightSink
 
 BUCKET = 4096

@@ -96,6 +96,7 @@ class OpenedRing:
     def __init__(self, message: DeviceRing) -> None:
         self.slot_bytes = message.slot_bytes
         self.num_slots = len(message.slots)
+        self.staging_bytes = 0
         self.slots: list[torch.Tensor] = []
         for slot in message.slots:
             storage = torch.UntypedStorage._new_shared_cuda(
@@ -111,7 +112,7 @@ class OpenedRing:
             self.slots.append(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage))
         self.device = self.slots[0].device if self.slots else None
 
-    def read(self, slot: int, pieces: Sequence[Piece], landing: Landing) -> None:
+    def read(self, slot: int, pieces: Sequence[Piece], landing: Landing, staged: Mapping[int, int]) -> None:
         out = self.slots[slot]
         devices = {self.device}
         with torch.cuda.device(self.device):

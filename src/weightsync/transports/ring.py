@@ -5,8 +5,8 @@ slot (written once, read N times). A receiver acks each bucket (`BucketDone`) to
 
 A ring may also have a staging area (shm): a tensor larger than a bucket is written there
 whole, piece by piece, rather than into the slots, so that a receiver whose sink borrows can be
-lent it whole instead of assembling a copy of its own. Both sides place tensors in it by the
-same pure function of the plan (`staging_layout`). A bucket wholly in the staging area takes no
+lent it whole instead of assembling a copy of its own. The sender places them (`staging_layout`) and
+tells each receiver where, in a `Staged` at the start of the sync. A bucket wholly in the staging area takes no
 slot, so the sender packs it while receivers are still busy with earlier slots; before it writes
 into space an earlier tensor held, it waits for every ack of that tensor's last bucket.
 
@@ -27,10 +27,10 @@ import numpy as np
 
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ConfigError, ProtocolError
-from weightsync.landing import Landing, arena_layout
+from weightsync.landing import Landing
 from weightsync.messages import BucketDone, BucketReady, Message, Piece, Plan
 from weightsync.pack import BucketItem
-from weightsync.plan import bucket_spans, tensor_nbytes
+from weightsync.plan import arena_layout, bucket_spans, tensor_nbytes
 from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane
 from weightsync.transports.control import SenderChannel, expect_on
 
@@ -40,11 +40,20 @@ __all__ = [
     "RingReceivePlane",
     "RingSendPlane",
     "SendRing",
+    "Staged",
     "StagingLayout",
     "staging_layout",
 ]
 
 MAX_SLOTS = 16
+
+
+class Staged(Message, frozen=True):
+    """Sender -> receiver (a ring with a staging area), after `Accept`, before the buckets: where
+    this sync's tensors larger than a bucket sit in the staging area."""
+
+    offsets: tuple[tuple[int, int], ...]
+    """(tensor index, byte offset in the staging area) of each staged tensor; () for none."""
 
 
 class SendRing(Protocol):
@@ -78,9 +87,12 @@ class ReceiveRing(Protocol):
 
     slot_bytes: int
     num_slots: int
+    staging_bytes: int
+    """The staging area's size; 0 for a ring without one."""
 
-    def read(self, slot: int, pieces: Sequence[Piece], landing: Landing) -> None:
-        """Land `pieces` out of slot `slot`; the slot may be overwritten once this returns."""
+    def read(self, slot: int, pieces: Sequence[Piece], landing: Landing, staged: Mapping[int, int]) -> None:
+        """Land `pieces` out of slot `slot`, those of the tensors in `staged` out of the staging
+        area (at the tensor's offset there); the slot may be overwritten once this returns."""
         ...
 
     def close(self) -> None: ...
@@ -139,7 +151,10 @@ class RingSendPlane(SendPlane):
 
     def begin(self, plan: Plan, accepted: Sequence[str]) -> Failures:
         self._unlink()  # every receiver that accepted has opened the ring
-        return {}
+        if self._ring is None or not self._ring.staging_bytes:
+            return {}
+        staged = Staged(tuple(self._staging.offsets.items()))
+        return self.channel.each(accepted, lambda address, link: link.send(staged, self.options.timeout))
 
     def finish(self, live: Sequence[str]) -> Failures:
         self._unlink()  # a plan of no buckets has no `begin`
@@ -191,6 +206,8 @@ class RingReceivePlane(ReceivePlane):
         super().__init__(link, options)
         self._open_ring = open_ring
         self._ring: ReceiveRing | None = None
+        self._staged: dict[int, int] = {}
+        """This sync's tensors in the ring's staging area, as the sender placed them."""
 
     def on_setup(self, message: Message) -> bool:
         ring = self._open_ring(message, self.options)
@@ -199,6 +216,23 @@ class RingReceivePlane(ReceivePlane):
         self.close()
         self._ring = ring
         return True
+
+    def begin(self, landing: Landing) -> None:
+        """Take where the sender placed this sync's staged tensors (a ring with a staging area)."""
+        ring, plan = self._ring, landing.plan
+        self._staged = {}
+        if ring is None or not ring.staging_bytes:
+            return
+        staged = dict(expect_on(self.link, Staged, self.options.timeout).offsets)
+        for tensor, offset in staged.items():
+            if not 0 <= tensor < len(plan.tensors) or not 0 <= offset <= ring.staging_bytes - tensor_nbytes(
+                plan.tensors[tensor]
+            ):
+                raise ProtocolError(
+                    f"the sender stages tensor {tensor} at {offset}, outside the plan or the ring's staging area",
+                    transport=self.link.transport,
+                )
+        self._staged = staged
 
     def receive(self, index: int, landing: Landing) -> None:
         message = expect_on(self.link, BucketReady, self.options.timeout, f"BucketReady for bucket {index}")
@@ -215,7 +249,7 @@ class RingReceivePlane(ReceivePlane):
                 transport=self.link.transport,
                 bucket=index,
             )
-        ring.read(message.slot, landing.plan.buckets[index], landing)
+        ring.read(message.slot, landing.plan.buckets[index], landing, self._staged)
         landing.finish_bucket(index, message.checksum)
         self.link.send(BucketDone(index), self.options.timeout)
 

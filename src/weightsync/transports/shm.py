@@ -28,11 +28,11 @@ import numpy as np
 from weightsync import hostpin
 from weightsync.errors import ProtocolError, ResourceError
 from weightsync.landing import Landing
-from weightsync.messages import Message, Piece, Plan
+from weightsync.messages import Message, Piece
 from weightsync.pack import BucketItem, write_piece
 from weightsync.plan import tensor_nbytes
 from weightsync.transports.base import PlaneOptions, TransportSpec
-from weightsync.transports.ring import RingReceivePlane, RingSendPlane, StagingLayout, check_ring, staging_layout
+from weightsync.transports.ring import RingReceivePlane, RingSendPlane, Staged, check_ring
 
 __all__ = ["Ring", "SPEC", "MappedRing", "ShmRing", "reap_stale_segments"]
 
@@ -180,10 +180,9 @@ class MappedRing:
         self.staging = np.frombuffer(staging, dtype=np.uint8) if staging is not None else np.empty(0, dtype=np.uint8)
         self.slot_bytes = len(maps[0]) if maps else 0
         self.num_slots = len(maps)
+        self.staging_bytes = self.staging.size
         self.pinned: bool | None = None
         """Page-locked for CUDA: None until a bucket bound for a device arrives, then whether it worked."""
-        self._layout: tuple[Plan, dict[int, int]] | None = None
-        """The staging area's layout for the plan being received."""
 
     def _regions(self) -> list[np.ndarray]:
         return [*self.slots, self.staging] if self.staging.size else list(self.slots)
@@ -191,23 +190,11 @@ class MappedRing:
     def pin(self) -> None:
         self.pinned = hostpin.pin_all(self._regions(), read_only=True)
 
-    def _staged(self, plan: Plan) -> dict[int, int]:
-        """Where `plan`'s tensors larger than a bucket sit in the staging area (none without one)."""
-        if self._layout is None or self._layout[0] is not plan:
-            layout = staging_layout(plan) if self.staging.size else StagingLayout()
-            if layout.nbytes > self.staging.size:
-                raise ProtocolError(
-                    f"the plan stages {layout.nbytes} bytes; the ring's staging area holds {self.staging.size}",
-                    transport="shm",
-                )
-            self._layout = (plan, layout.offsets)
-        return self._layout[1]
-
-    def read(self, slot: int, pieces: Sequence[Piece], landing: Landing) -> None:
+    def read(self, slot: int, pieces: Sequence[Piece], landing: Landing, staged: Mapping[int, int]) -> None:
         """Land `pieces` out of slot `slot` (or the staging area)."""
         if self.pinned is None and any(landing.routes[piece.tensor] == "device" for piece in pieces):
             self.pin()
-        out, staged = self.slots[slot], self._staged(landing.plan)
+        out = self.slots[slot]
         for piece in pieces:
             start = staged.get(piece.tensor)
             if start is None:
@@ -275,7 +262,7 @@ SPEC = TransportSpec(
     link="unix",
     send_plane=lambda channel, options: RingSendPlane(channel, options, ShmRing, stages=True),
     receive_plane=lambda link, options: RingReceivePlane(link, options, open_ring),
-    messages=(Ring,),
+    messages=(Ring, Staged),
     summary="same host: source -> shared ring slot -> each receiver",
     uses_slots=True,
 )
