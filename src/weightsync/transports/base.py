@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Literal, Protocol, TypeAlias, TypeVar
 
 from weightsync.errors import WeightSyncError
 from weightsync.messages import Message, Plan
@@ -41,9 +41,9 @@ if TYPE_CHECKING:
     from weightsync.checksum import SyncHashes
     from weightsync.landing import Landing
     from weightsync.pack import BucketItem
-    from weightsync.transports.control import SenderChannel
 
 __all__ = [
+    "Channel",
     "Failures",
     "Link",
     "LinkKind",
@@ -58,6 +58,8 @@ Failures: TypeAlias = dict[str, WeightSyncError]
 """Receivers (by address) that failed in a step, with why."""
 
 LinkKind: TypeAlias = Literal["unix", "tcp", "inproc"]
+
+M = TypeVar("M", bound=Message)
 
 
 class Link(Protocol):
@@ -75,6 +77,43 @@ class Link(Protocol):
     def closed_by_peer(self) -> bool: ...
 
     def close(self) -> None: ...
+
+
+class Channel(Protocol):
+    """What a send plane uses of the sender's control channel (`control.SenderChannel`): its
+    receivers' links, and the conversation's credit window."""
+
+    scheme: str
+
+    def link(self, address: str) -> Link: ...
+
+    def each(self, live: Sequence[str], action: Callable[[str, Link], None], *, parallel: bool = False) -> Failures:
+        """Run `action` for every receiver in `live`; those whose action raised, with why."""
+        ...
+
+    def expect(self, address: str, kind: type[M], deadline: float) -> M:
+        """The receiver's next message, which must be a `kind`."""
+        ...
+
+    def wait_acked(self, address: str, index: int, deadline: float) -> None:
+        """Wait until the receiver acked bucket `index` of this sync (`BucketDone`)."""
+        ...
+
+    def lends(self, address: str) -> bool:
+        """Whether the receiver's last `Accept` asked for tensors larger than a bucket whole."""
+        ...
+
+    def fail(self, address: str, exc: BaseException) -> WeightSyncError:
+        """Drop the receiver after `exc`; the error to report (its own reason, if it sent one)."""
+        ...
+
+    def closed(self, address: str, timeout: float) -> bool:
+        """Wait up to `timeout` for the receiver's link to close; whether it did."""
+        ...
+
+    def reason(self, address: str) -> WeightSyncError | None:
+        """The failure the receiver reported before its link closed, if it sent one."""
+        ...
 
 
 class Listener(Protocol):
@@ -102,7 +141,7 @@ class PlaneOptions:
 class SendPlane(ABC):
     """How bucket bytes leave the sender, for every receiver of one transport."""
 
-    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+    def __init__(self, channel: Channel, options: PlaneOptions) -> None:
         self.channel = channel
         self.options = options
 
@@ -171,7 +210,7 @@ class TransportSpec:
     """The address scheme: "shm" for "shm://@NAME"."""
     link: LinkKind
     """How the conversation travels: a Unix socket, TCP, or in-process."""
-    send_plane: Callable[[SenderChannel, PlaneOptions], SendPlane]
+    send_plane: Callable[[Channel, PlaneOptions], SendPlane]
     receive_plane: Callable[[Link, PlaneOptions], ReceivePlane]
     messages: tuple[type[Message], ...] = ()
     """Its own control messages (set-up, bucket announcements), declared in its file: its links

@@ -52,6 +52,7 @@ from weightsync.landing import Landing
 from weightsync.messages import BucketReady, Message, Plan
 from weightsync.pack import BucketItem, pack_bucket
 from weightsync.transports.base import (
+    Channel,
     Failures,
     Link,
     PlaneOptions,
@@ -59,7 +60,7 @@ from weightsync.transports.base import (
     SendPlane,
     TransportSpec,
 )
-from weightsync.transports.control import SenderChannel, expect_on, next_message
+from weightsync.transports.control import expect_on, next_message
 from weightsync.transports.links import socket_link
 
 __all__ = ["Group", "SPEC", "ChainReceivePlane", "ChainSendPlane", "host_store"]
@@ -285,7 +286,7 @@ class _Member:
 class ChainSendPlane(SendPlane):
     """The sender's end of the chain (rank 0): packs each bucket and passes it to rank 1."""
 
-    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+    def __init__(self, channel: Channel, options: PlaneOptions) -> None:
         super().__init__(channel, options)
         self._store: dist.TCPStore | None = None
         self._store_host = ""

@@ -40,8 +40,17 @@ from weightsync.errors import ProtocolError, TransferTimeout, TransportError, We
 from weightsync.landing import Landing
 from weightsync.messages import BucketDone, BucketReady, Message, Plan
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
-from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec, fail_all
-from weightsync.transports.control import SenderChannel, next_message
+from weightsync.transports.base import (
+    Channel,
+    Failures,
+    Link,
+    PlaneOptions,
+    ReceivePlane,
+    SendPlane,
+    TransportSpec,
+    fail_all,
+)
+from weightsync.transports.control import next_message
 from weightsync.transports.links import socket_link
 from weightsync.transports.nixl_agent import (
     NixlAgent,
@@ -207,7 +216,7 @@ memory those writes read, for the life of the process rather than freed under UC
 class NixlSendPlane(SendPlane):
     """WRITEs every bucket into each receiver's memory through one agent, reused across pushes."""
 
-    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+    def __init__(self, channel: Channel, options: PlaneOptions) -> None:
         super().__init__(channel, options)
         self._agent: NixlAgent | None = None
         self._peers: dict[str, _Peer] = {}

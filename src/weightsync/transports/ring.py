@@ -31,8 +31,8 @@ from weightsync.landing import Landing
 from weightsync.messages import BucketDone, BucketReady, Message, Piece, Plan
 from weightsync.pack import BucketItem
 from weightsync.plan import arena_layout, bucket_spans, tensor_nbytes
-from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane
-from weightsync.transports.control import SenderChannel, expect_on
+from weightsync.transports.base import Channel, Failures, Link, PlaneOptions, ReceivePlane, SendPlane
+from weightsync.transports.control import expect_on
 
 __all__ = [
     "MAX_SLOTS",
@@ -104,7 +104,7 @@ class RingSendPlane(SendPlane):
 
     def __init__(
         self,
-        channel: SenderChannel,
+        channel: Channel,
         options: PlaneOptions,
         new_ring: Callable[[int, int, int], SendRing],
         *,

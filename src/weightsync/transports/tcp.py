@@ -23,8 +23,8 @@ from weightsync.errors import ProtocolError, TransferTimeout
 from weightsync.landing import Landing
 from weightsync.messages import Message
 from weightsync.pack import BucketItem, piece_bytes, write_piece
-from weightsync.transports.base import Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
-from weightsync.transports.control import SenderChannel, expect_on
+from weightsync.transports.base import Channel, Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
+from weightsync.transports.control import expect_on
 from weightsync.transports.links import socket_link
 
 __all__ = ["BucketData", "PACK_CHUNK_BYTES", "SPEC", "SocketReceivePlane", "SocketSendPlane"]
@@ -46,7 +46,7 @@ class BucketData(Message, frozen=True):
 class SocketSendPlane(SendPlane):
     """Each bucket's bytes follow its `BucketData` on the receiver's socket, one thread each."""
 
-    def __init__(self, channel: SenderChannel, options: PlaneOptions) -> None:
+    def __init__(self, channel: Channel, options: PlaneOptions) -> None:
         super().__init__(channel, options)
         self._scratch = np.empty(0, dtype=np.uint8)
         """Where pieces that are not plain host bytes (casts, GPU tensors) are packed to be sent."""

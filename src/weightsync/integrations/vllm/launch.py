@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync.errors import ConfigError
-from weightsync.integrations.vllm import BACKEND
+from weightsync.integrations.vllm.plugin import BACKEND
 from weightsync.server.runtime import ServeConfig
 
 __all__ = ["build_engine", "preload", "vllm_namespace", "warm_up"]

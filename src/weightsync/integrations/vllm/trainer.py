@@ -47,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSource
 
 from weightsync.errors import ConfigError, ConnectError, RemoteError, SyncFailed, WeightSyncError, one_line
-from weightsync.integrations.vllm import register
+from weightsync.integrations.vllm.plugin import register
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.worker import WeightsyncInitInfo
 from weightsync.options import SenderOptions
