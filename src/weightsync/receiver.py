@@ -7,7 +7,8 @@ The receive loop is the mirror of `WeightSender.push`, one per connected sender:
     setup       the data plane takes what the sender sets up between syncs (a ring to map)
     sync        Offer -> begin (check the plan, sink.begin) -> Accept
                 (an Offer of a LoRA adapter lands in `sink.adapter_sink(adapter)` instead;
-                a refused Offer -> sink.refused -> Failed, and the sync never began)
+                a refused Offer -> sink.refused -> Failed, and the sync never began;
+                an Abort instead of the Offer -> sink.refused, and the sender leaves)
                 for each bucket k: data_plane.receive(k, landing)
                 data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
                 any failure -> abort (sink.abort, told whether the served weights are intact)
@@ -218,6 +219,9 @@ class WeightReceiver:
             while not self._closed.is_set():
                 if isinstance(message, Offer):
                     self._sync(link, plane, message)
+                elif isinstance(message, Abort):  # the sender gave up on a version before offering it
+                    self._given_up(message)
+                    return
                 elif not plane.on_setup(message):
                     raise ProtocolError(f"unexpected {type(message).__name__} between syncs", transport=link.transport)
                 message = link.recv(None)
@@ -344,6 +348,19 @@ class WeightReceiver:
             self._base = ""  # every sync writes destinations: nothing to patch until it commits
             self._set(state="syncing")
         return landing
+
+    def _given_up(self, abort: Abort) -> None:
+        """The sender will not offer `abort.version` here (its push failed before its offer, or it
+        turned this receiver away): the sink hears it as a refusal, so that a consumer waiting
+        for that version stops waiting. The sender leaves; so does this connection."""
+        log.warning("the sender gave up on version %d before offering it: %s", abort.version, abort.reason)
+        self._set(last_error=f"sync of version {abort.version} failed: the sender gave up: {abort.reason}")
+        try:
+            self._sink.refused(
+                abort.version, RemoteError(f"the sender gave up on version {abort.version}: {abort.reason}")
+            )
+        except Exception:  # the sink failing here must not hide the sender's reason
+            log.exception("sink.refused raised")
 
     def _refuse(self, offer: Offer, error: BaseException) -> None:
         """Tell the sink that `offer` was refused before its sync began (a consumer waiting for

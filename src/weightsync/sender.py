@@ -27,6 +27,7 @@ from weightsync.errors import (
     TransferTimeout,
     TransportError,
     WeightSyncError,
+    one_line,
 )
 from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
@@ -205,24 +206,28 @@ class WeightSender:
             raise ConfigError(f"deadline must be a positive number of seconds or None, got {deadline!r}")
         if adapter is not None and not isinstance(adapter, Adapter):
             raise ConfigError(f"adapter must be a weightsync.Adapter or None, got {type(adapter).__name__}")
-        source = as_source(tensors)
-        metas = source.metas()
-        specs = wire_specs(metas, self.options.cast)
         started = time.perf_counter()
         ends = started + deadline if deadline is not None else None
-
-        welcomes, failures = self._connect()
-        largest = max((tensor_nbytes(spec) for spec in specs), default=0)
-        full_bytes = sum(dense_nbytes(spec) for spec in specs)
-        bucket_bytes = self._agree_bucket_bytes(largest, full_bytes, welcomes, failures)
-        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
-        takers = [a for route in self._routes if route.patches for a in route.addresses if a in reachable]
-        step = self._next_step(takers, welcomes) if adapter is None else "plain"
-        diff = None
-        if self._baseline is not None and step == "diff":
-            diff = self._baseline.diff(specs, source)
-        elif self._baseline is not None and step == "refresh":
-            diff = self._baseline.refresh(specs, source)
+        try:  # until the offer, receivers wait for one: a failure tells them it will not come
+            source = as_source(tensors)
+            metas = source.metas()
+            specs = wire_specs(metas, self.options.cast)
+            welcomes, failures = self._connect()
+            largest = max((tensor_nbytes(spec) for spec in specs), default=0)
+            full_bytes = sum(dense_nbytes(spec) for spec in specs)
+            bucket_bytes = self._agree_bucket_bytes(largest, full_bytes, welcomes, failures)
+            self._turn_away(version, failures)
+            reachable = [address for address in self._addresses if address in welcomes and address not in failures]
+            takers = [a for route in self._routes if route.patches for a in route.addresses if a in reachable]
+            step = self._next_step(takers, welcomes) if adapter is None else "plain"
+            diff = None
+            if self._baseline is not None and step == "diff":
+                diff = self._baseline.diff(specs, source)
+            elif self._baseline is not None and step == "refresh":
+                diff = self._baseline.refresh(specs, source)
+        except BaseException as exc:
+            self._give_up(version, f"the sender failed: {one_line(exc)}", self._addresses)
+            raise
         # the strictest verification any receiver asks for, or ours if stricter; a delta push
         # (a diff or a refresh) always verifies: a patch onto the wrong bytes must not commit
         verify = stricter(
@@ -241,8 +246,13 @@ class WeightSender:
         by_address: dict[str, Delivery] = {}
         committed: dict[str, Committed] = {}
         contents = []
-        for delivery in deliveries:
-            replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures, adapter)
+        for index, delivery in enumerate(deliveries):
+            try:
+                replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures, adapter)
+            except BaseException as exc:  # the next deliveries' receivers were offered nothing yet
+                later = [address for after in deliveries[index + 1 :] for address in after.addresses]
+                self._give_up(version, f"the sender failed: {one_line(exc)}", later)
+                raise
             failures |= failed
             committed |= replies
             contents.append(content)
@@ -309,7 +319,7 @@ class WeightSender:
                     failures |= _at(version, None, route.plane.begin(plan, live(route)))
             for index, items in bucket_items(plan, delivery.metas, delivery.source.tensors()):
                 if not any(live(route) for route in self._routes):
-                    break  # every receiver failed: nothing left to send to
+                    continue  # every receiver failed; walk on: the source may be a collective others are in
                 _check_deadline(ends, version, index)
                 for route in self._routes:
                     failures |= _at(version, index, route.plane.send(index, items, live(route), hashes[route.name]))
@@ -333,6 +343,18 @@ class WeightSender:
             contents.append(content)
         failed_here = {a: e for a, e in failures.items() if a in delivery.addresses}
         return committed, failed_here, next((content for content in contents if content), "")
+
+    def _turn_away(self, version: int, failures: Failures) -> None:
+        """Receivers connected and failed before any offer (a bucket size they cannot afford):
+        they hear why at once, rather than wait for an offer."""
+        for address, error in failures.items():
+            self._give_up(version, one_line(error), [address])
+
+    def _give_up(self, version: int, reason: str, addresses: Sequence[str]) -> None:
+        """Tell the connected receivers among `addresses` that `version` will not be offered to
+        them (`reason`): they stop waiting for it, and the links end."""
+        for route in self._routes:
+            route.channel.abort(Abort(version, reason), [a for a in route.addresses if a in addresses])
 
     def _connect(self) -> tuple[dict[str, Welcome], Failures]:
         welcomes: dict[str, Welcome] = {}

@@ -302,7 +302,17 @@ could not end within `PROMPTLY_S`."""
 PROMPTLY_S = 10.0
 
 
-@pytest.mark.parametrize("refusal", ["token", "plan"])
+class _Unreadable:
+    """A trainer's source (vLLM's API) that fails before any push can plan it."""
+
+    def metadata(self) -> list[object]:
+        raise ValueError("the trainer's index of its weights is unreadable")
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise AssertionError("never walked")
+
+
+@pytest.mark.parametrize("refusal", ["token", "plan", "source"])
 def test_a_refused_round_fails_at_once_and_the_next_round_is_labelled(server, trainer_model, refusal) -> None:
     source = _source(server.kind, trainer_model)
     engine = _engine(server.url, source, timeout=REFUSAL_TIMEOUT_S)
@@ -315,15 +325,19 @@ def test_a_refused_round_fails_at_once_and_the_next_round_is_labelled(server, tr
         if refusal == "token":  # the workers hold no token: they do not take a trainer with one
             engine.shutdown()
             engine = _engine(server.url, _Listed(other), timeout=REFUSAL_TIMEOUT_S, auth_token="t" * 32)
-        else:  # refused by every worker's receiver, before vLLM's loader sees it
+        elif refusal == "plan":  # refused by every worker's receiver, before vLLM's loader sees it
             engine.source = _Listed(other[:-1] + [other[0]])
+        else:  # the push fails before its offer: the sender tells every worker it gave up
+            engine.source = _Unreadable()
         started = time.monotonic()
-        with pytest.raises(SyncFailed) as failed:
+        with pytest.raises(ValueError if refusal == "source" else SyncFailed) as failed:
             engine.send_weights(version=31)
         assert time.monotonic() - started < PROMPTLY_S, "the round waited for the workers' timeout"
         message = str(failed.value)
-        assert "\n" not in message and any(worker.address in message for worker in engine.workers), message
-        assert ("AuthError" if refusal == "token" else "PlanError: plan names a tensor twice") in message
+        if refusal != "source":
+            assert "\n" not in message and any(worker.address in message for worker in engine.workers), message
+        expected = {"token": "AuthError", "plan": "PlanError: plan names a tensor twice", "source": "unreadable"}
+        assert expected[refusal] in message
         assert _label(server.url) == "30"
         assert _checksums(server.url) == served, "a refused round changed what the workers serve"
 

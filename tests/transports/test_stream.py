@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
-from weightsync import ConfigError, NegotiationError, PlanError, SinkError, TransferTimeout, WeightSyncError
+from weightsync import (
+    ConfigError,
+    NegotiationError,
+    PlanError,
+    RemoteError,
+    SinkError,
+    TransferTimeout,
+    WeightSyncError,
+)
 from weightsync.source import TensorMeta
 from weightsync.stream import StreamSink
 
@@ -223,3 +231,46 @@ def test_a_stream_waiting_while_the_receiver_is_busy_hears_the_refusal(transport
         assert pusher.join().ok  # type: ignore[attr-defined]
         assert_all_bit_exact(got, MODEL)
         assert receiver.version == 1
+
+
+class _Unreadable:
+    """A trainer's source that fails before a push can plan anything (its metadata raises)."""
+
+    def metas(self) -> list[TensorMeta]:
+        raise ValueError("the checkpoint's index is unreadable")
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise AssertionError("never walked")
+
+
+@pytest.mark.parametrize("why", ["the source fails", "the bucket size"])
+def test_a_stream_hears_at_once_when_the_sender_gives_up_before_its_offer(transport, why):
+    """A push that fails before it offers anything (its source, a bucket size the receiver
+    cannot afford) tells the receiver, so the consumer waiting for that version stops waiting."""
+    sink = StreamSink(timeout=30)  # a long timeout: the sender's word, not the wait, must end the stream
+    limits = {"max_bucket_bytes": BUCKET} if why == "the bucket size" else {}
+    demands = {"min_bucket_bytes": 4 * BUCKET} if why == "the bucket size" else {}
+    with (
+        receiving(sink, transport, **limits) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, raise_on_failure=False, **demands) as sender,
+    ):
+        assert sender.connect() == {}  # connected: the receiver waits for an offer
+        waiter = Pusher(lambda: next(sink.stream(version=3)))
+        started = time.monotonic()
+        if why == "the source fails":
+            with pytest.raises(ValueError, match="unreadable"):
+                sender.push(_Unreadable(), version=3)
+        else:
+            report = sender.push(MODEL, version=3)
+            assert not report.ok and report.failed[0].kind == "NegotiationError", report
+        heard = waiter.join()
+        assert isinstance(heard, RemoteError), heard
+        assert "gave up on version 3" in str(heard)
+        assert ("unreadable" if why == "the source fails" else "at most") in str(heard)
+        assert time.monotonic() - started < 10, "the consumer waited out its timeout"
+        assert receiver.version is None and receiver.state == "empty" and "gave up" in receiver.last_error
+        if why == "the source fails":  # the same sender's next push is taken as usual
+            pusher = Pusher(lambda: sender.push(MODEL, version=4))
+            got = {name: tensor.clone() for name, tensor in sink.stream(version=4)}
+            assert pusher.join().ok  # type: ignore[attr-defined]
+            assert_all_bit_exact(got, MODEL)

@@ -196,6 +196,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
 
         Raises:
             ConfigError: `version` is not larger than the last one.
+            Whatever the push raised before its offer (a bad cast, a source that fails): every
+                worker heard it at once and left the update; nothing was labelled.
             SyncFailed: some worker did not land the version, or refused this sender (then no
                 update window was opened); none was labelled, and no worker is left inside an
                 update.
@@ -224,7 +226,12 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-update")
         try:
             landing = pool.submit(self.client.update_weights, {"version": version})
-            report = self.sender.push(source, version)
+            try:
+                report = self.sender.push(source, version)
+            except BaseException:  # the workers heard that the sender gave up: end the update
+                _error_of(landing, self.sender.options.timeout + RPC_MARGIN_S)
+                self._end_failed_update()
+                raise
             landed = _error_of(landing, self.sender.options.timeout + RPC_MARGIN_S)
         finally:
             pool.shutdown(wait=False)  # never join a control-plane thread on the error path
