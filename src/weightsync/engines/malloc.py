@@ -14,8 +14,8 @@ faults per GiB of float32 weights on the 2-core dev host, half of the worker's t
 push. `reuse_freed_memory` serves every allocation from the heap instead, where what one layer
 frees the next one reuses, already resident; `release_freed_memory` then gives the free heap
 pages back to the OS (malloc_trim) and returns to `return_large_frees_to_os`'s setting. Measured
-in a vLLM worker on the dev host: a 1 GiB push 0.84-0.87 s -> 0.63-0.67 s, 290,000 -> 107,000
-page faults, RSS between syncs 0.3 GiB lower, and its peak during a sync 0.1 GiB higher (the
+in a vLLM worker on the dev host: a 1 GiB push 0.86-0.88 s -> 0.66-0.72 s (back to back, the
+quieter runs), 290,000 -> 107,000 page faults, RSS between syncs 0.3 GiB lower, and its peak during a sync 0.1 GiB higher (the
 heap keeps the sync's freed temporaries until it ends, and glibc cannot place every aligned
 block in a hole an earlier one left).
 
