@@ -23,6 +23,11 @@ alternating, a warm-up round (reported as "first") and `--repeat` rounds of:
   checkpoint was just written by this run and is read once more before the servers start, so
   every reload reads it from the page cache (warm); the trainer's tensors are in memory too.
 
+Before the first trainer's init on each server, a warm-up and `--repeat` reloads of vLLM alone
+("stock"): the weightsync backend changes how a worker allocates memory once a trainer inits it
+(engines/malloc.py), which changes vLLM's own reloads in that process too, so the reloads that
+alternate with the pushes are not what vLLM does without weightsync. Both are reported.
+
 It checks the push on every server before its steady rounds, so that it never times a broken
 push: after the first push and after the first reload, vLLM's own per-parameter checksums
 (`POST /weight_checker`) and the greedy tokens with their logprobs for two prompts must be
@@ -238,6 +243,12 @@ def measure_tp(server: VLLMServer, trainer: torch.nn.Module, args: argparse.Name
     dummy = snapshot(server)
     server.rpc("update_config", {"load_config": {"load_format": "auto"}})  # reload_weights reads the disk
     result: dict[str, Any] = {"startup_s": server.startup_s, "transports": {}, "checks": []}
+    # Before any trainer's init: no weightsync code has run in the workers yet (it changes how
+    # their memory is allocated), so these are the reloads of vLLM alone. The first is a warm-up.
+    stock = [reload(server) for _ in range(args.repeat + 1)]
+    progress(f"TP={server.tp} vLLM alone: reload {' '.join(f'{s:.3f}' for s in stock)} s")
+    result["stock_reload_s"] = stock[1:]
+    result["stock_reload_median_s"] = statistics.median(stock[1:])
     reloads: list[float] = []
     for transport in args.transport:
         row, round_reloads = measure_transport(server, trainer, transport, dummy, result["checks"], args)
@@ -248,6 +259,7 @@ def measure_tp(server: VLLMServer, trainer: torch.nn.Module, args: argparse.Name
     result["reload_median_s"] = statistics.median(reloads)
     for row in result["transports"].values():
         row["push_over_reload"] = row["push_median_s"] / result["reload_median_s"]
+        row["push_over_stock_reload"] = row["push_median_s"] / result["stock_reload_median_s"]
     return result
 
 
@@ -421,15 +433,17 @@ def table(result: dict[str, Any]) -> str:
         f"load average: {_loadavg(result['environment']['loadavg_start'])} at start, "
         f"{_loadavg(result['environment']['loadavg_end'])} at end; medians of {result['repeat']} rounds after a first",
         "",
-        "| TP | transport | vLLM up s | init s | first sync s | push s | push GB/s | x memcpy | first reload s | reload s | push/reload |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TP | transport | vLLM up s | init s | first sync s | push s | push GB/s | x memcpy | first reload s | reload s | push/reload "
+        "| vLLM alone: reload s | push/that |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for tp, tp_row in result["tp"].items():
         for transport, row in tp_row["transports"].items():
             lines.append(
                 f"| {tp} | {transport} | {tp_row['startup_s']:.1f} | {row['init_s']:.2f} | {row['first_sync_s']:.3f} | "
                 f"{row['push_median_s']:.3f} | {row['push_gbps']:.2f} | {row['push_over_memcpy']:.2f}x | "
-                f"{tp_row['first_reload_s']:.3f} | {tp_row['reload_median_s']:.3f} | {row['push_over_reload']:.2f}x |"
+                f"{tp_row['first_reload_s']:.3f} | {tp_row['reload_median_s']:.3f} | {row['push_over_reload']:.2f}x | "
+                f"{tp_row['stock_reload_median_s']:.3f} | {row['push_over_stock_reload']:.2f}x |"
             )
     lines.append("")
     for transport, ratio in result.get("push_tp2_over_tp1", {}).items():

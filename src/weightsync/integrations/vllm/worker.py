@@ -6,7 +6,9 @@ weight-update lifecycle::
 
     init_transfer_engine(info)   start this worker's receiver; tell the trainer its address
                                  (rendezvous.announce)
-    start_weight_update()        vLLM's layerwise reload begins; the receiver accepts one sync
+    start_weight_update()        vLLM's layerwise reload begins; the receiver accepts one sync;
+                                 until the reload ends, what one layer frees the next reuses
+                                 (engines/malloc.py)
     update_weights({"version"})  land that sync: every tensor the trainer pushes goes through
                                  the model's own `load_weights` on this thread (each rank's
                                  loader slices its own shard), as the buckets arrive, straight
@@ -48,7 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.digest import source_digest
-from weightsync.engines.malloc import return_large_frees_to_os
+from weightsync.engines.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
 from weightsync.errors import PlanError, SinkError
 from weightsync.integrations.vllm import events
 from weightsync.integrations.vllm.doorbell import ring
@@ -439,6 +441,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         sink = self._require()
         initialize_layerwise_reload(self.model)
         self._reloading = True
+        reuse_freed_memory()  # each layer reuses what the last one freed, rather than fault in fresh pages
         sink.open_window()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -477,6 +480,8 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         receiver, self._receiver, self._sink = self._receiver, None, None
         if receiver is not None:
             receiver.close()
+        if self._reloading:  # a window left open: its allocations go back to mmap
+            release_freed_memory()
 
     def _end_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -484,10 +489,13 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         if not self._reloading:  # ended already, by a sync that failed
             return
         self._reloading = False
-        experts = cpu_experts_to_prepack(self.model)
-        finalize_layerwise_reload(self.model, self.model_config)
-        reprocess_tied_layers(self.model)
-        prepack_cpu_experts(experts)
+        try:
+            experts = cpu_experts_to_prepack(self.model)
+            finalize_layerwise_reload(self.model, self.model_config)
+            reprocess_tied_layers(self.model)
+            prepack_cpu_experts(experts)
+        finally:
+            release_freed_memory()  # the sync's temporaries go back to the OS
 
     def _require(self) -> _WindowSink:
         if self._sink is None:
