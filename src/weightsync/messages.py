@@ -37,7 +37,8 @@ and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carri
 larger than a bucket; 7: the content digest takes the tensors in name order; 8: an `Offer` may
 carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap"; 10: `Offer` and `Commit` name the
 plan by `plan_id`, only a ring's `BucketReady` names a slot, and the sender tells an shm
-receiver where it staged each tensor larger than a bucket in a `Staged`)."""
+receiver where it staged each tensor larger than a bucket in a `Staged`; an `Abort` between syncs
+tells a receiver a version will not come, naming its adapter if it is one's)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -212,10 +213,13 @@ class Committed(Message, frozen=True):
 
 
 class Abort(Message, frozen=True):
-    """Sender -> receiver: the sync of `version` is abandoned."""
+    """Sender -> receiver: the sync of `version` is abandoned (between syncs: it will not be
+    offered)."""
 
     version: int
     reason: str
+    adapter: str = ""
+    """The LoRA adapter whose version it is, or "" for the base weights."""
 
 
 class Failed(Message, frozen=True):

@@ -352,9 +352,13 @@ class WeightReceiver:
     def _given_up(self, abort: Abort) -> None:
         """The sender will not offer `abort.version` here (its push failed before its offer, or it
         turned this receiver away): the sink hears it as a refusal, so that a consumer waiting
-        for that version stops waiting. The sender leaves; so does this connection."""
-        log.warning("the sender gave up on version %d before offering it: %s", abort.version, abort.reason)
-        self._set(last_error=f"sync of version {abort.version} failed: the sender gave up: {abort.reason}")
+        for that version stops waiting (an adapter's version was never the base weights' sync).
+        The sender leaves; so does this connection."""
+        which = f"adapter {abort.adapter!r} version {abort.version}" if abort.adapter else f"version {abort.version}"
+        log.warning("the sender gave up on %s before offering it: %s", which, abort.reason)
+        self._set(last_error=f"sync of {which} failed: the sender gave up: {abort.reason}")
+        if abort.adapter:
+            return
         try:
             self._sink.refused(
                 abort.version, RemoteError(f"the sender gave up on version {abort.version}: {abort.reason}")

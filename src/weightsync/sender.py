@@ -216,7 +216,7 @@ class WeightSender:
             largest = max((tensor_nbytes(spec) for spec in specs), default=0)
             full_bytes = sum(dense_nbytes(spec) for spec in specs)
             bucket_bytes = self._agree_bucket_bytes(largest, full_bytes, welcomes, failures)
-            self._turn_away(version, failures)
+            self._turn_away(version, failures, adapter)
             reachable = [address for address in self._addresses if address in welcomes and address not in failures]
             takers = [a for route in self._routes if route.patches for a in route.addresses if a in reachable]
             step = self._next_step(takers, welcomes) if adapter is None else "plain"
@@ -226,7 +226,7 @@ class WeightSender:
             elif self._baseline is not None and step == "refresh":
                 diff = self._baseline.refresh(specs, source)
         except BaseException as exc:
-            self._give_up(version, f"the sender failed: {one_line(exc)}", self._addresses)
+            self._give_up(version, f"the sender failed: {one_line(exc)}", self._addresses, adapter)
             raise
         # the strictest verification any receiver asks for, or ours if stricter; a delta push
         # (a diff or a refresh) always verifies: a patch onto the wrong bytes must not commit
@@ -251,7 +251,7 @@ class WeightSender:
                 replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures, adapter)
             except BaseException as exc:  # the next deliveries' receivers were offered nothing yet
                 later = [address for after in deliveries[index + 1 :] for address in after.addresses]
-                self._give_up(version, f"the sender failed: {one_line(exc)}", later)
+                self._give_up(version, f"the sender failed: {one_line(exc)}", later, adapter)
                 raise
             failures |= failed
             committed |= replies
@@ -344,17 +344,18 @@ class WeightSender:
         failed_here = {a: e for a, e in failures.items() if a in delivery.addresses}
         return committed, failed_here, next((content for content in contents if content), "")
 
-    def _turn_away(self, version: int, failures: Failures) -> None:
+    def _turn_away(self, version: int, failures: Failures, adapter: Adapter | None) -> None:
         """Receivers connected and failed before any offer (a bucket size they cannot afford):
         they hear why at once, rather than wait for an offer."""
         for address, error in failures.items():
-            self._give_up(version, one_line(error), [address])
+            self._give_up(version, one_line(error), [address], adapter)
 
-    def _give_up(self, version: int, reason: str, addresses: Sequence[str]) -> None:
+    def _give_up(self, version: int, reason: str, addresses: Sequence[str], adapter: Adapter | None) -> None:
         """Tell the connected receivers among `addresses` that `version` will not be offered to
         them (`reason`): they stop waiting for it, and the links end."""
         for route in self._routes:
-            route.channel.abort(Abort(version, reason), [a for a in route.addresses if a in addresses])
+            abort = Abort(version, reason, adapter.name if adapter is not None else "")
+            route.channel.abort(abort, [a for a in route.addresses if a in addresses])
 
     def _connect(self) -> tuple[dict[str, Welcome], Failures]:
         welcomes: dict[str, Welcome] = {}

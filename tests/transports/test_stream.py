@@ -14,6 +14,7 @@ import torch
 
 from tests.helpers import assert_all_bit_exact, random_tensor, receiving, sending
 from weightsync import (
+    Adapter,
     ConfigError,
     NegotiationError,
     PlanError,
@@ -274,3 +275,28 @@ def test_a_stream_hears_at_once_when_the_sender_gives_up_before_its_offer(transp
             got = {name: tensor.clone() for name, tensor in sink.stream(version=4)}
             assert pusher.join().ok  # type: ignore[attr-defined]
             assert_all_bit_exact(got, MODEL)
+
+
+def test_an_adapter_push_given_up_before_its_offer_is_not_the_base_weights_refusal(transport):
+    """The base weights' sink hears nothing of an adapter's version the sender gave up on: a
+    consumer waiting for the base weights' version of the same number is not the one refused."""
+    heard: list[int] = []
+
+    class Recording(StreamSink):
+        def refused(self, version: int, error: BaseException) -> None:
+            heard.append(version)
+            super().refused(version, error)
+
+    adapter = Adapter("math", rank=2, alpha=4.0, target_modules=("q_proj",))
+    with (
+        receiving(Recording(timeout=30), transport) as receiver,
+        sending(receiver.address, bucket_bytes=BUCKET, raise_on_failure=False) as sender,
+    ):
+        assert sender.connect() == {}
+        with pytest.raises(ValueError, match="unreadable"):
+            sender.push(_Unreadable(), version=3, adapter=adapter)
+        deadline = time.monotonic() + 10
+        while "gave up" not in receiver.last_error and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "adapter 'math' version 3" in receiver.last_error and heard == []
+        assert receiver.state == "empty"
