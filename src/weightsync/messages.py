@@ -31,14 +31,14 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 10
-"""Bumped whenever a peer of another version would misread us (3: collective buckets go down a
-chain of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5: `NixlTarget`
-and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the tensors
-larger than a bucket; 7: the content digest takes the tensors in name order; 8: an `Offer` may
-carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap"; 10: `Offer` and `Commit` name the
-plan by `plan_id`, only a ring's `BucketReady` names a slot, and the sender tells an shm
-receiver where it staged each tensor larger than a bucket in a `Staged`; an `Abort` between syncs
-tells a receiver a version will not come, naming its adapter if it is one's)."""
+"""Bumped whenever a peer of another version would misread us (3: collective buckets go down a chain
+of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5:
+`NixlTarget` and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the
+tensors larger than a bucket; 7: the content digest takes the tensors in name order; 8: an `Offer`
+may carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap"; 10: `Offer`
+and `Commit` name the plan by `plan_id`, only a ring's `BucketReady` names a slot, and the sender
+tells an shm receiver where it staged each tensor larger than a bucket in a `Staged`; an `Abort`
+between syncs tells a receiver a version will not come, naming its adapter if it is one's)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

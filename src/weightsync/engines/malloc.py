@@ -15,9 +15,9 @@ push. `reuse_freed_memory` serves every allocation from the heap instead, where 
 frees the next one reuses, already resident; `release_freed_memory` then gives the free heap
 pages back to the OS (malloc_trim) and returns to `return_large_frees_to_os`'s setting. Measured
 in a vLLM worker on the dev host: a 1 GiB push 0.86-0.88 s -> 0.66-0.72 s (back to back, the
-quieter runs), 290,000 -> 107,000 page faults, RSS between syncs 0.3 GiB lower, and its peak during a sync 0.1 GiB higher (the
-heap keeps the sync's freed temporaries until it ends, and glibc cannot place every aligned
-block in a hole an earlier one left).
+quieter runs), 290,000 -> 107,000 page faults, RSS between syncs 0.3 GiB lower, and its peak
+during a sync 0.1 GiB higher (the heap keeps the sync's freed temporaries until it ends, and
+glibc cannot place every aligned block in a hole an earlier one left).
 
 Every setting is process-wide and only affects where blocks come from. Where libc is not glibc
 every function here does nothing and returns False.

@@ -5,10 +5,11 @@ slot (written once, read N times). A receiver acks each bucket (`BucketDone`) to
 
 A ring may also have a staging area (shm): a tensor larger than a bucket is written there
 whole, piece by piece, rather than into the slots, so that a receiver whose sink borrows can be
-lent it whole instead of assembling a copy of its own. The sender places them (`staging_layout`) and
-tells each receiver where, in a `Staged` at the start of the sync. A bucket wholly in the staging area takes no
-slot, so the sender packs it while receivers are still busy with earlier slots; before it writes
-into space an earlier tensor held, it waits for every ack of that tensor's last bucket.
+lent it whole instead of assembling a copy of its own. The sender places them (`staging_layout`)
+and tells each receiver where in a `Staged` at the start of the sync. A bucket wholly in the
+staging area takes no slot, so the sender packs it while receivers are still busy with earlier
+slots; before it writes into space an earlier tensor held, it waits for every ack of that
+tensor's last bucket.
 
 A ring is announced before the offer (`prepare`), so every receiver has mapped it before it
 accepts, and unlinked right after (`begin`; `finish` or `abort` when the plan had no buckets or
@@ -225,9 +226,8 @@ class RingReceivePlane(ReceivePlane):
             return
         staged = dict(expect_on(self.link, Staged, self.options.timeout).offsets)
         for tensor, offset in staged.items():
-            if not 0 <= tensor < len(plan.tensors) or not 0 <= offset <= ring.staging_bytes - tensor_nbytes(
-                plan.tensors[tensor]
-            ):
+            room = ring.staging_bytes - tensor_nbytes(plan.tensors[tensor]) if 0 <= tensor < len(plan.tensors) else -1
+            if not 0 <= offset <= room:
                 raise ProtocolError(
                     f"the sender stages tensor {tensor} at {offset}, outside the plan or the ring's staging area",
                     transport=self.link.transport,
