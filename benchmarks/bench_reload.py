@@ -56,7 +56,7 @@ def floor_reload(engine: Any, tensors: dict[str, torch.Tensor]) -> float:
 
 
 def build_engine(model: Path) -> Any:
-    from weightsync.engines.hf import HFEngine
+    from weightsync.serving.hf.engine import HFEngine
 
     return HFEngine(model, load_format="dummy")
 

@@ -44,9 +44,9 @@ from weightsync_bench.served import Served
 
 def runtime_rss(engine: str) -> int:
     """Peak RSS of a process that imports what a server imports, and loads no model."""
-    modules = "weightsync.server.runtime, weightsync.engines.hf, transformers, torch"
+    modules = "weightsync.serving.hf.server, weightsync.serving.hf.engine, transformers, torch"
     if engine == "vllm":
-        modules += ", weightsync.integrations.vllm.server, vllm"
+        modules += ", weightsync.serving.vllm.server, vllm"
     code = f"import {modules}; import sys; sys.stdout.write(open('/proc/self/status').read())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     line = next(line for line in out.stdout.splitlines() if line.startswith("VmHWM:"))

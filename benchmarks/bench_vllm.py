@@ -25,7 +25,7 @@ alternating, a warm-up round (reported as "first") and `--repeat` rounds of:
 
 Before the first trainer's init on each server, a warm-up and `--repeat` reloads of vLLM alone
 ("stock"): the weightsync backend changes how a worker allocates memory once a trainer inits it
-(engines/malloc.py), which changes vLLM's own reloads in that process too, so the reloads that
+(integrations/vllm/malloc.py), which changes vLLM's own reloads in that process too, so the reloads that
 alternate with the pushes are not what vLLM does without weightsync. Both are reported.
 
 It checks the push on every server before its steady rounds, so that it never times a broken
@@ -60,7 +60,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from weightsync import SenderOptions
-from weightsync.server.process import PARENT_FD_ENV, ChildProcess
+from weightsync.serving.process import PARENT_FD_ENV, ChildProcess
 from weightsync_bench.measure import environment, loader_copy_gbps, memcpy_gbps
 from weightsync_bench.saved_model import build_model, read_through
 
@@ -74,7 +74,7 @@ leaves their `weight` empty, so those are covered by the logprob check, not by t
 
 SERVE = f"""\
 import os, runpy, sys
-from weightsync.server.process import exit_with_parent
+from weightsync.serving.process import exit_with_parent
 log = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 os.dup2(log, 1)
 os.dup2(log, 2)

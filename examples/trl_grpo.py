@@ -34,7 +34,7 @@ from weightsync.demo.rollouts import ServerFleet
 from weightsync.digest import source_digest
 from weightsync.integrations.trl import WeightsyncRollout, log_weight_versions
 from weightsync.module_source import ModuleSource
-from weightsync.server.client import RolloutClient
+from weightsync.serving.client import RolloutClient
 
 
 def main(argv: list[str] | None = None) -> int:

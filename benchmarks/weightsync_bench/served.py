@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 import weightsync
-from weightsync.server.process import ChildProcess
+from weightsync.serving.process import ChildProcess
 
 __all__ = ["Served"]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightsync.engines.hf_config import min_bucket_bytes
 from weightsync.errors import (
     AuthError,
     ChecksumError,
@@ -27,6 +26,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.hf_checkpoint import HFCheckpointSource
+from weightsync.hf_config import min_bucket_bytes
 from weightsync.lora import Adapter, AdapterSink, adapter_from_peft
 from weightsync.messages import Plan
 from weightsync.module_source import ModuleSource

@@ -4,7 +4,7 @@ A bucket is the unit of transfer. Any size works, because tensors larger than a 
 chunked, but a bucket that holds the embedding whole avoids chunking the largest tensor, and a
 bucket that is too large wastes memory on both sides. Sender and receivers always agree on one
 size in the handshake (`negotiate_bucket_bytes`) before a byte moves. The floor a Hugging Face
-model needs (its embedding whole) is read from its config in `weightsync.engines.hf_config`.
+model needs (its embedding whole) is read from its config in `weightsync.hf_config`.
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_colocated_loop_learns_and_serves_the_trainer_weights(tmp_path: Path) ->
         assert local.receiver.version == record["weight_version"]
         assert record["max_version_lag"] == 0
         if record["step"] % 10 == 0:
-            from weightsync.engines.base import SamplingParams
+            from weightsync.serving.hf.base import SamplingParams
 
             local.engine.add_request("check", PROMPT, SamplingParams(max_tokens=task.ANSWER_LENGTH))
             tokens: list[int] = []

@@ -39,7 +39,7 @@ from weightsync.integrations.trl import (  # noqa: E402
     log_weight_versions,
 )
 from weightsync.module_source import ModuleSource  # noqa: E402
-from weightsync.server.client import RolloutClient  # noqa: E402
+from weightsync.serving.client import RolloutClient  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0

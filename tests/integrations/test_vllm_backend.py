@@ -45,7 +45,7 @@ from tests.models import save_model  # noqa: E402
 from weightsync import HFCheckpointSource, SenderOptions, SyncFailed, WeightSender  # noqa: E402
 from weightsync.digest import source_digest  # noqa: E402
 from weightsync.integrations.vllm import VLLMSource, WeightsyncTrainerInitInfo  # noqa: E402
-from weightsync.server.process import ChildProcess  # noqa: E402
+from weightsync.serving.process import ChildProcess  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,

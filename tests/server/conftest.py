@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import WAIT_S
 from tests.models import MODEL_KINDS, save_model
-from weightsync.server.background import BackgroundServer
+from weightsync.serving.background import BackgroundServer
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -40,8 +40,8 @@ class LiveServer(BackgroundServer):
     """A BackgroundServer on 127.0.0.1 with a client for it."""
 
     def __init__(self, model: Path, **options: object) -> None:
-        from weightsync.server.client import RolloutClient
-        from weightsync.server.runtime import ServeConfig
+        from weightsync.serving.client import RolloutClient
+        from weightsync.serving.config import ServeConfig
 
         config = ServeConfig(model=str(model), **options)  # type: ignore[arg-type]
         super().__init__(config, start_timeout=None if config.engine == "vllm" else WAIT_S)

@@ -21,12 +21,12 @@ import pytest
 
 from tests.helpers import WAIT_S, wait_until
 from tests.server.test_cli import Served
-from weightsync.engines.hf import HFEngine
-from weightsync.server import runtime
-from weightsync.server.app import create_app
-from weightsync.server.background import bind
-from weightsync.server.runtime import ServeConfig
-from weightsync.server.startup import Startup
+from weightsync.serving.background import bind
+from weightsync.serving.config import ServeConfig
+from weightsync.serving.hf import server as runtime
+from weightsync.serving.hf.app import create_app
+from weightsync.serving.hf.engine import HFEngine
+from weightsync.serving.hf.startup import Startup
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

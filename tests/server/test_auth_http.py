@@ -9,8 +9,8 @@ from safetensors.torch import load_file
 from tests.server.conftest import live_server
 from weightsync import WeightSender
 from weightsync.errors import ConfigError
-from weightsync.server.client import RolloutClient, ServerError
-from weightsync.server.runtime import ServeConfig
+from weightsync.serving.client import RolloutClient, ServerError
+from weightsync.serving.config import ServeConfig
 
 TOKEN = "correct horse battery staple"
 

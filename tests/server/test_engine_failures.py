@@ -17,10 +17,11 @@ import pytest
 
 from tests.server.conftest import live_server
 from weightsync.checkpoint import SafetensorsSource
-from weightsync.engines.hf import HFEngine
 from weightsync.errors import ConfigError
-from weightsync.server import runtime
-from weightsync.server.runtime import FAILED_STEPS_UNHEALTHY, RolloutServer, ServeConfig
+from weightsync.serving.config import ServeConfig
+from weightsync.serving.hf import server as runtime
+from weightsync.serving.hf.engine import HFEngine
+from weightsync.serving.hf.server import FAILED_STEPS_UNHEALTHY, RolloutServer
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

@@ -4,9 +4,9 @@ loop records."""
 
 from __future__ import annotations
 
-from weightsync.engines.base import SamplingParams
-from weightsync.server.generation import Output
-from weightsync.server.loop import TokenEvent, VersionSpan, _Submission
+from weightsync.serving.hf.base import SamplingParams
+from weightsync.serving.hf.generation import Output
+from weightsync.serving.hf.loop import TokenEvent, VersionSpan, _Submission
 
 
 class Bytes:

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from tests.models import MODEL_KINDS
 from weightsync import PlanError, WeightReceiver, WeightSender
-from weightsync.engines.base import SamplingParams
-from weightsync.engines.hf import HFEngine
+from weightsync.serving.hf.base import SamplingParams
+from weightsync.serving.hf.engine import HFEngine
 
 
 def run_to_end(engine: HFEngine, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -23,9 +23,9 @@ from tests.helpers import WAIT_S, wait_until
 from tests.models import CHAT_TEMPLATE, save_tokenizer
 from tests.server.conftest import LiveServer, live_server
 from weightsync import ConfigError, WeightSender
-from weightsync.engines.hf import HFEngine
-from weightsync.server import runtime
-from weightsync.server.runtime import ServeConfig
+from weightsync.serving.config import ServeConfig
+from weightsync.serving.hf import server as runtime
+from weightsync.serving.hf.engine import HFEngine
 
 openai = pytest.importorskip("openai")
 
@@ -396,7 +396,7 @@ def test_a_stream_spanning_a_keep_sync_reports_each_version_where_it_began(tiny_
 
 
 def test_a_bug_of_ours_mid_stream_is_an_error_event_too(client, monkeypatch) -> None:
-    from weightsync.server.formats import CompletionFormat
+    from weightsync.serving.hf.formats import CompletionFormat
 
     written = CompletionFormat.stream_choice
     calls = []

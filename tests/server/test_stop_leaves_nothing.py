@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import ENGINES, WAIT_S, wait_until
 from tests.leftovers import Footprints, tree
-from weightsync.server.process import ChildProcess
+from weightsync.serving.process import ChildProcess
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -112,7 +112,7 @@ def test_a_server_stopped_while_vllm_loads_stops_at_once_and_leaves_nothing(tiny
 PARENT = textwrap.dedent(
     """
     import sys, time
-    from weightsync.server.process import ChildProcess
+    from weightsync.serving.process import ChildProcess
     child = ChildProcess(sys.argv[1:])
     print(child.pid, child.wait_for_line("weightsync serve: http://", {start}) is not None, flush=True)
     time.sleep(3600)

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import WAIT_S, wait_until
 from weightsync import PlanError, WeightSender
-from weightsync.server.process import ChildProcess
+from weightsync.serving.process import ChildProcess
 
 pytest.importorskip("vllm")
 openai = pytest.importorskip("openai")

@@ -33,7 +33,7 @@ from tests.models import save_model
 from tests.server.checks import _Gated
 from weightsync import WeightSender
 from weightsync.digest import source_digest
-from weightsync.server.process import ChildProcess
+from weightsync.serving.process import ChildProcess
 
 pytest.importorskip("vllm")
 

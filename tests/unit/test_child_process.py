@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from weightsync.server.process import STOP_TIMEOUT_S, ChildProcess
+from weightsync.serving.process import STOP_TIMEOUT_S, ChildProcess
 
 # A child that starts a grandchild holding its stdout, announces both, and then either exits on
 # SIGTERM (leaving the grandchild behind, as a server killed mid-shutdown would) or ignores it.

@@ -1,4 +1,4 @@
-"""`weightsync.server.footprint`: what a server process tree made is removed at close, and only
+"""`weightsync.serving.footprint`: what a server process tree made is removed at close, and only
 that; a dead server's leftovers are reaped by the folder it left. No engine: a child process
 makes segments and files the way vLLM's do."""
 
@@ -13,7 +13,7 @@ import textwrap
 from multiprocessing import shared_memory
 from pathlib import Path
 
-from weightsync.server.footprint import FOLDER_PREFIX, MANIFEST, reap_dead
+from weightsync.serving.footprint import FOLDER_PREFIX, MANIFEST, reap_dead
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -23,7 +23,7 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 SERVER = textwrap.dedent(
     """
     import json, subprocess, sys, time
-    from weightsync.server.footprint import Footprint
+    from weightsync.serving.footprint import Footprint
     CHILD = '''
     import os, socket, sys, tempfile, time
     from multiprocessing import shared_memory, resource_tracker

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weightsync import adapter_from_peft
-from weightsync.engines.hf_lora import LoraServing
+from weightsync.serving.hf.lora import LoraServing
 
 peft = pytest.importorskip("peft")
 

@@ -1,4 +1,4 @@
-"""`weightsync.engines.malloc`: during a sync, freed memory is reused without page faults; after
+"""`weightsync.integrations.vllm.malloc`: during a sync, freed memory is reused without page faults; after
 it, the free pages go back to the OS. The settings are process-wide, so each case runs in a child
 process, as a vLLM worker holds them."""
 
@@ -21,7 +21,7 @@ CHILD = textwrap.dedent(
     """
     import ctypes, json, resource
     import psutil
-    from weightsync.engines import malloc
+    from weightsync.integrations.vllm import malloc
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -1,4 +1,4 @@
-"""sizing.py and engines/hf_config.py: the bucket that fits a model's embedding, the automatic size, and the negotiated one."""
+"""sizing.py and hf_config.py: the bucket that fits a model's embedding, the automatic size, and the negotiated one."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from weightsync.errors import ConfigError
-from weightsync.server.runtime import ServeConfig
+from weightsync.serving.config import ServeConfig
 
 pytest.importorskip("vllm")
 
@@ -27,7 +27,7 @@ def config(tmp_path: Path) -> ServeConfig:
 
 
 def test_weightsync_settings_and_extra_vllm_flags_reach_vllm(config: ServeConfig) -> None:
-    from weightsync.integrations.vllm.launch import vllm_namespace
+    from weightsync.serving.vllm.launch import vllm_namespace
 
     args = vllm_namespace(config, ["--max-model-len", "256", "--enable-prefix-caching", "-tp", "2"])
     assert (args.model, args.load_format, args.dtype) == (config.model, "dummy", "float32")
@@ -38,7 +38,7 @@ def test_weightsync_settings_and_extra_vllm_flags_reach_vllm(config: ServeConfig
 
 
 def test_what_vllm_refuses_a_replaced_backend_and_replicas_are_config_errors(config: ServeConfig) -> None:
-    from weightsync.integrations.vllm.launch import vllm_namespace
+    from weightsync.serving.vllm.launch import vllm_namespace
 
     with pytest.raises(ConfigError, match="vLLM refused"):
         vllm_namespace(config, ["--no-such-flag"])
@@ -51,7 +51,7 @@ def test_what_vllm_refuses_a_replaced_backend_and_replicas_are_config_errors(con
 def test_a_chat_template_file_reaches_vllm_once(config: ServeConfig, tmp_path: Path) -> None:
     import dataclasses
 
-    from weightsync.integrations.vllm.launch import vllm_namespace
+    from weightsync.serving.vllm.launch import vllm_namespace
 
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages[0]['content'] }}")

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from weightsync.errors import SinkError
-from weightsync.integrations.vllm.control import SyncControl
-from weightsync.integrations.vllm.events import Abort, AdapterFailed, AdapterLanded, Begin, Commit, Status
 from weightsync.lora import Adapter
 from weightsync.messages import SyncTimes
-from weightsync.server.metrics import ServerMetrics
+from weightsync.serving.control import SyncControl
+from weightsync.serving.events import Abort, AdapterFailed, AdapterLanded, Begin, Commit, Status
+from weightsync.serving.metrics import ServerMetrics
 
 
 class Engine:

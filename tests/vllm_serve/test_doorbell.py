@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from weightsync.errors import SinkError
-from weightsync.integrations.vllm.doorbell import MAX_FRAME_BYTES, Doorbell, ring
-from weightsync.integrations.vllm.events import Abort, Begin, Status, SyncEvent
+from weightsync.serving.doorbell import MAX_FRAME_BYTES, Doorbell, ring
+from weightsync.serving.events import Abort, Begin, Status, SyncEvent
 
 
 @contextmanager

@@ -7,10 +7,10 @@ import asyncio
 import json
 from typing import Any
 
-from weightsync.integrations.vllm.control import SyncControl
-from weightsync.integrations.vllm.http import Labeller
-from weightsync.integrations.vllm.versions import Recorder
-from weightsync.server.metrics import ServerMetrics
+from weightsync.serving.control import SyncControl
+from weightsync.serving.http import Labeller
+from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.vllm.versions import Recorder
 
 
 def label(messages: list[dict[str, Any]], recorder: Recorder) -> list[dict[str, Any]]:
@@ -74,7 +74,7 @@ def test_error_answers_pass_unchanged() -> None:
 
 
 def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:
-    from weightsync.integrations.vllm.http import gated
+    from weightsync.serving.http import gated
 
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations", "/inference/v1/generate"):
         assert gated("POST", path), path
@@ -84,7 +84,7 @@ def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:
 
 
 def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
-    from weightsync.integrations.vllm.http import WeightsyncMiddleware
+    from weightsync.serving.http import WeightsyncMiddleware
 
     reached, sent = [], []
 

@@ -25,7 +25,7 @@ from types import FrameType
 from weightsync import __version__
 from weightsync.cli import bench, demo, digest, push, serve
 from weightsync.cli.errors import TERMINATED, describe
-from weightsync.server.process import PARENT_FD_ENV, exit_with_parent, quiet_children
+from weightsync.serving.process import PARENT_FD_ENV, exit_with_parent, quiet_children
 
 __all__ = ["build_parser", "main"]
 
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def watch_parent() -> None:
-    """A child started by `ChildProcess` stops when its parent dies (server/process.py). The
+    """A child started by `ChildProcess` stops when its parent dies (serving/process.py). The
     variable is removed so that this process's own children do not watch a stale number."""
     fd = os.environ.pop(PARENT_FD_ENV, "")
     if fd.isdigit():

@@ -131,7 +131,7 @@ def ask_servers(urls: list[str], timeout: float, token: str | None) -> tuple[dic
 def wait_until_up(url: str, wait_s: float, timeout: float, token: str | None, command: str) -> dict[str, Any]:
     """`url`'s /weight_info once it is up (`RolloutClient.wait_until_up`), saying on one line
     what it waits for."""
-    from weightsync.server.client import RolloutClient
+    from weightsync.serving.client import RolloutClient
 
     def waiting(why: str) -> None:
         print(f"weightsync {command}: waiting up to {wait_s:.0f} s for {url}: {why}", file=sys.stderr, flush=True)

@@ -17,8 +17,8 @@ from weightsync.cli.errors import TERMINATED
 from weightsync.transports import serving_transports
 
 if TYPE_CHECKING:
-    from weightsync.server.footprint import Footprint
-    from weightsync.server.runtime import ServeConfig
+    from weightsync.serving.config import ServeConfig
+    from weightsync.serving.footprint import Footprint
 
 __all__ = ["add_parser", "run"]
 
@@ -117,9 +117,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped; whatever way it stops (SIGTERM, SIGINT, an error, its parent gone),
-    what the server and its engine made on the host goes with it (server/footprint.py)."""
-    from weightsync.server.footprint import Footprint
-    from weightsync.server.process import on_hard_exit
+    what the server and its engine made on the host goes with it (serving/footprint.py)."""
+    from weightsync.serving.footprint import Footprint
+    from weightsync.serving.process import on_hard_exit
 
     with Footprint() as footprint:  # first: the engine's temporary files go to its folder
         on_hard_exit(footprint.close)
@@ -130,10 +130,10 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
     import uvicorn
 
     from weightsync.errors import ConfigError
-    from weightsync.server.app import create_app
-    from weightsync.server.background import bind
-    from weightsync.server.runtime import ServeConfig
-    from weightsync.server.startup import Startup
+    from weightsync.serving.background import bind
+    from weightsync.serving.config import ServeConfig
+    from weightsync.serving.hf.app import create_app
+    from weightsync.serving.hf.startup import Startup
 
     config = ServeConfig(
         model=args.model,
@@ -205,12 +205,12 @@ def run_vllm(config: ServeConfig, args: argparse.Namespace, footprint: Footprint
     import asyncio
     import shlex
 
-    from weightsync.server.background import bind
-    from weightsync.server.runtime import require_engine
+    from weightsync.serving.background import bind
+    from weightsync.serving.config import require_engine
 
     require_engine("vllm")  # a missing vLLM fails here, before the port is taken
-    from weightsync.integrations.vllm.launch import preload, vllm_namespace
-    from weightsync.integrations.vllm.server import ENGINE_SHUTDOWN_S, serve
+    from weightsync.serving.vllm.launch import preload, vllm_namespace
+    from weightsync.serving.vllm.server import ENGINE_SHUTDOWN_S, serve
 
     extra = shlex.split(args.vllm_args)
     vllm_namespace(config, extra)  # vLLM's refusal of the arguments, before the port is taken

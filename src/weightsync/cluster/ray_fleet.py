@@ -47,8 +47,8 @@ class ServerActor:
     """
 
     def __init__(self, serve: dict[str, Any]) -> None:
-        from weightsync.server.background import BackgroundServer
-        from weightsync.server.runtime import ServeConfig
+        from weightsync.serving.background import BackgroundServer
+        from weightsync.serving.config import ServeConfig
 
         serve = dict(serve)
         if serve.get("host") == NODE_IP:

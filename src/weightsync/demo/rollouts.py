@@ -21,10 +21,10 @@ from pathlib import Path
 import httpx
 
 from weightsync.auth import resolve_token
-from weightsync.engines.base import SamplingParams
 from weightsync.errors import ResourceError
 from weightsync.receiver import WeightReceiver
-from weightsync.server.process import ChildProcess
+from weightsync.serving.hf.base import SamplingParams
+from weightsync.serving.process import ChildProcess
 
 __all__ = ["LocalRollouts", "Sample", "ServerFleet"]
 
@@ -60,7 +60,7 @@ class LocalRollouts:
     """An hf engine in this process, synced through `inproc` (colocated / hybrid mode)."""
 
     def __init__(self, model_dir: Path, timeout: float, max_lora_rank: int = 0) -> None:
-        from weightsync.engines.hf import HFEngine
+        from weightsync.serving.hf.engine import HFEngine
 
         self.engine = HFEngine(model_dir, load_format="dummy", max_lora_rank=max_lora_rank)
         self.receiver = WeightReceiver(self.engine.weight_sink(), transport="inproc", timeout=timeout)

@@ -43,7 +43,7 @@ from weightsync.module_source import ModuleSource
 from weightsync.options import DEFAULT_TIMEOUT_S
 from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
-from weightsync.server.client import RolloutClient
+from weightsync.serving.client import RolloutClient
 from weightsync.source import StateDictSource
 
 __all__ = [

@@ -8,7 +8,7 @@ weight-update lifecycle::
                                  (rendezvous.announce)
     start_weight_update()        vLLM's layerwise reload begins; the receiver accepts one sync;
                                  until the reload ends, what one layer frees the next reuses
-                                 (engines/malloc.py)
+                                 (integrations/vllm/malloc.py)
     update_weights({"version"})  land that sync: every tensor the trainer pushes goes through
                                  the model's own `load_weights` on this thread (each rank's
                                  loader slices its own shard), as the buckets arrive, straight
@@ -50,10 +50,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from weightsync.digest import source_digest
-from weightsync.engines.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
 from weightsync.errors import PlanError, SinkError
-from weightsync.integrations.vllm import events
-from weightsync.integrations.vllm.doorbell import ring
 from weightsync.integrations.vllm.internals import (
     MEMORY_SCHEME,
     LoraMemory,
@@ -68,11 +65,14 @@ from weightsync.integrations.vllm.layout import (
     check_plan_layout,
     checkpoint_layout,
 )
+from weightsync.integrations.vllm.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.lora import Adapter, AdapterSink, check_lora, check_name
 from weightsync.messages import Plan
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import ReceiverStatus, WeightReceiver
+from weightsync.serving import events
+from weightsync.serving.doorbell import ring
 from weightsync.sink import StagedSink, WeightSink, WrappingSink
 from weightsync.stream import StreamSink
 

@@ -14,7 +14,8 @@ import warnings
 from typing import Any
 
 from weightsync.errors import ResourceError
-from weightsync.server.runtime import RolloutServer, ServeConfig
+from weightsync.serving.config import ServeConfig
+from weightsync.serving.hf.server import RolloutServer
 
 __all__ = ["BackgroundServer", "bind"]
 
@@ -75,7 +76,7 @@ class BackgroundServer:
     def _start_hf(self, start_timeout: float) -> Any:
         import uvicorn
 
-        from weightsync.server.app import create_app
+        from weightsync.serving.hf.app import create_app
 
         server = self.server = RolloutServer(self.config)
         self.addresses = [server.receiver.address]
@@ -99,8 +100,8 @@ class BackgroundServer:
         return close
 
     def _start_vllm(self, start_timeout: float) -> Any:
-        from weightsync.integrations.vllm.launch import vllm_namespace
-        from weightsync.integrations.vllm.server import serve
+        from weightsync.serving.vllm.launch import vllm_namespace
+        from weightsync.serving.vllm.server import serve
 
         vllm_namespace(self.config)  # vLLM's refusal of the arguments, raised here
         ready = threading.Event()
@@ -149,7 +150,7 @@ class BackgroundServer:
         """What GET /weight_info answers (version, state, addresses, digest, last sync)."""
         if self.server is not None:
             return self.server.weight_info()
-        from weightsync.server.client import RolloutClient
+        from weightsync.serving.client import RolloutClient
 
         client = RolloutClient(self.url, auth_token=self.config.auth_token)
         try:

@@ -42,7 +42,9 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from weightsync.errors import SinkError
-from weightsync.integrations.vllm.events import (
+from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
+from weightsync.serving.config import Health, PauseMode
+from weightsync.serving.events import (
     Abort,
     AdapterFailed,
     AdapterLanded,
@@ -53,19 +55,70 @@ from weightsync.integrations.vllm.events import (
     Status,
     SyncEvent,
 )
-from weightsync.integrations.vllm.versions import LoraUse
-from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
-from weightsync.server.loop import PauseMode
-from weightsync.server.metrics import ServerMetrics
-from weightsync.server.runtime import Health
-from weightsync.server.sync import SyncStats
+from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.vllm.versions import LoraUse
 
-__all__ = ["Engine", "SyncControl"]
+__all__ = ["Engine", "SyncControl", "SyncStats"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 """How often a window's wait for vLLM's update call looks whether the engine died."""
+
+
+@dataclasses.dataclass(slots=True)
+class SyncStats:
+    """The last sync as the server saw it (GET /weight_info)."""
+
+    version: int | None = None
+    total_bytes: int = 0
+    bucket_bytes: int = 0
+    """The bucket size the push agreed on: what `weightsync digest` needs to recompute its digest."""
+    seconds: float = 0.0
+    ok: bool | None = None
+    error: str = ""
+    num_committed: int = 0
+    num_failed: int = 0
+
+    @property
+    def gbps(self) -> float:
+        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def next(self, version: int, total_bytes: int, bucket_bytes: int, metrics: ServerMetrics) -> SyncStats:
+        """The stats of a sync of `version` beginning now; the counts carry over."""
+        metrics.sync_in_progress.set(1)
+        return SyncStats(
+            version, total_bytes, bucket_bytes, num_committed=self.num_committed, num_failed=self.num_failed
+        )
+
+    def committed(self, seconds: float, metrics: ServerMetrics) -> None:
+        self.seconds, self.ok = seconds, True
+        self.num_committed += 1
+        metrics.syncs.labels("committed").inc()
+        metrics.sync_seconds.observe(seconds)
+        metrics.sync_bytes.inc(self.total_bytes)
+        if self.version is not None:
+            metrics.version.set(self.version)
+        metrics.sync_in_progress.set(0)
+
+    def failed(self, seconds: float, error: str, metrics: ServerMetrics) -> None:
+        self.seconds, self.ok, self.error = seconds, False, error
+        self.num_failed += 1
+        metrics.syncs.labels("failed").inc()
+        metrics.sync_in_progress.set(0)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "version": self.version,
+            "bytes": self.total_bytes,
+            "bucket_bytes": self.bucket_bytes,
+            "seconds": round(self.seconds, 6),
+            "gbps": round(self.gbps, 3),
+            "ok": self.ok,
+            "error": self.error,
+            "num_committed": self.num_committed,
+            "num_failed": self.num_failed,
+        }
 
 
 @dataclasses.dataclass(eq=False)

@@ -29,13 +29,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from weightsync.server.body_limit import BodyLimit
-from weightsync.server.error_body import error
-from weightsync.server.loop import PAUSE_MODES
-from weightsync.server.openai_api import chat_completions, completions
-from weightsync.server.runtime import RolloutServer
-from weightsync.server.schemas import ChatCompletionRequest, CompletionRequest
-from weightsync.server.startup import Startup
+from weightsync.serving.body_limit import BodyLimit
+from weightsync.serving.config import PAUSE_MODES
+from weightsync.serving.error_body import error
+from weightsync.serving.hf.openai_api import chat_completions, completions
+from weightsync.serving.hf.schemas import ChatCompletionRequest, CompletionRequest
+from weightsync.serving.hf.server import RolloutServer
+from weightsync.serving.hf.startup import Startup
 
 __all__ = ["create_app"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsync.errors import RequestError
-from weightsync.server.schemas import ChatMessage
+from weightsync.serving.hf.schemas import ChatMessage
 
 __all__ = ["chat_prompt", "has_text", "no_chat_reason", "tokenize"]
 

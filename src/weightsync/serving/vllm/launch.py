@@ -20,7 +20,7 @@ from typing import Any
 
 from weightsync.errors import ConfigError
 from weightsync.integrations.vllm.plugin import BACKEND
-from weightsync.server.runtime import ServeConfig
+from weightsync.serving.config import ServeConfig
 
 __all__ = ["build_engine", "preload", "vllm_namespace", "warm_up"]
 

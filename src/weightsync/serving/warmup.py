@@ -14,8 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from weightsync.engines.base import Engine, SamplingParams
 from weightsync.errors import ConfigError
+from weightsync.serving.hf.base import Engine, SamplingParams
 
 __all__ = ["NO_CHAT_TEMPLATE", "TOKENIZER_FILES", "WARM_UP_MAX_STEPS", "load_tokenizer", "warm_up"]
 

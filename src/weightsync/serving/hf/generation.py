@@ -12,9 +12,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from weightsync.engines.base import SamplingParams
-from weightsync.server.loop import TokenEvent, VersionSpan
-from weightsync.server.runtime import RolloutServer
+from weightsync.serving.hf.base import SamplingParams
+from weightsync.serving.hf.loop import TokenEvent, VersionSpan
+from weightsync.serving.hf.server import RolloutServer
 
 __all__ = ["Delta", "Generation", "Output"]
 

@@ -14,14 +14,14 @@ from collections.abc import Callable
 
 from starlette.responses import JSONResponse, Response
 
-from weightsync.engines.base import SamplingParams
-from weightsync.server.error_body import error
-from weightsync.server.formats import ChatFormat, CompletionFormat, Format, dump
-from weightsync.server.generation import Generation
-from weightsync.server.prompts import chat_prompt, has_text, no_chat_reason, tokenize
-from weightsync.server.runtime import RolloutServer
-from weightsync.server.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
-from weightsync.server.streaming import stream
+from weightsync.serving.error_body import error
+from weightsync.serving.hf.base import SamplingParams
+from weightsync.serving.hf.formats import ChatFormat, CompletionFormat, Format, dump
+from weightsync.serving.hf.generation import Generation
+from weightsync.serving.hf.prompts import chat_prompt, has_text, no_chat_reason, tokenize
+from weightsync.serving.hf.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest
+from weightsync.serving.hf.server import RolloutServer
+from weightsync.serving.hf.streaming import stream
 
 __all__ = ["GATE_POLL_S", "chat_completions", "completions", "wait_at_gate"]
 

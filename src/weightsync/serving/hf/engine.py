@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from weightsync.engines.base import Engine, LoadFormat, SamplingParams, StepOutput, check_request
-from weightsync.engines.hf_lora import LoraServing
-from weightsync.engines.hf_sink import InPlaceModelSink
 from weightsync.errors import ConfigError, RequestError
 from weightsync.lora import AdapterVersion, ServedAdapter
+from weightsync.serving.config import LoadFormat
+from weightsync.serving.hf.base import Engine, SamplingParams, StepOutput, check_request
+from weightsync.serving.hf.lora import LoraServing
+from weightsync.serving.hf.sink import InPlaceModelSink
 
 __all__ = ["HFEngine", "build_model"]
 

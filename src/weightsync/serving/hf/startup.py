@@ -17,7 +17,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from weightsync.server.runtime import Health, RolloutServer, ServeConfig, engine_class
+from weightsync.serving.config import Health, ServeConfig
+from weightsync.serving.hf.server import RolloutServer, engine_class
 
 __all__ = ["Startup"]
 

@@ -1,61 +1,53 @@
-"""One rollout server's parts, built from one config: engine, loop, sink, receiver, metrics.
-
-The receiver lives in the server process and lands syncs straight into the engine's live tensors
-(through `ServerSink`), so the process holds one copy of the model.
-"""
+"""What a rollout server runs, whatever its engine: `ServeConfig`, the engines there are, and the
+states a server reports (`Health`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-import logging
 from pathlib import Path
 from typing import Literal
 
 from weightsync.auth import check_bind, resolve_token
 from weightsync.checksum import VERIFY_MODES, Verify
-from weightsync.engines.base import Engine, LoadFormat
 from weightsync.errors import ConfigError
-from weightsync.messages import SyncTimes
 from weightsync.options import ReceiverOptions
-from weightsync.receiver import ReceiverStatus, WeightReceiver
-from weightsync.server.body_limit import default_max_request_bytes
-from weightsync.server.loop import PAUSE_MODES, EngineLoop, PauseMode
-from weightsync.server.metrics import ServerMetrics
-from weightsync.server.sync import ServerSink
-from weightsync.server.warmup import NO_CHAT_TEMPLATE, load_tokenizer, warm_up
+from weightsync.serving.body_limit import default_max_request_bytes
 from weightsync.transports import get_transport, serving_transports
 
 __all__ = [
-    "ENGINES",
-    "FAILED_STEPS_UNHEALTHY",
+    "AUTO_VERSION",
+    "ENGINE_PACKAGES",
+    "PAUSE_MODES",
     "EngineName",
     "Health",
-    "RolloutServer",
+    "LoadFormat",
+    "PauseMode",
     "ServeConfig",
     "ServerState",
-    "build_engine",
-    "engine_class",
     "require_engine",
 ]
 
-log = logging.getLogger(__name__)
+LoadFormat = Literal["dummy", "auto"]
+"""dummy: build from config.json only, weights uninitialised, serve nothing until a sync commits.
+auto: load the checkpoint from the model dir (standalone/debugging), servable at once."""
+
+PauseMode = Literal["wait", "abort", "keep"]
+"""How generation pauses (as vLLM's `pause_generation`): wait (finish what runs, admit nothing),
+abort (end what runs), keep (freeze what runs where it is; it continues on resume)."""
+PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
+"""Every PauseMode; `mode in PAUSE_MODES` narrows a str to one."""
 
 EngineName = Literal["hf", "vllm"]
 """The engines a server runs: "hf" in this process behind weightsync's own app (`RolloutServer`),
 "vllm" as vLLM's own server with weightsync's backend in its workers (weightsync.integrations.vllm)."""
 
-ENGINES: dict[str, str] = {"hf": "weightsync.engines.hf:HFEngine"}
-"""In-process engine name -> "module:Class", imported only when chosen."""
 
 ENGINE_PACKAGES: dict[str, str] = {"hf": "transformers", "vllm": "vllm"}
 """Engine name -> the package it runs on, imported by `require_engine` to fail early where it is missing."""
 
 AUTO_VERSION = 0
 """The version a server started with --load-format auto serves: the checkpoint on disk."""
-
-FAILED_STEPS_UNHEALTHY = 3
-"""Engine steps failing in a row that make /health answer 503 ("failed"), until one succeeds."""
 
 ServerState = Literal["starting", "loading engine", "waiting for weights", "syncing", "ready", "dirty", "failed"]
 """What /health names: the first two before the engine is up (`weightsync serve` answers from the
@@ -194,138 +186,3 @@ def require_engine(name: str) -> None:
         if name != "vllm":
             hint = "pip install -e '.[hf]' in your weightsync checkout"
         raise ConfigError(f"engine {name!r} is not available here ({exc}); {hint}") from exc
-
-
-def engine_class(name: str) -> type[Engine]:
-    """Import in-process engine `name`'s class.
-
-    Raises:
-        ConfigError: the engine is not an in-process one, or its package is missing here.
-    """
-    if name not in ENGINES:
-        raise ConfigError(
-            f"engine {name!r} does not run inside weightsync's own server; the vllm engine is vLLM's own "
-            "server (weightsync serve --engine vllm, or BackgroundServer)"
-        )
-    require_engine(name)
-    module_name, _, class_name = ENGINES[name].partition(":")
-    cls: type[Engine] = getattr(importlib.import_module(module_name), class_name)
-    return cls
-
-
-def build_engine(config: ServeConfig) -> Engine:
-    """Build the in-process engine `config` names (its class imported by `engine_class`)."""
-    engine: Engine = engine_class(config.engine)(  # type: ignore[call-arg]
-        config.model,
-        load_format=config.load_format,
-        staged=config.staged,
-        max_lora_rank=config.max_lora_rank,
-        lora_versions=config.lora_versions,
-    )
-    return engine
-
-
-class RolloutServer:
-    """Engine + loop + receiver of one server; the HTTP app (`create_app`) reads from it."""
-
-    def __init__(self, config: ServeConfig, engine: Engine | None = None) -> None:
-        self.config = config
-        self.tokenizer, self.no_tokenizer = load_tokenizer(config.model, config.chat_template)
-        """The model's tokenizer, or None and why: then text prompts are refused (token ids work)."""
-        if self.tokenizer is None:
-            log.warning("%s: text prompts will be refused; prompts of token ids are served", self.no_tokenizer)
-        elif not self.tokenizer.chat_template:
-            log.warning(NO_CHAT_TEMPLATE, config.model)
-        self.engine = engine or build_engine(config)
-        try:
-            warm_up(self.engine, config.model)
-        except BaseException:
-            self.engine.close()
-            raise
-        self.metrics = ServerMetrics()
-        initial = AUTO_VERSION if config.load_format == "auto" else None
-        self.loop = EngineLoop(self.engine, version=initial, on_failure=self._engine_failed)
-        if initial is not None:
-            self.metrics.version.set(initial)
-        self.sink = ServerSink(
-            self.engine.weight_sink(),
-            self.loop,
-            mode=config.sync_mode,
-            drain_timeout=config.drain_timeout,
-            metrics=self.metrics,
-            model_name=config.model_name,
-        )
-        self.receiver = WeightReceiver(self.sink, config.transport, options=config.receiver_options)
-        self.receiver.watch(self._observe)
-        self.loop.start()
-
-    def _observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
-        if after.times is not None and after.times is not before.times:
-            self.metrics.observe_times(after.times, after.mode)
-
-    @property
-    def version(self) -> int | None:
-        """The version served now (None: nothing servable)."""
-        return self.loop.version
-
-    def state(self) -> str:
-        """The receiver's state, except that a server started from the checkpoint is "ready"."""
-        state = self.receiver.state
-        if state == "empty" and self.loop.version is not None:
-            return "ready"
-        return state
-
-    def health(self) -> Health:
-        """Serving or not, in which state, and why not: serving once a version is committed and
-        intact, and while the engine does not fail step after step."""
-        state = self.state()
-        if self.loop.failed_steps >= FAILED_STEPS_UNHEALTHY:
-            reason = f"the engine failed its last {self.loop.failed_steps} steps: {self.loop.last_failure}"
-            return Health(False, "failed", reason)
-        if state == "dirty":
-            return Health(False, "dirty", f"weights are dirty: {self.receiver.last_error}; push a new version")
-        if self.loop.version is None:
-            if state == "syncing":
-                return Health(False, "syncing", "the first weight sync is in progress")
-            reason = "no weights committed yet (started with --load-format dummy): push weights first"
-            return Health(False, "waiting for weights", reason)
-        return Health(True, "syncing" if state == "syncing" else "ready")
-
-    def _engine_failed(self, exc: BaseException) -> None:
-        self.metrics.engine_failures.inc()
-
-    def weight_info(self) -> dict[str, object]:
-        return {
-            "version": self.loop.version,
-            "state": self.state(),
-            "last_error": self.receiver.last_error,
-            "last_sync": self.sink.stats.to_json() | {"times": _times_json(self.receiver.status.times)},
-            "content_digest": self.receiver.content_digest,
-            "transport": self.config.transport,
-            "addresses": [self.receiver.address],
-            "sync_mode": self.config.sync_mode,
-            "paused_by": self.loop.paused_by,
-            "weight_bytes": self.engine.weight_bytes(),
-            "engine": self.engine.name,
-            "model": self.config.model_name,
-            "adapters": [served.to_json() for served in self.engine.adapters()],
-        }
-
-    def pause(self, mode: PauseMode, timeout: float) -> bool:
-        return self.loop.pause("user", mode, timeout)
-
-    def resume(self) -> None:
-        self.loop.resume("user")
-
-    def close(self) -> None:
-        """Stop receiving, end every request, release the engine."""
-        self.receiver.close()
-        self.loop.close()
-        self.engine.close()
-
-
-def _times_json(times: SyncTimes | None) -> dict[str, float] | None:
-    """Where the last committed sync's time went, in seconds, or None before the first."""
-    if times is None:
-        return None
-    return {field: round(getattr(times, field), 6) for field in times.__struct_fields__}

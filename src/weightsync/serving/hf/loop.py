@@ -29,18 +29,14 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from types import EllipsisType
-from typing import Literal
 
-from weightsync.engines.base import Engine, SamplingParams, StepOutput
 from weightsync.errors import ConfigError, RequestError, ResourceError, SinkError
+from weightsync.serving.config import PAUSE_MODES, PauseMode
+from weightsync.serving.hf.base import Engine, SamplingParams, StepOutput
 
-__all__ = ["PAUSE_MODES", "EngineLoop", "PauseMode", "TokenEvent", "VersionSpan"]
+__all__ = ["EngineLoop", "TokenEvent", "VersionSpan"]
 
 log = logging.getLogger(__name__)
-
-PauseMode = Literal["wait", "abort", "keep"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
-"""Every PauseMode; `mode in PAUSE_MODES` narrows a str to one."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,10 +21,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse, StreamingResponse
 
-from weightsync.server.error_body import error, error_body
-from weightsync.server.formats import Format, dump
-from weightsync.server.generation import Generation
-from weightsync.server.metrics import ServerMetrics
+from weightsync.serving.error_body import error, error_body
+from weightsync.serving.hf.formats import Format, dump
+from weightsync.serving.hf.generation import Generation
+from weightsync.serving.metrics import ServerMetrics
 
 __all__ = ["DONE", "stream"]
 

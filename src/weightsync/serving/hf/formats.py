@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from weightsync.server.generation import Delta, Output
-from weightsync.server.schemas import (
+from weightsync.serving.hf.generation import Delta, Output
+from weightsync.serving.hf.schemas import (
     ChatChoice,
     ChatChunk,
     ChatCompletionResponse,

@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from weightsync.server.schemas import ErrorBody, ErrorResponse
+from weightsync.serving.hf.schemas import ErrorBody, ErrorResponse
 
 __all__ = ["ERROR_TYPES", "error", "error_body", "error_type"]
 

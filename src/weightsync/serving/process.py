@@ -14,7 +14,7 @@ SIGKILL), no child is left behind:
   engine core and worker processes, for one): a child that has to be killed, or exits on its own
   but leaves processes behind, is swept as a group, so none of its descendants outlives it;
 - a `weightsync serve` child removes what it and its engine made on the host as it stops
-  (server/footprint.py); one that had to be killed cannot, so `close` reaps what it left.
+  (serving/footprint.py); one that had to be killed cannot, so `close` reaps what it left.
 
 Linux's PR_SET_PDEATHSIG would not do: it fires when the *thread* that forked the child exits,
 not the process, and parents start children from pool threads.
@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import psutil
 
-from weightsync.server import footprint
+from weightsync.serving import footprint
 
 __all__ = ["PARENT_FD_ENV", "PARENT_GONE_GRACE_S", "ChildProcess", "exit_with_parent", "on_hard_exit", "quiet_children"]
 

@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from typing import Literal
 
 from weightsync.errors import RequestError
 from weightsync.lora import ServedAdapter
 from weightsync.sink import WeightSink
 
-__all__ = ["Engine", "LoadFormat", "SamplingParams", "StepOutput", "check_request"]
-
-LoadFormat = Literal["dummy", "auto"]
-"""dummy: build from config.json only, weights uninitialised, serve nothing until a sync commits.
-auto: load the checkpoint from the model dir (standalone/debugging), servable at once."""
+__all__ = ["Engine", "SamplingParams", "StepOutput", "check_request"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,7 +59,7 @@ class StepOutput:
 
 
 class Engine(ABC):
-    """One model behind weightsync's own rollout server (`engines/hf.py`; vLLM runs its own server)."""
+    """One model behind weightsync's own rollout server (`serving/hf/engine.py`; vLLM runs its own server)."""
 
     name: str = ""
 

@@ -30,9 +30,9 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Query
 from fastapi.responses import JSONResponse
 
-from weightsync.integrations.vllm.control import SyncControl
-from weightsync.integrations.vllm.versions import RECORDER, Recorder
-from weightsync.server.loop import PAUSE_MODES
+from weightsync.serving.config import PAUSE_MODES
+from weightsync.serving.control import SyncControl
+from weightsync.serving.vllm.versions import RECORDER, Recorder
 
 __all__ = ["WeightsyncMiddleware", "add_routes", "error"]
 

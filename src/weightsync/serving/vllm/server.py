@@ -41,18 +41,17 @@ import uvicorn
 from fastapi.responses import JSONResponse
 
 from weightsync.errors import ResourceError
-from weightsync.integrations.vllm.control import SyncControl
-from weightsync.integrations.vllm.doorbell import Doorbell
-from weightsync.integrations.vllm.http import WeightsyncMiddleware, add_routes, error
 from weightsync.integrations.vllm.internals import serve_lora
-from weightsync.integrations.vllm.launch import build_engine, vllm_namespace, warm_up
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
-from weightsync.integrations.vllm.versions import LoraUse, VersionedEngine
-from weightsync.server.body_limit import BodyLimit
-from weightsync.server.loop import PauseMode
-from weightsync.server.metrics import ServerMetrics
-from weightsync.server.runtime import AUTO_VERSION, Health, ServeConfig
-from weightsync.server.warmup import NO_CHAT_TEMPLATE, load_tokenizer
+from weightsync.serving.body_limit import BodyLimit
+from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
+from weightsync.serving.control import SyncControl
+from weightsync.serving.doorbell import Doorbell
+from weightsync.serving.http import WeightsyncMiddleware, add_routes, error
+from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.vllm.launch import build_engine, vllm_namespace, warm_up
+from weightsync.serving.vllm.versions import LoraUse, VersionedEngine
+from weightsync.serving.warmup import NO_CHAT_TEMPLATE, load_tokenizer
 
 __all__ = ["serve"]
 
@@ -229,7 +228,7 @@ async def serve(
     """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(addresses)` once ready (every
     worker's receiver, comma-separated). Returns the signals that stopped it (none: `stop`).
     `note()` is called while vLLM's processes start, once they serve, and before they stop: the
-    caller records what they made (`weightsync.server.footprint.Footprint.note`). vLLM's own
+    caller records what they made (`weightsync.serving.footprint.Footprint.note`). vLLM's own
     shutdown gets `shutdown_timeout` seconds (None: as long as it takes); a caller that bounds
     it ends what is left of vLLM's processes once `serve` returns.
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from weightsync.server.error_body import error_body
+from weightsync.serving.error_body import error_body
 
 __all__ = ["BODY_BYTES_PER_TOKEN", "MIN_BODY_BYTES", "BodyLimit", "context_length", "default_max_request_bytes"]
 

@@ -17,7 +17,6 @@ push the engine refuses, with its reason.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -25,68 +24,15 @@ from weightsync.errors import SinkError
 from weightsync.lora import check_name
 from weightsync.messages import Adapter, Plan
 from weightsync.report import moved
-from weightsync.server.loop import EngineLoop, PauseMode
-from weightsync.server.metrics import ServerMetrics
+from weightsync.serving.config import PauseMode
+from weightsync.serving.control import SyncStats
+from weightsync.serving.hf.loop import EngineLoop
+from weightsync.serving.metrics import ServerMetrics
 from weightsync.sink import WeightSink, WrappingSink
 
-__all__ = ["AdapterServerSink", "ServerSink", "SyncStats"]
+__all__ = ["AdapterServerSink", "ServerSink"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class SyncStats:
-    """The last sync as the server saw it (GET /weight_info)."""
-
-    version: int | None = None
-    total_bytes: int = 0
-    bucket_bytes: int = 0
-    """The bucket size the push agreed on: what `weightsync digest` needs to recompute its digest."""
-    seconds: float = 0.0
-    ok: bool | None = None
-    error: str = ""
-    num_committed: int = 0
-    num_failed: int = 0
-
-    @property
-    def gbps(self) -> float:
-        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def next(self, version: int, total_bytes: int, bucket_bytes: int, metrics: ServerMetrics) -> SyncStats:
-        """The stats of a sync of `version` beginning now; the counts carry over."""
-        metrics.sync_in_progress.set(1)
-        return SyncStats(
-            version, total_bytes, bucket_bytes, num_committed=self.num_committed, num_failed=self.num_failed
-        )
-
-    def committed(self, seconds: float, metrics: ServerMetrics) -> None:
-        self.seconds, self.ok = seconds, True
-        self.num_committed += 1
-        metrics.syncs.labels("committed").inc()
-        metrics.sync_seconds.observe(seconds)
-        metrics.sync_bytes.inc(self.total_bytes)
-        if self.version is not None:
-            metrics.version.set(self.version)
-        metrics.sync_in_progress.set(0)
-
-    def failed(self, seconds: float, error: str, metrics: ServerMetrics) -> None:
-        self.seconds, self.ok, self.error = seconds, False, error
-        self.num_failed += 1
-        metrics.syncs.labels("failed").inc()
-        metrics.sync_in_progress.set(0)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "version": self.version,
-            "bytes": self.total_bytes,
-            "bucket_bytes": self.bucket_bytes,
-            "seconds": round(self.seconds, 6),
-            "gbps": round(self.gbps, 3),
-            "ok": self.ok,
-            "error": self.error,
-            "num_committed": self.num_committed,
-            "num_failed": self.num_failed,
-        }
 
 
 class ServerSink(WrappingSink):

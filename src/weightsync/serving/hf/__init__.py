@@ -1,0 +1,1 @@
+"""The transformers engine, served in process behind weightsync's own OpenAI subset."""

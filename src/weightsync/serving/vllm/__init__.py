@@ -1,0 +1,1 @@
+"""vLLM's own OpenAI server, with weightsync's sync control and HTTP face on top."""
