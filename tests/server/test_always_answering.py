@@ -24,7 +24,6 @@ from tests.server.test_cli import Served
 from weightsync.serving.background import bind
 from weightsync.serving.config import ServeConfig
 from weightsync.serving.hf import server as runtime
-from weightsync.serving.hf.app import create_app
 from weightsync.serving.hf.engine import HFEngine
 from weightsync.serving.hf.startup import Startup
 
@@ -98,7 +97,7 @@ def slow_start(monkeypatch: pytest.MonkeyPatch, tiny_models: dict[str, Path]) ->
     monkeypatch.setattr(runtime, "build_engine", lambda config: SlowHFEngine(config.model))
     startup = Startup(ServeConfig(model=str(tiny_models["qwen2"])))
     sock = bind("127.0.0.1", 0)
-    http = uvicorn.Server(uvicorn.Config(create_app(startup), log_level="warning", lifespan="off"))
+    http = uvicorn.Server(uvicorn.Config(startup.front, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     assert wait_until(lambda: http.started)

@@ -375,3 +375,54 @@ def test_the_checker_names_the_chain_to_an_optional_stack(tmp_path, statement):
     assert optional_stacks_on_import(package) == [f"pkg -> pkg.a -> pkg.sub.b imports {stack} (line 1)"]
     chains = reachable(import_edges(package), "pkg")
     assert chains["pkg.sub"] == ["pkg", "pkg.a", "pkg.sub.b", "pkg.sub"], "a submodule import runs its package"
+
+
+# --- layers -------------------------------------------------------------------------------------
+
+LAYERS = (
+    ("starters", ("weightsync.cli", "weightsync.demo", "weightsync.cluster", "weightsync.serving.background")),
+    ("engine adapters", ("weightsync.serving.hf", "weightsync.serving.vllm")),
+    ("integrations", ("weightsync.integrations",)),
+    ("serving", ("weightsync.serving",)),
+)
+"""From the top down; a module in none of these is the core (the data path, its wire, its
+transports). A module may import its own layer and those below it, never one above: the serving
+package's shared control and HTTP face know no engine, an engine's weight-transfer backend
+(integrations/) knows no server adapter, and nothing but what starts a server imports one."""
+
+
+DOORS = ("weightsync", "weightsync.__main__")
+"""The package's own doors, above every layer: its root re-exports the public names (lazily for
+the optional ones), and `python -m weightsync` runs the command. Importing the root from anywhere
+is no edge upward: importing any module runs its parent packages, the root first."""
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(height, name) of `module`'s layer: higher layers may import lower ones."""
+    if module in DOORS:
+        return len(LAYERS) + 1, "doors"
+    for height, (name, prefixes) in enumerate(LAYERS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return len(LAYERS) - height, name
+    return 0, "core"
+
+
+def test_no_module_imports_a_higher_layer():
+    """Type-only imports included: a type names what its module depends on."""
+    upward = [
+        f"{edge.source} ({layer_of(edge.source)[1]}) -> {edge.target} ({layer_of(edge.target)[1]}), line {edge.line}"
+        for edge in import_edges(PACKAGE)
+        if layer_of(edge.target)[0] > layer_of(edge.source)[0] and edge.target != "weightsync"
+    ]
+    assert not upward, "\n".join(upward)
+    # not vacuous: every layer has modules, and the adapters do import the layers below them
+    heights = {layer_of(name)[0] for name in module_names(PACKAGE)}
+    assert heights == set(range(len(LAYERS) + 2)), heights
+    edges = {(layer_of(edge.source)[1], layer_of(edge.target)[1]) for edge in import_edges(PACKAGE)}
+    assert {("engine adapters", "serving"), ("engine adapters", "integrations")} <= edges
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert layer_of("weightsync.serving.control") < layer_of("weightsync.serving.vllm.server")
+    assert layer_of("weightsync.integrations.vllm.worker") < layer_of("weightsync.serving.hf.app")
+    assert layer_of("weightsync.sender") == (0, "core")

@@ -30,6 +30,11 @@ class Engine:
         self.errored = False
         self.start_error: Exception | None = None
 
+    name = "vLLM"
+
+    def failure(self) -> str:
+        return "vLLM's engine died; restart the server" if self.errored else ""
+
     async def pause_generation(self, *, mode: str) -> None:
         self.calls.append(("pause", mode))
         if mode == "wait":
@@ -99,7 +104,7 @@ def test_a_users_pause_outlasts_a_sync() -> None:
         sync = control(engine)
         assert await sync.pause("user", "keep", 5.0)
         await sync_on(sync, 1, Commit(version=1))
-        assert ("resume", None) not in engine.calls and sync.paused_by == ["user"]
+        assert ("resume", None) not in engine.calls and sync.paused_by == {"user": "keep"}
         assert engine.calls.count(("pause", "keep")) == 1  # the sync did not re-pause in another mode
         await sync.resume("user")
         assert engine.calls[-1] == ("resume", None)
@@ -115,7 +120,7 @@ def test_a_sync_that_cannot_park_is_refused_and_opens_nothing() -> None:
         with pytest.raises(SinkError, match="did not pause within 0.05 s"):
             await sync.on_event(Begin(version=1, park=True))
         await sync.on_event(Abort(version=1, intact=True, error="refused"))
-        assert sync.paused_by == [] and engine.calls[-1] == ("resume", None)
+        assert sync.paused_by == {} and engine.calls[-1] == ("resume", None)
         assert ("start", None) not in engine.calls and sync.state() != "dirty"
         engine.drained.set()
 
@@ -132,10 +137,10 @@ def test_one_worker_failing_refuses_the_others_commit_and_serves_nothing_until_a
         now = sync.health()
         assert (now.ok, now.state, sync.version) == (False, "dirty", None) and "killed" in now.reason
         assert ("finish", None) in engine.calls and ("pause", "abort") in engine.calls
-        assert ("resume", None) not in engine.calls[-3:] and sync.paused_by == ["dirty"]  # still paused: dirty
+        assert ("resume", None) not in engine.calls[-3:] and sync.paused_by == {"dirty": "abort"}  # still paused: dirty
         assert not await sync.wait_servable(0.01)
         assert await sync_on(sync, 3, Commit(version=3, rank=0), Commit(version=3, rank=1)) == [None, None]
-        assert sync.health().ok and sync.version == 3 and sync.paused_by == []
+        assert sync.health().ok and sync.version == 3 and sync.paused_by == {}
 
     asyncio.run(scenario())
 

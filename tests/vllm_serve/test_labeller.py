@@ -8,8 +8,8 @@ import json
 from typing import Any
 
 from weightsync.serving.control import SyncControl
-from weightsync.serving.http import Labeller
 from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.vllm.labeller import Labeller
 from weightsync.serving.vllm.versions import Recorder
 
 
@@ -84,7 +84,7 @@ def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:
 
 
 def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
-    from weightsync.serving.http import WeightsyncMiddleware
+    from weightsync.serving.http import Face
 
     reached, sent = [], []
 
@@ -97,10 +97,13 @@ def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
     async def receive() -> Any:
         return {"type": "websocket.connect"}
 
-    control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=1)
-    middleware = WeightsyncMiddleware(app, control=control, token="t", open_generation=False, ready_timeout=0.0)
-    scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
-    asyncio.run(middleware(scope, receive, send))
-    assert reached == [] and sent == [{"type": "websocket.close", "code": 1008}]
-    asyncio.run(middleware(scope | {"headers": [(b"authorization", b"Bearer t")]}, receive, send))
-    assert reached == ["/v1/realtime"]
+    async def both() -> None:
+        control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=1)  # type: ignore[arg-type]
+        face = Face(app, control=control, token="t", open_generation=False, ready_timeout=0.0, request_limit=1 << 20)
+        scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
+        await face(scope, receive, send)
+        assert reached == [] and sent == [{"type": "websocket.close", "code": 1008}]
+        await face(scope | {"headers": [(b"authorization", b"Bearer t")]}, receive, send)
+        assert reached == ["/v1/realtime"]
+
+    asyncio.run(both())

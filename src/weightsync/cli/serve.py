@@ -132,7 +132,6 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
     from weightsync.errors import ConfigError
     from weightsync.serving.background import bind
     from weightsync.serving.config import ServeConfig
-    from weightsync.serving.hf.app import create_app
     from weightsync.serving.hf.startup import Startup
 
     config = ServeConfig(
@@ -171,7 +170,7 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
     http = uvicorn.Server(
         uvicorn.Config(
-            create_app(startup),
+            startup.front,
             log_level=max(logging.WARNING, logging.getLevelName(args.log_level.upper())),
             access_log=args.log_level == "debug",
             lifespan="off",

@@ -11,11 +11,13 @@ import socket
 import threading
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import ResourceError
 from weightsync.serving.config import ServeConfig
-from weightsync.serving.hf.server import RolloutServer
+
+if TYPE_CHECKING:
+    from weightsync.serving.hf.server import RolloutServer
 
 __all__ = ["BackgroundServer", "bind"]
 
@@ -77,6 +79,7 @@ class BackgroundServer:
         import uvicorn
 
         from weightsync.serving.hf.app import create_app
+        from weightsync.serving.hf.server import RolloutServer
 
         server = self.server = RolloutServer(self.config)
         self.addresses = [server.receiver.address]

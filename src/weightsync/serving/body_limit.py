@@ -13,6 +13,7 @@ than `MIN_BODY_BYTES`.
 from __future__ import annotations
 
 import json
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ DEFAULT_CONTEXT = 32768
 
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions", "max_seq_len")
 
-Scope = dict[str, Any]
+Scope = MutableMapping[str, Any]
 Message = dict[str, Any]
 
 

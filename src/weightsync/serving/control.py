@@ -1,11 +1,15 @@
-"""The API process's side of syncs and pauses: who holds vLLM paused, which version it serves,
-and what /health and /weight_info say.
+"""One rollout server's sync control, whatever its engine: who holds generation paused, the
+update window across the engine's workers, which version it serves, whether the weights are dirty,
+and what /health and /weight_info say. Every engine adapter feeds it the same events (events.py)
+and supplies the small `Engine` protocol below; nothing else in a server decides any of this.
 
-vLLM has one pause switch (`pause_generation` / `resume_generation`); weightsync has several
+An engine has one pause switch (`pause_generation` / `resume_generation`); the control has several
 owners of a pause (a user's POST /pause, a sync, dirty weights). Generation resumes when the last
 owner lets go; a sync never resumes what a user paused.
 
-Each vLLM worker's sink rings the doorbell (events.py) as a push reaches it; `on_event` answers:
+Each worker's sink (sink.py: `ControlledSink`) rings the control as a push reaches it: vLLM's
+workers through the doorbell (a Unix socket), the transformers engine in process. `on_event`
+answers:
 
     Begin   note the sync; with `park`, open the window (below)
     Park    a staged sync's transfer is done on this worker: open the window
@@ -15,19 +19,22 @@ Each vLLM worker's sink rings the doorbell (events.py) as a push reaches it; `on
     Status  this worker's receiver state, digest, last error and phase times
 
 A LoRA adapter's sync needs no window and no pause: each worker lands it in memory and rings
-`AdapterLanded`; once every worker holds it, vLLM's `add_lora` checks and loads it on every
-worker, the adapter's name routes to it, and every worker's ring is answered ok. Any worker
-failing (or not answering within the sync timeout) refuses it on all, and the adapter's previous
-version serves on. The newest `lora_versions` versions of each adapter stay served; an older one
-leaves vLLM, and the workers' memory (listed in the next replies), once no request runs on it.
+`AdapterLanded`; once every worker holds it, the engine's `serve_lora` takes it on every worker,
+the adapter's name routes to it, and every worker's ring is answered ok. Any worker failing (or
+not answering within the sync timeout) refuses it on all, and the adapter's previous version
+serves on. The newest `lora_versions` versions of each adapter stay served; an older one leaves
+the engine once no request runs on it.
 
-One window per version, opened once for every worker: pause generation in the sync mode
-(bounded by the drain timeout: a sync that cannot park is refused, nothing paused), then vLLM's
-`start_weight_update` and `update_weights` on every worker. It is decided once every worker's
-outcome is in (or the wait for one times out, or the engine dies): vLLM's
-`finish_weight_update`, labelled with the version only when every worker committed it. Then
-generation resumes, or, when some worker's weights changed and another's did not, the server
-stays paused and answers 503 "dirty" until the next good sync: no response from a mix.
+One window per version, opened once for every worker: pause generation in the sync mode (bounded
+by the drain timeout: a sync that cannot park is refused, nothing paused), then the engine's
+`start_weight_update` and `update_weights`. It is decided once every worker's outcome is in (or
+the wait for one times out, or the engine dies): the engine's `finish_weight_update`, labelled
+with the version only when every worker committed it. Then generation resumes, or, when some
+worker's weights changed and another's did not, the server stays paused and answers 503 "dirty"
+until the next good sync: no response from a mix.
+
+The control lives on one asyncio event loop (`loop`); `call` runs one of its coroutines from any
+other loop, and its read-only views (`health`, `state`, `weight_info`) may be read from any thread.
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
+
+import msgspec
 
 from weightsync.errors import SinkError
 from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
@@ -56,14 +65,13 @@ from weightsync.serving.events import (
     SyncEvent,
 )
 from weightsync.serving.metrics import ServerMetrics
-from weightsync.serving.vllm.versions import LoraUse
 
-__all__ = ["Engine", "SyncControl", "SyncStats"]
+__all__ = ["Engine", "Served", "SyncControl", "SyncStats"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0
-"""How often a window's wait for vLLM's update call looks whether the engine died."""
+"""How often a window's wait for the engine's update call looks whether the engine died."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -121,6 +129,20 @@ class SyncStats:
         }
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Served:
+    """What a server serves, fixed once its receivers are up (the static half of /weight_info)."""
+
+    engine: str
+    """The engine's name in `weightsync serve --engine`."""
+    model: str
+    transport: str
+    addresses: tuple[str, ...]
+    """Where a sender pushes: one receiver per worker."""
+    weight_bytes: int
+    """The bytes of the base weights each worker holds."""
+
+
 @dataclasses.dataclass(eq=False)
 class _AdapterLanding:
     """One adapter version landing on every worker."""
@@ -130,10 +152,18 @@ class _AdapterLanding:
 
 
 class Engine(Protocol):
-    """What the control calls on vLLM (server.py adapts `AsyncLLM`)."""
+    """What an engine adapter supplies to the control (vllm/server.py adapts vLLM's `AsyncLLM`,
+    hf/server.py the transformers engine loop). Every call is made on the control's loop."""
+
+    name: str
+    """How messages name the engine ("vLLM", "transformers")."""
 
     @property
-    def errored(self) -> bool: ...
+    def errored(self) -> bool:
+        """The engine is gone for good (a worker process died): every request is refused."""
+
+    def failure(self) -> str:
+        """Why the engine cannot serve now ("" when it can): /health's "failed" reason."""
 
     async def pause_generation(self, *, mode: PauseMode) -> None: ...
 
@@ -141,9 +171,13 @@ class Engine(Protocol):
 
     async def start_weight_update(self) -> None: ...
 
-    async def update_weights(self, version: int) -> None: ...
+    async def update_weights(self, version: int) -> None:
+        """Returns once every worker's reload of `version` ended (an engine whose syncs land
+        without a reload call returns at once)."""
 
-    async def finish_weight_update(self, version: int | None) -> None: ...
+    async def finish_weight_update(self, version: int | None) -> None:
+        """End the window; label the engine's outputs with `version` from now on (None: the
+        sync failed, the label stays)."""
 
     async def serve_lora(self, name: str, lora_id: int, path: str) -> None:
         """Load LoRA adapter `lora_id` on every worker (from `path`), and route requests for
@@ -154,13 +188,13 @@ class Engine(Protocol):
 
 @dataclasses.dataclass(eq=False)
 class _Window:
-    """vLLM's update window for one version, across every worker."""
+    """The engine's update window for one version, across every worker."""
 
     version: int
     opening: asyncio.Future[None] = dataclasses.field(init=False)
-    """Pausing generation, then vLLM's start call on every worker."""
+    """Pausing generation, then the engine's start call on every worker."""
     reloading: bool = False
-    """vLLM's start call was made: its layerwise reload may have begun on some worker."""
+    """The engine's start call was made: a reload may have begun on some worker."""
     outcomes: dict[int, Commit | Abort] = dataclasses.field(default_factory=dict)
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     decided: asyncio.Future[str] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -168,19 +202,21 @@ class _Window:
 
 
 class SyncControl:
-    """Pauses, version and sync state of one vLLM server.
+    """Pauses, version and sync state of one rollout server (module docstring).
 
     Args:
-        engine: vLLM's engine, as `Engine`.
+        engine: the engine adapter, as `Engine`.
         workers: how many workers each sync must reach (tensor x pipeline parallel size).
         mode: how a sync pauses generation ("wait", "abort" or "keep").
         drain_timeout: seconds a sync waits for generation to pause before it is refused.
-        sync_timeout: seconds the window waits for a worker's outcome once vLLM's update call
-            returned, and for vLLM's finish call.
+        sync_timeout: seconds the window waits for a worker's outcome once the engine's update
+            call returned, and for its finish call.
         metrics: weightsync's metrics.
         version: the version served from the start (a checkpoint loaded), or None.
         lora_versions: versions of each LoRA adapter kept resident (0: adapters are refused).
-        loras: the requests running on each adapter version (versions.py).
+        busy: whether a request still runs on an adapter version (by its engine id): one that
+            does leaves the engine at a later push.
+        loop: the event loop the control lives on (default: the one running where it is first used).
     """
 
     def __init__(
@@ -194,8 +230,10 @@ class SyncControl:
         metrics: ServerMetrics,
         version: int | None,
         lora_versions: int = 0,
-        loras: LoraUse | None = None,
+        busy: Callable[[int], bool] = lambda engine_id: False,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        self._loop = loop
         self.engine = engine
         self.workers = workers
         self.mode = mode
@@ -217,22 +255,29 @@ class SyncControl:
         self._started = 0.0
         self.lora_versions = lora_versions
         self.adapters: dict[str, ServedAdapter] = {}
-        """The LoRA adapters served, by name (their engine ids are vLLM LoRA ids)."""
+        """The LoRA adapters served, by name (their engine ids are the engine's LoRA ids)."""
         self._landing: dict[tuple[str, int, int], _AdapterLanding] = {}
         """Adapter versions landing now, by (name, version, LoRA id)."""
         self._adapter_failures: dict[tuple[str, int], str] = {}
-        self._loras = loras or LoraUse()
+        self._busy = busy
         self._retiring: set[int] = set()
-        """LoRA ids of versions no longer served, still in vLLM until no request runs on them."""
+        """LoRA ids of versions no longer served, still in the engine until no request runs on them."""
         self._retired: collections.deque[int] = collections.deque(maxlen=1024)
-        """LoRA ids gone from vLLM, which the workers may drop (told in every `AdapterLanded` reply)."""
+        """LoRA ids gone from the engine, which the workers may drop (told in every `AdapterLanded` reply)."""
         self._deciding: set[asyncio.Task[None]] = set()
         self._closed = False
         if version is not None:
             metrics.version.set(version)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the control lives on."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
     def close(self) -> None:
-        """The server is stopping: end the decisions in progress and call vLLM no more (its engine
+        """The server is stopping: end the decisions in progress and call the engine no more (its engine
         is about to go, and a call into it then would wait for ever)."""
         self._closed = True
         for task in list(self._deciding):
@@ -251,8 +296,9 @@ class SyncControl:
     # --- pauses ---------------------------------------------------------------------------------
 
     @property
-    def paused_by(self) -> list[str]:
-        return sorted(self._owners)
+    def paused_by(self) -> dict[str, PauseMode]:
+        """Who holds generation paused, and in which mode."""
+        return dict(sorted(self._owners.items()))
 
     async def pause(self, owner: str, mode: PauseMode, timeout: float) -> bool:
         """Hold generation paused for `owner`; True once nothing runs, False if that took longer
@@ -373,7 +419,10 @@ class SyncControl:
                 await asyncio.wait_for(self.engine.serve_lora(name, lora_id, first.path), self.sync_timeout)
                 await self._served(first.adapter, AdapterVersion(version, first.content_digest, str(lora_id)))
         except Exception as exc:
-            why = why or f"vLLM did not take adapter {name!r} version {version}: {type(exc).__name__}: {exc}"
+            why = (
+                why
+                or f"{self.engine.name} did not take adapter {name!r} version {version}: {type(exc).__name__}: {exc}"
+            )
         finally:
             if why:
                 log.warning(
@@ -385,7 +434,7 @@ class SyncControl:
 
     async def _served(self, adapter: Adapter, fresh: AdapterVersion) -> None:
         """`fresh` serves adapter `adapter` from now on; versions past the newest
-        `lora_versions` (and all of a previous config's) leave vLLM."""
+        `lora_versions` (and all of a previous config's) leave the engine."""
         before = self.adapters.get(adapter.name)
         versions = (*before.versions, fresh) if before is not None and before.adapter == adapter else (fresh,)
         kept = versions[-self.lora_versions :]
@@ -394,10 +443,10 @@ class SyncControl:
         dropped = {v.engine_id for v in (*(before.versions if before is not None else ()), *versions)}
         self._retiring.update(int(engine_id) for engine_id in dropped - {v.engine_id for v in kept})
         for lora_id in sorted(self._retiring):
-            if self._loras.busy(lora_id):
+            if self._busy(lora_id):
                 continue  # a request still runs on it: it leaves at a later push
             self._retiring.discard(lora_id)
-            with contextlib.suppress(Exception):  # still held by vLLM: its LRU cache evicts it in time
+            with contextlib.suppress(Exception):  # still held by the engine (vLLM's LRU cache evicts it in time)
                 await self.engine.remove_lora(lora_id)
             self._retired.append(lora_id)
 
@@ -416,7 +465,7 @@ class SyncControl:
                 await window.opening
                 why = await self._wait_update(asyncio.ensure_future(self.engine.update_weights(window.version)))
             except Exception as exc:
-                why = f"vLLM's update window did not open: {exc}"
+                why = f"{self.engine.name}'s update window did not open: {exc}"
             started = window.reloading  # a start call that failed on some worker still needs its finish
             if not await self._wait_outcomes(window) and not why:
                 missing = sorted(set(range(self.workers)) - set(window.outcomes))
@@ -444,7 +493,7 @@ class SyncControl:
                 window.decided.set_result(why)
 
     async def _wait_update(self, update: asyncio.Future[None]) -> str:
-        """Wait for vLLM's update call on every worker (each bounded by its receiver's timeouts);
+        """Wait for the engine's update call on every worker (each bounded by its receiver's timeouts);
         returns why it failed, "" if it did not."""
         while not update.done():
             try:
@@ -454,9 +503,9 @@ class SyncControl:
                 raise
             if self.engine.errored:
                 update.cancel()
-                return "vLLM's engine died during the sync"
+                return f"{self.engine.name}'s engine died during the sync"
         error = update.exception()
-        return "" if error is None else f"vLLM's update_weights failed: {error}"
+        return "" if error is None else f"{self.engine.name}'s update_weights failed: {error}"
 
     async def _wait_outcomes(self, window: _Window) -> bool:
         deadline = time.monotonic() + self.sync_timeout
@@ -470,11 +519,11 @@ class SyncControl:
         return len(window.outcomes) >= self.workers
 
     async def _finish(self, version: int | None) -> str:
-        """vLLM's finish call (labelling `version`, if any); returns why it failed, "" if not."""
+        """The engine's finish call (labelling `version`, if any); returns why it failed, "" if not."""
         try:
             await asyncio.wait_for(self.engine.finish_weight_update(version), self.sync_timeout)
         except Exception as exc:
-            return f"vLLM's finish_weight_update failed: {type(exc).__name__}: {exc}"
+            return f"{self.engine.name}'s finish_weight_update failed: {type(exc).__name__}: {exc}"
         return ""
 
     def _committed(self, version: int) -> None:
@@ -523,8 +572,9 @@ class SyncControl:
     # --- what the HTTP layer reads --------------------------------------------------------------
 
     def health(self) -> Health:
-        if self.engine.errored:
-            return Health(False, "failed", "vLLM's engine died; restart the server")
+        failure = self.engine.failure()
+        if failure:
+            return Health(False, "failed", failure)
         if self.dirty:
             reason = f"weights are dirty: {self.receiver.last_error or self.stats.error}; push a new version"
             return Health(False, "dirty", reason)
@@ -548,6 +598,37 @@ class SyncControl:
         window = self._window
         open_window = window is not None and not window.decided.done()
         return open_window or any(status.state == "syncing" for status in self.receivers.values())
+
+    def weight_info(self, served: Served) -> dict[str, Any]:
+        """GET /weight_info: one schema for every engine."""
+        receiver = self.receiver
+        times = (
+            None
+            if receiver.times is None
+            else {k: round(v, 6) for k, v in msgspec.structs.asdict(receiver.times).items()}
+        )
+        return {
+            "version": self.version,
+            "state": self.state(),
+            "last_error": receiver.last_error,
+            "last_sync": self.stats.to_json() | {"times": times},
+            "content_digest": receiver.content_digest,
+            "transport": served.transport,
+            "addresses": list(served.addresses),
+            "sync_mode": self.mode,
+            "paused_by": self.paused_by,
+            "weight_bytes": served.weight_bytes,
+            "workers": self.workers,
+            "engine": served.engine,
+            "model": served.model,
+            "adapters": [adapter.to_json() for adapter in self.adapters.values()],
+        }
+
+    async def call(self, work: Awaitable[Any]) -> Any:
+        """Await `work`, one of this control's coroutines, on the control's loop, from any loop."""
+        if asyncio.get_running_loop() is self.loop:
+            return await work
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, self.loop))  # type: ignore[arg-type]
 
     async def wait_servable(self, timeout: float) -> bool:
         """Wait up to `timeout` for a committed, intact version (the gate before the first sync)."""

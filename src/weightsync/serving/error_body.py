@@ -1,4 +1,5 @@
-"""The one shape of every HTTP error the rollout server sends, vLLM's (its `ErrorResponse`):
+"""The one shape of every HTTP error a rollout server sends, whatever its engine (vLLM's
+`ErrorResponse`):
 
     {"error": {"message": "...", "type": "BadRequestError", "param": null, "code": 400}}
 
@@ -13,8 +14,6 @@ from http import HTTPStatus
 from typing import Any
 
 from starlette.responses import JSONResponse
-
-from weightsync.serving.hf.schemas import ErrorBody, ErrorResponse
 
 __all__ = ["ERROR_TYPES", "error", "error_body", "error_type"]
 
@@ -40,9 +39,7 @@ def error_type(status: int) -> str:
 
 def error_body(status: int, message: str, param: str | None = None, state: str | None = None) -> dict[str, Any]:
     """The JSON object of an error response (also the `data:` of an error event mid-stream)."""
-    body: dict[str, Any] = ErrorResponse(
-        error=ErrorBody(message=message, type=error_type(status), param=param, code=status)
-    ).model_dump()
+    body: dict[str, Any] = {"error": {"message": message, "type": error_type(status), "param": param, "code": status}}
     if state is not None:
         body["state"] = state
     return body

@@ -29,7 +29,7 @@ the reason, and the trainer labels no new version (`receive_weights` says why it
 
 Who opens the window: a trainer, through vLLM's API (`WeightsyncTrainerEngine`); or, under
 `weightsync serve --engine vllm`, the server itself. There the init info names the server's
-doorbell (`bell`), and each worker's sink (`_ServedSink`) rings it as a push arrives: the API
+doorbell (`bell`), and each worker's sink (`weightsync.serving.sink.ControlledSink`) rings it as a push arrives: the API
 process pauses generation and opens the window on every worker, then answers; it labels the
 version only once every worker rang its commit, and refuses every worker's commit otherwise.
 """
@@ -37,8 +37,8 @@ version only once every worker rang its commit, and refuses every worker's commi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,13 +67,13 @@ from weightsync.integrations.vllm.layout import (
 )
 from weightsync.integrations.vllm.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
-from weightsync.lora import Adapter, AdapterSink, check_lora, check_name
+from weightsync.lora import Adapter, check_lora
 from weightsync.messages import Plan
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
-from weightsync.receiver import ReceiverStatus, WeightReceiver
-from weightsync.serving import events
+from weightsync.receiver import WeightReceiver
 from weightsync.serving.doorbell import ring
-from weightsync.sink import StagedSink, WeightSink, WrappingSink
+from weightsync.serving.sink import ControlledSink
+from weightsync.sink import StagedSink, WeightSink
 from weightsync.stream import StreamSink
 
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class _WindowSink(StreamSink):
     two) is copied out before the buffer is reused (`ReloadBuffers`).
 
     `deferred`: `begin` only checks the plan; the sync reaches the stream at its first bucket
-    (or commit), by when the server opened the window (`_ServedSink`, `StagedSink`).
+    (or commit), by when the server opened the window (`ControlledSink`, `StagedSink`).
     """
 
     def __init__(self, layout: CheckpointLayout, *, timeout: float, deferred: bool = False) -> None:
@@ -200,103 +200,6 @@ class _WindowSink(StreamSink):
             )
 
 
-class _ServedSink(WrappingSink):
-    """The worker's sink under `weightsync serve`: rings the server (module docstring) around
-    `inner` (a deferred `_WindowSink`, or a `StagedSink` around one: then the window opens at
-    commit, with `Park`, rather than at `begin`).
-
-    Args:
-        inner: where the sync lands.
-        bell: the server's doorbell socket.
-        rank: this worker's rank, named in every ring.
-        drain_timeout: seconds the server may take to pause generation.
-        timeout: seconds any other ring may take.
-    """
-
-    def __init__(
-        self,
-        inner: WeightSink,
-        bell: str,
-        *,
-        rank: int,
-        drain_timeout: float,
-        timeout: float,
-        loras: _LoraVersions | None = None,
-    ) -> None:
-        super().__init__(inner)
-        self.bell = bell
-        self.rank = rank
-        self.drain_timeout = drain_timeout
-        self.timeout = timeout
-        self.loras = loras
-
-    def adapter_sink(self, adapter: Adapter) -> WeightSink:
-        if self.loras is None:
-            raise PlanError(
-                f"this server serves no LoRA adapters (start it with --max-lora-rank N); adapter {adapter.name!r} refused"
-            )
-        check_name(adapter, self.loras.model_names)
-        return _AdapterLanding(adapter, self)
-
-    def begin(self, plan: Plan, version: int) -> None:
-        self.inner.begin(plan, version)  # a refused plan opens nothing
-        park = not self.traits.staged
-        event = events.Begin(
-            version=version,
-            rank=self.rank,
-            total_bytes=plan.total_bytes,
-            bucket_bytes=plan.bucket_bytes,
-            park=park,
-        )
-        self.paused_s = self.timed_ring(event, self.drain_timeout + self.timeout if park else self.timeout)
-
-    def commit(self, version: int) -> None:
-        if self.traits.staged:
-            self.paused_s = self.timed_ring(
-                events.Park(version=version, rank=self.rank), self.drain_timeout + self.timeout
-            )
-        self.inner.commit(version)  # the last tensors land; this worker's update call returns
-        # Answered once every worker's outcome is in and vLLM finished: the server waits up to
-        # twice its own timeout plus the drain timeout (control.py); this ring waits longer.
-        self.ring(events.Commit(version=version, rank=self.rank), self.drain_timeout + 3 * self.timeout)
-
-    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
-        try:
-            self.inner.abort(version, error, intact=intact)
-        finally:
-            event = events.Abort(version=version, rank=self.rank, intact=intact, error=str(error))
-            try:
-                self.ring(event, self.drain_timeout + 3 * self.timeout)  # answered once the server decided
-            except SinkError as exc:  # the sync fails anyway; the server's wait for this worker ends in its timeout
-                log.warning("could not tell the server that version %d failed here: %s", version, exc)
-
-    def observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
-        """Receiver status changes go to the server (/weight_info, /health, metrics)."""
-        status = events.Status(
-            rank=self.rank,
-            state=after.state,
-            receiver_version=after.version,
-            content_digest=after.content_digest,
-            last_error=after.last_error,
-            times=after.times,
-            mode=after.mode,
-        )
-        try:
-            self.ring(status, self.timeout)
-        except SinkError as exc:
-            log.warning("could not tell the server this worker's receiver state: %s", exc)
-
-    def ring(self, event: events.SyncEvent, timeout: float) -> events.Reply:
-        """Ring the server; its answer (SinkError when it refused)."""
-        return ring(self.bell, event, timeout)
-
-    def timed_ring(self, event: events.SyncEvent, timeout: float) -> float:
-        """Ring the server; the seconds its answer took."""
-        started = time.perf_counter()
-        self.ring(event, timeout)
-        return time.perf_counter() - started
-
-
 def served_model_names(model_config: Any) -> tuple[str, ...]:
     """The names vLLM serves the base model under (`--served-model-name`, else the model)."""
     names = model_config.served_model_name or model_config.model
@@ -345,39 +248,6 @@ class _LoraVersions:
             raise PlanError(f"adapter {adapter.name!r}: vLLM has no LoRA layer for {unsupported} in this model")
 
 
-class _AdapterLanding(AdapterSink):
-    """One adapter sync on a worker under `weightsync serve`: landed in fresh tensors, held in
-    memory as vLLM's LoRA model at commit, then served once every worker holds it (the server
-    answers the ring); a refusal drops it here too."""
-
-    def __init__(self, adapter: Adapter, served: _ServedSink) -> None:
-        assert served.loras is not None
-        loras = served.loras
-        super().__init__(adapter, loras.check, self._install)
-        self.served = served
-        self.loras = loras
-
-    def _install(self, adapter: Adapter, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        lora_id, path, content = self.loras.hold(adapter, version, tensors)
-        event = events.AdapterLanded(
-            adapter=adapter, version=version, rank=self.served.rank, lora_id=lora_id, path=path, content_digest=content
-        )
-        try:
-            reply = self.served.ring(event, 4 * self.served.timeout)  # the server waits up to 3 timeouts
-        except BaseException:
-            self.loras.drop(lora_id)
-            raise
-        self.loras.drop(*(retired for retired in reply.retired if retired != lora_id))
-
-    def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
-        super().abort(version, error, intact=intact)
-        event = events.AdapterFailed(name=self.adapter.name, version=version, rank=self.served.rank, error=str(error))
-        try:
-            self.served.ring(event, self.served.timeout)
-        except SinkError as exc:
-            log.warning("could not tell the server that adapter %r failed here: %s", self.adapter.name, exc)
-
-
 class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
     """vLLM's worker-side weight transfer engine for `backend="weightsync"` (module docstring)."""
 
@@ -416,16 +286,16 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
                 memory = LoraMemory(self.model)
                 serve_loras_from_memory(memory)
                 loras = _LoraVersions(memory, layout, served_model_names(self.model_config))
-            sink = _ServedSink(
+            sink = ControlledSink(
                 inner,
-                init_info.bell,
+                functools.partial(ring, init_info.bell),
                 rank=rank,
                 drain_timeout=init_info.drain_timeout,
                 timeout=options.timeout,
                 loras=loras,
             )
         self._receiver = WeightReceiver(sink, init_info.transport, options=options)
-        if isinstance(sink, _ServedSink):
+        if isinstance(sink, ControlledSink):
             self._receiver.watch(sink.observe)
         me = WorkerAddress(address=self._receiver.address, rank=rank, weight_bytes=layout.total_bytes)
         try:

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 from weightsync.errors import RequestError
-from weightsync.lora import ServedAdapter
 from weightsync.sink import WeightSink
+
+if TYPE_CHECKING:
+    from weightsync.serving.hf.lora import LoraServing
 
 __all__ = ["Engine", "SamplingParams", "StepOutput", "check_request"]
 
@@ -96,9 +99,11 @@ class Engine(ABC):
     def weight_bytes(self) -> int:
         """Bytes of model weights the engine holds (to show the server holds no second copy)."""
 
-    def adapters(self) -> tuple[ServedAdapter, ...]:
-        """The LoRA adapters served (readable from any thread); none for an engine without them."""
-        return ()
+    @property
+    def lora(self) -> LoraServing | None:
+        """The engine's LoRA adapters (None: it serves none). Only the engine loop's thread
+        installs one (`EngineLoop.call`)."""
+        return None
 
     def close(self) -> None:  # noqa: B027 (optional hook: engines without resources need not override)
         """Release the model and its caches."""

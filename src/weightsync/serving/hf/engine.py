@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weightsync.errors import ConfigError, RequestError
-from weightsync.lora import AdapterVersion, ServedAdapter
+from weightsync.lora import AdapterVersion
 from weightsync.serving.config import LoadFormat
 from weightsync.serving.hf.base import Engine, SamplingParams, StepOutput, check_request
 from weightsync.serving.hf.lora import LoraServing
@@ -193,8 +193,9 @@ class HFEngine(Engine):
             seen[storage.data_ptr()] = storage.nbytes()
         return sum(seen.values())
 
-    def adapters(self) -> tuple[ServedAdapter, ...]:
-        return () if self._lora is None else self._lora.snapshot
+    @property
+    def lora(self) -> LoraServing | None:
+        return self._lora
 
     def _lora_serving(self) -> LoraServing:
         if self._lora is None:

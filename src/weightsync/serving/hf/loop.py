@@ -1,18 +1,19 @@
-"""The engine loop: the one thread that touches the Engine.
+"""The engine loop: the one thread that touches the transformers engine.
 
-HTTP handlers submit requests and get token events back through a callback; weight syncs pause
-the loop, write weights while it is parked, and resume it with the new version. Pausing works the
-same for every engine, in three modes (as vLLM's `pause_generation`):
+HTTP handlers submit requests and get token events back through a callback. The loop has one
+pause switch, as vLLM's engine has (`pause` / `resume`), in three modes:
 
     wait   stop admitting, finish the requests in flight, then park
     abort  stop admitting, abort the requests in flight (they end with finish_reason "abort"), park
     keep   stop admitting, freeze the requests in flight where they are, park; they continue on
            resume, with whatever weights are then loaded (their events carry each version)
 
-A pause has an owner ("user" for /pause, "sync" for a weight sync); the loop steps again only
-when every owner has resumed. Every token event carries the weight version it was produced with,
-and the request's version spans so far: which output tokens each version produced. Versions change
-only between steps (a sync parks the loop first), so the loop alone knows each boundary exactly.
+Who holds it paused, and why, is the server's sync control's business (serving/control.py); the
+loop only obeys. Every token event carries the weight version it was produced with (`set_version`,
+called by the control when a sync commits), and the request's version spans so far: which output
+tokens each version produced. Versions change only while the loop is parked, so the loop alone
+knows each boundary exactly. Work that must not overlap a step (installing a LoRA adapter) runs
+on the loop's thread between steps (`call`).
 
 A request that fails ends with an event that says so (`error`, and the HTTP status it maps to:
 400 for a request the engine refuses, 503 while the weights are not servable, 500 for an engine
@@ -22,13 +23,13 @@ that failed). A step that raises ends every request in it that way and counts as
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable
-from types import EllipsisType
 
 from weightsync.errors import ConfigError, RequestError, ResourceError, SinkError
 from weightsync.serving.config import PAUSE_MODES, PauseMode
@@ -128,10 +129,11 @@ class EngineLoop:
         self._pending: deque[_Submission] = deque()
         self._active: dict[str, _Submission] = {}
         self._cancelled: set[str] = set()
-        self._pauses: dict[str, PauseMode] = {}
+        self._mode: PauseMode | None = None
         self._epoch = 0  # bumped by every pause request; the loop echoes it when it parks
         self._parked_epoch = -1
         self._parked = False
+        self._calls: deque[tuple[Callable[[], object], concurrent.futures.Future[object]]] = deque()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="server-engine-loop", daemon=True)
 
@@ -141,11 +143,6 @@ class EngineLoop:
     def version(self) -> int | None:
         """The weight version new tokens are produced with, or None (not servable)."""
         return self._version
-
-    @property
-    def paused_by(self) -> dict[str, PauseMode]:
-        with self._cond:
-            return dict(self._pauses)
 
     @property
     def num_pending(self) -> int:
@@ -173,36 +170,53 @@ class EngineLoop:
 
     # --- pausing --------------------------------------------------------------------------------
 
-    def pause(self, owner: str, mode: PauseMode, timeout: float) -> bool:
-        """Pause for `owner` and wait until the loop is parked (no step running, none to come).
-
-        Returns False if it did not park within `timeout` seconds (wait mode with long requests);
-        the pause stays registered either way, so call `resume(owner)` to undo it.
-        """
+    def pause(self, mode: PauseMode) -> int:
+        """Pause in `mode` (a later call changes the mode); returns the ticket `wait_parked` takes."""
         if mode not in PAUSE_MODES:
             raise ConfigError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cond:
-            self._pauses[owner] = mode
+            self._mode = mode
             self._epoch += 1
-            ticket = self._epoch
             self._cond.notify_all()
-            return self._cond.wait_for(lambda: self._parked and self._parked_epoch >= ticket, timeout)
+            return self._epoch
 
-    def resume(self, owner: str, version: int | None | EllipsisType = ...) -> None:
-        """Remove `owner`'s pause; with `version`, first switch the served weight version."""
+    def wait_parked(self, ticket: int, timeout: float | None = None) -> bool:
+        """Wait until the loop parked for pause `ticket` (no step running, none to come): True;
+        False if the pause was lifted first, the loop closed, or `timeout` passed."""
         with self._cond:
-            if version is not ...:
-                self._version = version
-            self._pauses.pop(owner, None)
+            self._cond.wait_for(
+                lambda: self._closed or self._mode is None or (self._parked and self._parked_epoch >= ticket), timeout
+            )
+            return not self._closed and self._mode is not None and self._parked and self._parked_epoch >= ticket
+
+    def resume(self) -> None:
+        with self._cond:
+            self._mode = None
             self._cond.notify_all()
 
-    def invalidate(self, owner: str) -> None:
-        """The weights are no longer intact: stop serving (version None), abort what is in
-        flight, and drop `owner`'s pause; requests wait at the gate for the next good sync."""
+    def set_version(self, version: int | None) -> None:
+        """The weight version new tokens are produced with from now on (None: not servable)."""
         with self._cond:
-            self._version = None
-            self._pauses.pop(owner, None)
+            self._version = version
             self._cond.notify_all()
+
+    def call(self, work: Callable[[], object], timeout: float) -> object:
+        """Run `work` on the loop's thread between two steps; its result (or its exception).
+
+        Raises:
+            ResourceError: the loop did not get to it within `timeout` seconds, or is closed.
+        """
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                raise ResourceError("the engine loop is closed (the server is shutting down)")
+            self._calls.append((work, future))
+            self._cond.notify_all()
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise ResourceError(f"the engine loop did not take the work within {timeout} s") from exc
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -245,16 +259,27 @@ class EngineLoop:
         """Apply queued changes; True when the loop should step (or exit), False to park."""
         if self._closed:
             return True
-        touch_engine = not self._pauses or all(mode == "wait" for mode in self._pauses.values())
-        if any(mode == "abort" for mode in self._pauses.values()) or self._version is None:
+        self._run_calls()
+        touch_engine = self._mode in (None, "wait")
+        if self._mode == "abort" or self._version is None:
             self._abort_active("abort")
             touch_engine = False
         if touch_engine:
             self._apply_cancels()
-        if touch_engine and not self._pauses and self._version is not None:
+        if touch_engine and self._mode is None and self._version is not None:
             while self._pending:
                 self._admit(self._pending.popleft())
         return touch_engine and self._version is not None and self.engine.has_unfinished()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            work, future = self._calls.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(work())
+            except BaseException as exc:
+                future.set_exception(exc)
 
     def _admit(self, submission: _Submission) -> None:
         if submission.request_id in self._cancelled:

@@ -1,9 +1,11 @@
 """POST /v1/completions and /v1/chat/completions: check the request, tokenise it on a worker
-thread, wait at the gate for a committed version, generate, and answer whole or streamed.
+thread, generate, and answer whole or streamed (the HTTP face's gate admitted it once a version
+was servable).
 
-Every refusal is an error response in vLLM's shape (`error_body`): 400 for a request this server
-cannot serve, 404 for a name that is neither the model's nor a LoRA adapter's it serves, 503 when no version is committed within
---ready-timeout, and the engine's own status (400, 503 or 500) when it refuses or fails.
+Every refusal is an error response in one shape (`error_body`): 400 for a request this server
+cannot serve, 404 for a name that is neither the model's nor a LoRA adapter's it serves, 503 when
+the weights turned dirty since the gate, and the engine's own status (400, 503 or 500) when it
+refuses or fails.
 """
 
 from __future__ import annotations
@@ -23,9 +25,7 @@ from weightsync.serving.hf.schemas import ChatCompletionRequest, CompletionReque
 from weightsync.serving.hf.server import RolloutServer
 from weightsync.serving.hf.streaming import stream
 
-__all__ = ["GATE_POLL_S", "chat_completions", "completions", "wait_at_gate"]
-
-GATE_POLL_S = 0.02
+__all__ = ["chat_completions", "completions"]
 
 
 async def completions(server: RolloutServer, body: CompletionRequest, request_id: str) -> Response:
@@ -59,7 +59,7 @@ async def generate(
         return error(400, "top_p other than 1 is not supported", "top_p")
     adapter = None
     if body.model is not None and body.model != server.config.model_name:
-        served = [served.adapter.name for served in server.engine.adapters()]
+        served = list(server.control.adapters)
         if body.model not in served:
             names = ", ".join(repr(name) for name in [server.config.model_name, *served])
             return error(404, f"model {body.model!r} is not served here; this serves {names}", "model")
@@ -68,10 +68,10 @@ async def generate(
         prompts = await asyncio.to_thread(prompts_of)
     except ValueError as exc:  # a RequestError, or the tokenizer refusing the text
         return error(400, str(exc))
-    version = await wait_at_gate(server)
-    if version is None:
+    version = server.version  # the HTTP face's gate admitted this request once a version was servable
+    if version is None:  # a sync failed half-written since: the weights are dirty
         now = server.health()
-        return error(503, f"not serving after {server.config.ready_timeout} s: {now.reason}", state=now.state)
+        return error(503, now.reason, state=now.state)
     generation = Generation(
         server, request_id, prompts, body.n, sampling(body, fmt.logprobs, adapter), body.stop_strings, version
     )
@@ -113,19 +113,3 @@ def sampling(body: GenerationRequest, logprobs: int | None, adapter: str | None)
         )
 
     return params
-
-
-async def wait_at_gate(server: RolloutServer) -> int | None:
-    """Wait up to --ready-timeout for a committed, intact version (never serve dummy weights);
-    the version served then, or None."""
-    version = server.version
-    if version is not None:
-        return version
-    server.metrics.waiting_at_gate.inc()
-    try:
-        deadline = time.monotonic() + server.config.ready_timeout
-        while (version := server.version) is None and time.monotonic() < deadline:
-            await asyncio.sleep(GATE_POLL_S)
-        return version
-    finally:
-        server.metrics.waiting_at_gate.dec()

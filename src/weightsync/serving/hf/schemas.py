@@ -29,8 +29,6 @@ __all__ = [
     "CompletionResponse",
     "CompletionStreamChoice",
     "Envelope",
-    "ErrorBody",
-    "ErrorResponse",
     "GenerationRequest",
     "Logprobs",
     "OutputMessage",
@@ -296,19 +294,3 @@ class ChatChunk(Envelope):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
-
-
-# --- errors ---------------------------------------------------------------------------------------
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    """Every error, as vLLM's `ErrorResponse` (a 503 adds the server's `state` beside it)."""
-
-    error: ErrorBody

@@ -1,25 +1,51 @@
-"""One rollout server's parts, built from one config: engine, loop, sink, receiver, metrics.
+"""The transformers engine's adapter: one rollout server's parts, built from one config.
 
-The receiver lives in the server process and lands syncs straight into the engine's live tensors
-(through `ServerSink`), so the process holds one copy of the model.
+engine    a transformers model stepped token by token (engine.py), on one thread (loop.py)
+control   the server's sync control (serving/control.py), on an event loop of its own thread;
+          `LoopEngine` is how it drives the engine loop
+receiver  a `WeightReceiver` whose sink (`ControlledSink`) rings the control in process and
+          lands syncs straight into the engine's live tensors, so the process holds one copy
+          of the model
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
+import itertools
 import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
+import torch
+
+from weightsync.digest import source_digest
 from weightsync.errors import ConfigError
-from weightsync.messages import SyncTimes
-from weightsync.receiver import ReceiverStatus, WeightReceiver
+from weightsync.lora import Adapter
+from weightsync.messages import Plan
+from weightsync.receiver import WeightReceiver
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig, require_engine
-from weightsync.serving.hf.base import Engine
+from weightsync.serving.control import Served, SyncControl
+from weightsync.serving.hf.base import Engine, SamplingParams
 from weightsync.serving.hf.loop import EngineLoop
-from weightsync.serving.hf.sync import ServerSink
+from weightsync.serving.hf.lora import LoraServing
 from weightsync.serving.metrics import ServerMetrics
-from weightsync.serving.warmup import NO_CHAT_TEMPLATE, load_tokenizer, warm_up
+from weightsync.serving.sink import ControlledSink, LocalBell
+from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 
-__all__ = ["ENGINES", "FAILED_STEPS_UNHEALTHY", "RolloutServer", "build_engine", "engine_class"]
+__all__ = [
+    "ENGINES",
+    "FAILED_STEPS_UNHEALTHY",
+    "HeldAdapters",
+    "LoopEngine",
+    "RolloutServer",
+    "build_engine",
+    "engine_class",
+]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +85,142 @@ def build_engine(config: ServeConfig) -> Engine:
     return engine
 
 
+class LoopEngine:
+    """The transformers engine loop as the sync control drives it (`control.Engine`). Syncs land
+    on the receiver's thread while the loop is parked, so the update window's start and update
+    calls have nothing to do; a commit labels the loop's tokens with the new version."""
+
+    name = "transformers"
+    errored = False
+
+    def __init__(self, loop: EngineLoop, adapters: HeldAdapters | None, timeout: float) -> None:
+        self.loop = loop
+        self.adapters = adapters
+        self.timeout = timeout
+
+    def failure(self) -> str:
+        if self.loop.failed_steps < FAILED_STEPS_UNHEALTHY:
+            return ""
+        return f"the engine failed its last {self.loop.failed_steps} steps: {self.loop.last_failure}"
+
+    async def pause_generation(self, *, mode: PauseMode) -> None:
+        ticket = self.loop.pause(mode)
+        await asyncio.to_thread(self.loop.wait_parked, ticket)
+
+    async def resume_generation(self) -> None:
+        self.loop.resume()
+
+    async def start_weight_update(self) -> None:
+        pass
+
+    async def update_weights(self, version: int) -> None:
+        pass
+
+    async def finish_weight_update(self, version: int | None) -> None:
+        if version is not None:
+            self.loop.set_version(version)
+
+    async def serve_lora(self, name: str, lora_id: int, path: str) -> None:
+        if self.adapters is None:
+            raise ConfigError("this server serves no LoRA adapters (start it with --max-lora-rank N)")
+        install = self.adapters.install_on_loop(lora_id)
+        await asyncio.to_thread(self.loop.call, install, self.timeout)
+
+    async def remove_lora(self, lora_id: int) -> None:
+        pass  # PEFT's slots are freed by the engine (hf/lora.py) once no request runs on them
+
+
+class HeldAdapters:
+    """The LoRA adapter versions this server landed, held until the control has the engine take
+    them (`serving.sink.LoraStore`).
+
+    Args:
+        lora: the engine's PEFT adapters.
+        model_names: the names the base model is served under.
+    """
+
+    def __init__(self, lora: LoraServing, model_names: tuple[str, ...]) -> None:
+        self.lora = lora
+        self.model_names = model_names
+        self._ids = itertools.count(1)
+        self._held: dict[int, tuple[Adapter, int, dict[str, torch.Tensor]]] = {}
+
+    def check(self, plan: Plan, adapter: Adapter) -> None:
+        self.lora.check(plan, adapter)
+
+    def hold(self, adapter: Adapter, version: int, tensors: dict[str, torch.Tensor]) -> tuple[int, str, str]:
+        lora_id = next(self._ids)
+        self._held[lora_id] = (adapter, version, tensors)
+        return lora_id, f"{adapter.name}/{version}/{lora_id}", source_digest(tensors)
+
+    def drop(self, *lora_ids: int) -> None:
+        for lora_id in lora_ids:
+            self._held.pop(lora_id, None)
+
+    def install_on_loop(self, lora_id: int) -> Any:
+        """The work that makes held version `lora_id` served (run on the engine loop's thread)."""
+        adapter, version, tensors = self._held.pop(lora_id)
+        return lambda: self.lora.install(adapter, version, tensors)
+
+
+class _ControlThread:
+    """An event loop on a daemon thread, where the server's sync control lives."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="weightsync-control", daemon=True)
+        self._thread.start()
+
+    def run(self, work: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+WARM_UP_MAX_STEPS = 64
+"""Steps the warm-up may take to produce its one token (an engine may schedule before it runs)."""
+WARM_UP_ID = "weightsync-warm-up"
+
+
+def warm_up(engine: Engine, model: str) -> None:
+    """Generate one token from a one-token prompt, as a request would, before serving: a server
+    that started but cannot generate would answer every request with nothing (in an RL loop,
+    silent empty rollouts). It runs on the weights the engine starts with (dummy ones, before any
+    sync), through the `add_request`/`step` path every request takes.
+
+    Raises:
+        ConfigError: the engine cannot run this model (its step raised, or it produced nothing).
+    """
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    try:
+        engine.add_request(WARM_UP_ID, [0], params)
+        tokens: list[int] = []
+        for _ in range(WARM_UP_MAX_STEPS):
+            for output in engine.step():
+                tokens += output.new_token_ids
+            if not engine.has_unfinished():
+                break
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            engine.abort(WARM_UP_ID)
+        raise ConfigError(
+            f"the {engine.name} engine cannot run {model}: a one-token warm-up generation failed: {exc}"
+        ) from exc
+    if engine.has_unfinished() or not tokens:
+        engine.abort(WARM_UP_ID)
+        raise ConfigError(
+            f"the {engine.name} engine cannot run {model}: a one-token warm-up generation produced no token "
+            f"in {WARM_UP_MAX_STEPS} steps"
+        )
+    log.info("warm-up: the %s engine generated a token", engine.name)
+
+
 class RolloutServer:
-    """Engine + loop + receiver of one server; the HTTP app (`create_app`) reads from it."""
+    """Engine + loop + control + receiver of one server; the HTTP app (`create_app`) serves it."""
 
     def __init__(self, config: ServeConfig, engine: Engine | None = None) -> None:
         self.config = config
@@ -78,88 +238,61 @@ class RolloutServer:
             raise
         self.metrics = ServerMetrics()
         initial = AUTO_VERSION if config.load_format == "auto" else None
-        self.loop = EngineLoop(self.engine, version=initial, on_failure=self._engine_failed)
-        if initial is not None:
-            self.metrics.version.set(initial)
-        self.sink = ServerSink(
-            self.engine.weight_sink(),
-            self.loop,
+        self.loop = EngineLoop(self.engine, version=initial, on_failure=lambda exc: self.metrics.engine_failures.inc())
+        lora = self.engine.lora
+        adapters = HeldAdapters(lora, (config.model_name,)) if lora is not None else None
+        self._thread = _ControlThread()
+        self.control = SyncControl(
+            LoopEngine(self.loop, adapters, config.sync_timeout),
             mode=config.sync_mode,
             drain_timeout=config.drain_timeout,
+            sync_timeout=config.sync_timeout,
             metrics=self.metrics,
-            model_name=config.model_name,
+            version=initial,
+            lora_versions=config.lora_versions if adapters is not None else 0,
+            loop=self._thread.loop,
         )
-        self.receiver = WeightReceiver(self.sink, config.transport, options=config.receiver_options)
-        self.receiver.watch(self._observe)
+        sink = ControlledSink(
+            self.engine.weight_sink(),
+            LocalBell(self.control),
+            rank=0,
+            drain_timeout=config.drain_timeout,
+            timeout=config.sync_timeout,
+            loras=adapters,
+        )
+        self.receiver = WeightReceiver(sink, config.transport, options=config.receiver_options)
+        self.receiver.watch(sink.observe)
+        self.served = Served(
+            engine="hf",
+            model=config.model_name,
+            transport=config.transport,
+            addresses=(self.receiver.address,),
+            weight_bytes=self.engine.weight_bytes(),
+        )
         self.loop.start()
-
-    def _observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
-        if after.times is not None and after.times is not before.times:
-            self.metrics.observe_times(after.times, after.mode)
 
     @property
     def version(self) -> int | None:
         """The version served now (None: nothing servable)."""
-        return self.loop.version
-
-    def state(self) -> str:
-        """The receiver's state, except that a server started from the checkpoint is "ready"."""
-        state = self.receiver.state
-        if state == "empty" and self.loop.version is not None:
-            return "ready"
-        return state
+        return self.control.version
 
     def health(self) -> Health:
-        """Serving or not, in which state, and why not: serving once a version is committed and
-        intact, and while the engine does not fail step after step."""
-        state = self.state()
-        if self.loop.failed_steps >= FAILED_STEPS_UNHEALTHY:
-            reason = f"the engine failed its last {self.loop.failed_steps} steps: {self.loop.last_failure}"
-            return Health(False, "failed", reason)
-        if state == "dirty":
-            return Health(False, "dirty", f"weights are dirty: {self.receiver.last_error}; push a new version")
-        if self.loop.version is None:
-            if state == "syncing":
-                return Health(False, "syncing", "the first weight sync is in progress")
-            reason = "no weights committed yet (started with --load-format dummy): push weights first"
-            return Health(False, "waiting for weights", reason)
-        return Health(True, "syncing" if state == "syncing" else "ready")
-
-    def _engine_failed(self, exc: BaseException) -> None:
-        self.metrics.engine_failures.inc()
+        return self.control.health()
 
     def weight_info(self) -> dict[str, object]:
-        return {
-            "version": self.loop.version,
-            "state": self.state(),
-            "last_error": self.receiver.last_error,
-            "last_sync": self.sink.stats.to_json() | {"times": _times_json(self.receiver.status.times)},
-            "content_digest": self.receiver.content_digest,
-            "transport": self.config.transport,
-            "addresses": [self.receiver.address],
-            "sync_mode": self.config.sync_mode,
-            "paused_by": self.loop.paused_by,
-            "weight_bytes": self.engine.weight_bytes(),
-            "engine": self.engine.name,
-            "model": self.config.model_name,
-            "adapters": [served.to_json() for served in self.engine.adapters()],
-        }
+        return self.control.weight_info(self.served)
 
     def pause(self, mode: PauseMode, timeout: float) -> bool:
-        return self.loop.pause("user", mode, timeout)
+        """Hold generation paused for the user, as POST /pause does; True once parked."""
+        return self._thread.run(self.control.pause("user", mode, timeout))
 
     def resume(self) -> None:
-        self.loop.resume("user")
+        self._thread.run(self.control.resume("user"))
 
     def close(self) -> None:
         """Stop receiving, end every request, release the engine."""
         self.receiver.close()
+        self.control.close()
         self.loop.close()
+        self._thread.close()
         self.engine.close()
-
-
-def _times_json(times: SyncTimes | None) -> dict[str, float] | None:
-    """Where the last committed sync's time went, in seconds, or None before the first."""
-    if times is None:
-        return None
-    return {field: round(getattr(times, field), 6) for field in times.__struct_fields__}

@@ -1,13 +1,12 @@
-"""A rollout server that answers from the moment its port listens.
+"""A transformers rollout server that answers from the moment its port listens.
 
-Building the engine takes seconds to minutes (vLLM: its import, the model, the KV cache, the
-warm-up). `weightsync serve` starts its HTTP server first and builds the `RolloutServer` on a
-background thread, so a probe never meets an open port that does not answer: until the server
-is up, /health and every endpoint answer 503 with the state ("starting", "loading engine", or
-"failed" with the error that then stops the process).
+Building the engine takes seconds (its import, the model, the warm-up). `weightsync serve` starts
+its HTTP server first and builds the `RolloutServer` on a background thread, so a probe never
+meets an open port that does not answer: until the server is up, `front` (the HTTP face's
+`Starting`) answers /health and every endpoint with a 503 naming the state ("starting", "loading
+engine", or "failed" with the error that then stops the process), then it serves the app.
 
     Startup(config).start(on_done)   build on a thread; on_done() when it is up or has failed
-    Startup.of(server)               a server built already (BackgroundServer, tests)
 """
 
 from __future__ import annotations
@@ -18,7 +17,9 @@ import threading
 from collections.abc import Callable
 
 from weightsync.serving.config import Health, ServeConfig
+from weightsync.serving.hf.app import create_app
 from weightsync.serving.hf.server import RolloutServer, engine_class
+from weightsync.serving.http import Starting
 
 __all__ = ["Startup"]
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class Startup:
-    """One `RolloutServer` in the making, and what to answer for it meanwhile.
+    """One `RolloutServer` in the making, and the app that answers for it meanwhile (`front`).
 
     Args:
         config: what to serve.
@@ -37,33 +38,21 @@ class Startup:
         self.server: RolloutServer | None = None
         self.error: BaseException | None = None
         """Why the server could not start (then the process stops with it)."""
-        self._health = Health(False, "starting", "the server is starting")
+        self.front = Starting()
         self._lock = threading.Lock()
         self._closed = False
-
-    @classmethod
-    def of(cls, server: RolloutServer) -> Startup:
-        """A startup that is over: `server` is up."""
-        startup = cls(server.config)
-        startup.server = server
-        return startup
 
     def preload(self) -> None:
         """Call before the port listens: import what the build imports, and freeze the heap.
 
         Both hold the interpreter for long stretches when done on the build thread: imports,
-        and the full garbage collections vLLM runs while it builds (each scans every object
-        there is, 0.3-0.6 s here). Objects frozen now are skipped by those collections, and by
-        the interpreter's own while the server runs (as vLLM freezes its heap after start-up).
+        and full garbage collections (each scans every object there is). Objects frozen now are
+        skipped by those collections, and by the interpreter's own while the server runs.
         `close` unfreezes them.
         """
         engine_class(self.config.engine).preload(self.config.model)
         gc.collect()
         gc.freeze()
-
-    def health(self) -> Health:
-        server = self.server
-        return self._health if server is None else server.health()
 
     def start(self, on_done: Callable[[], None]) -> None:
         """Build the server on a daemon thread; `on_done()` is called from it once the server is
@@ -72,13 +61,13 @@ class Startup:
 
     def _build(self, on_done: Callable[[], None]) -> None:
         what = f"the {self.config.engine} engine for {self.config.model}"
-        self._health = Health(False, "loading engine", f"loading {what}")
+        self.front.health = Health(False, "loading engine", f"loading {what}")
         log.info("loading %s", what)
         try:
             server = RolloutServer(self.config)
         except BaseException as exc:
             self.error = exc
-            self._health = Health(False, "failed", f"the server could not start: {exc}")
+            self.front.health = Health(False, "failed", f"the server could not start: {exc}")
             log.debug("start-up failed", exc_info=exc)
         else:
             with self._lock:
@@ -86,6 +75,7 @@ class Startup:
                     server.close()
                     return
                 self.server = server
+                self.front.app = create_app(server)
         on_done()
 
     def close(self) -> None:
@@ -95,6 +85,8 @@ class Startup:
         with self._lock:
             self._closed = True
             server, self.server = self.server, None
+        self.front.health = Health(False, "failed", "the server is stopping")
+        self.front.app = None
         if server is not None:
             server.close()
         gc.unfreeze()

@@ -36,22 +36,20 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import msgspec
 import uvicorn
-from fastapi.responses import JSONResponse
 
 from weightsync.errors import ResourceError
 from weightsync.integrations.vllm.internals import serve_lora
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
-from weightsync.serving.body_limit import BodyLimit
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
-from weightsync.serving.control import SyncControl
+from weightsync.serving.control import Served, SyncControl
 from weightsync.serving.doorbell import Doorbell
-from weightsync.serving.http import WeightsyncMiddleware, add_routes, error
+from weightsync.serving.http import Face, Starting, add_routes
 from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
+from weightsync.serving.vllm.labeller import Versioned
 from weightsync.serving.vllm.launch import build_engine, vllm_namespace, warm_up
 from weightsync.serving.vllm.versions import LoraUse, VersionedEngine
-from weightsync.serving.warmup import NO_CHAT_TEMPLATE, load_tokenizer
 
 __all__ = ["serve"]
 
@@ -73,27 +71,6 @@ before it ends whatever is left of vLLM's processes: vLLM alone may wait 5 s, th
 
 NOTE_EVERY_S = 1.0
 """How often, while vLLM's processes start, the shared memory they map is noted (`serve`'s `note`)."""
-
-
-class _Front:
-    """The ASGI app the port serves: 503 with the start-up state until vLLM's app is ready."""
-
-    def __init__(self) -> None:
-        self.app: Any = None
-        self.health = Health(False, "starting", "the server is starting")
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if self.app is not None:
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] != "http":
-            return
-        now = self.health
-        if scope["path"] == "/health":
-            body = {"status": "unavailable", "version": None, "state": now.state, "reason": now.reason}
-            await JSONResponse(body, status_code=503)(scope, receive, send)
-            return
-        await error(503, now.reason, "service_unavailable", state=now.state)(scope, receive, send)
 
 
 class _Server(uvicorn.Server):
@@ -118,6 +95,8 @@ class _Engine:
     """vLLM's `AsyncLLM` as the sync control calls it (`control.Engine`); `models`: vLLM's
     `OpenAIServingModels`, which routes a request's model name to a LoRA adapter."""
 
+    name = "vLLM"
+
     def __init__(self, engine: Any, models: Any) -> None:
         self.engine = engine
         self.models = models
@@ -125,6 +104,9 @@ class _Engine:
     @property
     def errored(self) -> bool:
         return bool(self.engine.errored)
+
+    def failure(self) -> str:
+        return "vLLM's engine died; restart the server" if self.errored else ""
 
     async def pause_generation(self, *, mode: PauseMode) -> None:
         await self.engine.pause_generation(mode=mode)
@@ -243,7 +225,7 @@ async def serve(
             log.warning(NO_CHAT_TEMPLATE, config.model)
     if config.auth_token is not None:  # vLLM's workers inherit it: their receivers require it
         os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
-    front = _Front()
+    front = Starting()
     http = _Server(
         uvicorn.Config(
             front,
@@ -340,7 +322,7 @@ async def _serve_engine(
     config: ServeConfig,
     args: argparse.Namespace,
     engine: Any,
-    front: _Front,
+    front: Starting,
     serving: asyncio.Task[None],
     announce: Callable[[str], None],
 ) -> None:
@@ -370,7 +352,7 @@ async def _serve_engine(
         metrics=metrics,
         version=initial,
         lora_versions=config.lora_versions if config.max_lora_rank else 0,
-        loras=loras,
+        busy=loras.busy,
     )
     bell = Doorbell(control.on_event, timeout=config.sync_timeout)
     await bell.start()
@@ -381,40 +363,17 @@ async def _serve_engine(
         workers = await _start_receivers(engine, config, bell.path)
         addresses = [worker.address for worker in workers]
 
-        def weight_info() -> dict[str, Any]:
-            times = control.receiver.times
-            return {
-                "version": control.version,
-                "state": control.state(),
-                "last_error": control.receiver.last_error,
-                "last_sync": control.stats.to_json()
-                | {
-                    "times": None
-                    if times is None
-                    else {k: round(v, 6) for k, v in msgspec.structs.asdict(times).items()}
-                },
-                "content_digest": control.receiver.content_digest,
-                "transport": config.transport,
-                "addresses": addresses,
-                "sync_mode": config.sync_mode,
-                "paused_by": control.paused_by,
-                "weight_bytes": workers[0].weight_bytes,
-                "workers": len(workers),
-                "engine": "vllm",
-                "model": config.model_name,
-                "adapters": [served.to_json() for served in control.adapters.values()],
-            }
-
-        add_routes(app, control, weight_info=weight_info)
+        served = Served(
+            engine="vllm",
+            model=config.model_name,
+            transport=config.transport,
+            addresses=tuple(addresses),
+            weight_bytes=workers[0].weight_bytes,
+        )
+        add_routes(app, control, served, metrics=None)  # vLLM's /metrics serves ours too (the bridge)
         # Wrapped around vLLM's app rather than added to it: vLLM's build_app already built its
         # middleware stack, and FastAPI refuses additions after that.
-        outer = WeightsyncMiddleware(
-            BodyLimit(app, limit=config.request_limit, hint=" (weightsync serve --max-request-bytes)"),
-            control=control,
-            token=config.auth_token,
-            open_generation=config.allow_unauthenticated_generation,
-            ready_timeout=config.ready_timeout,
-        )
+        outer = Face.of(Versioned(app, control), control, config)
         try:
             async with app.router.lifespan_context(app):
                 front.app = outer

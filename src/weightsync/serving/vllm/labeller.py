@@ -1,0 +1,134 @@
+"""Weight versions on vLLM's responses: one ASGI middleware inside the HTTP face (http.py).
+
+/v1/completions and /v1/chat/completions get `weight_version` (int) on the response and on every
+streamed chunk, and per choice `weight_versions` spans [{"version", "start", "end"}] over its
+output tokens once the choice ends. A request run on a LoRA adapter names the adapter's version,
+and the base weights' as `base_version`. The versions come from vLLM's own per-request record
+(versions.py), read as the request's outputs are made.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from weightsync.serving.control import SyncControl
+from weightsync.serving.vllm.versions import RECORDER, Recorder
+
+__all__ = ["Labeller", "Versioned"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[..., Awaitable[None]]
+
+VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Responses that carry weight_version."""
+
+
+class Versioned:
+    """Labels the responses of `VERSIONED_PATHS` with weight versions (module docstring)."""
+
+    def __init__(self, app: ASGIApp, control: SyncControl) -> None:
+        self.app = app
+        self.control = control
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in VERSIONED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        recorder = Recorder()
+        token = RECORDER.set(recorder)
+        try:
+            await self.app(scope, receive, Labeller(send, recorder, self.control))
+        finally:
+            RECORDER.reset(token)
+
+
+class Labeller:
+    """The `send` of one versioned request: adds weight versions to its JSON body or SSE chunks."""
+
+    def __init__(self, send: Send, recorder: Recorder, control: SyncControl) -> None:
+        self.send = send
+        self.recorder = recorder
+        self.control = control
+        self.start: Message | None = None
+        self.stream = False
+        self.status = 200
+        self.buffer = b""
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = int(message["status"])
+            headers = dict(message.get("headers") or [])
+            self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+            if self.stream or self.status != 200:
+                await self.send(message)
+            else:
+                self.start = message  # sent with the body, whose length changes
+            return
+        if message["type"] != "http.response.body" or self.status != 200:
+            await self.send(message)
+            return
+        self.buffer += message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        if self.stream:
+            events, _, self.buffer = self.buffer.rpartition(b"\n\n")
+            body = b"".join(self._event(event) + b"\n\n" for event in events.split(b"\n\n")) if events else b""
+            if not more and self.buffer:
+                body, self.buffer = body + self.buffer, b""
+            await self.send({"type": "http.response.body", "body": body, "more_body": more})
+            return
+        if more:
+            return
+        body = self._json(self.buffer)
+        assert self.start is not None
+        kept = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
+        kept.append((b"content-length", str(len(body)).encode()))
+        await self.send({**self.start, "headers": kept})
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _label(self, payload: dict[str, Any], final: bool) -> None:
+        newest = self.recorder.newest if self.recorder.newest is not None else self.control.version
+        adapter = self.recorder.adapter_version
+        if adapter is not None:  # the version of what the request named: its LoRA adapter
+            payload["base_version"], newest = newest, adapter
+        payload["weight_version"] = newest
+        for choice in payload.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            choice["weight_version"] = newest
+            if not final and choice.get("finish_reason") is None:
+                continue  # spans come with the choice's end
+            spans = self.recorder.spans.get(choice.get("index", 0))
+            if spans is not None and adapter is not None:  # one adapter version for the whole request
+                spans = [{"version": adapter, "start": 0, "end": spans[-1]["end"]}] if spans else []
+            if spans is not None:
+                choice["weight_versions"] = spans
+                if spans:
+                    choice["weight_version"] = spans[-1]["version"]
+
+    def _json(self, body: bytes) -> bytes:
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            return body
+        if isinstance(payload, dict) and "choices" in payload:
+            self._label(payload, final=True)
+            return json.dumps(payload).encode()
+        return body
+
+    def _event(self, event: bytes) -> bytes:
+        prefix = b"data: "
+        if not event.startswith(prefix) or event[len(prefix) :].strip() == b"[DONE]":
+            return event
+        try:
+            payload = json.loads(event[len(prefix) :])
+        except ValueError:
+            return event
+        if not isinstance(payload, dict) or "error" in payload:
+            return event
+        self._label(payload, final=False)
+        return prefix + json.dumps(payload).encode()
