@@ -22,8 +22,8 @@ def test_each_sync_and_each_refused_push_is_one_line(tiny_models, caplog) -> Non
         with pytest.raises(SyncFailed) as refused:
             sender.push(good | {"extra.weight": torch.zeros(4)}, 2)
     assert "unknown tensor 'extra.weight'" in str(refused.value)
-    synced = [r.getMessage() for r in caplog.records if r.name == "weightsync.serving.hf.sync"]
-    assert synced[0].startswith(f"sync of version 1 committed: {report.total_bytes} bytes in "), synced
+    synced = [r.getMessage() for r in caplog.records if r.name == "weightsync.serving.control"]
+    assert synced[0].startswith(f"sync of version 1 committed on 1 worker(s): {report.total_bytes} bytes in "), synced
     assert synced[0].endswith(" GB/s)") and len(synced) == 1, synced
     # the refusal: one warning on the server's side (its receiver), none on the sender's
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "'extra.weight'" in r.getMessage()]

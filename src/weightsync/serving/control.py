@@ -52,6 +52,7 @@ import msgspec
 
 from weightsync.errors import SinkError
 from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
+from weightsync.report import moved
 from weightsync.serving.config import Health, PauseMode
 from weightsync.serving.events import (
     Abort,
@@ -534,11 +535,10 @@ class SyncControl:
         self.stats.committed(time.perf_counter() - self._started, self.metrics)
         self._changed()
         log.info(
-            "sync of version %d committed on %d worker(s): %d bytes in %.3f s",
+            "sync of version %d committed on %d worker(s): %s",
             version,
             self.workers,
-            self.stats.total_bytes,
-            self.stats.seconds,
+            moved(self.stats.total_bytes, self.stats.seconds),
         )
 
     async def _failed(self, version: int, error: str, *, intact: bool) -> None:
