@@ -81,12 +81,43 @@ class _Gated:
         yield from self.items[1:]
 
 
+WEIGHT_INFO = {
+    "version": (int, type(None)),
+    "state": str,
+    "last_error": str,
+    "last_sync": dict,
+    "content_digest": str,
+    "transport": str,
+    "addresses": list,
+    "sync_mode": str,
+    "paused_by": dict,
+    "weight_bytes": int,
+    "workers": int,
+    "engine": str,
+    "model": str,
+    "adapters": list,
+}
+"""GET /weight_info: one schema for every engine (serving/control.py, `weight_info`)."""
+
+
+def check_weight_info(server: LiveServer) -> None:
+    """/weight_info has exactly the fields of `WEIGHT_INFO`, of their types, whatever the engine."""
+    info = server.client.weight_info()
+    assert set(info) == set(WEIGHT_INFO), sorted(set(info) ^ set(WEIGHT_INFO))
+    for field, kind in WEIGHT_INFO.items():
+        assert isinstance(info[field], kind), (field, info[field])
+    assert len(info["addresses"]) == info["workers"] and info["weight_bytes"] > 0, info
+    assert set(info["last_sync"]) >= {"version", "bytes", "bucket_bytes", "seconds", "ok", "times"}, info
+
+
 def check_staged(server: LiveServer, weights: dict[str, torch.Tensor]) -> None:
     """A staged server serves its version during the transfer of the next one, switches at the
-    commit, and keeps serving it, ready and bit-for-bit the same, after a sync that fails."""
+    commit, and keeps serving it, ready and bit-for-bit the same, after a sync that fails; its
+    /weight_info has the one schema."""
     prompt = PROMPT
     with WeightSender([server.address], timeout=WAIT_S * 3, bucket_bytes=1 << 16) as sender:
         assert sender.push(weights, 1).ok
+        check_weight_info(server)
         first = server.client.completions(prompt, max_tokens=8, temperature=0)["choices"][0]["token_ids"]
 
         moved = {name: tensor * 2 for name, tensor in weights.items()}
