@@ -67,9 +67,9 @@ class DemoConfig:
     lora_rank: int = 0
     """Train a LoRA adapter of this rank on every linear layer of the policy, whose own weights
     stay frozen, and push only the adapter after each step (0: train and push the whole policy)."""
-    warmup_steps: int = 0
+    pretrain_steps: int = 0
     """Before anything is pushed, pretrain the policy on a neighbouring skill and the answer's
-    form, never on the task (`task.warm_up`: its reward stays at chance or below); the LoRA
+    form, never on the task (`task.pretrain`: its reward stays at chance or below); the LoRA
     demo's base needs it."""
 
 
@@ -90,8 +90,8 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     config.out.mkdir(parents=True, exist_ok=True)
     model_dir = config.out / "policy"
     policy = task.build_policy(model_dir, seed=config.seed)
-    if config.warmup_steps:
-        task.warm_up(policy, config.warmup_steps, seed=config.seed)
+    if config.pretrain_steps:
+        task.pretrain(policy, config.pretrain_steps, seed=config.seed)
     model: torch.nn.Module = policy  # under LoRA, PEFT's model over it
     reference = copy.deepcopy(model).requires_grad_(False) if config.kl_coef > 0 else None  # the initial policy
     rng = random.Random(config.seed)
