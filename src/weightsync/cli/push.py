@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
     with ServerGroup(options) as group:
         infos, errors = group.join(args.to, waiting_line("push"))
-        unreachable = {url: describe(exc, "push")[1] for url, exc in errors.items()}
+        unreachable = {url: describe(exc, "weightsync push")[1] for url, exc in errors.items()}
         for url, message in unreachable.items():
             print(f"weightsync push: {url}: {message}", file=sys.stderr)
         if not infos:
