@@ -180,7 +180,7 @@ class ServerGroup:
     def __init__(self, options: SenderOptions | None = None, **kwargs: Any) -> None:
         self.options = build_options(SenderOptions, options, kwargs)
         self.clients: list[RolloutClient] = []
-        """Every server joined, live or not, until `close`."""
+        """A client for every server `join` was asked for (up or not, live or dropped), until `close`."""
         self.live: list[RolloutClient] = []
         """The servers that committed every push since they joined and were never dropped: the
         ones to push to and to send requests to."""
