@@ -1,4 +1,4 @@
-"""`weightsync bench`: push a synthetic model through each transport and the usual baselines.
+"""`weightsync-bench`: push a synthetic model through each transport and the usual baselines.
 
 Every method is timed the same way, end to end: from the sender's first byte until the values
 sit in a separate receiving process's preallocated (and already resident) destination tensors.
@@ -16,12 +16,13 @@ count, as they do in RSS.
 
 config.py what a run measures; model.py the synthetic model and its content; measure.py memcpy,
 peak RSS and the environment; receivers.py the receiving processes; runs.py the runs;
-results.py what they measured, as JSON and as a table; cli.py the command's run and output
-(weightsync.cli.bench parses its flags); delta.py and link.py the `--delta-lr` and `--link` runs.
+results.py what they measured, as JSON and as a table; args.py the command's flags, cli.py its
+run and output (`weightsync-bench`, `python -m weightsync_bench`); delta.py and link.py the
+`--delta-lr` and `--link` runs.
 
 This package is the benchmarks' one home: it lives in benchmarks/ beside the scripts that use it,
-outside the library package `weightsync`, and ships in the same distribution so that an
-installed `weightsync bench` runs it. weightsync imports it only inside `weightsync bench`.
+outside the library package `weightsync`, and ships in the same distribution with its own
+command, `weightsync-bench`. It imports weightsync; weightsync never imports it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""`weightsync bench`'s run: a configuration from the parsed arguments (weightsync.cli.bench
-parses them), the run, then the table, or the JSON on stdout and the table on stderr."""
+"""The `weightsync-bench` command (`python -m weightsync_bench`): a configuration from the
+parsed arguments (args.py), the run, then the table, or the JSON on stdout and the table on
+stderr. Errors become one line on stderr and an exit status, as `weightsync`'s do."""
 
 from __future__ import annotations
 
@@ -7,11 +8,20 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 
-from weightsync.cli.bench import DEFAULT_SIZE_GB
+from weightsync.cli import run_command
+from weightsync_bench.args import DEFAULT_SIZE_GB, build_parser
 from weightsync_bench.config import DEFAULT_TRANSPORTS, GIB, MIB
 
-__all__ = ["run"]
+__all__ = ["main", "run"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `weightsync-bench`; returns the exit status (weightsync/cli/errors.py)."""
+    parser = build_parser()
+    parser.set_defaults(handler=run)
+    return run_command(parser, argv)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         fits = fitting_size_bytes(config)
         if 0 < fits < config.size_bytes:
             print(
-                f"weightsync bench: {size_gb:g} GiB does not fit in the memory available now; measuring "
+                f"weightsync-bench: {size_gb:g} GiB does not fit in the memory available now; measuring "
                 f"{fits / GIB:g} GiB (--size-gb sets it)",
                 file=sys.stderr,
             )
@@ -121,6 +131,6 @@ def _installed(transports: tuple[str, ...]) -> tuple[str, ...]:
     import importlib.util
 
     if "nixl" in transports and importlib.util.find_spec("nixl") is None:
-        print("weightsync bench: NIXL is not installed; measuring without nixl", file=sys.stderr)
+        print("weightsync-bench: NIXL is not installed; measuring without nixl", file=sys.stderr)
         return tuple(name for name in transports if name != "nixl")
     return transports

@@ -1,4 +1,4 @@
-"""`weightsync bench --delta-lr LR`: delta sync against full sync, same model, same run.
+"""`weightsync-bench --delta-lr LR`: delta sync against full sync, same model, same run.
 
 The sender holds fp32 master weights N(0, 0.02) and, every step, moves them by `lr` times a fixed
 unit-variance direction, held in bf16 (an Adam step whose momentum dominates: every element moves

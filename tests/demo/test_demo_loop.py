@@ -135,7 +135,7 @@ def assert_servers_serve_the_adapter(record: dict[str, Any], model: torch.nn.Mod
 @pytest.mark.parametrize("engine", ENGINES)
 def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Path, engine: str) -> None:
     config = DemoConfig(
-        engine=engine, lora_rank=1, warmup_steps=20, lr=1e-2, steps=3, prompts_per_step=4, group=4, out=tmp_path,
+        engine=engine, lora_rank=1, pretrain_steps=20, lr=1e-2, steps=3, prompts_per_step=4, group=4, out=tmp_path,
         progress=False,
     )  # fmt: skip
     checked: list[list[int]] = []
@@ -163,7 +163,7 @@ def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Pa
 @pytest.mark.slow
 def test_a_restarted_server_gets_the_base_before_the_adapter(tmp_path: Path) -> None:
     config = DemoConfig(
-        lora_rank=1, warmup_steps=20, lr=1e-2, steps=5, prompts_per_step=4, group=4, kill_server_at=1, out=tmp_path,
+        lora_rank=1, pretrain_steps=20, lr=1e-2, steps=5, prompts_per_step=4, group=4, kill_server_at=1, out=tmp_path,
         timeout=30.0, progress=False,
     )  # fmt: skip
     checked: list[tuple[int, int]] = []

@@ -1,4 +1,4 @@
-"""`weightsync bench` end to end at a tiny size, and its configuration errors."""
+"""`weightsync-bench` end to end at a tiny size, and its configuration errors."""
 
 from __future__ import annotations
 
@@ -81,13 +81,11 @@ def test_a_run_that_does_not_fit_says_which_size_does(monkeypatch):
 
 
 def test_the_default_size_fits_the_machine(monkeypatch, capsys):
-    """Plain `weightsync bench` measures 4 GiB where it fits, and the largest size that fits where
+    """Plain `weightsync-bench` measures 4 GiB where it fits, and the largest size that fits where
     not (saying so), instead of refusing."""
     import types
 
-    from weightsync import cli
-    from weightsync.cli import bench as bench_cli
-    from weightsync_bench import GIB, runs
+    from weightsync_bench import GIB, args, cli, runs
 
     seen = {}
 
@@ -97,10 +95,10 @@ def test_the_default_size_fits_the_machine(monkeypatch, capsys):
 
     monkeypatch.setattr(runs.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=int(17.2 * GIB)))
     monkeypatch.setattr("weightsync_bench.run", fake_run)
-    assert cli.main(["bench"]) == 130
+    assert cli.main([]) == 130
     assert seen["size"] == 3 * GIB + GIB // 4
     assert "4 GiB does not fit in the memory available now; measuring 3.25 GiB" in capsys.readouterr().err
-    assert bench_cli.DEFAULT_SIZE_GB == 4.0
+    assert args.DEFAULT_SIZE_GB == 4.0
 
 
 def test_a_tiny_delta_run_reports_modes_bytes_and_memcpy():

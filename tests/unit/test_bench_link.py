@@ -1,4 +1,4 @@
-"""`weightsync bench --link`: links parsed, shaped in a namespace of the run's own, and measured."""
+"""`weightsync-bench --link`: links parsed, shaped in a namespace of the run's own, and measured."""
 
 from __future__ import annotations
 

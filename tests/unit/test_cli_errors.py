@@ -29,9 +29,13 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    """main's exit status (argparse's own exit included) and what it wrote to stderr."""
+    """main's exit status (argparse's own exit included) and what it wrote to stderr; "bench"
+    runs the benchmarks' own command, `weightsync-bench`."""
+    from weightsync_bench import cli as bench_cli
+
+    main, argv = (bench_cli.main, argv[1:]) if argv[:1] == ("bench",) else (cli.main, argv)
     try:
-        status = cli.main(list(argv))
+        status = main(list(argv))
     except SystemExit as exc:
         status = int(exc.code or 0)
     return status, capsys.readouterr().err

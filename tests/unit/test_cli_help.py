@@ -1,4 +1,5 @@
-"""`weightsync COMMAND --help` shows every option's default, the same way in every command."""
+"""`weightsync COMMAND --help` (and `weightsync-bench --help`) shows every option's default, the
+same way in every command."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import argparse
 import pytest
 
 from weightsync.cli import build_parser
+from weightsync_bench.args import build_parser as build_bench_parser
 
 
 def commands() -> dict[str, argparse.ArgumentParser]:
+    """Each `weightsync` command's parser, and the benchmarks' `weightsync-bench` as "bench"."""
     (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(subparsers.choices)
+    return dict(subparsers.choices) | {"bench": build_bench_parser()}
 
 
 def has_a_default(action: argparse.Action) -> bool:

@@ -1,14 +1,15 @@
 """The `weightsync` command: argument parsing only; each subcommand hands off to the library.
 
     weightsync demo [--mode disaggregated|colocated] [--servers 2] [--steps 80] [--out runs/demo]
-    weightsync bench [--transport shm,tcp] [--size-gb 4] [--bucket-mb auto] [--receivers 1,4] [--json]
     weightsync serve --engine vllm|hf --model DIR [--load-format dummy|auto] [--port P] [--transport shm|tcp|collective]
     weightsync push --model DIR --to URL [URL ...]
     weightsync digest [--to URL ...] [--model DIR] [--expect HEX]
 
-One module per command (demo, bench, serve, push, digest), each with `add_parser(subparsers)` and
+One module per command (demo, serve, push, digest), each with `add_parser(subparsers)` and
 `run(args) -> exit status`; args.py holds the shared argument types and reads
 $WEIGHTSYNC_AUTH_TOKEN; errors.py maps every error to one line on stderr and an exit status.
+`run_command` runs a parsed command under that mapping; the benchmarks' own command,
+`weightsync-bench` (benchmarks/weightsync_bench), runs through it too.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 
 from weightsync import __version__
-from weightsync.cli import bench, demo, digest, push, serve
+from weightsync.cli import demo, digest, push, serve
 from weightsync.cli.errors import TERMINATED, describe
 from weightsync.serving.process import PARENT_FD_ENV, exit_with_parent, quiet_children
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run_command"]
 
-COMMANDS = (demo, bench, serve, push, digest)
+COMMANDS = (demo, serve, push, digest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,22 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `weightsync` command; returns the exit status (errors.py lists them)."""
+    return run_command(build_parser(), argv)
+
+
+def run_command(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> int:
+    """Parse `argv` with `parser` (which has a --traceback flag) and run the `handler` it sets;
+    any error becomes one line on stderr, named by the parser's prog and the subcommand, if
+    any, and the exit status errors.py lists."""
     watch_parent()
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
+    command = " ".join(filter(None, [parser.prog, getattr(args, "command", None)]))
     try:
         with sigterm_exits():
             return int(handler(args))
     except SystemExit as exc:
         if exc.code != TERMINATED or args.traceback:
             raise
-        print(f"weightsync {args.command}: terminated", file=sys.stderr)
+        print(f"{command}: terminated", file=sys.stderr)
         return TERMINATED
     except (Exception, KeyboardInterrupt) as exc:
         if args.traceback:
             raise
-        status, message = describe(exc, args.command)
-        print(f"weightsync {args.command}: {message}", file=sys.stderr)
+        status, message = describe(exc, command)
+        print(f"{command}: {message}", file=sys.stderr)
         return status
 
 

@@ -62,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument(
         "--lora",
         action="store_true",
-        help="train a LoRA adapter on the policy (its own weights frozen after a warm-up on a neighbouring "
+        help="train a LoRA adapter on the policy (its own weights frozen after a little pretraining on a neighbouring "
         "skill) and push only the adapter after every step; the servers serve it by name (docs/demo.md)",
     )
     demo.add_argument("--lora-rank", type=at_least(1), help=f"with --lora: the adapter's rank (default: {LORA_RANK})")
@@ -71,8 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 LORA_RANK = 1
 """Rank 1 on every linear layer: 3% of the policy's bytes, and enough to learn the task (docs/demo.md)."""
-LORA_WARMUP_STEPS = 300
-"""Supervised batches of `task.warm_up` before a LoRA run: the base learns to add, not the task."""
+LORA_PRETRAIN_STEPS = 300
+"""Supervised batches of `task.pretrain` before a LoRA run: the base learns to add, not the task."""
 
 
 def choose_engine(engine: str, mode: str) -> str:
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         progress=args.progress,
         delta="all" if args.delta and args.delta_all else args.delta,
         lora_rank=lora_rank,
-        warmup_steps=LORA_WARMUP_STEPS if args.lora else 0,
+        pretrain_steps=LORA_PRETRAIN_STEPS if args.lora else 0,
     )
     if args.mode == "disaggregated":
         print(

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 from weightsync.cli.args import DefaultsFormatter, add_auth_token, auth_token, positive_seconds
-from weightsync.cli.push import wait_until_up
+from weightsync.cli.push import waiting_line
 from weightsync.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
@@ -43,14 +42,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from weightsync.checkpoint import SafetensorsSource
     from weightsync.digest import source_digest
+    from weightsync.serving.client import ServerGroup
 
     if not args.to and not args.model:
         raise ConfigError("give --to URL ... (what servers hold), --model DIR (what a push would send), or both")
-    held = {}
-    ends = time.monotonic() + args.timeout
-    for url in args.to:
-        info = wait_until_up(url, max(0.0, ends - time.monotonic()), args.timeout, auth_token(args), "digest")
-        held[url] = {"version": info["version"], "content_digest": info["content_digest"]}
+    with ServerGroup(timeout=args.timeout, auth_token=auth_token(args)) as group:
+        infos, errors = group.join(args.to, waiting_line("digest"))
+    if errors:
+        raise next(iter(errors.values()))
+    held = {url: {"version": info["version"], "content_digest": info["content_digest"]} for url, info in infos.items()}
     expected = args.expect
     if args.model:
         computed = source_digest(SafetensorsSource(args.model))

@@ -22,12 +22,19 @@ TERMINATED = 143
 `finally` runs (a parent stops its children) before the process exits."""
 
 
-EXTRAS = {"serve": "server", "push": "server", "digest": "server", "demo": "demo", "bench": "hf"}
+EXTRAS = {
+    "weightsync serve": "server",
+    "weightsync push": "server",
+    "weightsync digest": "server",
+    "weightsync demo": "demo",
+    "weightsync-bench": "hf",
+}
 """The pip extra each command's optional packages come with."""
 
 
 def describe(exc: BaseException, command: str) -> tuple[int, str]:
-    """The exit status and the one-line message for `exc`, raised by `command`."""
+    """The exit status and the one-line message for `exc`, raised by `command` (as typed:
+    "weightsync push", "weightsync-bench")."""
     if isinstance(exc, KeyboardInterrupt):
         return INTERRUPTED, "interrupted"
     if isinstance(exc, ConfigError):
@@ -38,10 +45,9 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
         return FAILED, f"{one_line(exc)} (give the servers' token with --auth-token or ${TOKEN_ENV})"
     if isinstance(exc, (WeightSyncError, OSError)):
         return FAILED, one_line(exc)
-    return (
-        FAILED,
-        f"unexpected {type(exc).__name__}: {one_line(exc)} (weightsync --traceback {command} ... shows where)",
-    )
+    program, _, subcommand = command.partition(" ")
+    again = " ".join(filter(None, [program, "--traceback", subcommand]))
+    return FAILED, f"unexpected {type(exc).__name__}: {one_line(exc)} ({again} ... shows where)"
 
 
 def refused_token(exc: BaseException) -> bool:

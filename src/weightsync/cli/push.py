@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 from weightsync.checksum import VERIFY_MODES
@@ -24,8 +23,9 @@ from weightsync.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
     from weightsync.report import SyncReport
+    from weightsync.serving.client import Waiting
 
-__all__ = ["CAST_DTYPES", "add_parser", "run"]
+__all__ = ["CAST_DTYPES", "add_parser", "run", "waiting_line"]
 
 CAST_DTYPES = ("float32", "bfloat16", "float16", "float64", "float8_e4m3fn", "float8_e5m2")
 """What --cast accepts: the dtype every floating-point tensor is sent as."""
@@ -65,24 +65,26 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from weightsync.checkpoint import SafetensorsSource
     from weightsync.dtypes import dtype_from_name
-    from weightsync.sender import WeightSender
+    from weightsync.options import SenderOptions
+    from weightsync.serving.client import ServerGroup
 
-    token = auth_token(args)
-    infos, unreachable = ask_servers(args.to, args.timeout, token)
-    for url, message in unreachable.items():
-        print(f"weightsync push: {url}: {message}", file=sys.stderr)
-    if not infos:
-        if args.json:
-            print(json.dumps({"ok": False, "version": None, "outcomes": unreachable_json(unreachable)}))
-        return FAILED
-    version = choose_version(args.version, infos, args.allow_older_version)
-    source = SafetensorsSource(args.model)
     cast = dtype_from_name(args.cast) if args.cast else None
-    urls = {address: url for url, info in infos.items() for address in info["addresses"]}
     # the report is read here, server by server: every outcome is printed, then the exit status says
-    options = {"timeout": args.timeout, "verify": args.verify, "auth_token": token, "cast": cast}
-    with WeightSender(list(urls), raise_on_failure=False, **options) as sender:
-        report = sender.push(source, version)
+    options = SenderOptions(
+        timeout=args.timeout, verify=args.verify, auth_token=auth_token(args), cast=cast, raise_on_failure=False
+    )
+    with ServerGroup(options) as group:
+        infos, errors = group.join(args.to, waiting_line("push"))
+        unreachable = {url: describe(exc, "weightsync push")[1] for url, exc in errors.items()}
+        for url, message in unreachable.items():
+            print(f"weightsync push: {url}: {message}", file=sys.stderr)
+        if not infos:
+            if args.json:
+                print(json.dumps({"ok": False, "version": None, "outcomes": unreachable_json(unreachable)}))
+            return FAILED
+        version = choose_version(args.version, infos, args.allow_older_version)
+        report = group.push(SafetensorsSource(args.model), version)
+    urls = {address: url for url, info in infos.items() for address in info["addresses"]}
     for outcome in report.failed:
         print(f"weightsync push: {urls[outcome.address]}: {outcome.kind}: {one_line(outcome.error)}", file=sys.stderr)
     if args.json:
@@ -112,32 +114,13 @@ def summary(report: SyncReport, urls: dict[str, str], num_servers: int) -> str:
     return f"{head}; {report.num_tensors} tensors, {moved(report.total_bytes, report.seconds)}"
 
 
-def ask_servers(urls: list[str], timeout: float, token: str | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """Each server's /weight_info, waiting up to `timeout` in all for servers that are starting
-    (one line each says so); the ones that did not give one, with why (one line each)."""
-    infos: dict[str, dict[str, Any]] = {}
-    unreachable: dict[str, str] = {}
-    ends = time.monotonic() + timeout
-    for url in dict.fromkeys(urls):
-        try:
-            infos[url] = wait_until_up(url, max(0.0, ends - time.monotonic()), timeout, token, "push")
-        except ConfigError:  # a malformed URL: a usage error, before any byte moves
-            raise
-        except Exception as exc:
-            unreachable[url] = describe(exc, "push")[1]
-    return infos, unreachable
+def waiting_line(command: str) -> Waiting:
+    """What `ServerGroup.join` hears of a server that is starting, as one line on stderr."""
 
-
-def wait_until_up(url: str, wait_s: float, timeout: float, token: str | None, command: str) -> dict[str, Any]:
-    """`url`'s /weight_info once it is up (`RolloutClient.wait_until_up`), saying on one line
-    what it waits for."""
-    from weightsync.serving.client import RolloutClient
-
-    def waiting(why: str) -> None:
+    def waiting(url: str, wait_s: float, why: str) -> None:
         print(f"weightsync {command}: waiting up to {wait_s:.0f} s for {url}: {why}", file=sys.stderr, flush=True)
 
-    with RolloutClient(url, timeout=timeout, auth_token=token) as client:
-        return client.wait_until_up(wait_s, waiting)
+    return waiting
 
 
 def choose_version(asked: int | None, infos: dict[str, dict[str, Any]], allow_older: bool) -> int:

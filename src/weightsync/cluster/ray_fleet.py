@@ -1,12 +1,13 @@
 """A fleet of rollout servers as Ray actors, and one `push` to all of them.
 
-    trainer --push(source, v)--> RolloutFleet --WeightSender--> server actors (one per GPU/node)
+    trainer --push(source, v)--> RolloutFleet --ServerGroup--> server actors (one per GPU/node)
                                       |                               ^
                                       +-- describe/ping each push ----+
 
 Each actor is a whole rollout server (engine, weight receiver, HTTP API) in its own process,
 placed by Ray. Before every push the fleet asks each actor who it is: one that died is dropped
-and reported; one that Ray restarted (a new process) counts as a new member. New members start
+and reported; one that Ray restarted (a new process) counts as a new member. The members are
+pushed to as one `ServerGroup` (serving/client.py), which learns their receivers over HTTP. New members start
 on dummy weights and are ready only once they hold the fleet's version: the next `push`
 brings them there, or `catch_up` does at once when the trainer still holds that version.
 
@@ -27,7 +28,7 @@ from weightsync.checksum import check_verify
 from weightsync.errors import ConfigError, ResourceError, SyncFailed, WeightSyncError
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
-from weightsync.sender import WeightSender
+from weightsync.serving.client import ServerGroup
 from weightsync.transports import get_transport
 
 __all__ = ["FleetReport", "RolloutFleet", "ServerActor", "ServerInfo"]
@@ -125,9 +126,10 @@ class RolloutFleet:
         auth_token: the shared secret of servers and pushes (default: the trainer's
             $WEIGHTSYNC_AUTH_TOKEN), handed to each actor through Ray.
         timeout: seconds for any wait: a server's start, a describe, a sync.
-        sender: further `WeightSender` options (bucket_bytes, cast, num_slots, ...). With
-            `raise_on_failure=False`, `push` and `catch_up` return their report when a live
-            server did not commit, instead of raising `SyncFailed`.
+        sender: further `WeightSender` options (bucket_bytes, cast, num_slots, ...); their
+            `auth_token` is the fleet's. With `raise_on_failure=False`, `push` and `catch_up`
+            return their report when a live server did not commit, instead of raising
+            `SyncFailed`.
         serve: further `ServeConfig` fields.
     """
 
@@ -189,7 +191,7 @@ class RolloutFleet:
         options = sender or SenderOptions(timeout=timeout, verify=check_verify(verify), auth_token=auth_token)
         self._raise_on_failure = options.raise_on_failure
         # the fleet reads every report first (who committed, who died), then raises if asked to
-        self._sender_options = dataclasses.replace(options, raise_on_failure=False)
+        self._group = ServerGroup(dataclasses.replace(options, raise_on_failure=False, auth_token=auth_token))
         self._timeout = timeout
         self._actors: dict[str, Any] = {}
         self._members: dict[str, ServerInfo] = {}
@@ -197,7 +199,6 @@ class RolloutFleet:
         self._count = 0
         self._synced: set[tuple[str, int]] = set()
         """(name, pid) of every server incarnation a push or catch-up has reached."""
-        self._sender: WeightSender | None = None
         self._lock = threading.Lock()
         self.version: int | None = None
         """The version the last push committed somewhere; ready servers hold it."""
@@ -267,7 +268,7 @@ class RolloutFleet:
         with self._lock:
             dropped, joined = self._refresh()
             members = list(self._members.values())
-            report = self._sender_for(members).push(source, version)
+            report = self._group.push(source, version)
             self._record(members, report)
             if any(outcome.committed for outcome in report.outcomes):
                 self.version = version
@@ -321,9 +322,7 @@ class RolloutFleet:
             behind = [info for info in self._members.values() if info.version != self.version]
             if not behind:
                 return None
-            addresses = [a for info in behind for a in info.addresses]
-            with WeightSender(addresses, options=self._sender_options) as sender:
-                report = sender.push(source, self.version)
+            report = self._group.push(source, self.version, to=[info.url for info in behind])
             self._record(behind, report)
             expected = self._digests.get(self.version, "")
             if expected and report.content_digest and report.content_digest != expected:
@@ -356,7 +355,21 @@ class RolloutFleet:
             self._members[name] = info
         for name, why in dropped.items():
             log.warning("fleet: dropped %s: %s", name, why)
+        self._regroup(joined)
         return dropped, tuple(joined)
+
+    def _regroup(self, joined: list[str]) -> None:
+        """Push to the members as they are now: servers gone (or on a new URL) leave the group;
+        new and restarted members, and live ones that failed a push, join it again."""
+        urls = [info.url for info in self._members.values()]
+        for client in list(self._group.live):
+            if client.base_url not in urls:
+                self._group.drop(client.base_url, "left the fleet")
+        live = {client.base_url for client in self._group.live}
+        restarted = {self._members[name].url for name in joined}
+        _, errors = self._group.join(url for url in urls if url not in live or url in restarted)
+        for url, exc in errors.items():
+            log.warning("fleet: %s gave no weight info (%s): not pushed to, not ready", url, exc)
 
     def _describe(self, actors: Mapping[str, Any]) -> dict[str, ServerInfo]:
         """ServerInfo of every actor that answers within the timeout."""
@@ -377,18 +390,6 @@ class RolloutFleet:
             described[name] = ServerInfo(name, info["url"], tuple(info["addresses"]), info["pid"], info["version"])
         return described
 
-    def _sender_for(self, members: list[ServerInfo]) -> WeightSender:
-        """The sender for these members' addresses: kept while they stay the same (so a shm
-        ring or a collective group is reused), rebuilt when the fleet changes."""
-        addresses = [a for info in members for a in info.addresses]
-        if not addresses:
-            raise WeightSyncError("the fleet has no live server to push to")
-        if self._sender is None or self._sender.addresses != addresses:
-            if self._sender is not None:
-                self._sender.close()
-            self._sender = WeightSender(addresses, options=self._sender_options)
-        return self._sender
-
     def _record(self, members: list[ServerInfo], report: SyncReport) -> None:
         by_address = {outcome.address: outcome for outcome in report.outcomes}
         self._synced.update((info.name, info.pid) for info in members)
@@ -403,9 +404,7 @@ class RolloutFleet:
 
     def close(self) -> None:
         """Stop every server and release the sender."""
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
+        self._group.close()
         for name in list(self._actors):
             self.remove(name)
 

@@ -31,7 +31,6 @@ from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
 from weightsync.options import Delta
 from weightsync.report import SyncReport
-from weightsync.sender import WeightSender
 
 __all__ = ["DemoConfig", "run"]
 
@@ -67,9 +66,9 @@ class DemoConfig:
     lora_rank: int = 0
     """Train a LoRA adapter of this rank on every linear layer of the policy, whose own weights
     stay frozen, and push only the adapter after each step (0: train and push the whole policy)."""
-    warmup_steps: int = 0
+    pretrain_steps: int = 0
     """Before anything is pushed, pretrain the policy on a neighbouring skill and the answer's
-    form, never on the task (`task.warm_up`: its reward stays at chance or below); the LoRA
+    form, never on the task (`task.pretrain`: its reward stays at chance or below); the LoRA
     demo's base needs it."""
 
 
@@ -90,23 +89,21 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     config.out.mkdir(parents=True, exist_ok=True)
     model_dir = config.out / "policy"
     policy = task.build_policy(model_dir, seed=config.seed)
-    if config.warmup_steps:
-        task.warm_up(policy, config.warmup_steps, seed=config.seed)
+    if config.pretrain_steps:
+        task.pretrain(policy, config.pretrain_steps, seed=config.seed)
     model: torch.nn.Module = policy  # under LoRA, PEFT's model over it
     reference = copy.deepcopy(model).requires_grad_(False) if config.kl_coef > 0 else None  # the initial policy
     rng = random.Random(config.seed)
     steps: StepLog | None = None
-    sender: WeightSender | None = None
     rollouts = start_rollouts(config, model_dir)  # stops what it started if it fails
     pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-demo-rollouts")
     bar = tqdm(total=config.steps, disable=not config.progress, unit="step", file=None)
     try:
         steps = StepLog(config.out / "steps.jsonl")
-        sender = new_sender(rollouts, config)
-        sender, _ = push(sender, rollouts, model, 0, config)  # version 0: the initial weights
+        push(rollouts, model, 0)  # version 0: the initial weights
         if config.lora_rank:  # the base stays as pushed; from here on, only the adapter moves
             model = with_adapter(model, config.lora_rank)
-            sender, _ = push(sender, rollouts, model, 0, config)  # the adapter's version 0: the base's output
+            push(rollouts, model, 0)  # the adapter's version 0: the base's output
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
         model_bytes = sum(t.nbytes for t in model_weights(model).values())
@@ -123,7 +120,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             if next_batch is not None:  # push only once no request is in flight: a pure transfer
                 samples = next_batch.result(timeout=config.timeout * 4)
             rollouts.check_alive()
-            sender, report = push(sender, rollouts, model, step + 1, config)
+            report = push(rollouts, model, step + 1)
             if next_batch is None:
                 samples = rollouts.generate(new_request(config, rng, step + 1))
             record: dict[str, Any] = {
@@ -163,17 +160,17 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
         bar.close()
         rollouts.close()
         pool.shutdown(wait=True, cancel_futures=True)
-        if sender is not None:
-            sender.close()
         if steps is not None:
             steps.close()
 
 
 def start_rollouts(config: DemoConfig, model_dir: Path) -> Rollouts:
     if config.mode == "colocated":
-        return LocalRollouts(model_dir, config.timeout, max_lora_rank=config.lora_rank)
+        return LocalRollouts(model_dir, config.timeout, max_lora_rank=config.lora_rank, delta=config.delta)
     if config.mode == "disaggregated":
-        return ServerFleet(model_dir, config.servers, config.engine, config.timeout, max_lora_rank=config.lora_rank)
+        return ServerFleet(
+            model_dir, config.servers, config.engine, config.timeout, max_lora_rank=config.lora_rank, delta=config.delta
+        )
     raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
 
 
@@ -219,36 +216,12 @@ def fresh(samples: list[Sample], version: int, max_staleness: int) -> tuple[list
     return kept, len(samples) - len(kept)
 
 
-def new_sender(rollouts: Rollouts, config: DemoConfig, addresses: list[str] | None = None) -> WeightSender:
-    # each push's report is read (`push`): a server that failed it is dropped, the run goes on
-    return WeightSender(
-        addresses or rollouts.addresses(), timeout=config.timeout, delta=config.delta, raise_on_failure=False
-    )
-
-
-def push(
-    sender: WeightSender, rollouts: Rollouts, model: torch.nn.Module, version: int, config: DemoConfig
-) -> tuple[WeightSender, SyncReport]:
-    """Push the model (under an adapter: the adapter alone) to every rollout engine; a fleet
-    whose membership changed gets a new sender (a restarted server listens on a new address),
-    and a restarted server gets the base weights first, for the adapter to sit on."""
-    if sorted(sender.addresses) != sorted(rollouts.addresses()):
-        joining = sorted(set(rollouts.addresses()) - set(sender.addresses))
-        sender.close()
-        if joining and hasattr(model, "peft_config"):
-            with new_sender(rollouts, config, joining) as base_sender:
-                base_sender.push(base_from_peft(model), 0)  # a server that fails it fails the adapter too
-        sender = new_sender(rollouts, config)
+def push(rollouts: Rollouts, model: torch.nn.Module, version: int) -> SyncReport:
+    """Push the model (under an adapter: the adapter alone) to every rollout engine; a restarted
+    server gets the base weights first, for the adapter to sit on."""
     tensors, adapter = payload(model)
-    report = sender.push(tensors, version, adapter=adapter)
-    for outcome in report.failed:
-        log.warning("push of version %d to %s failed: %s", version, outcome.address, outcome.error)
-        if isinstance(rollouts, ServerFleet):
-            server = rollouts.by_address(outcome.address)
-            if server is not None and server in rollouts.servers:
-                rollouts.drop(server, f"failed the push of version {version} ({outcome.kind})")
-    rollouts.joined({o.address for o in report.outcomes if o.committed})
-    return sender, report
+    base = base_from_peft(model) if adapter is not None else None
+    return rollouts.push(tensors, version, adapter=adapter, base=base)
 
 
 def payload(model: torch.nn.Module) -> tuple[Any, Adapter | None]:

@@ -2,9 +2,10 @@
 
 `LocalRollouts` (colocated): an engine in the trainer's process; weights arrive through the
 `inproc` transport into the engine's own tensors. `ServerFleet` (disaggregated): N
-`weightsync serve` processes; prompts are spread over the live ones, a server that stops
-answering is dropped (and restarted, if asked), and a restarted server gets the current weights
-before it serves: it starts on dummy weights and its gate holds requests until a push commits.
+`weightsync serve` processes, pushed to as one `ServerGroup`; prompts are spread over the live
+ones, a server that stops answering or fails a push is dropped (and restarted, if asked), and a
+restarted server gets the current weights before it serves: it starts on dummy weights and its
+gate holds requests until a push commits. Both push with `push(tensors, version, adapter, base)`.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from weightsync.auth import resolve_token
 from weightsync.errors import ResourceError
+from weightsync.messages import Adapter
+from weightsync.options import Delta
 from weightsync.receiver import WeightReceiver
+from weightsync.report import SyncReport
+from weightsync.sender import WeightSender
+from weightsync.serving.client import ServerGroup
 from weightsync.serving.hf.base import SamplingParams
 from weightsync.serving.process import ChildProcess
 
@@ -59,15 +66,18 @@ class Request:
 class LocalRollouts:
     """An hf engine in this process, synced through `inproc` (colocated / hybrid mode)."""
 
-    def __init__(self, model_dir: Path, timeout: float, max_lora_rank: int = 0) -> None:
+    def __init__(self, model_dir: Path, timeout: float, max_lora_rank: int = 0, delta: Delta = False) -> None:
         from weightsync.serving.hf.engine import HFEngine
 
         self.engine = HFEngine(model_dir, load_format="dummy", max_lora_rank=max_lora_rank)
         self.receiver = WeightReceiver(self.engine.weight_sink(), transport="inproc", timeout=timeout)
+        # each push's report is read by the loop (`receivers_committed`): a failure is a record, not an end
+        self._sender = WeightSender([self.receiver.address], timeout=timeout, delta=delta, raise_on_failure=False)
         self.events: list[str] = []
 
-    def addresses(self) -> list[str]:
-        return [self.receiver.address]
+    def push(self, tensors: Any, version: int, adapter: Adapter | None = None, base: Any = None) -> SyncReport:
+        """Push `tensors` into the engine (`base` is for servers that join a fleet: none here)."""
+        return self._sender.push(tensors, version, adapter=adapter)
 
     def generate(self, request: Request) -> list[Sample]:
         version = self.receiver.version
@@ -99,10 +109,8 @@ class LocalRollouts:
     def check_alive(self) -> None:
         """One process: nothing can die on its own."""
 
-    def joined(self, committed: set[str]) -> None:
-        """Nothing joins a colocated run."""
-
     def close(self) -> None:
+        self._sender.close()
         self.receiver.close()
         self.engine.close()
 
@@ -125,12 +133,10 @@ class _Server:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
         self.child = ChildProcess(command, env=env | os.environ | {"OMP_NUM_THREADS": "1"})
         self.url = ""
-        self.addresses: list[str] = []
-        """Its workers' receivers (one per vLLM worker; one for hf)."""
         self.client: httpx.Client | None = None
 
     def wait_ready(self) -> None:
-        """Wait for the server's announcement (its URL and receiver addresses).
+        """Wait for the server's announcement (its URL).
 
         Raises:
             ResourceError: it exited or did not announce itself within the timeout.
@@ -140,8 +146,7 @@ class _Server:
         line = self.child.wait_for_line(self.ANNOUNCEMENT, self.timeout)
         if line is None:
             raise ResourceError(self.child.why_not_started(f"rollout server {self.index}", self.timeout))
-        fields = line.split()
-        self.url, self.addresses = fields[2], fields[4].split(",")
+        self.url = line.split()[2]
         token = resolve_token(None)  # the servers inherit $WEIGHTSYNC_AUTH_TOKEN, if set
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=headers)
@@ -193,6 +198,7 @@ class ServerFleet:
         timeout: seconds any request or start-up may take.
         restart: start a replacement for a server that died (it rejoins after the next push).
         max_lora_rank: the servers serve LoRA adapters up to this rank (0: none).
+        delta: `WeightSender`'s `delta` for the pushes.
     """
 
     def __init__(
@@ -203,9 +209,12 @@ class ServerFleet:
         timeout: float,
         restart: bool = True,
         max_lora_rank: int = 0,
+        delta: Delta = False,
     ) -> None:
         self._model_dir, self._engine, self._timeout, self._restart = model_dir, engine, timeout, restart
         self._max_lora_rank = max_lora_rank
+        # each push's report is read: a server that failed it is dropped, the run goes on
+        self._group = ServerGroup(timeout=timeout, delta=delta, raise_on_failure=False)
         self._lock = threading.RLock()  # generation (a background thread) and pushes both drop servers
         self._closed = False
         self.joining: list[_Server] = []
@@ -221,13 +230,42 @@ class ServerFleet:
             self.close()
             raise
 
-    def addresses(self) -> list[str]:
-        """Every server's receiver addresses; waits for restarted servers to announce theirs."""
+    def push(self, tensors: Any, version: int, adapter: Adapter | None = None, base: Any = None) -> SyncReport:
+        """Push `tensors` as `version` (of `adapter`, if given) to every server, restarted ones
+        included once they are up; under an adapter, `base` (the weights it sits on) goes to
+        those first, as version 0. A server that does not commit is dropped (and restarted).
+        """
+        newcomers = self._join_newcomers()
+        if newcomers and base is not None:  # a server that fails it fails the adapter too
+            self._group.push(base, 0, to=newcomers)
+        report = self._group.push(tensors, version, adapter=adapter)
+        self._settle(version)
+        return report
+
+    def _join_newcomers(self) -> list[str]:
+        """Add the servers the group does not push to yet (every one at the first push, then
+        restarted ones) once they are up; returns their URLs."""
         with self._lock:
-            servers = self.servers + self.joining
-        for server in servers:  # outside the lock: a start-up wait must not hold up close()
+            live = {client.base_url for client in self._group.live}
+            newcomers = [server for server in self.servers + self.joining if server.url not in live]
+        for server in newcomers:  # outside the lock: a start-up wait must not hold up close()
             server.wait_ready()
-        return [address for server in servers for address in server.addresses]
+        infos, _ = self._group.join(server.url for server in newcomers)
+        return list(infos)
+
+    def _settle(self, version: int) -> None:
+        """After a push: drop the servers that left the group, and move restarted servers that
+        committed it into the fleet."""
+        with self._lock:
+            live = {client.base_url for client in self._group.live}
+            for server in list(self.servers):
+                if server.url not in live:
+                    self.drop(server, f"failed the push of version {version}")
+            for server in list(self.joining):
+                if server.url in live:
+                    self.joining.remove(server)
+                    self.servers.append(server)
+                    self.events.append(f"server {server.index} rejoined with the current weights")
 
     def generate(self, request: Request) -> list[Sample]:
         """Spread the prompts over the live servers; a server that fails is dropped and its
@@ -271,6 +309,7 @@ class ServerFleet:
             if self._closed or server not in self.servers:
                 return
             self.servers.remove(server)
+            self._group.drop(server.url, why)
             server.close()
             self.events.append(f"server {server.index} {why}; continuing on {len(self.servers)}")
             if self._restart:
@@ -278,24 +317,11 @@ class ServerFleet:
                 self.joining.append(replacement)
                 self.events.append(f"server {server.index} restarted; it serves after the next push")
 
-    def by_address(self, address: str) -> _Server | None:
-        with self._lock:
-            return next((s for s in self.servers + self.joining if address in s.addresses), None)
-
     def check_alive(self) -> None:
         with self._lock:
             for server in list(self.servers):
                 if not server.alive():
                     self.drop(server, "died")
-
-    def joined(self, committed: set[str]) -> None:
-        """Move restarted servers whose receiver committed the last push into the fleet."""
-        with self._lock:
-            for server in list(self.joining):
-                if set(server.addresses) <= committed:
-                    self.joining.remove(server)
-                    self.servers.append(server)
-                    self.events.append(f"server {server.index} rejoined with the current weights")
 
     def kill(self, index: int) -> None:
         """SIGKILL one server (to show the loop survives it)."""
@@ -317,3 +343,4 @@ class ServerFleet:
             server.child.stop()
         for server in servers:
             server.close()
+        self._group.close()

@@ -126,7 +126,7 @@ def save_policy(model: PreTrainedModel, path: Path) -> None:
     save_tokenizer(path)
 
 
-def warm_up(model: PreTrainedModel, steps: int, seed: int = 0, batch: int = 64, lr: float = 3e-3) -> None:
+def pretrain(model: PreTrainedModel, steps: int, seed: int = 0, batch: int = 64, lr: float = 3e-3) -> None:
     """Pretrain `model` on a neighbouring skill, not on the task (supervised, `steps` batches).
 
     Half the examples are sums: "ab=" answered by (a + b) mod 10, four times. The other half

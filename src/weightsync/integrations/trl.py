@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -37,19 +36,17 @@ from typing import Any
 import torch
 
 from weightsync.checksum import Verify
-from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed, one_line
-from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
+from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed
+from weightsync.lora import adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
-from weightsync.options import DEFAULT_TIMEOUT_S
+from weightsync.options import DEFAULT_TIMEOUT_S, SenderOptions
 from weightsync.report import SyncReport
-from weightsync.sender import WeightSender
-from weightsync.serving.client import RolloutClient
+from weightsync.serving.client import ServerGroup
 from weightsync.source import StateDictSource
 
 __all__ = [
     "REQUIRED_KEYS",
     "TESTED_TRL",
-    "RolloutServers",
     "WeightsyncRollout",
     "WeightsyncTransfer",
     "log_weight_versions",
@@ -63,108 +60,47 @@ REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 """What TRL requires of a rollout function's result; every other key goes to the reward functions."""
 
 
-class RolloutServers:
-    """Rollout servers at `urls` (`weightsync serve`), and one `WeightSender` to all their receivers.
-
-    Waits for each server to be up (its engine loaded), then connects to the receiver
-    addresses it lists in /weight_info.
+def connect(
+    urls: Sequence[str],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    verify: Verify = "bucket",
+    cast: torch.dtype | None = None,
+    auth_token: str | None = None,
+    raise_on_failure: bool = True,
+) -> ServerGroup:
+    """The rollout servers at `urls` (`weightsync serve`) as one `ServerGroup`, once every one is
+    up (its engine loaded).
 
     Args:
         urls: the servers' base URLs.
-        timeout: seconds any single wait may last (start-up, an HTTP call, a step of a push).
-        verify: the push's checksums; "bucket" (the default) also leaves every server with the
+        timeout: seconds any single wait may last (the start-up of all, an HTTP call, a step
+            of a push).
+        verify: the pushes' checksums; "bucket" (the default) also leaves every server with the
             content digest of what it holds (`weightsync digest`).
         cast: send floating-point weights as this dtype (e.g. torch.bfloat16 to bf16 servers).
         auth_token: the servers' shared token (default $WEIGHTSYNC_AUTH_TOKEN).
         raise_on_failure: True (the default): `push` raises `SyncFailed` when a server did not
             commit (once it has left `live`); False: `push` returns the report, and `live` says
             which servers are left.
+
+    Raises:
+        ServerError: a server that was not up within `timeout` (the first of them).
     """
-
-    def __init__(
-        self,
-        urls: Sequence[str],
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        verify: Verify = "bucket",
-        cast: torch.dtype | None = None,
-        auth_token: str | None = None,
-        raise_on_failure: bool = True,
-    ) -> None:
-        if not urls:
-            raise ConfigError("give at least one rollout server URL")
-        self.timeout = timeout
-        self.clients = [RolloutClient(url, timeout=timeout, auth_token=auth_token) for url in urls]
-        self.live = list(self.clients)
-        """The servers that committed every push so far and never failed a request: the ones to
-        generate on."""
-        self._lock = threading.Lock()  # requests on several threads drop servers
-        self._raise_on_failure = raise_on_failure
-        # the report is read first (a server that did not commit leaves `live`), then raised
-        self._sender_options: dict[str, Any] = {
-            "timeout": timeout,
-            "verify": verify,
-            "cast": cast,
-            "auth_token": auth_token,
-            "raise_on_failure": False,
-        }
-        self._sender: WeightSender | None = None
-        try:
-            self._receivers = {client.base_url: client.wait_until_up(timeout)["addresses"] for client in self.clients}
-        except BaseException:
-            self.close()
-            raise
-        self._closed = False
-
-    def push(self, tensors: Any, version: int, adapter: Adapter | None = None) -> SyncReport:
-        """Push `tensors` (a module's `ModuleSource`, a state dict, a `WeightSource`) as `version`
-        (of LoRA `adapter`, if given) to every live server; a server any of whose receivers did
-        not commit leaves `live`.
-
-        Raises:
-            SyncFailed: a server did not commit (unless `raise_on_failure=False`).
-        """
-        if self._closed:
-            raise ResourceError("the rollout servers' sender is closed")
-        addresses = [a for client in list(self.live) for a in self._receivers[client.base_url]]
-        if not addresses:
-            raise ResourceError(f"no rollout server left to push version {version} to")
-        if self._sender is None or self._sender.addresses != addresses:  # the first push, or servers left
-            if self._sender is not None:
-                self._sender.close()
-            self._sender = WeightSender(addresses, **self._sender_options)
-        report = self._sender.push(tensors, version, adapter=adapter)
-        failed = {outcome.address: outcome for outcome in report.failed}
-        for client in list(self.live):
-            missed = [failed[a] for a in self._receivers[client.base_url] if a in failed]
-            if missed:
-                why = "; ".join(f"{o.kind}: {one_line(o.error)}" for o in missed)
-                self.drop(client, f"did not commit version {version} ({why})")
-        if self._raise_on_failure and not report.ok:
-            raise SyncFailed(report.failure(), report)
-        return report
-
-    def drop(self, client: RolloutClient, why: str) -> None:
-        """Send `client`'s server no more requests (a warning says why)."""
-        with self._lock:
-            if client not in self.live:
-                return
-            self.live.remove(client)
-        log.warning("rollout server %s %s; it gets no more requests", client.base_url, why)
-
-    def close(self) -> None:
-        self._closed = True
-        if self._sender is not None:
-            self._sender.close()
-            self._sender = None
-        for client in self.clients:
-            client.close()
-
-    def __enter__(self) -> RolloutServers:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    if not urls:
+        raise ConfigError("give at least one rollout server URL")
+    options = SenderOptions(
+        timeout=timeout, verify=verify, cast=cast, auth_token=auth_token, raise_on_failure=raise_on_failure
+    )
+    group = ServerGroup(options)
+    try:
+        _, errors = group.join(urls)
+        if errors:
+            raise next(iter(errors.values()))
+    except BaseException:
+        group.close()
+        raise
+    return group
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -200,7 +136,7 @@ class WeightsyncRollout:
         urls: the rollout servers' base URLs.
         max_staleness: versions a sample may lag the trainer's step and still train.
         adapter_name: the name a PEFT model's adapter is served under.
-        timeout, verify, cast, auth_token: as `RolloutServers`.
+        timeout, verify, cast, auth_token: as `connect`.
     """
 
     def __init__(
@@ -221,7 +157,7 @@ class WeightsyncRollout:
             raise ConfigError(f"max_staleness must be 0 or more, got {max_staleness}")
         self.max_staleness = max_staleness
         # a server that fails a push leaves `servers.live`; generation goes on with the others
-        self.servers = RolloutServers(
+        self.servers = connect(
             urls, timeout=timeout, verify=verify, cast=cast, auth_token=auth_token, raise_on_failure=False
         )
         self.version: int | None = None
@@ -304,7 +240,7 @@ class WeightsyncRollout:
             except ServerError as exc:
                 if 400 <= exc.status < 500:  # the request itself is wrong: every server would refuse it
                     raise
-                self.servers.drop(client, f"failed a request ({exc})")
+                self.servers.drop(client.base_url, f"failed a request ({exc})")
                 continue
             choices = body["choices"]
             if len(choices) != group.size:
@@ -400,7 +336,7 @@ class WeightsyncTransfer:
         urls: the rollout servers' base URLs.
         pause_mode: what `pause` does to requests in flight: "wait" (let them finish), "abort",
             or "keep" (freeze them; they go on with the new weights).
-        timeout, verify, cast, auth_token: as `RolloutServers`.
+        timeout, verify, cast, auth_token: as `connect`.
     """
 
     def __init__(
@@ -418,7 +354,7 @@ class WeightsyncTransfer:
         self.urls = list(urls)
         self.pause_mode = pause_mode
         self._options: dict[str, Any] = {"timeout": timeout, "verify": verify, "cast": cast, "auth_token": auth_token}
-        self.servers: RolloutServers | None = None
+        self.servers: ServerGroup | None = None
         self.version = 0
         """The version last sent (0: none yet)."""
         self.reports: list[SyncReport] = []
@@ -426,7 +362,7 @@ class WeightsyncTransfer:
     def init_weight_transfer(self) -> None:
         """Wait for the servers and connect to their receivers."""
         if self.servers is None:
-            self.servers = RolloutServers(self.urls, **self._options)
+            self.servers = connect(self.urls, **self._options)
 
     def pause(self) -> None:
         for client in self._servers().clients:
@@ -439,7 +375,7 @@ class WeightsyncTransfer:
         try:
             report = servers.push(source, self.version + 1)  # raises SyncFailed unless every server committed
         except SyncFailed as exc:
-            self.reports.append(exc.report)  # type: ignore[arg-type]  # RolloutServers' is a SyncReport
+            self.reports.append(exc.report)  # type: ignore[arg-type]  # ServerGroup's is a SyncReport
             raise
         self.reports.append(report)
         self.version = report.version
@@ -453,7 +389,7 @@ class WeightsyncTransfer:
             self.servers.close()
             self.servers = None
 
-    def _servers(self) -> RolloutServers:
+    def _servers(self) -> ServerGroup:
         if self.servers is None:
             raise ResourceError("init_weight_transfer() has not been called (or destroy() has)")
         return self.servers

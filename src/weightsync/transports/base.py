@@ -215,10 +215,6 @@ class TransportSpec:
     messages: tuple[type[Message], ...] = ()
     """Its own control messages (set-up, bucket announcements), declared in its file: its links
     decode these and the core ones (`messages.CORE_MESSAGES`), nothing else."""
-    summary: str
-    """Reach and how bytes move, one line (the registry's table)."""
-    uses_slots: bool = False
-    """Whether `num_slots` means something to it (a ring)."""
     across_processes: bool = True
     """False for a transport whose receivers live in the sender's process (inproc)."""
     has_wire: bool = True

@@ -552,5 +552,4 @@ SPEC = TransportSpec(
     send_plane=ChainSendPlane,
     receive_plane=ChainReceivePlane,
     messages=(Group,),
-    summary="any hosts, a group: source -> bucket -> rank 1 -> rank 2 ... (gloo chain)",
 )

@@ -149,8 +149,6 @@ SPEC = TransportSpec(
     send_plane=lambda channel, options: RingSendPlane(channel, options, DeviceRingSlots),
     receive_plane=lambda link, options: RingReceivePlane(link, options, open_ring),
     messages=(DeviceRing,),
-    summary="same GPU, other process: source -> GPU ring slot -> each receiver (device copies)",
-    uses_slots=True,
     needs_cuda=True,
     check=require_cuda,
 )

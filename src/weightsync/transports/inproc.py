@@ -73,7 +73,6 @@ SPEC = TransportSpec(
     link="inproc",
     send_plane=DirectSendPlane,
     receive_plane=DirectReceivePlane,
-    summary="same process: source -> destination, one copy (or none)",
     across_processes=False,
     has_wire=False,
 )

@@ -628,7 +628,6 @@ SPEC = TransportSpec(
         NixlTarget,
         NixlWrites,
     ),
-    summary="any hosts: NIXL writes into receiver memory (RDMA where the hosts have it)",
     largest_auto_bucket_bytes=AUTO_BUCKET_BYTES,
     check=require_nixl,
 )

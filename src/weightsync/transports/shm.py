@@ -263,6 +263,4 @@ SPEC = TransportSpec(
     send_plane=lambda channel, options: RingSendPlane(channel, options, ShmRing, stages=True),
     receive_plane=lambda link, options: RingReceivePlane(link, options, open_ring),
     messages=(Ring, Staged),
-    summary="same host: source -> shared ring slot -> each receiver",
-    uses_slots=True,
 )

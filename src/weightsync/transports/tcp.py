@@ -203,5 +203,4 @@ SPEC = TransportSpec(
     send_plane=SocketSendPlane,
     receive_plane=SocketReceivePlane,
     messages=(BucketData,),
-    summary="any host: source memory -> socket -> destination memory",
 )

@@ -1,7 +1,4 @@
-"""`weightsync bench`: the arguments; the run, the table and the JSON are the benchmark package's
-(`weightsync_bench.cli`, shipped beside weightsync from benchmarks/weightsync_bench), imported only
-once the command runs or a flag names a transport or a link, so that `import weightsync` and the
-other commands never load it."""
+"""`weightsync-bench`'s arguments (`build_parser`); cli.py runs what they ask for."""
 
 from __future__ import annotations
 
@@ -13,7 +10,7 @@ from weightsync.cli.args import DefaultsFormatter, at_least, positive_seconds
 if TYPE_CHECKING:
     from weightsync_bench.link import Link
 
-__all__ = ["add_parser", "run"]
+__all__ = ["DEFAULT_SIZE_GB", "build_parser"]
 
 DEFAULT_SIZE_GB = 4.0
 
@@ -79,14 +76,15 @@ def bucket_mb(text: str) -> float | None:
     return value
 
 
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    bench = subparsers.add_parser(
-        "bench",
+def build_parser() -> argparse.ArgumentParser:
+    """The `weightsync-bench` command's parser (`python -m weightsync_bench` is the same)."""
+    bench = argparse.ArgumentParser(
+        prog="weightsync-bench",
         formatter_class=DefaultsFormatter,
-        help="measure transfer speed against memcpy and the usual baselines",
         description="Push a synthetic bf16 model through each transport to receivers in other processes, "
         "verify every byte, and compare with memcpy and torch.save / safetensors / multiprocessing baselines.",
     )
+    bench.add_argument("--traceback", action="store_true", help="on an error, show its traceback instead of one line")
     bench.add_argument(
         "--transport",
         type=transport_names,
@@ -140,10 +138,4 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     bench.add_argument("--quick", action="store_true", help="smoke test: 0.25 GiB, 2 syncs, 256 MiB memcpy")
     bench.add_argument("--json", action="store_true", help="print one JSON object on stdout (table to stderr)")
     bench.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar")
-    bench.set_defaults(handler=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    from weightsync_bench.cli import run as run_bench
-
-    return run_bench(args)
+    return bench

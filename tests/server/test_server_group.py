@@ -1,0 +1,62 @@
+"""`ServerGroup`: servers joined through /weight_info under one deadline, one sender kept while the
+live servers stay the same, a server that fails a push dropped (with why), a `to=` push through a
+sender of its own, and a closed group that refuses."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.server.conftest import live_server
+from weightsync.errors import ConfigError, ResourceError, SyncFailed
+from weightsync.serving.client import ServerGroup
+
+DEAD = "http://127.0.0.1:9"
+
+
+def test_a_group_pushes_to_the_servers_that_are_up_and_reuses_its_sender(tiny_models) -> None:
+    model = tiny_models["qwen2"]
+    tensors = load_file(model / "model.safetensors")
+    heard: list[tuple[str, float]] = []
+    with live_server(model) as server, ServerGroup(timeout=10.0) as group:
+        started = time.monotonic()
+        infos, errors = group.join([server.url, DEAD], lambda url, wait_s, why: heard.append((url, wait_s)))
+        assert time.monotonic() - started < 15, "one deadline for the whole join"
+        assert list(infos) == [server.url] and list(errors) == [DEAD] and errors[DEAD].status == 0
+        assert [url for url, _ in heard] == [DEAD] and 0 < heard[0][1] <= 10.0
+        assert [client.base_url for client in group.live] == [server.url]
+        first = group.push(tensors, 1)
+        sender = group._sender
+        second = group.push(tensors, 2)
+        assert first.ok and second.ok and group._sender is sender, "same servers: the same sender"
+        assert server.client.weight_info()["version"] == 2
+        catch_up = group.push(tensors, 3, to=[server.url])
+        assert [o.address for o in catch_up.outcomes] == infos[server.url]["addresses"]
+        assert group._sender is sender
+        group.drop(server.url, "failed a request")
+        assert group.live == [] and group.failed == {server.url: "failed a request"}
+        with pytest.raises(ResourceError, match="no rollout server left"):
+            group.push(tensors, 4)
+        group.join([server.url])  # taken back, on the same receivers: the same sender
+        assert group.push(tensors, 4).ok and group._sender is sender and group.failed == {}
+    with pytest.raises(ResourceError, match="closed"):
+        group.push(tensors, 5)
+
+
+def test_a_server_that_does_not_commit_leaves_the_group_then_the_push_raises(tiny_models) -> None:
+    qwen, llama = tiny_models["qwen2"], tiny_models["llama"]
+    with live_server(qwen) as good, live_server(llama) as other, ServerGroup(timeout=10.0) as group:
+        group.join([good.url, other.url])
+        with pytest.raises(SyncFailed) as failed:
+            group.push(load_file(qwen / "model.safetensors"), 1)  # llama's server cannot take qwen2's weights
+        assert [client.base_url for client in group.live] == [good.url]
+        assert list(group.failed) == [other.url] and "did not commit version 1 (PlanError: " in group.failed[other.url]
+        assert not failed.value.report.ok and good.client.weight_info()["version"] == 1
+
+
+def test_a_malformed_url_is_refused_before_any_server_is_asked() -> None:
+    with ServerGroup(timeout=1.0) as group, pytest.raises(ConfigError, match="http:// or https://"):
+        group.join(["http://127.0.0.1:9", "127.0.0.1:8000"])
+    assert group.clients == []
