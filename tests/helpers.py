@@ -224,7 +224,7 @@ class Recorder(WeightSink):
 @contextlib.contextmanager
 def receiving(sink: object, transport: str, **kwargs: object) -> Iterator[WeightReceiver]:
     kwargs.setdefault("timeout", 10.0)
-    receiver = WeightReceiver(sink, transport=transport, **kwargs)
+    receiver = WeightReceiver(sink, transport=transport, **kwargs).start()
     try:
         yield receiver
     finally:

@@ -126,7 +126,7 @@ def load(named):
     print("LOADING", flush=True)
     time.sleep(120)
 
-receiver = WeightReceiver(load, transport=sys.argv[1], timeout=120)
+receiver = WeightReceiver(load, transport=sys.argv[1], timeout=120).start()
 print("ADDRESS", receiver.address, flush=True)
 time.sleep(120)
 """
@@ -475,7 +475,7 @@ import sys, time, torch
 from weightsync import WeightReceiver
 
 dest = {{f"t{{i}}": torch.zeros({N}) for i in range(4)}}
-receiver = WeightReceiver(dest, transport="nixl", timeout=120)
+receiver = WeightReceiver(dest, transport="nixl", timeout=120).start()
 print("ADDRESS", receiver.address, flush=True)
 time.sleep(120)
 """

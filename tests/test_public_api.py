@@ -149,20 +149,20 @@ def test_malformed_address_of_a_known_transport_is_a_config_error(bad):
 )
 def test_receiver_rejects_bad_arguments(kwargs):
     with pytest.raises(ConfigError):
-        WeightReceiver({}, **kwargs)
+        WeightReceiver({}, **kwargs).start()
 
 
 @pytest.mark.parametrize("sink", [42, "weights", None], ids=repr)
 def test_receiver_rejects_what_is_no_sink(sink):
     with pytest.raises(ConfigError, match="sink"):
-        WeightReceiver(sink, transport="inproc")
+        WeightReceiver(sink, transport="inproc").start()
 
 
 def test_tcp_port_in_use_is_a_resource_error():
     with WeightReceiver({}, transport="tcp") as first:
         port = int(first.address.rpartition(":")[2])
         with pytest.raises(ResourceError, match="cannot listen"):
-            WeightReceiver({}, transport="tcp", port=port)
+            WeightReceiver({}, transport="tcp", port=port).start()
 
 
 @pytest.mark.parametrize("version", [-1, 1.0, "1", True, None], ids=repr)

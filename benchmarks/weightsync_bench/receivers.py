@@ -40,7 +40,7 @@ class ReceiverSide:
             transport,
             max_bucket_bytes=max_bucket_bytes or "auto",
             timeout=self.timeout,
-        )
+        ).start()
         return self.receiver.address
 
     def load_into_dest(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

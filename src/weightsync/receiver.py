@@ -37,6 +37,7 @@ from weightsync.checksum import VERIFY_MODES, Verify, check_verify, stricter
 from weightsync.errors import (
     AuthError,
     ChecksumError,
+    ConfigError,
     NegotiationError,
     PeerClosedError,
     PlanError,
@@ -64,7 +65,7 @@ from weightsync.options import ReceiverOptions, build_options
 from weightsync.plan import check_plan, plan_id
 from weightsync.sink import WeightSink, as_sink, sink_errors
 from weightsync.transports import get_transport
-from weightsync.transports.base import Link, PlaneOptions, ReceivePlane
+from weightsync.transports.base import Link, Listener, PlaneOptions, ReceivePlane
 from weightsync.transports.control import expect_on
 from weightsync.transports.links import listener_for
 from weightsync.wire import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES
@@ -94,7 +95,12 @@ class ReceiverStatus:
 
 
 class WeightReceiver:
-    """Receives weights pushed by a `WeightSender` and hands them to a sink.
+    """Receives weights pushed by a `WeightSender` and hands them to a sink. It listens once
+    started (`start()`, or entering its context) until closed::
+
+        with WeightReceiver(model.state_dict(), transport="shm") as receiver:
+            publish(receiver.address)  # to the trainer
+            ...
 
     Args:
         sink: a `WeightSink`, a mapping of destination tensors (written in place), or a callable
@@ -140,16 +146,34 @@ class WeightReceiver:
         self._before_sync: ReceiverState = "empty"
         self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
+        self._spec = spec
+        self._listener: Listener | None = None
+
+    def start(self) -> WeightReceiver:
+        """Listen for senders (the constructor does no I/O); returns the receiver, so that
+        `receiver = WeightReceiver(...).start()` reads as one step. Entering its context starts it.
+
+        Raises:
+            ResourceError: the address cannot be listened on.
+            ConfigError: the receiver was closed, or started already.
+        """
+        if self._listener is not None or self._closed.is_set():
+            raise ConfigError("a WeightReceiver starts once, and not after close()")
+        spec, options = self._spec, self.options
         self._listener = listener_for(
             spec.link, spec.name, host=options.host, port=options.port, timeout=self._timeout, messages=spec.messages
         )
         self._listener.start(self._serve)
+        return self
 
     # --- what it holds --------------------------------------------------------------------------
 
     @property
     def address(self) -> str:
-        """Where a sender connects: "shm://@...", "tcp://127.0.0.1:PORT" or "inproc://..."."""
+        """Where a sender connects: "shm://@...", "tcp://127.0.0.1:PORT" or "inproc://..." (once
+        started)."""
+        if self._listener is None:
+            raise ConfigError("the receiver has no address before it starts: call start() or enter its context")
         return self._listener.address
 
     @property
@@ -475,16 +499,18 @@ class WeightReceiver:
     def close(self) -> None:
         """Stop listening and release buffers. A sync in flight is aborted."""
         self._closed.set()
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
 
     def __enter__(self) -> WeightReceiver:
-        return self
+        return self if self._listener is not None else self.start()
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        return f"WeightReceiver({self.address!r}, state={self.state!r}, version={self.version})"
+        where = self._listener.address if self._listener is not None else "not started"
+        return f"WeightReceiver({where!r}, state={self.state!r}, version={self.version})"
 
 
 def _times(landing: Landing, sink: WeightSink, started: float, committing: float) -> SyncTimes:

@@ -5,7 +5,7 @@ SGLang's bucket callbacks). A `StreamSink` hands each sync to such a loader whil
 bucket at a time, so the whole model is never held at once:
 
     sink = StreamSink(timeout=60)
-    receiver = WeightReceiver(sink, transport="shm")
+    receiver = WeightReceiver(sink, transport="shm").start()
     ...                                                  # a sender pushes version 7
     with sink.stream(version=7) as tensors:              # on the engine's own thread
         for name, tensor in tensors:

@@ -32,7 +32,7 @@ from weightsync import WeightReceiver
 from weightsync.digest import source_digest
 specs, bucket = json.loads(sys.argv[1]), int(sys.argv[2])
 dest = {name: torch.zeros(shape, dtype=getattr(torch, dtype), device=device) for name, shape, dtype, device in specs}
-receiver = WeightReceiver(dest, transport="cudaipc", timeout=30)
+receiver = WeightReceiver(dest, transport="cudaipc", timeout=30).start()
 print("ADDRESS", receiver.address, flush=True)
 for line in sys.stdin:
     version, deadline = int(line), time.monotonic() + 30

@@ -105,7 +105,7 @@ def test_the_token_never_crosses_the_wire(monkeypatch: pytest.MonkeyPatch) -> No
 def test_listening_beyond_loopback_needs_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     with pytest.raises(ConfigError, match="without an auth token"):
-        WeightReceiver({}, "tcp", host="0.0.0.0")
+        WeightReceiver({}, "tcp", host="0.0.0.0").start()
     WeightReceiver({}, "tcp", host="0.0.0.0", auth_token=TOKEN).close()
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # or from the environment
     WeightReceiver({}, "tcp", host="0.0.0.0").close()
@@ -117,7 +117,7 @@ def test_the_environment_supplies_the_token_to_both_sides(monkeypatch: pytest.Mo
         assert sender.push(weights(), 1).ok
     monkeypatch.setenv(TOKEN_ENV, "short")
     with pytest.raises(ConfigError, match="at least 16 characters"):
-        WeightReceiver({}, "shm")
+        WeightReceiver({}, "shm").start()
 
 
 @pytest.mark.parametrize("transport", ["tcp", "collective"])

@@ -101,7 +101,7 @@ def source_stays_here(transport: str) -> None:
 def shared(transport):  # type: ignore[no-untyped-def]
     """One long-lived receiver per transport: a Recorder whose destinations each example sets."""
     sink = Recorder()
-    receiver = WeightReceiver(sink, transport=transport, timeout=WAIT_S)
+    receiver = WeightReceiver(sink, transport=transport, timeout=WAIT_S).start()
     yield receiver, sink, itertools.count(1)
     receiver.close()
 
@@ -471,7 +471,7 @@ def test_chunked_tensor_is_loaded_once_when_complete(transport):
 def test_multiple_receivers_same_transport(transport):
     source = {"w": random_tensor(torch.bfloat16, (300,), seed=1), "b": random_tensor(torch.int16, (5,), seed=2)}
     sinks = [Recorder({n: torch.zeros_like(t) for n, t in source.items()}), Recorder(), Recorder()]
-    receivers = [WeightReceiver(sink, transport=transport, timeout=WAIT_S) for sink in sinks]
+    receivers = [WeightReceiver(sink, transport=transport, timeout=WAIT_S).start() for sink in sinks]
     try:
         with sending([r.address for r in receivers], bucket_bytes=128) as sender:
             report = sender.push(source, version=4)
@@ -489,7 +489,7 @@ def test_multiple_receivers_same_transport(transport):
 def test_one_sender_mixing_every_transport():
     source = {"w": random_tensor(torch.float32, (100,), seed=1)}
     dests = {t: {"w": torch.zeros(100)} for t in installed(TRANSPORTS)}
-    receivers = [WeightReceiver(dests[t], transport=t, timeout=WAIT_S) for t in dests]
+    receivers = [WeightReceiver(dests[t], transport=t, timeout=WAIT_S).start() for t in dests]
     try:
         with sending([r.address for r in receivers], bucket_bytes=64) as sender:
             assert sender.push(source, version=1).ok
@@ -862,7 +862,7 @@ def test_sender_minimum_with_auto_size_is_honoured(transport):
 
 
 def test_unreachable_receiver_fails_and_the_others_commit(transport):
-    gone = WeightReceiver(Recorder(), transport=transport)
+    gone = WeightReceiver(Recorder(), transport=transport).start()
     gone.close()
     with (
         receiving(Recorder(), transport) as alive,
@@ -915,7 +915,7 @@ def test_receiver_closed_mid_sync_aborts_before_close_returns(transport):
 
     dest = {"a": torch.zeros(64), "b": torch.zeros(64)}
     sink = Recorder(dest)
-    receiver = WeightReceiver(sink, transport=transport, timeout=WAIT_S)
+    receiver = WeightReceiver(sink, transport=transport, timeout=WAIT_S).start()
     with sending(receiver.address, bucket_bytes=256, raise_on_failure=False) as sender:
         reports = []
         pusher = threading.Thread(target=lambda: reports.append(sender.push(Held(), version=1)))
@@ -955,7 +955,7 @@ def test_tcp_receiver_restarted_on_the_same_port_rejoins(noticed, monkeypatch):
         return link
 
     monkeypatch.setattr(links, "connect_tcp", connect_tcp)
-    first = WeightReceiver({"w": torch.zeros(4)}, transport="tcp")
+    first = WeightReceiver({"w": torch.zeros(4)}, transport="tcp").start()
     port = int(first.address.rpartition(":")[2])
     with sending(first.address) as sender:
         try:

@@ -32,7 +32,7 @@ def without_nixl(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("without_nixl")
 def test_without_nixl_both_ends_refuse_in_one_line_naming_the_extra():
     for build in (
-        lambda: WeightReceiver({}, transport="nixl"),
+        lambda: WeightReceiver({}, transport="nixl").start(),
         lambda: WeightSender(["nixl://127.0.0.1:9"]),
     ):
         with pytest.raises(ConfigError) as caught:

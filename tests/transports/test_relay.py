@@ -29,7 +29,7 @@ def zeros_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_every_server_behind_the_relay_gets_each_version_bit_exact(upstream):
     downstream = [zeros_like(model(0)) for _ in range(3)]
     own = zeros_like(model(0))
-    servers = [WeightReceiver(dest, transport="shm", timeout=WAIT_S) for dest in downstream]
+    servers = [WeightReceiver(dest, transport="shm", timeout=WAIT_S).start() for dest in downstream]
     relay_sink = RelaySink([s.address for s in servers], own, timeout=WAIT_S, sender=SenderOptions(bucket_bytes=8192))
     try:
         with (

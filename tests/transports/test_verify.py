@@ -123,7 +123,7 @@ def test_without_verification_the_flip_goes_unnoticed(flip_bucket_1) -> None:
 
 def test_bad_modes_are_refused() -> None:
     with pytest.raises(ConfigError, match="verify must be one of"):
-        WeightReceiver({}, "inproc", verify="everything")
+        WeightReceiver({}, "inproc", verify="everything").start()
     with pytest.raises(ConfigError, match="verify must be one of"):
         sending("inproc://x", verify=True).__enter__()
 

@@ -70,7 +70,7 @@ class LocalRollouts:
         from weightsync.serving.hf.engine import HFEngine
 
         self.engine = HFEngine(model_dir, load_format="dummy", max_lora_rank=max_lora_rank)
-        self.receiver = WeightReceiver(self.engine.weight_sink(), transport="inproc", timeout=timeout)
+        self.receiver = WeightReceiver(self.engine.weight_sink(), transport="inproc", timeout=timeout).start()
         # each push's report is read by the loop (`receivers_committed`): a failure is a record, not an end
         self._sender = WeightSender([self.receiver.address], timeout=timeout, delta=delta, raise_on_failure=False)
         self.events: list[str] = []

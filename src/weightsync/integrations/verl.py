@@ -180,7 +180,7 @@ class WeightSyncCheckpointEngine(CheckpointEngine):
             return Endpoint("actor", is_master=self.is_master)
         if self._receiver is None:
             self._sink = StreamSink(timeout=self.settings.timeout)
-            self._receiver = WeightReceiver(self._sink, self.settings.transport, options=self.receiver_options)
+            self._receiver = WeightReceiver(self._sink, self.settings.transport, options=self.receiver_options).start()
         return Endpoint("rollout", self._receiver.address)
 
     @classmethod

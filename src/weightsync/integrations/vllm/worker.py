@@ -294,7 +294,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
                 timeout=options.timeout,
                 loras=loras,
             )
-        self._receiver = WeightReceiver(sink, init_info.transport, options=options)
+        self._receiver = WeightReceiver(sink, init_info.transport, options=options).start()
         if isinstance(sink, ControlledSink):
             self._receiver.watch(sink.observe)
         me = WorkerAddress(address=self._receiver.address, rank=rank, weight_bytes=layout.total_bytes)

@@ -260,7 +260,7 @@ class RolloutServer:
             timeout=config.sync_timeout,
             loras=adapters,
         )
-        self.receiver = WeightReceiver(sink, config.transport, options=config.receiver_options)
+        self.receiver = WeightReceiver(sink, config.transport, options=config.receiver_options).start()
         self.receiver.watch(sink.observe)
         self.served = Served(
             engine="hf",
