@@ -317,6 +317,31 @@ class Landing:
         copying (a tensor that does not land in place; in-process only)."""
         self._staged[tensor] = value
 
+    def copy_tensor(self, tensor: int, value: torch.Tensor) -> torch.device | None:
+        """Land tensor `tensor` whole from `value`, the sender's own tensor (its dtype and layout,
+        read in place on a device: cudaipc's direct path): copied into its destination, cast on
+        the way (one copy per byte); lent in the wire dtype where the sink borrows (a view of the
+        sender's memory when no cast is needed); else copied into a tensor of its own. Returns
+        the device whose stream the copy is left in flight on (synchronise it before the sender
+        may change `value`), or None when it is done."""
+        started = time.perf_counter()
+        route, spec, dest = self.routes[tensor], self.plan.tensors[tensor], self._dest[tensor]
+        if dest is not None and route in IN_PLACE:
+            self._touch(self.sink.traits.live_destinations)
+            dest.copy_(value)
+            device = dest.device
+        elif route in ("lent", "arena"):
+            wire = value.to(dtype_from_name(spec.dtype)).contiguous()
+            self._lent[tensor] = wire.reshape(-1).view(torch.uint8)
+            device = wire.device
+        elif route == "own":
+            self._stage(tensor).copy_(value)
+            device = None
+        else:
+            raise PlanError(f"{spec.name!r} is a patch; it cannot be read whole from the sender")
+        self.landing_s += time.perf_counter() - started
+        return device if device is not None and device.type == "cuda" else None
+
     def finish_bucket(self, index: int, checksum: int | None = None) -> None:
         """Check bucket `index` (when the sync verifies and the transport sent a checksum), then
         deliver the tensors it completed to their destinations or the sink."""

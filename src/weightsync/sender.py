@@ -41,7 +41,7 @@ from weightsync.sizing import (
     auto_bucket_bytes,
     negotiate_bucket_bytes,
 )
-from weightsync.source import TensorMeta, WeightSource, as_source
+from weightsync.source import TensorMeta, WeightSource, as_source, held_tensors
 from weightsync.transports import check_address
 from weightsync.transports.base import Failures, PlaneOptions, SendPlane
 from weightsync.transports.control import SenderChannel
@@ -311,9 +311,10 @@ class WeightSender:
             return [a for a in route.live(failures, welcomes) if a in delivery.addresses]
 
         hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
+        held = held_tensors(delivery.source) if plan.buckets else []
         try:
             for route in self._routes:
-                failures |= _at(version, None, route.plane.prepare(plan, live(route)))
+                failures |= _at(version, None, route.plane.prepare(plan, live(route), held))
                 failures |= _at(version, None, route.channel.offer(offer, live(route)))
                 if plan.buckets and live(route):
                     failures |= _at(version, None, route.plane.begin(plan, live(route)))
