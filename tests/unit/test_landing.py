@@ -10,7 +10,7 @@ import torch
 from weightsync.landing import Landing, Staging
 from weightsync.messages import Plan, TensorSpec
 from weightsync.plan import arena_layout, build_plan, plan_id
-from weightsync.sink import CallableSink, SinkTraits, WeightSink
+from weightsync.sink import CallableSink, SinkTraits, WeightSink, as_sink
 
 BUCKET = 4096
 
@@ -121,3 +121,23 @@ def test_each_tensor_s_route_is_decided_once_at_begin() -> None:
     keeps = Landing(plan, Keeps(), 1, plan_id(plan))
     assert keeps.routes == ("host", "own", "own", "own", "own")
     assert not keeps.lends_chunked
+
+
+def test_a_tensor_read_whole_from_the_sender_is_cast_on_the_way_into_each_route() -> None:
+    """`copy_tensor` (cudaipc's direct path): the sender's fp32 tensor, with its own strides,
+    lands as bf16 in a destination, or is lent to a borrowing loader, chunked or not."""
+    specs = [TensorSpec("small", "bfloat16", (10, 10), "float32"), TensorSpec("big", "bfloat16", (40, 60), "float32")]
+    plan = build_plan(specs, BUCKET)  # "big" (4800 bytes as sent) spans two buckets
+    values = [torch.randn(10, 10).t(), torch.randn(60, 40).t()]
+    expected = {spec.name: value.to(torch.bfloat16) for spec, value in zip(specs, values, strict=True)}
+
+    dest = {spec.name: torch.zeros(spec.shape, dtype=torch.bfloat16) for spec in specs}
+    loaded: dict[str, torch.Tensor] = {}
+    for sink in (dest, CallableSink(lambda named: loaded.update((n, t.clone()) for n, t in named))):
+        landing = Landing(plan, as_sink(sink), 1, plan_id(plan))
+        for index, value in enumerate(values):
+            assert landing.copy_tensor(index, value) is None, "host memory: nothing left in flight"
+        for index in range(len(plan.buckets)):
+            landing.finish_bucket(index)
+    assert all(torch.equal(dest[name], value) for name, value in expected.items())
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[n], v) for n, v in expected.items())
