@@ -310,7 +310,7 @@ class OpenedStorages:
     def views(self, shared: Shared, plan: Plan) -> list[tuple[int, torch.Tensor]]:
         """Each tensor `shared` names, as a view of the sender's memory; ProtocolError for a
         tensor outside the plan or a view outside its storage."""
-        storages = {handle.key: self._storages.get(handle.key) or open_storage(handle) for handle in shared.storages}
+        storages = {handle.key: self._open(handle) for handle in shared.storages}
         views: dict[ViewKey, torch.Tensor] = {}
         found = []
         for entry in shared.tensors:
@@ -321,6 +321,10 @@ class OpenedStorages:
             raise ProtocolError("the sender shares a tensor twice", transport="cudaipc")
         self._storages, self._views = storages, views
         return found
+
+    def _open(self, handle: CudaHandle) -> torch.UntypedStorage:
+        opened = self._storages.get(handle.key)
+        return open_storage(handle) if opened is None else opened
 
     def _view(
         self,
