@@ -52,7 +52,7 @@ left=$((BUDGET_S - (SECONDS - started)))
 log "tests marked gpu ($left s left of the budget)"
 parallel=()
 "$PYTHON" -c "import xdist" 2>/dev/null && parallel=(-n 4 --dist loadscope)
-timeout "$left" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -q -rfEs "${parallel[@]}" \
+timeout "$left" "$PYTHON" -m pytest -m gpu -p no:cacheprovider -p no:benchmark -q -rfEs "${parallel[@]}" \
     --junitxml="$OUT/gpu_tests.xml" \
     tests/gpu tests/transports/test_contract.py tests/transports/test_delta.py \
     tests/transports/test_verify.py tests/test_failures.py tests/transports/test_cudaipc.py 2>&1 | tee "$OUT/tests.log"

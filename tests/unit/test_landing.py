@@ -124,7 +124,7 @@ def test_each_tensor_s_route_is_decided_once_at_begin() -> None:
 
 
 def test_a_tensor_read_whole_from_the_sender_is_cast_on_the_way_into_each_route() -> None:
-    """`copy_tensor` (cudaipc's direct path): the sender's fp32 tensor, with its own strides,
+    """`copy_tensors` (cudaipc's direct path): the sender's fp32 tensor, with its own strides,
     lands as bf16 in a destination, or is lent to a borrowing loader, chunked or not."""
     specs = [TensorSpec("small", "bfloat16", (10, 10), "float32"), TensorSpec("big", "bfloat16", (40, 60), "float32")]
     plan = build_plan(specs, BUCKET)  # "big" (4800 bytes as sent) spans two buckets
@@ -135,8 +135,7 @@ def test_a_tensor_read_whole_from_the_sender_is_cast_on_the_way_into_each_route(
     loaded: dict[str, torch.Tensor] = {}
     for sink in (dest, CallableSink(lambda named: loaded.update((n, t.clone()) for n, t in named))):
         landing = Landing(plan, as_sink(sink), 1, plan_id(plan))
-        for index, value in enumerate(values):
-            assert landing.copy_tensor(index, value) is None, "host memory: nothing left in flight"
+        assert landing.copy_tensors(list(enumerate(values))) == set(), "host memory: nothing left in flight"
         for index in range(len(plan.buckets)):
             landing.finish_bucket(index)
     assert all(torch.equal(dest[name], value) for name, value in expected.items())

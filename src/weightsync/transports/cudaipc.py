@@ -391,11 +391,7 @@ class DeviceReceivePlane(ReceivePlane):
         views = self._opened.views(shared, landing.plan)
         self._in_place.tensors = frozenset(tensor for tensor, _ in views)
         self._quiet = frozenset(check_quiet(shared.buckets, landing.plan, self._in_place.tensors))
-        self._devices = {view.device for _, view in views}
-        for tensor, view in views:
-            device = landing.copy_tensor(tensor, view)
-            if device is not None:
-                self._devices.add(device)
+        self._devices = {view.device for _, view in views} | landing.copy_tensors(views)
 
     def receive(self, index: int, landing: Landing) -> None:
         if index not in self._quiet:
