@@ -38,7 +38,7 @@ from weightsync.errors import ChecksumError, PlanError
 from weightsync.hostmem import host_bytes
 from weightsync.hostpin import readable_tensor
 from weightsync.messages import Piece, Plan
-from weightsync.pack import byte_view, copy_bytes
+from weightsync.pack import byte_view, copy_bytes, flat_bytes
 from weightsync.patch import apply_patch
 from weightsync.plan import arena_layout, tensor_nbytes
 from weightsync.sink import WeightSink, sink_errors
@@ -351,7 +351,7 @@ class Landing:
             return {dest.device, value.device}
         if route in ("lent", "arena"):
             wire = value.to(dtype_from_name(spec.dtype)).contiguous()
-            self._lent[tensor] = wire.reshape(-1).view(torch.uint8)
+            self._lent[tensor] = flat_bytes(wire)
             return {wire.device}
         if route == "own":
             self._stage(tensor).copy_(value)

@@ -140,3 +140,17 @@ def test_a_tensor_read_whole_from_the_sender_is_cast_on_the_way_into_each_route(
             landing.finish_bucket(index)
     assert all(torch.equal(dest[name], value) for name, value in expected.items())
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[n], v) for n, v in expected.items())
+
+
+def test_a_one_element_tensor_with_a_stride_is_lent_whole() -> None:
+    """torch calls x[::2][:1] contiguous with stride 2; its bytes are still lent (a GPU run
+    failed here: "self.stride(-1) must be 1 to view Long as Byte")."""
+    plan = build_plan([TensorSpec("step", "int64", (1,), "int64")], BUCKET)
+    value = torch.arange(4, dtype=torch.int64)[1::2][:1]
+    loaded: dict[str, torch.Tensor] = {}
+    landing = Landing(
+        plan, CallableSink(lambda named: loaded.update((n, t.clone()) for n, t in named)), 1, plan_id(plan)
+    )
+    landing.copy_tensors([(0, value)])
+    landing.finish_bucket(0)
+    assert torch.equal(loaded["step"], value)
