@@ -312,8 +312,10 @@ class WeightSender:
             return [a for a in route.live(failures, welcomes) if a in delivery.addresses]
 
         hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
-        held = held_tensors(delivery.source) if plan.buckets else []
         try:
+            # only a plane that reads tensors in place (cudaipc) makes the source yield them early
+            wanted = plan.buckets and any(route.plane.reads_held for route in self._routes)
+            held = held_tensors(delivery.source) if wanted else []
             for route in self._routes:
                 failures |= _at(version, None, route.plane.prepare(plan, live(route), held))
                 failures |= _at(version, None, route.channel.offer(offer, live(route)))

@@ -143,6 +143,10 @@ class PlaneOptions:
 class SendPlane(ABC):
     """How bucket bytes leave the sender, for every receiver of one transport."""
 
+    reads_held = False
+    """Whether `prepare` uses `held` (receivers read those tensors in place: cudaipc). Only then
+    does the sender walk a source that holds its tensors before the buckets."""
+
     def __init__(self, channel: Channel, options: PlaneOptions) -> None:
         self.channel = channel
         self.options = options

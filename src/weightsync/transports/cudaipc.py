@@ -242,6 +242,8 @@ class DeviceSendPlane(SendPlane):
     """Tensors the source holds are read in place by the receivers (`Shared`); the rest go
     through a GPU ring (`RingSendPlane` over `DeviceRingSlots`), made when a plan needs it."""
 
+    reads_held = True
+
     def __init__(self, channel: Channel, options: PlaneOptions) -> None:
         super().__init__(channel, options)
         self._in_place = InPlace()
