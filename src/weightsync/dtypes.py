@@ -51,4 +51,4 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of `dtype`."""
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize

@@ -38,7 +38,7 @@ from weightsync.errors import ChecksumError, PlanError
 from weightsync.hostmem import host_bytes
 from weightsync.hostpin import readable_tensor
 from weightsync.messages import Piece, Plan
-from weightsync.pack import byte_view, copy_bytes
+from weightsync.pack import byte_view, copy_bytes, flat_bytes
 from weightsync.patch import apply_patch
 from weightsync.plan import arena_layout, tensor_nbytes
 from weightsync.sink import WeightSink, sink_errors
@@ -317,6 +317,47 @@ class Landing:
         copying (a tensor that does not land in place; in-process only)."""
         self._staged[tensor] = value
 
+    def copy_tensors(self, values: Sequence[tuple[int, torch.Tensor]]) -> set[torch.device]:
+        """Land each (tensor, value) whole from `value`, the sender's own tensor (its dtype and
+        layout, read in place on a device: cudaipc's direct path): copied into its destination,
+        cast on the way (one copy per byte; those on a GPU together, in as few launches as
+        `torch._foreach_copy_` makes); lent in the wire dtype where the sink borrows (a view of
+        the sender's memory when no cast is needed); else copied into a tensor of its own.
+        Returns the devices whose streams copies are left in flight on: synchronise them
+        before the sender may change the values."""
+        started = time.perf_counter()
+        dests: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        devices: set[torch.device] = set()
+        for tensor, value in values:
+            dest = self._dest[tensor]
+            if dest is not None and self.routes[tensor] in IN_PLACE and _batchable(dest, value):
+                dests.append(dest)
+                sources.append(value)
+            else:
+                devices |= self._copy_whole(tensor, value)
+        if dests:
+            self._touch(self.sink.traits.live_destinations)
+            torch._foreach_copy_(dests, sources)
+            devices |= {dest.device for dest in dests}
+        self.landing_s += time.perf_counter() - started
+        return {device for device in devices if device.type == "cuda"}
+
+    def _copy_whole(self, tensor: int, value: torch.Tensor) -> set[torch.device]:
+        route, spec, dest = self.routes[tensor], self.plan.tensors[tensor], self._dest[tensor]
+        if dest is not None and route in IN_PLACE:
+            self._touch(self.sink.traits.live_destinations)
+            dest.copy_(value)
+            return {dest.device, value.device}
+        if route in ("lent", "arena"):
+            wire = value.to(dtype_from_name(spec.dtype)).contiguous()
+            self._lent[tensor] = flat_bytes(wire)
+            return {wire.device}
+        if route == "own":
+            self._stage(tensor).copy_(value)
+            return set()
+        raise PlanError(f"{spec.name!r} is a patch; it cannot be read whole from the sender")
+
     def finish_bucket(self, index: int, checksum: int | None = None) -> None:
         """Check bucket `index` (when the sync verifies and the transport sent a checksum), then
         deliver the tensors it completed to their destinations or the sink."""
@@ -410,6 +451,20 @@ class Landing:
             spec = self.plan.tensors[tensor]
             staged = self._staged[tensor] = _typed(host_bytes(tensor_nbytes(spec)), spec.dtype, spec.shape)
         return staged
+
+
+BATCHED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""What `torch._foreach_copy_` copies in one launch here (model weights); anything else (a cast,
+a layout, fp8) is copied tensor by tensor."""
+
+
+def _batchable(dest: torch.Tensor, value: torch.Tensor) -> bool:
+    return (
+        dest.device == value.device
+        and dest.dtype == value.dtype
+        and dest.dtype in BATCHED_DTYPES
+        and value.is_contiguous()
+    )
 
 
 def _typed(data: np.ndarray | torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -30,7 +30,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a chain
 of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5:
 `NixlTarget` and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the
@@ -38,7 +38,9 @@ tensors larger than a bucket; 7: the content digest takes the tensors in name or
 may carry a LoRA `Adapter`; 9: a patch may be encoded "blocks", and no longer "bitmap"; 10: `Offer`
 and `Commit` name the plan by `plan_id`, only a ring's `BucketReady` names a slot, and the sender
 tells an shm receiver where it staged each tensor larger than a bucket in a `Staged`; an `Abort`
-between syncs tells a receiver a version will not come, naming its adapter if it is one's)."""
+between syncs tells a receiver a version will not come, naming its adapter if it is one's; 11:
+cudaipc sends `Shared` before every offer, the tensors receivers copy straight from the sender's
+GPU memory, and its handles are `CudaHandle`s)."""
 
 
 class TensorSpec(msgspec.Struct, frozen=True):

@@ -56,6 +56,8 @@ class ModuleSource:
                 raise ConfigError(f"rename maps both {seen_names[target]!r} and {name!r} to {target!r}")
             seen_names[target] = name
             self._entries.append((target, tensor))
+        self.holds_tensors = not any(hasattr(tensor, "full_tensor") for _, tensor in self._entries)
+        """Whether its tensors exist for the whole push: not when a shard is gathered per push."""
 
     def metas(self) -> list[TensorMeta]:
         return [TensorMeta(name, tuple(tensor.shape), tensor.dtype) for name, tensor in self._entries]

@@ -41,6 +41,7 @@ __all__ = [
     "bucket_items",
     "byte_view",
     "copy_bytes",
+    "flat_bytes",
     "pack_bucket",
     "piece_bytes",
     "write_piece",
@@ -60,12 +61,17 @@ def copy_bytes(out: np.ndarray, source: np.ndarray) -> None:
 
 def byte_view(tensor: torch.Tensor) -> np.ndarray:
     """A flat uint8 numpy view of a contiguous CPU tensor's memory (no copy)."""
+    return flat_bytes(tensor).numpy()
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor's memory, on its device (no copy)."""
     flat = tensor.detach().reshape(-1)
     if flat.numel() <= 1:
         # torch calls an empty or one-element tensor contiguous whatever its stride (x[::2][:1]),
         # but view(uint8) refuses a stride other than 1; restate it, same memory.
         flat = flat.as_strided((flat.numel(),), (1,))
-    return flat.view(torch.uint8).numpy()
+    return flat.view(torch.uint8)
 
 
 def _is_plain(tensor: torch.Tensor, wire_dtype: torch.dtype) -> bool:

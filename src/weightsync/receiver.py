@@ -143,6 +143,8 @@ class WeightReceiver:
         self._status = ReceiverStatus()
         self._staging = Staging()
         """Reused by every sync: where tensors without a destination are assembled."""
+        self._checked_plan = ""
+        """The id of the last plan `check_plan` passed (the same id is the same plan)."""
         self._before_sync: ReceiverState = "empty"
         self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
@@ -401,9 +403,11 @@ class WeightReceiver:
             log.exception("sink.refused raised")
 
     def _begin(self, offer: Offer) -> Landing:
-        check_plan(offer.plan, self._max_bucket_bytes)
         if plan_id(offer.plan) != offer.plan_id:
             raise PlanError("the offer's plan_id does not match its plan")
+        if offer.plan_id != self._checked_plan:  # a trainer offers the same plan every step
+            check_plan(offer.plan, self._max_bucket_bytes)
+            self._checked_plan = offer.plan_id
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
         if offer.base and offer.base != self._base:

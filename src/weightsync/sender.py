@@ -32,7 +32,7 @@ from weightsync.errors import (
 from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import bucket_items
-from weightsync.plan import build_plan, dense_nbytes, plan_id, tensor_nbytes, wire_specs
+from weightsync.plan import PlanCache, build_plan, dense_nbytes, tensor_nbytes, wire_specs
 from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sizing import (
     ALIGN_BYTES,
@@ -41,7 +41,7 @@ from weightsync.sizing import (
     auto_bucket_bytes,
     negotiate_bucket_bytes,
 )
-from weightsync.source import TensorMeta, WeightSource, as_source
+from weightsync.source import TensorMeta, WeightSource, as_source, held_tensors
 from weightsync.transports import check_address
 from weightsync.transports.base import Failures, PlaneOptions, SendPlane
 from weightsync.transports.control import SenderChannel
@@ -136,6 +136,7 @@ class WeightSender:
         self._timeout = options.timeout
         self._addresses = addresses
         self._routes: list[Route] = []
+        self._plans = PlanCache()
         self._baseline = Baseline() if options.delta else None
         """With delta: the last push, as sent; a receiver holding it gets only what changed."""
         plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
@@ -236,7 +237,7 @@ class WeightSender:
             *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
         if diff is None:
-            deliveries = [Delivery("full", build_plan(specs, bucket_bytes), metas, source, frozenset(reachable))]
+            deliveries = [Delivery("full", self._plans.build(specs, bucket_bytes), metas, source, frozenset(reachable))]
             changed_fraction = 1.0
         else:
             assert self._baseline is not None
@@ -303,7 +304,7 @@ class WeightSender:
         committed (their replies), those that failed in it, and the content digest committed
         ("" unverified)."""
         plan = delivery.plan
-        identity = plan_id(plan)
+        identity = self._plans.plan_id(plan)
         failures = dict(failures)
         offer = Offer(version, plan, identity, verify, delivery.base, adapter)
 
@@ -312,8 +313,11 @@ class WeightSender:
 
         hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
         try:
+            # only a plane that reads tensors in place (cudaipc) makes the source yield them early
+            wanted = plan.buckets and any(route.plane.reads_held for route in self._routes)
+            held = held_tensors(delivery.source) if wanted else []
             for route in self._routes:
-                failures |= _at(version, None, route.plane.prepare(plan, live(route)))
+                failures |= _at(version, None, route.plane.prepare(plan, live(route), held))
                 failures |= _at(version, None, route.channel.offer(offer, live(route)))
                 if plan.buckets and live(route):
                     failures |= _at(version, None, route.plane.begin(plan, live(route)))

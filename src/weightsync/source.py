@@ -15,7 +15,7 @@ import torch
 
 from weightsync.errors import ConfigError
 
-__all__ = ["StateDictSource", "TensorMeta", "WeightSource", "as_source"]
+__all__ = ["StateDictSource", "TensorMeta", "WeightSource", "as_source", "held_tensors"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +34,11 @@ class WeightSource(Protocol):
     Implement this to stream tensors that are made on demand (gathered from shards, cast,
     loaded from disk): `metas()` must not materialise them, and `tensors()` may yield each one
     just before it is needed and drop it after.
+
+    A source whose tensors exist for the whole push (a model's own parameters) may say so with
+    an attribute `holds_tensors = True`: a transport may then let receivers read them where they
+    are (cudaipc shares their GPU memory once and receivers copy straight from it). Generated
+    tensors must not: their memory is reused as soon as they are dropped.
     """
 
     def metas(self) -> list[TensorMeta]:
@@ -50,6 +55,9 @@ class StateDictSource:
 
     Holds references only: no tensor is copied.
     """
+
+    holds_tensors = True
+    """Its tensors exist for the whole push (it holds them)."""
 
     def __init__(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
         items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
@@ -83,3 +91,11 @@ def as_source(
     if isinstance(tensors, (Mapping, Iterable)) and not isinstance(tensors, (str, bytes, torch.Tensor)):
         return StateDictSource(tensors)
     raise ConfigError(f"cannot send a {type(tensors).__name__}: pass a mapping, (name, tensor) pairs or a WeightSource")
+
+
+def held_tensors(source: WeightSource) -> list[torch.Tensor]:
+    """The source's tensors in `metas()` order where it holds them for the whole push
+    (`holds_tensors`), else []."""
+    if getattr(source, "holds_tensors", False) is not True:
+        return []
+    return [tensor for _, tensor in source.tensors()]

@@ -12,12 +12,15 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.helpers import random_tensor, sending
+from tests.helpers import random_tensor, random_values, sending
+from weightsync import TensorMeta
 from weightsync.digest import source_digest
+from weightsync.transports import cudaipc
 
 pytestmark = pytest.mark.gpu  # skipped where torch sees no CUDA (tests/conftest.py)
 
@@ -148,5 +151,87 @@ def test_a_host_source_goes_up_to_the_gpu_ring():
         with sending(receiver.address, bucket_bytes=BUCKET, timeout=30.0) as sender:
             assert sender.push(host, version=1).ok
             assert receiver.digest(1) == (1, "ready", source_digest(host))
+    finally:
+        receiver.close()
+
+
+# --- the direct path: held tensors read in place ---------------------------------------------------
+
+
+class NotHeld:
+    """The same tensors from a source that does not hold them (as a generator would)."""
+
+    def __init__(self, named: dict[str, torch.Tensor]) -> None:
+        self._named = named
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in self._named.items()]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._named.items())
+
+
+def counting_shares(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every storage the sender (this process) shares by CUDA IPC, as it shares it."""
+    shared: list[int] = []
+    real = cudaipc.share_storage
+
+    def share(storage: torch.UntypedStorage) -> cudaipc.CudaHandle:
+        shared.append(storage.data_ptr())
+        return real(storage)
+
+    monkeypatch.setattr(cudaipc, "share_storage", share)
+    return shared
+
+
+def held_model() -> dict[str, torch.Tensor]:
+    """model() less its empty tensor: every tensor can be read in place, so no ring is made."""
+    return {name: t for name, t in model().items() if t.numel()}
+
+
+@pytest.mark.parametrize("verify", ["off", "bucket"])
+def test_held_tensors_are_shared_once_and_again_when_their_storage_changes(verify, monkeypatch):
+    source = held_model()
+    shared = counting_shares(monkeypatch)
+    receiver = Receiver(source)
+    try:
+        with sending(receiver.address, bucket_bytes=BUCKET, verify=verify, timeout=30.0) as sender:
+            for version in (1, 2, 3):
+                source["embed.weight"].add_(1)  # an optimizer step: in place
+                assert sender.push(source, version=version).ok
+                assert receiver.digest(version) == (version, "ready", source_digest(source))
+                assert len(shared) == len(source), "each storage shared once, no ring slot"
+            source["layers.0.q.weight"] = source["layers.0.q.weight"] * 2  # a new storage
+            assert sender.push(source, version=4).ok
+            assert receiver.digest(4) == (4, "ready", source_digest(source))
+            assert len(shared) == len(source) + 1, "only the changed storage is shared again"
+    finally:
+        receiver.close()
+
+
+def test_a_source_that_does_not_hold_its_tensors_goes_through_the_gpu_ring(monkeypatch):
+    source = held_model()
+    shared = counting_shares(monkeypatch)
+    receiver = Receiver(source)
+    try:
+        with sending(receiver.address, bucket_bytes=BUCKET, timeout=30.0) as sender:
+            for version in (1, 2):
+                source["embed.weight"].add_(1)
+                assert sender.push(NotHeld(source), version=version).ok
+                assert receiver.digest(version) == (version, "ready", source_digest(source))
+        assert len(shared) == 2, "the two ring slots, shared once; no tensor"
+    finally:
+        receiver.close()
+
+
+def test_fp32_master_weights_are_cast_to_bf16_by_the_receiver_on_the_device():
+    master = {f"w{i}": random_values(torch.float32, (3 * BUCKET // 8 + i,), seed=i).cuda() for i in range(4)}
+    master["t"] = random_values(torch.float32, (64, 48), seed=9).cuda().t()
+    cast = {name: t.to(torch.bfloat16) for name, t in master.items()}
+    receiver = Receiver(cast)
+    try:
+        with sending(receiver.address, bucket_bytes=BUCKET, cast=torch.bfloat16, timeout=30.0) as sender:
+            assert sender.push(master, version=1).ok
+        assert receiver.digest(1) == (1, "ready", source_digest(cast))
     finally:
         receiver.close()

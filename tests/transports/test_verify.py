@@ -48,9 +48,10 @@ def flip_bucket_1(monkeypatch: pytest.MonkeyPatch) -> None:
             lent = self._lent.get(piece.tensor)
             if lent is None:
                 self.target(piece)[0] ^= 0x40
-            else:
-                self._lent[piece.tensor] = flipped = np.array(lent, copy=True)
+            else:  # host bytes, or a GPU buffer's (cudaipc)
+                flipped = lent.clone() if isinstance(lent, torch.Tensor) else np.array(lent, copy=True)
                 flipped[piece.tensor_offset] ^= 0x40
+                self._lent[piece.tensor] = flipped
         original(self, index, checksum)
 
     monkeypatch.setattr(Landing, "finish_bucket", corrupted)

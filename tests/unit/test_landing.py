@@ -10,7 +10,7 @@ import torch
 from weightsync.landing import Landing, Staging
 from weightsync.messages import Plan, TensorSpec
 from weightsync.plan import arena_layout, build_plan, plan_id
-from weightsync.sink import CallableSink, SinkTraits, WeightSink
+from weightsync.sink import CallableSink, SinkTraits, WeightSink, as_sink
 
 BUCKET = 4096
 
@@ -121,3 +121,36 @@ def test_each_tensor_s_route_is_decided_once_at_begin() -> None:
     keeps = Landing(plan, Keeps(), 1, plan_id(plan))
     assert keeps.routes == ("host", "own", "own", "own", "own")
     assert not keeps.lends_chunked
+
+
+def test_a_tensor_read_whole_from_the_sender_is_cast_on_the_way_into_each_route() -> None:
+    """`copy_tensors` (cudaipc's direct path): the sender's fp32 tensor, with its own strides,
+    lands as bf16 in a destination, or is lent to a borrowing loader, chunked or not."""
+    specs = [TensorSpec("small", "bfloat16", (10, 10), "float32"), TensorSpec("big", "bfloat16", (40, 60), "float32")]
+    plan = build_plan(specs, BUCKET)  # "big" (4800 bytes as sent) spans two buckets
+    values = [torch.randn(10, 10).t(), torch.randn(60, 40).t()]
+    expected = {spec.name: value.to(torch.bfloat16) for spec, value in zip(specs, values, strict=True)}
+
+    dest = {spec.name: torch.zeros(spec.shape, dtype=torch.bfloat16) for spec in specs}
+    loaded: dict[str, torch.Tensor] = {}
+    for sink in (dest, CallableSink(lambda named: loaded.update((n, t.clone()) for n, t in named))):
+        landing = Landing(plan, as_sink(sink), 1, plan_id(plan))
+        assert landing.copy_tensors(list(enumerate(values))) == set(), "host memory: nothing left in flight"
+        for index in range(len(plan.buckets)):
+            landing.finish_bucket(index)
+    assert all(torch.equal(dest[name], value) for name, value in expected.items())
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[n], v) for n, v in expected.items())
+
+
+def test_a_one_element_tensor_with_a_stride_is_lent_whole() -> None:
+    """torch calls x[::2][:1] contiguous with stride 2; its bytes are still lent (a GPU run
+    failed here: "self.stride(-1) must be 1 to view Long as Byte")."""
+    plan = build_plan([TensorSpec("step", "int64", (1,), "int64")], BUCKET)
+    value = torch.arange(4, dtype=torch.int64)[1::2][:1]
+    loaded: dict[str, torch.Tensor] = {}
+    landing = Landing(
+        plan, CallableSink(lambda named: loaded.update((n, t.clone()) for n, t in named)), 1, plan_id(plan)
+    )
+    landing.copy_tensors([(0, value)])
+    landing.finish_bucket(0)
+    assert torch.equal(loaded["step"], value)

@@ -6,7 +6,7 @@
 | shm        | same host                | source -> shared ring slot -> each receiver              |
 | tcp        | any host                 | source memory -> socket -> destination memory            |
 | collective | any hosts, a group       | source -> bucket -> rank 1 -> rank 2 ... (gloo chain)    |
-| cudaipc    | same GPU, other process  | source -> GPU ring slot -> each receiver (device copies) |
+| cudaipc    | same GPU, other process  | held tensors read in place, the rest via a GPU ring      |
 | nixl       | any hosts (RDMA)         | source memory -> NIXL write -> destination memory        |
 
 A transport is a `TransportSpec` (base.py): a link kind for the conversation and two data

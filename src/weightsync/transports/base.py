@@ -12,7 +12,7 @@ A sync is always the same conversation; `WeightSender.push` runs the sending hal
 
     WeightSender.push                              WeightReceiver (one thread per sender)
       channel.connect ---- Hello --------------->  Welcome (+ the sender's Auth)
-      plane.prepare   ---- [Ring] -------------->  plane.on_setup        (between syncs)
+      plane.prepare   ---- [Ring, Shared] ------>  plane.on_setup        (between syncs)
       channel.offer   ---- Offer(plan) --------->  begin -> Landing
                       <--- Accept / Failed -----
       plane.begin     <--> [Group, NixlTarget] <-> plane.begin(landing)  (plans with buckets)
@@ -38,6 +38,8 @@ from weightsync.errors import WeightSyncError
 from weightsync.messages import Message, Plan
 
 if TYPE_CHECKING:
+    import torch
+
     from weightsync.checksum import SyncHashes
     from weightsync.landing import Landing
     from weightsync.pack import BucketItem
@@ -141,13 +143,19 @@ class PlaneOptions:
 class SendPlane(ABC):
     """How bucket bytes leave the sender, for every receiver of one transport."""
 
+    reads_held = False
+    """Whether `prepare` uses `held` (receivers read those tensors in place: cudaipc). Only then
+    does the sender walk a source that holds its tensors before the buckets."""
+
     def __init__(self, channel: Channel, options: PlaneOptions) -> None:
         self.channel = channel
         self.options = options
 
-    def prepare(self, plan: Plan, live: Sequence[str]) -> Failures:
+    def prepare(self, plan: Plan, live: Sequence[str], held: Sequence[torch.Tensor] = ()) -> Failures:
         """Before `plan` is offered to `live`: what receivers must take between syncs (a ring to
-        map). Returns the receivers that failed."""
+        map, tensors to read in place). `held`: the source's tensors in plan order where the
+        source holds them for the whole push (`source.holds_tensors`), else (). Returns the
+        receivers that failed."""
         return {}
 
     def begin(self, plan: Plan, accepted: Sequence[str]) -> Failures:

@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
@@ -241,7 +242,7 @@ class NixlSendPlane(SendPlane):
         self._last_push_s = 0.0
         """How long the previous push took from setup to its last bucket (bounds the next collapse)."""
 
-    def prepare(self, plan: Plan, live: Sequence[str]) -> Failures:
+    def prepare(self, plan: Plan, live: Sequence[str], held: Sequence[torch.Tensor] = ()) -> Failures:
         try:
             if self._agent is None:
                 self._agent = NixlAgent("sender")  # before the offer: its start-up is not the receivers' wait

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ConfigError, ProtocolError
@@ -125,7 +126,7 @@ class RingSendPlane(SendPlane):
         """The last bucket written into each slot (-1: none this sync)."""
         self._slots_used = 0
 
-    def prepare(self, plan: Plan, live: Sequence[str]) -> Failures:
+    def prepare(self, plan: Plan, live: Sequence[str], held: Sequence[torch.Tensor] = ()) -> Failures:
         plan_bytes = plan.bucket_bytes
         self._slot_users, self._slots_used = [-1] * self.options.num_slots, 0
         staging = staging_layout(plan) if self._stages else StagingLayout()
