@@ -94,6 +94,13 @@ class ReceiverOptions:
         object.__setattr__(self, "verify", check_verify(self.verify))
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
 
+    def without_token(self) -> dict[str, Any]:
+        """These options as JSON for another process, the token left out (each process takes
+        its own from $WEIGHTSYNC_AUTH_TOKEN: no secret travels)."""
+        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        del fields["auth_token"]
+        return fields
+
     @property
     def bucket_limit(self) -> int:
         """The largest bucket accepted: `max_bucket_bytes`, or half the memory budget for "auto"."""

@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from tests.server.conftest import live_server
 from weightsync import WeightSender
 from weightsync.errors import ConfigError
+from weightsync.options import ReceiverOptions
 from weightsync.serving.client import RolloutClient, ServerError
 from weightsync.serving.config import ServeConfig
 
@@ -53,5 +54,5 @@ def test_listening_beyond_loopback_needs_a_token(tiny_models, monkeypatch: pytes
     with pytest.raises(ConfigError, match="HTTP API would listen on '0.0.0.0'"):
         ServeConfig(model=model, host="0.0.0.0")
     with pytest.raises(ConfigError, match="weight receiver would listen"):
-        ServeConfig(model=model, transport="tcp", receiver_host="10.0.0.1")
+        ServeConfig(model=model, transport="tcp", receiver=ReceiverOptions(host="10.0.0.1"))
     assert ServeConfig(model=model, host="0.0.0.0", auth_token=TOKEN).auth_token == TOKEN

@@ -13,6 +13,7 @@ from tests.models import MODEL_KINDS
 from tests.server.conftest import live_server
 from weightsync import WeightSender
 from weightsync.checkpoint import SafetensorsSource
+from weightsync.options import ReceiverOptions
 from weightsync.serving.client import ServerError
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
@@ -142,7 +143,7 @@ def test_bad_requests_get_clear_errors(tiny_models) -> None:
 
 
 def test_a_server_that_requires_verified_pushes(tiny_models) -> None:
-    with live_server(tiny_models["qwen2"], verify="bucket", transport="tcp") as server:
+    with live_server(tiny_models["qwen2"], receiver=ReceiverOptions(verify="bucket"), transport="tcp") as server:
         report = push(server, SafetensorsSource(tiny_models["qwen2"]), 1)  # the sender's default: off
         assert report.ok, report.failed
         assert greedy(server, "abc")["weight_version"] == 1

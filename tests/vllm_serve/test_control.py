@@ -13,7 +13,14 @@ from weightsync.errors import SinkError
 from weightsync.lora import Adapter
 from weightsync.messages import SyncTimes
 from weightsync.serving.control import SyncControl
-from weightsync.serving.events import Abort, AdapterFailed, AdapterLanded, Begin, Commit, Status
+from weightsync.serving.events import (
+    AdapterFailed,
+    AdapterLanded,
+    PushArrived,
+    ReceiverChanged,
+    VersionFailed,
+    VersionLanded,
+)
 from weightsync.serving.metrics import ServerMetrics
 
 
@@ -77,10 +84,12 @@ def control(
     )
 
 
-async def sync_on(sync: SyncControl, version: int, *outcomes: Commit | Abort) -> list[BaseException | None]:
-    """Every worker rings Begin (opening the window), then its outcome, as workers do: at once.
+async def sync_on(
+    sync: SyncControl, version: int, *outcomes: VersionLanded | VersionFailed
+) -> list[BaseException | None]:
+    """Every worker rings PushArrived (opening the window), then its outcome, as workers do: at once.
     Returns what each outcome's ring got (None: ok)."""
-    await asyncio.gather(*(sync.on_event(Begin(version=version, rank=o.rank, park=True)) for o in outcomes))
+    await asyncio.gather(*(sync.on_event(PushArrived(version=version, rank=o.rank, park=True)) for o in outcomes))
     results = await asyncio.gather(*(sync.on_event(o) for o in outcomes), return_exceptions=True)
     return [r if isinstance(r, BaseException) else None for r in results]
 
@@ -90,7 +99,10 @@ def test_one_window_for_every_worker_labels_the_version_once_all_landed_it() -> 
         engine = Engine()
         sync = control(engine, mode="keep", workers=2)
         assert sync.health().state == "waiting for weights"
-        assert await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1)) == [None, None]
+        assert await sync_on(sync, 1, VersionLanded(version=1, rank=0), VersionLanded(version=1, rank=1)) == [
+            None,
+            None,
+        ]
         assert engine.calls == [("pause", "keep"), ("start", None), ("update", 1), ("finish", 1), ("resume", None)]
         assert sync.version == 1 and sync.health().ok and sync.stats.to_json()["num_committed"] == 1
         assert await sync.wait_servable(0.01)
@@ -103,7 +115,7 @@ def test_a_users_pause_outlasts_a_sync() -> None:
         engine = Engine()
         sync = control(engine)
         assert await sync.pause("user", "keep", 5.0)
-        await sync_on(sync, 1, Commit(version=1))
+        await sync_on(sync, 1, VersionLanded(version=1))
         assert ("resume", None) not in engine.calls and sync.paused_by == {"user": "keep"}
         assert engine.calls.count(("pause", "keep")) == 1  # the sync did not re-pause in another mode
         await sync.resume("user")
@@ -118,8 +130,8 @@ def test_a_sync_that_cannot_park_is_refused_and_opens_nothing() -> None:
         engine.drained.clear()  # requests that never finish
         sync = control(engine, mode="wait", drain_timeout=0.05)
         with pytest.raises(SinkError, match="did not pause within 0.05 s"):
-            await sync.on_event(Begin(version=1, park=True))
-        await sync.on_event(Abort(version=1, intact=True, error="refused"))
+            await sync.on_event(PushArrived(version=1, park=True))
+        await sync.on_event(VersionFailed(version=1, intact=True, error="refused"))
         assert sync.paused_by == {} and engine.calls[-1] == ("resume", None)
         assert ("start", None) not in engine.calls and sync.state() != "dirty"
         engine.drained.set()
@@ -131,15 +143,20 @@ def test_one_worker_failing_refuses_the_others_commit_and_serves_nothing_until_a
     async def scenario() -> None:
         engine = Engine()
         sync = control(engine, mode="keep", workers=2)
-        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
-        got = await sync_on(sync, 2, Commit(version=2, rank=0), Abort(version=2, rank=1, intact=True, error="killed"))
+        await sync_on(sync, 1, VersionLanded(version=1, rank=0), VersionLanded(version=1, rank=1))
+        got = await sync_on(
+            sync, 2, VersionLanded(version=2, rank=0), VersionFailed(version=2, rank=1, intact=True, error="killed")
+        )
         assert isinstance(got[0], SinkError) and "worker 1: killed" in str(got[0]) and got[1] is None
         now = sync.health()
         assert (now.ok, now.state, sync.version) == (False, "dirty", None) and "killed" in now.reason
         assert ("finish", None) in engine.calls and ("pause", "abort") in engine.calls
         assert ("resume", None) not in engine.calls[-3:] and sync.paused_by == {"dirty": "abort"}  # still paused: dirty
         assert not await sync.wait_servable(0.01)
-        assert await sync_on(sync, 3, Commit(version=3, rank=0), Commit(version=3, rank=1)) == [None, None]
+        assert await sync_on(sync, 3, VersionLanded(version=3, rank=0), VersionLanded(version=3, rank=1)) == [
+            None,
+            None,
+        ]
         assert sync.health().ok and sync.version == 3 and sync.paused_by == {}
 
     asyncio.run(scenario())
@@ -149,8 +166,8 @@ def test_workers_that_all_failed_before_landing_anything_keep_the_previous_versi
     async def scenario() -> None:
         engine = Engine()
         sync = control(engine, workers=2)
-        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
-        failed = [Abort(version=2, rank=rank, intact=True, error="checksum") for rank in (0, 1)]
+        await sync_on(sync, 1, VersionLanded(version=1, rank=0), VersionLanded(version=1, rank=1))
+        failed = [VersionFailed(version=2, rank=rank, intact=True, error="checksum") for rank in (0, 1)]
         assert await sync_on(sync, 2, *failed) == [None, None]
         assert sync.health().ok and sync.version == 1 and sync.stats.to_json()["num_failed"] == 1
         assert engine.calls[-2:] == [("finish", None), ("resume", None)]
@@ -162,12 +179,12 @@ def test_a_staged_transfer_that_fails_before_its_window_pauses_nothing() -> None
     async def scenario() -> None:
         engine = Engine()
         sync = control(engine, workers=2)
-        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
+        await sync_on(sync, 1, VersionLanded(version=1, rank=0), VersionLanded(version=1, rank=1))
         calls = len(engine.calls)
         for rank in (0, 1):
-            await sync.on_event(Begin(version=2, rank=rank, park=False))
+            await sync.on_event(PushArrived(version=2, rank=rank, park=False))
         for rank in (0, 1):
-            await sync.on_event(Abort(version=2, rank=rank, intact=True, error="sender died"))
+            await sync.on_event(VersionFailed(version=2, rank=rank, intact=True, error="sender died"))
         assert engine.calls[calls:] == [] and sync.version == 1 and sync.stats.to_json()["num_failed"] == 1
 
     asyncio.run(scenario())
@@ -177,7 +194,7 @@ def test_a_worker_that_never_answers_fails_the_sync_within_the_timeout() -> None
     async def scenario() -> None:
         engine = Engine()
         sync = control(engine, workers=2, sync_timeout=0.2)
-        got = await sync_on(sync, 1, Commit(version=1, rank=0))
+        got = await sync_on(sync, 1, VersionLanded(version=1, rank=0))
         assert isinstance(got[0], SinkError) and "no outcome from worker(s) [1]" in str(got[0])
         assert sync.state() == "dirty"  # worker 0 landed it, worker 1 is unknown
 
@@ -189,9 +206,9 @@ def test_an_engine_that_dies_during_the_update_fails_the_sync() -> None:
         engine = Engine()
         engine.landed.clear()  # vLLM's update call never returns: a worker process died
         sync = control(engine, workers=2, sync_timeout=0.2)
-        await sync.on_event(Begin(version=1, rank=0, park=True))
+        await sync.on_event(PushArrived(version=1, rank=0, park=True))
         engine.errored = True
-        got = await asyncio.gather(sync.on_event(Commit(version=1, rank=0)), return_exceptions=True)
+        got = await asyncio.gather(sync.on_event(VersionLanded(version=1, rank=0)), return_exceptions=True)
         assert isinstance(got[0], SinkError) and "engine died" in str(got[0])
         assert sync.health().state == "failed" and sync.state() == "dirty"
 
@@ -203,11 +220,11 @@ def test_a_second_version_waits_for_none_while_one_is_open() -> None:
         engine = Engine()
         engine.landed.clear()
         sync = control(engine, workers=1, sync_timeout=0.2)
-        await sync.on_event(Begin(version=1, park=True))
+        await sync.on_event(PushArrived(version=1, park=True))
         with pytest.raises(SinkError, match="the sync of version 1 is in progress"):
-            await sync.on_event(Begin(version=2, park=True))
+            await sync.on_event(PushArrived(version=2, park=True))
         engine.landed.set()
-        await sync.on_event(Commit(version=1))
+        await sync.on_event(VersionLanded(version=1))
         assert sync.version == 1
 
     asyncio.run(scenario())
@@ -222,8 +239,10 @@ def test_each_workers_status_is_kept_and_counted_once() -> None:
         engine.errored = False
         times = SyncTimes(total_s=0.5, transfer_s=0.1, landing_s=0.2, load_s=0.2)
         for rank in (0, 1):
-            await sync.on_event(Status(rank=rank, state="syncing", content_digest="ab", times=times, mode="delta"))
-        assert sync.receiver == Status(rank=0, state="syncing", content_digest="ab", times=times, mode="delta")
+            await sync.on_event(
+                ReceiverChanged(rank=rank, state="syncing", content_digest="ab", times=times, mode="delta")
+            )
+        assert sync.receiver == ReceiverChanged(rank=0, state="syncing", content_digest="ab", times=times, mode="delta")
         assert sync.health().state == "syncing" and sync.state() == "syncing"
         assert 'weightsync_sync_modes_total{mode="delta"} 1.0' in sync.metrics.render().decode()
 
@@ -234,12 +253,12 @@ def test_a_start_that_fails_on_some_worker_is_finished_and_serves_nothing() -> N
     async def scenario() -> None:
         engine = Engine()
         sync = control(engine, workers=2)
-        await sync_on(sync, 1, Commit(version=1, rank=0), Commit(version=1, rank=1))
+        await sync_on(sync, 1, VersionLanded(version=1, rank=0), VersionLanded(version=1, rank=1))
         engine.start_error = RuntimeError("worker 1: reload could not begin")
         with pytest.raises(RuntimeError, match="could not begin"):
-            await sync.on_event(Begin(version=2, rank=0, park=True))
+            await sync.on_event(PushArrived(version=2, rank=0, park=True))
         for rank in (0, 1):
-            await sync.on_event(Abort(version=2, rank=rank, intact=True, error="refused"))
+            await sync.on_event(VersionFailed(version=2, rank=rank, intact=True, error="refused"))
         assert engine.calls.count(("finish", None)) == 1  # the workers whose reload began end it
         assert sync.state() == "dirty" and sync.version is None  # a half-begun reload is no version
 

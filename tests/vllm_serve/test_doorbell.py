@@ -16,7 +16,7 @@ import pytest
 
 from weightsync.errors import SinkError
 from weightsync.serving.doorbell import MAX_FRAME_BYTES, Doorbell, ring
-from weightsync.serving.events import Abort, Begin, Status, SyncEvent
+from weightsync.serving.events import PushArrived, ReceiverChanged, SyncEvent, VersionFailed
 
 
 @contextmanager
@@ -55,10 +55,13 @@ def test_a_ring_reaches_the_handler_as_the_typed_event() -> None:
         seen.append(event)
 
     with doorbell(handler) as bell:
-        ring(bell.path, Begin(version=3, total_bytes=10, park=True), 5.0)
-        ring(bell.path, Abort(version=3, intact=False, error="sender died"), 5.0)
+        ring(bell.path, PushArrived(version=3, total_bytes=10, park=True), 5.0)
+        ring(bell.path, VersionFailed(version=3, intact=False, error="sender died"), 5.0)
         assert stat.S_IMODE(os.stat(os.path.dirname(bell.path)).st_mode) == 0o700
-    assert seen == [Begin(version=3, total_bytes=10, park=True), Abort(version=3, intact=False, error="sender died")]
+    assert seen == [
+        PushArrived(version=3, total_bytes=10, park=True),
+        VersionFailed(version=3, intact=False, error="sender died"),
+    ]
 
 
 def test_a_refusal_comes_back_as_a_sink_error_with_the_reason() -> None:
@@ -66,7 +69,7 @@ def test_a_refusal_comes_back_as_a_sink_error_with_the_reason() -> None:
         raise SinkError("generation did not pause")
 
     with doorbell(handler) as bell, pytest.raises(SinkError, match="generation did not pause"):
-        ring(bell.path, Begin(version=1), 5.0)
+        ring(bell.path, PushArrived(version=1), 5.0)
 
 
 def test_a_silent_api_process_fails_the_ring_within_its_timeout() -> None:
@@ -77,8 +80,8 @@ def test_a_silent_api_process_fails_the_ring_within_its_timeout() -> None:
 
     with doorbell(handler) as bell:
         try:
-            with pytest.raises(SinkError, match="did not answer 'begin' within 0.2 s"):
-                ring(bell.path, Begin(version=1), 0.2)
+            with pytest.raises(SinkError, match="did not answer 'push_arrived' within 0.2 s"):
+                ring(bell.path, PushArrived(version=1), 0.2)
         finally:
             release.set()
 
@@ -107,17 +110,17 @@ def test_anything_that_is_not_a_sync_event_is_refused_before_the_handler(body: b
 
 def test_a_gone_doorbell_and_an_oversized_frame_are_sink_errors(tmp_path) -> None:
     with pytest.raises(SinkError, match="doorbell failed"):
-        ring(str(tmp_path / "none.sock"), Begin(version=1), 1.0)
+        ring(str(tmp_path / "none.sock"), PushArrived(version=1), 1.0)
 
     async def handler(event: SyncEvent) -> None:
         return None
 
     with doorbell(handler) as bell:
         with pytest.raises(SinkError, match="at most"):
-            ring(bell.path, Status(last_error="x" * MAX_FRAME_BYTES), 1.0)
+            ring(bell.path, ReceiverChanged(last_error="x" * MAX_FRAME_BYTES), 1.0)
         with socket.socket(socket.AF_UNIX) as sock:  # a frame claiming more than the limit: dropped
             sock.settimeout(5)
             sock.connect(bell.path)
             sock.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
             assert sock.recv(16) == b""
-        ring(bell.path, Status(state="ready"), 5.0)  # and the doorbell serves on
+        ring(bell.path, ReceiverChanged(state="ready"), 5.0)  # and the doorbell serves on

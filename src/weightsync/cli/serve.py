@@ -130,6 +130,7 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
     import uvicorn
 
     from weightsync.errors import ConfigError
+    from weightsync.options import ReceiverOptions
     from weightsync.serving.background import bind
     from weightsync.serving.config import ServeConfig
     from weightsync.serving.hf.startup import Startup
@@ -139,14 +140,13 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
         engine=args.engine,
         load_format=args.load_format,
         transport=args.transport,
-        receiver_host=args.receiver_host,
-        receiver_port=args.receiver_port,
+        receiver=ReceiverOptions(
+            host=args.receiver_host, port=args.receiver_port, timeout=args.sync_timeout, verify=args.verify
+        ),
         sync_mode=args.sync_mode,
         ready_timeout=args.ready_timeout,
         drain_timeout=args.drain_timeout,
-        sync_timeout=args.sync_timeout,
         served_model_name=args.served_model_name,
-        verify=args.verify,
         auth_token=auth_token(args),
         allow_unauthenticated_generation=args.allow_unauthenticated_generation,
         host=args.host,

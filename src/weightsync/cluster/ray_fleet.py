@@ -26,7 +26,7 @@ from typing import Any
 from weightsync.auth import resolve_token
 from weightsync.checksum import check_verify
 from weightsync.errors import ConfigError, ResourceError, SyncFailed, WeightSyncError
-from weightsync.options import SenderOptions
+from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.report import SyncReport
 from weightsync.serving.client import ServerGroup
 from weightsync.transports import get_transport
@@ -43,8 +43,8 @@ class ServerActor:
     """One rollout server in a Ray actor's process (the class Ray instantiates remotely).
 
     Args:
-        serve: `ServeConfig` fields (model, engine, transport, ...). Its `host` and
-            `receiver_host` are this actor's listening address; "node" means the node's IP.
+        serve: `ServeConfig` fields (model, engine, transport, receiver, ...). Its `host` is
+            this actor's listening address, its receiver's too; "node" means the node's IP.
     """
 
     def __init__(self, serve: dict[str, Any]) -> None:
@@ -56,7 +56,8 @@ class ServerActor:
             import ray
 
             serve["host"] = ray.util.get_node_ip_address()
-        serve.setdefault("receiver_host", serve.get("host", "127.0.0.1"))
+        receiver = serve.get("receiver") or ReceiverOptions()
+        serve["receiver"] = dataclasses.replace(receiver, host=serve.get("host", "127.0.0.1"))
         self._server = BackgroundServer(ServeConfig(**serve))
 
     def describe(self) -> dict[str, Any]:
@@ -171,11 +172,10 @@ class RolloutFleet:
             "transport": transport,
             "load_format": load_format,
             "sync_mode": sync_mode,
-            "verify": verify,
+            "receiver": ReceiverOptions(timeout=timeout, verify=check_verify(verify), auth_token=auth_token),
             "staged": staged,
             "host": host,
             "auth_token": auth_token,
-            "sync_timeout": timeout,
             **(serve or {}),
         }
         self._actor_class = ray.remote(ServerActor).options(

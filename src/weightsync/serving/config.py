@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Literal
 
 from weightsync.auth import check_bind, resolve_token
-from weightsync.checksum import VERIFY_MODES, Verify
 from weightsync.errors import ConfigError
 from weightsync.options import ReceiverOptions
 from weightsync.serving.body_limit import default_max_request_bytes
@@ -72,18 +71,18 @@ class ServeConfig:
         model: model directory (config.json, tokenizer; the checkpoint for load_format "auto").
         engine: "hf" or "vllm".
         load_format: "dummy" (serve nothing until the first sync) or "auto".
-        transport: the receiver's transport, "shm", "tcp" or "collective".
-        receiver_host: interface the tcp or collective receiver listens on.
-        receiver_port: its port (0: any free one).
+        transport: the receiver's transport, "shm", "tcp", "collective" or "nixl".
+        receiver: how each worker's weight receiver listens and what it accepts (its interface
+            and port for networked transports, its timeout: the bound on every wait inside a
+            sync, the weakest verification it accepts, its bucket limit); its token is the
+            server's `auth_token`.
         sync_mode: how the engine loop pauses for a sync: "wait", "abort" or "keep".
         ready_timeout: seconds a request waits for the first committed version before a 503.
         drain_timeout: seconds a sync waits for the loop to park before it is refused.
-        sync_timeout: the receiver's bound on every wait inside a sync.
         served_model_name: the name /v1/models reports (default: the model dir's name).
-        verify: the weakest verification the receiver accepts ("off" or "bucket").
         auth_token: the shared secret (default $WEIGHTSYNC_AUTH_TOKEN): pushes must prove it
             (HMAC), HTTP control endpoints need `Authorization: Bearer <token>`. Required when
-            `host` or `receiver_host` is not loopback.
+            `host` or the receiver's host is not loopback.
         allow_unauthenticated_generation: let /v1/completions and /v1/models through without it.
         host: the HTTP interface (checked here; `weightsync serve` binds it).
         staged: land syncs in a standby copy of the weights, and make it live only at commit (hf:
@@ -100,14 +99,11 @@ class ServeConfig:
     engine: EngineName = "hf"
     load_format: LoadFormat = "dummy"
     transport: str = "shm"
-    receiver_host: str = "127.0.0.1"
-    receiver_port: int = 0
+    receiver: ReceiverOptions = dataclasses.field(default_factory=ReceiverOptions)
     sync_mode: PauseMode = "wait"
     ready_timeout: float = 30.0
     drain_timeout: float = 60.0
-    sync_timeout: float = 60.0
     served_model_name: str | None = None
-    verify: Verify = "off"
     auth_token: str | None = None
     allow_unauthenticated_generation: bool = False
     host: str = "127.0.0.1"
@@ -119,9 +115,12 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
+        if not isinstance(self.receiver, ReceiverOptions):
+            raise ConfigError(f"receiver must be a ReceiverOptions, got {self.receiver!r}")
+        object.__setattr__(self, "receiver", dataclasses.replace(self.receiver, auth_token=self.auth_token))
         check_bind(self.host, self.auth_token, "the rollout server's HTTP API")
         if get_transport(self.transport).networked:
-            check_bind(self.receiver_host, self.auth_token, "the rollout server's weight receiver")
+            check_bind(self.receiver.host, self.auth_token, "the rollout server's weight receiver")
         if not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"model {self.model!r} is not a directory with a config.json")
         choices = {
@@ -129,12 +128,11 @@ class ServeConfig:
             "load_format": ("dummy", "auto"),
             "transport": tuple(serving_transports()),
             "sync_mode": PAUSE_MODES,
-            "verify": VERIFY_MODES,
         }
         for field, allowed in choices.items():
             if getattr(self, field) not in allowed:
                 raise ConfigError(f"{field} must be one of {', '.join(allowed)}; got {getattr(self, field)!r}")
-        for field in ("ready_timeout", "drain_timeout", "sync_timeout"):
+        for field in ("ready_timeout", "drain_timeout"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{field} must be a non-negative number of seconds, got {value!r}")
@@ -147,17 +145,6 @@ class ServeConfig:
                 raise ConfigError(f"{field} must be an integer of at least {least}, got {value!r}")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError(f"chat template {self.chat_template!r} is not a file")
-
-    @property
-    def receiver_options(self) -> ReceiverOptions:
-        """The options of this server's weight receiver."""
-        return ReceiverOptions(
-            host=self.receiver_host,
-            port=self.receiver_port,
-            timeout=self.sync_timeout,
-            verify=self.verify,
-            auth_token=self.auth_token,
-        )
 
     @property
     def model_name(self) -> str:

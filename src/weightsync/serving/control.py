@@ -11,12 +11,12 @@ Each worker's sink (sink.py: `ControlledSink`) rings the control as a push reach
 workers through the doorbell (a Unix socket), the transformers engine in process. `on_event`
 answers:
 
-    Begin   note the sync; with `park`, open the window (below)
-    Park    a staged sync's transfer is done on this worker: open the window
-    Commit  this worker landed the version: answered once the window is decided, refused
-            unless every worker landed it
-    Abort   this worker failed the sync: answered once the window is decided
-    Status  this worker's receiver state, digest, last error and phase times
+    PushArrived      note the sync; with `park`, open the window (below)
+    TransferDone     a staged sync's transfer is done on this worker: open the window
+    VersionLanded    this worker landed the version: answered once the window is decided,
+                     refused unless every worker landed it
+    VersionFailed    this worker failed the sync: answered once the window is decided
+    ReceiverChanged  this worker's receiver state, digest, last error and phase times
 
 A LoRA adapter's sync needs no window and no pause: each worker lands it in memory and rings
 `AdapterLanded`; once every worker holds it, the engine's `serve_lora` takes it on every worker,
@@ -55,15 +55,15 @@ from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
 from weightsync.report import moved
 from weightsync.serving.config import Health, PauseMode
 from weightsync.serving.events import (
-    Abort,
     AdapterFailed,
     AdapterLanded,
-    Begin,
-    Commit,
-    Park,
+    PushArrived,
+    ReceiverChanged,
     Reply,
-    Status,
     SyncEvent,
+    TransferDone,
+    VersionFailed,
+    VersionLanded,
 )
 from weightsync.serving.metrics import ServerMetrics
 
@@ -196,7 +196,7 @@ class _Window:
     """Pausing generation, then the engine's start call on every worker."""
     reloading: bool = False
     """The engine's start call was made: a reload may have begun on some worker."""
-    outcomes: dict[int, Commit | Abort] = dataclasses.field(default_factory=dict)
+    outcomes: dict[int, VersionLanded | VersionFailed] = dataclasses.field(default_factory=dict)
     changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     decided: asyncio.Future[str] = dataclasses.field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """"" once the version is labelled, else why it was not."""
@@ -244,8 +244,8 @@ class SyncControl:
         self.version = version
         self.dirty = False
         self.stats = SyncStats()
-        self.receivers: dict[int, Status] = {}
-        """Each worker's receiver, as its last `Status` event said."""
+        self.receivers: dict[int, ReceiverChanged] = {}
+        """Each worker's receiver, as its last `ReceiverChanged` event said."""
         self.changed = asyncio.Event()
         """Set (and cleared at once) whenever the version or the dirty flag changes."""
         self._owners: dict[str, PauseMode] = {}
@@ -290,9 +290,9 @@ class SyncControl:
         task.add_done_callback(self._deciding.discard)
 
     @property
-    def receiver(self) -> Status:
+    def receiver(self) -> ReceiverChanged:
         """The first worker's receiver (every worker receives the same sync)."""
-        return self.receivers.get(min(self.receivers, default=0), Status())
+        return self.receivers.get(min(self.receivers, default=0), ReceiverChanged())
 
     # --- pauses ---------------------------------------------------------------------------------
 
@@ -327,15 +327,15 @@ class SyncControl:
     async def on_event(self, event: SyncEvent) -> Reply | None:
         """One doorbell event from a worker's sink; raising refuses it (the sync then fails there)."""
         match event:
-            case Status():
+            case ReceiverChanged():
                 self._status(event)
-            case Begin():
+            case PushArrived():
                 self._begin(event)
                 if event.park:
                     await self._open(event.version)
-            case Park():
+            case TransferDone():
                 await self._open(event.version)
-            case Commit() | Abort():
+            case VersionLanded() | VersionFailed():
                 await self._outcome(event)
             case AdapterLanded():
                 await self._adapter_landed(event)
@@ -344,7 +344,7 @@ class SyncControl:
                 self._adapter_failed(event)
         return None
 
-    def _begin(self, event: Begin) -> None:
+    def _begin(self, event: PushArrived) -> None:
         window = self._window
         if window is not None and window.version != event.version and not window.decided.done():
             raise SinkError(f"version {event.version} refused: the sync of version {window.version} is in progress")
@@ -373,10 +373,10 @@ class SyncControl:
         window.reloading = True
         await self.engine.start_weight_update()  # every worker's layerwise reload begins
 
-    async def _outcome(self, event: Commit | Abort) -> None:
+    async def _outcome(self, event: VersionLanded | VersionFailed) -> None:
         window = self._window
         if window is None or window.version != event.version or window.decided.done():
-            if isinstance(event, Commit):
+            if isinstance(event, VersionLanded):
                 raise SinkError(f"commit of version {event.version} refused: no update window is open for it")
             self._failed_before_the_window(event)  # refused at begin, or a staged transfer that failed
             return
@@ -385,7 +385,7 @@ class SyncControl:
         # Answered once decided, so that a sender's push returns (or fails) only after the
         # server serves its outcome. The worker's ring waits longer than this (worker.py).
         why = await asyncio.wait_for(asyncio.shield(window.decided), 2 * self.sync_timeout + self.drain_timeout)
-        if why and isinstance(event, Commit):
+        if why and isinstance(event, VersionLanded):
             raise SinkError(why)
 
     async def _adapter_landed(self, event: AdapterLanded) -> None:
@@ -451,7 +451,7 @@ class SyncControl:
                 await self.engine.remove_lora(lora_id)
             self._retired.append(lora_id)
 
-    def _failed_before_the_window(self, event: Abort) -> None:
+    def _failed_before_the_window(self, event: VersionFailed) -> None:
         if self._counting != event.version:
             return  # counted already (another worker's abort)
         self._counting = None
@@ -471,7 +471,7 @@ class SyncControl:
             if not await self._wait_outcomes(window) and not why:
                 missing = sorted(set(range(self.workers)) - set(window.outcomes))
                 why = f"no outcome from worker(s) {missing} within {self.sync_timeout} s"
-            failed = [o for o in window.outcomes.values() if isinstance(o, Abort)]
+            failed = [o for o in window.outcomes.values() if isinstance(o, VersionFailed)]
             if failed and not why:
                 why = "; ".join(f"worker {o.rank}: {o.error}" for o in sorted(failed, key=lambda o: o.rank))
             if not why:
@@ -481,7 +481,7 @@ class SyncControl:
                     return
             elif started:
                 await self._finish(None)
-            changed = any(isinstance(o, Commit) or not o.intact for o in window.outcomes.values())
+            changed = any(isinstance(o, VersionLanded) or not o.intact for o in window.outcomes.values())
             unknown = started and len(window.outcomes) < self.workers
             await self._failed(window.version, why, intact=not (changed or unknown))
         except Exception as exc:  # never leave a worker's commit waiting on an undecided window
@@ -558,7 +558,7 @@ class SyncControl:
             "the served weights are dirty until the next good sync" if self.dirty else "still serving",
         )
 
-    def _status(self, status: Status) -> None:
+    def _status(self, status: ReceiverChanged) -> None:
         before = self.receivers.get(status.rank)
         if status.rank == min(self.receivers.keys() | {status.rank}) and status.times is not None:
             if before is None or status.times != before.times:

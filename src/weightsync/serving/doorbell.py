@@ -5,7 +5,7 @@ labelling the weight version are the API process's calls (`AsyncLLM.pause_genera
 `update_weight_version`). So the worker rings: one `SyncEvent` (events.py) per connection over a
 Unix stream socket, one `Reply`, then the connection closes.
 
-    ring(path, Begin(version=3, park=True), timeout) -> None | raises SinkError
+    ring(path, PushArrived(version=3, park=True), timeout) -> None | raises SinkError
 
 The socket lives in a private temporary directory (mode 0700) of the user running the server:
 nothing else on the host can connect. Frames are a 4-byte big-endian length and a msgspec JSON

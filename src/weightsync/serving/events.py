@@ -1,22 +1,27 @@
-"""What vLLM's worker tells the API process about a sync: a closed set of typed messages.
+"""What a worker tells its server's sync control about a sync: a closed set of typed messages,
+the same for every engine.
 
-Each worker's sink (worker.py) rings the doorbell (doorbell.py) with one of
-these, naming its rank; the API process (control.py) decodes exactly these types and nothing
-else, and answers with a `Reply`. JSON on the socket (msgspec tagged structs), so a message is a
-value with a schema, never a dict.
+Each worker's `ControlledSink` (sink.py) rings the control with one of these, naming its rank: in
+process (the transformers engine), or through the doorbell (doorbell.py: vLLM's workers, JSON on a
+Unix socket, msgspec tagged structs, so a message is a value with a schema, never a dict). The
+control (control.py) takes exactly these types and nothing else, and answers with a `Reply`. They
+are not the wire's messages (messages.py), which a sender and a receiver exchange.
 
-    Begin   a push reached this worker and its plan fits the model; `park`: open vLLM's update
-            window now (a staged sync opens it at its commit, with Park)
-    Park    a staged sync's transfer is done: open the window now
-    Commit  this worker landed the version; answered once every worker's outcome is in: ok when
-            all landed it and vLLM labelled it, else refused (the worker's commit then fails)
-    Abort   this worker failed the sync; `intact`: nothing of it reached vLLM's weights here
-    Status  this worker's receiver changed state (for /health, /weight_info and the metrics)
+    PushArrived      a push reached this worker and its plan fits the model; `park`: open the
+                     engine's update window now (a staged sync opens it at its commit, with
+                     TransferDone)
+    TransferDone     a staged sync's transfer is done: open the window now
+    VersionLanded    this worker landed the version; answered once every worker's outcome is in:
+                     ok when all landed it and the engine labelled it, else refused (the worker's
+                     commit then fails)
+    VersionFailed    this worker failed the sync; `intact`: nothing of it reached the served
+                     weights here
+    ReceiverChanged  this worker's receiver changed state (for /health, /weight_info and the metrics)
 
-    AdapterLanded  this worker holds a LoRA adapter's version in memory, as vLLM's LoRA id
-                   `lora_id`; answered once every worker's outcome is in: ok when the server
-                   serves it from now on, else refused (the worker drops it)
-    AdapterFailed  this worker failed an adapter's sync
+    AdapterLanded    this worker holds a LoRA adapter's version in memory, as the engine's LoRA id
+                     `lora_id`; answered once every worker's outcome is in: ok when the server
+                     serves it from now on, else refused (the worker drops it)
+    AdapterFailed    this worker failed an adapter's sync
 """
 
 from __future__ import annotations
@@ -29,20 +34,20 @@ from weightsync.messages import Adapter, SyncTimes
 from weightsync.receiver import ReceiverState
 
 __all__ = [
-    "Abort",
+    "VersionFailed",
     "AdapterFailed",
     "AdapterLanded",
-    "Begin",
-    "Commit",
-    "Park",
+    "PushArrived",
+    "VersionLanded",
+    "TransferDone",
     "Reply",
-    "Status",
+    "ReceiverChanged",
     "SyncEvent",
     "event_name",
 ]
 
 
-class Begin(msgspec.Struct, frozen=True, kw_only=True, tag="begin"):
+class PushArrived(msgspec.Struct, frozen=True, kw_only=True, tag="push_arrived"):
     version: int
     rank: int = 0
     total_bytes: int = 0
@@ -50,24 +55,24 @@ class Begin(msgspec.Struct, frozen=True, kw_only=True, tag="begin"):
     park: bool = False
 
 
-class Park(msgspec.Struct, frozen=True, kw_only=True, tag="park"):
+class TransferDone(msgspec.Struct, frozen=True, kw_only=True, tag="transfer_done"):
     version: int
     rank: int = 0
 
 
-class Commit(msgspec.Struct, frozen=True, kw_only=True, tag="commit"):
+class VersionLanded(msgspec.Struct, frozen=True, kw_only=True, tag="version_landed"):
     version: int
     rank: int = 0
 
 
-class Abort(msgspec.Struct, frozen=True, kw_only=True, tag="abort"):
+class VersionFailed(msgspec.Struct, frozen=True, kw_only=True, tag="version_failed"):
     version: int
     rank: int = 0
     intact: bool
     error: str = ""
 
 
-class Status(msgspec.Struct, frozen=True, kw_only=True, tag="status"):
+class ReceiverChanged(msgspec.Struct, frozen=True, kw_only=True, tag="receiver_changed"):
     """A worker's `ReceiverStatus`, as the API process keeps it."""
 
     rank: int = 0
@@ -96,7 +101,7 @@ class AdapterFailed(msgspec.Struct, frozen=True, kw_only=True, tag="adapter_fail
     error: str = ""
 
 
-SyncEvent = Begin | Park | Commit | Abort | Status | AdapterLanded | AdapterFailed
+SyncEvent = PushArrived | TransferDone | VersionLanded | VersionFailed | ReceiverChanged | AdapterLanded | AdapterFailed
 """Every message the worker may send."""
 
 
@@ -111,5 +116,5 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def event_name(event: SyncEvent) -> str:
-    """The event's tag ("begin", "commit", ...), for messages."""
-    return type(event).__name__.lower()
+    """The event's tag ("push_arrived", "version_landed", ...), for messages."""
+    return str(type(event).__struct_config__.tag)

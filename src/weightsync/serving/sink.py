@@ -1,15 +1,15 @@
 """The sink every worker of a rollout server lands syncs through: the engine's own sink, with the
 server's sync control rung around it (control.py), whatever the engine.
 
-    begin    the engine's sink checks the plan (a refused plan rings nothing), then `Begin`; with
+    begin    the engine's sink checks the plan (a refused plan rings nothing), then `PushArrived`; with
              `park` (a sync that writes the served weights) the control pauses generation and
              opens the engine's update window before it answers
-    commit   a staged sync rings `Park` first (the window opens only now); the engine's sink
-             commits; then `Commit`, answered once every worker's outcome is in: refused unless
+    commit   a staged sync rings `TransferDone` first (the window opens only now); the engine's sink
+             commits; then `VersionLanded`, answered once every worker's outcome is in: refused unless
              every worker landed the version
-    abort    the engine's sink aborts; then `Abort`, saying whether this worker's served weights
+    abort    the engine's sink aborts; then `VersionFailed`, saying whether this worker's served weights
              are intact
-    observe  every change of the worker's receiver state goes to the control as `Status`
+    observe  every change of the worker's receiver state goes to the control as `ReceiverChanged`
 
 A LoRA adapter's sync lands in fresh tensors while the engine serves (`AdapterLanding`): at commit
 the worker holds the adapter in memory (`LoraStore.hold`) and rings `AdapterLanded`; the control
@@ -123,7 +123,7 @@ class ControlledSink(WrappingSink):
     def begin(self, plan: Plan, version: int) -> None:
         self.inner.begin(plan, version)  # a refused plan opens nothing
         park = not self.traits.staged
-        event = events.Begin(
+        event = events.PushArrived(
             version=version,
             rank=self.rank,
             total_bytes=plan.total_bytes,
@@ -135,18 +135,18 @@ class ControlledSink(WrappingSink):
     def commit(self, version: int) -> None:
         if self.traits.staged:
             self.paused_s = self.timed_ring(
-                events.Park(version=version, rank=self.rank), self.drain_timeout + self.timeout
+                events.TransferDone(version=version, rank=self.rank), self.drain_timeout + self.timeout
             )
         self.inner.commit(version)  # the last tensors land; this worker's update call returns
         # Answered once every worker's outcome is in and the engine finished: the control waits up
         # to twice its own timeout plus the drain timeout (control.py); this ring waits longer.
-        self.bell(events.Commit(version=version, rank=self.rank), self.drain_timeout + 3 * self.timeout)
+        self.bell(events.VersionLanded(version=version, rank=self.rank), self.drain_timeout + 3 * self.timeout)
 
     def abort(self, version: int, error: BaseException, *, intact: bool) -> None:
         try:
             self.inner.abort(version, error, intact=intact)
         finally:
-            event = events.Abort(version=version, rank=self.rank, intact=intact, error=str(error))
+            event = events.VersionFailed(version=version, rank=self.rank, intact=intact, error=str(error))
             try:
                 self.bell(event, self.drain_timeout + 3 * self.timeout)  # answered once the server decided
             except SinkError as exc:  # the sync fails anyway; the server's wait for this worker ends in its timeout
@@ -154,7 +154,7 @@ class ControlledSink(WrappingSink):
 
     def observe(self, before: ReceiverStatus, after: ReceiverStatus) -> None:
         """Receiver status changes go to the control (/weight_info, /health, metrics)."""
-        status = events.Status(
+        status = events.ReceiverChanged(
             rank=self.rank,
             state=after.state,
             receiver_version=after.version,

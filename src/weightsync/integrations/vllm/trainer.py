@@ -50,7 +50,7 @@ from weightsync.errors import ConfigError, ConnectError, RemoteError, SyncFailed
 from weightsync.integrations.vllm.plugin import register
 from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.worker import WeightsyncInitInfo
-from weightsync.options import SenderOptions
+from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sender import WeightSender
 from weightsync.source import TensorMeta, WeightSource
@@ -174,9 +174,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 rendezvous=rendezvous.where,
                 session=rendezvous.session,
                 transport=init_info.transport,
-                host=init_info.receiver_host,
-                verify=options.verify,
-                timeout=options.timeout,
+                receiver=ReceiverOptions(
+                    host=init_info.receiver_host, timeout=options.timeout, verify=options.verify
+                ).without_token(),
             )
             client.init_weight_transfer_engine(dataclasses.asdict(worker_info))
             workers = rendezvous.collect()

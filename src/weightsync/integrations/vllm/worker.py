@@ -97,12 +97,10 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     session: str
     """Names this trainer's keys in the store."""
     transport: str = "shm"
-    host: str = "127.0.0.1"
-    """Where a networked receiver (tcp, collective, nixl) listens."""
-    port: int = 0
-    """The first worker's port (worker r listens on port + r); 0: any free port."""
-    verify: str = "off"
-    timeout: float = DEFAULT_TIMEOUT_S
+    receiver: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Every worker's `ReceiverOptions`, as JSON, without the token (`without_token`): a
+    networked receiver (tcp, collective, nixl) listens on its host, worker r on its port + r
+    (0: any free port)."""
     bell: str = ""
     """`weightsync serve`'s doorbell socket: the server, not a trainer, opens the update window."""
     staged: bool = False
@@ -269,12 +267,8 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         return_large_frees_to_os()  # each reload frees a model's worth of layer temporaries
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
-        options = ReceiverOptions(
-            host=init_info.host,
-            port=init_info.port + rank if init_info.port else 0,
-            timeout=init_info.timeout,
-            verify=init_info.verify,  # type: ignore[arg-type]  # checked by ReceiverOptions
-        )
+        options = ReceiverOptions(**init_info.receiver)
+        options = dataclasses.replace(options, port=options.port + rank if options.port else 0)
         layout = checkpoint_layout(self.model_config.model, self.model_config.dtype)
         served = bool(init_info.bell)
         self._sink = _WindowSink(layout, timeout=options.timeout, deferred=served)

@@ -20,7 +20,7 @@ from weightsync.sink import WeightSink
 if TYPE_CHECKING:
     from weightsync.serving.hf.lora import LoraServing
 
-__all__ = ["Engine", "SamplingParams", "StepOutput", "check_request"]
+__all__ = ["StepEngine", "SamplingParams", "StepOutput", "check_request"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,7 +61,7 @@ class StepOutput:
     """The version of the adapter the request runs with (`SamplingParams.adapter`), else None."""
 
 
-class Engine(ABC):
+class StepEngine(ABC):
     """One model behind weightsync's own rollout server (`serving/hf/engine.py`; vLLM runs its own server)."""
 
     name: str = ""

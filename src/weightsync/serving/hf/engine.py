@@ -1,4 +1,4 @@
-"""A transformers causal LM behind the Engine contract: simple, exact, and CPU-friendly.
+"""A transformers causal LM behind the StepEngine contract: simple, exact, and CPU-friendly.
 
 Each request keeps its own KV cache and advances one token per `step()`. It is the reference
 engine: greedy outputs equal `model.generate`, and the weights live in the model's own tensors,
@@ -18,7 +18,7 @@ import torch
 from weightsync.errors import ConfigError, RequestError
 from weightsync.lora import AdapterVersion
 from weightsync.serving.config import LoadFormat
-from weightsync.serving.hf.base import Engine, SamplingParams, StepOutput, check_request
+from weightsync.serving.hf.base import SamplingParams, StepEngine, StepOutput, check_request
 from weightsync.serving.hf.lora import LoraServing
 from weightsync.serving.hf.sink import InPlaceModelSink
 
@@ -61,7 +61,7 @@ class _Request:
     num_generated: int = 0
 
 
-class HFEngine(Engine):
+class HFEngine(StepEngine):
     """A transformers causal LM stepped token by token, one KV cache per request.
 
     Args:

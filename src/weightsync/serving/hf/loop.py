@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from weightsync.errors import ConfigError, RequestError, ResourceError, SinkError
 from weightsync.serving.config import PAUSE_MODES, PauseMode
-from weightsync.serving.hf.base import Engine, SamplingParams, StepOutput
+from weightsync.serving.hf.base import SamplingParams, StepEngine, StepOutput
 
 __all__ = ["EngineLoop", "TokenEvent", "VersionSpan"]
 
@@ -104,7 +104,7 @@ class _Submission:
 
 
 class EngineLoop:
-    """Owns an Engine and drives it from one thread.
+    """Owns an StepEngine and drives it from one thread.
 
     Args:
         engine: the engine; nothing else may call it once the loop is started.
@@ -114,7 +114,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: StepEngine,
         version: int | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
     ) -> None:

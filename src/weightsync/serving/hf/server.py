@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import itertools
 import logging
 import threading
@@ -28,61 +27,35 @@ from weightsync.messages import Plan
 from weightsync.receiver import WeightReceiver
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig, require_engine
 from weightsync.serving.control import Served, SyncControl
-from weightsync.serving.hf.base import Engine, SamplingParams
+from weightsync.serving.hf.base import SamplingParams, StepEngine
 from weightsync.serving.hf.loop import EngineLoop
 from weightsync.serving.hf.lora import LoraServing
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.sink import ControlledSink, LocalBell
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 
-__all__ = [
-    "ENGINES",
-    "FAILED_STEPS_UNHEALTHY",
-    "HeldAdapters",
-    "LoopEngine",
-    "RolloutServer",
-    "build_engine",
-    "engine_class",
-]
+__all__ = ["FAILED_STEPS_UNHEALTHY", "HeldAdapters", "LoopEngine", "RolloutServer", "build_engine", "warm_up"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
-ENGINES: dict[str, str] = {"hf": "weightsync.serving.hf.engine:HFEngine"}
-"""In-process engine name -> "module:Class", imported only when chosen."""
-
 FAILED_STEPS_UNHEALTHY = 3
 """Engine steps failing in a row that make /health answer 503 ("failed"), until one succeeds."""
 
 
-def engine_class(name: str) -> type[Engine]:
-    """Import in-process engine `name`'s class.
+def build_engine(config: ServeConfig) -> StepEngine:
+    """The transformers engine `config` describes."""
+    require_engine(config.engine)
+    from weightsync.serving.hf.engine import HFEngine
 
-    Raises:
-        ConfigError: the engine is not an in-process one, or its package is missing here.
-    """
-    if name not in ENGINES:
-        raise ConfigError(
-            f"engine {name!r} does not run inside weightsync's own server; the vllm engine is vLLM's own "
-            "server (weightsync serve --engine vllm, or BackgroundServer)"
-        )
-    require_engine(name)
-    module_name, _, class_name = ENGINES[name].partition(":")
-    cls: type[Engine] = getattr(importlib.import_module(module_name), class_name)
-    return cls
-
-
-def build_engine(config: ServeConfig) -> Engine:
-    """Build the in-process engine `config` names (its class imported by `engine_class`)."""
-    engine: Engine = engine_class(config.engine)(  # type: ignore[call-arg]
+    return HFEngine(
         config.model,
         load_format=config.load_format,
         staged=config.staged,
         max_lora_rank=config.max_lora_rank,
         lora_versions=config.lora_versions,
     )
-    return engine
 
 
 class LoopEngine:
@@ -186,7 +159,7 @@ WARM_UP_MAX_STEPS = 64
 WARM_UP_ID = "weightsync-warm-up"
 
 
-def warm_up(engine: Engine, model: str) -> None:
+def warm_up(engine: StepEngine, model: str) -> None:
     """Generate one token from a one-token prompt, as a request would, before serving: a server
     that started but cannot generate would answer every request with nothing (in an RL loop,
     silent empty rollouts). It runs on the weights the engine starts with (dummy ones, before any
@@ -220,9 +193,9 @@ def warm_up(engine: Engine, model: str) -> None:
 
 
 class RolloutServer:
-    """Engine + loop + control + receiver of one server; the HTTP app (`create_app`) serves it."""
+    """StepEngine + loop + control + receiver of one server; the HTTP app (`create_app`) serves it."""
 
-    def __init__(self, config: ServeConfig, engine: Engine | None = None) -> None:
+    def __init__(self, config: ServeConfig, engine: StepEngine | None = None) -> None:
         self.config = config
         self.tokenizer, self.no_tokenizer = load_tokenizer(config.model, config.chat_template)
         """The model's tokenizer, or None and why: then text prompts are refused (token ids work)."""
@@ -243,10 +216,10 @@ class RolloutServer:
         adapters = HeldAdapters(lora, (config.model_name,)) if lora is not None else None
         self._thread = _ControlThread()
         self.control = SyncControl(
-            LoopEngine(self.loop, adapters, config.sync_timeout),
+            LoopEngine(self.loop, adapters, config.receiver.timeout),
             mode=config.sync_mode,
             drain_timeout=config.drain_timeout,
-            sync_timeout=config.sync_timeout,
+            sync_timeout=config.receiver.timeout,
             metrics=self.metrics,
             version=initial,
             lora_versions=config.lora_versions if adapters is not None else 0,
@@ -257,10 +230,10 @@ class RolloutServer:
             LocalBell(self.control),
             rank=0,
             drain_timeout=config.drain_timeout,
-            timeout=config.sync_timeout,
+            timeout=config.receiver.timeout,
             loras=adapters,
         )
-        self.receiver = WeightReceiver(sink, config.transport, options=config.receiver_options).start()
+        self.receiver = WeightReceiver(sink, config.transport, options=config.receiver).start()
         self.receiver.watch(sink.observe)
         self.served = Served(
             engine="hf",

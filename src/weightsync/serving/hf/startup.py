@@ -16,9 +16,9 @@ import logging
 import threading
 from collections.abc import Callable
 
-from weightsync.serving.config import Health, ServeConfig
+from weightsync.serving.config import Health, ServeConfig, require_engine
 from weightsync.serving.hf.app import create_app
-from weightsync.serving.hf.server import RolloutServer, engine_class
+from weightsync.serving.hf.server import RolloutServer
 from weightsync.serving.http import Starting
 
 __all__ = ["Startup"]
@@ -50,7 +50,10 @@ class Startup:
         skipped by those collections, and by the interpreter's own while the server runs.
         `close` unfreezes them.
         """
-        engine_class(self.config.engine).preload(self.config.model)
+        require_engine(self.config.engine)
+        from weightsync.serving.hf.engine import HFEngine
+
+        HFEngine.preload(self.config.model)
         gc.collect()
         gc.freeze()
 

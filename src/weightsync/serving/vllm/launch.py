@@ -2,7 +2,7 @@
 
 vllm_namespace   vLLM's full serve arguments, parsed by vLLM's own parser
 preload          imports and a heap freeze before the port listens
-build_engine     AsyncLLM, as vLLM's own server builds it (called on a thread)
+build_async_llm  AsyncLLM, as vLLM's own server builds it (called on a thread)
 warm_up          one token generated before serving
 """
 
@@ -22,7 +22,7 @@ from weightsync.errors import ConfigError
 from weightsync.integrations.vllm.plugin import BACKEND
 from weightsync.serving.config import ServeConfig
 
-__all__ = ["build_engine", "preload", "vllm_namespace", "warm_up"]
+__all__ = ["build_async_llm", "preload", "vllm_namespace", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def config_dtype(model_dir: Path) -> str:
     return str(value) if isinstance(value, str) else "auto"
 
 
-def build_engine(args: argparse.Namespace) -> Any:
+def build_async_llm(args: argparse.Namespace) -> Any:
     """vLLM's AsyncLLM from serve arguments: the calls of vLLM's
     `build_async_engine_client_from_engine_args`, made here so they can run on a thread."""
     from vllm.engine.arg_utils import AsyncEngineArgs

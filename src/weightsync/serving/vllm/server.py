@@ -48,7 +48,7 @@ from weightsync.serving.http import Face, Starting, add_routes
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.serving.vllm.labeller import Versioned
-from weightsync.serving.vllm.launch import build_engine, vllm_namespace, warm_up
+from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
 from weightsync.serving.vllm.versions import LoraUse, VersionedEngine
 
 __all__ = ["serve"]
@@ -152,10 +152,7 @@ async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[
             rendezvous=rendezvous.where,
             session=rendezvous.session,
             transport=config.transport,
-            host=config.receiver_host,
-            port=config.receiver_port,
-            verify=config.verify,
-            timeout=config.sync_timeout,
+            receiver=config.receiver.without_token(),
             bell=bell,
             staged=config.staged,
             drain_timeout=config.drain_timeout,
@@ -275,7 +272,7 @@ async def _build(args: argparse.Namespace, note: Callable[[], None], stop: async
 
     def build() -> None:
         try:
-            result: tuple[Any, BaseException | None] = (build_engine(args), None)
+            result: tuple[Any, BaseException | None] = (build_async_llm(args), None)
         except BaseException as exc:
             result = (None, exc)
         with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
@@ -348,13 +345,13 @@ async def _serve_engine(
         workers=engine.vllm_config.parallel_config.world_size,
         mode=config.sync_mode,
         drain_timeout=config.drain_timeout,
-        sync_timeout=config.sync_timeout,
+        sync_timeout=config.receiver.timeout,
         metrics=metrics,
         version=initial,
         lora_versions=config.lora_versions if config.max_lora_rank else 0,
         busy=loras.busy,
     )
-    bell = Doorbell(control.on_event, timeout=config.sync_timeout)
+    bell = Doorbell(control.on_event, timeout=config.receiver.timeout)
     await bell.start()
     bridge = _MetricsBridge(metrics)
     registry = get_prometheus_registry()
