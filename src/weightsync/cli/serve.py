@@ -13,19 +13,20 @@ from typing import TYPE_CHECKING
 
 from weightsync.checksum import VERIFY_MODES
 from weightsync.cli.args import DefaultsFormatter, add_auth_token, at_least, auth_token, port, seconds
-from weightsync.cli.errors import TERMINATED
+from weightsync.serving.engines import ENGINES
 from weightsync.transports import serving_transports
 
 if TYPE_CHECKING:
-    from weightsync.serving.config import ServeConfig
     from weightsync.serving.footprint import Footprint
 
 __all__ = ["add_parser", "run"]
 
 log = logging.getLogger("weightsync.serve")
 
-GRACEFUL_SHUTDOWN_S = 5
-"""Seconds requests in flight get to finish when the server is stopped."""
+ENGINE_SHUTDOWN_S = 3.0
+"""Seconds `weightsync serve` gives the engine's own shutdown (vLLM's workers' exit, its engine
+core's) before it ends whatever is left of the engine's processes: vLLM alone may wait 5 s, then
+4 more."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Serve a model over an OpenAI-compatible API; weights arrive by `weightsync push` "
         "or a WeightSender, straight into the engine's memory.",
     )
-    serve.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="inference engine")
+    serve.add_argument("--engine", choices=tuple(ENGINES), default="hf", help="inference engine")
     serve.add_argument("--model", required=True, help="model directory (config.json, tokenizer, checkpoint)")
     serve.add_argument("--load-format", choices=("dummy", "auto"), default="dummy", help="dummy (default) or auto")
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models (default: the dir's name)")
@@ -100,10 +101,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="versions of each LoRA adapter kept resident",
     )
     serve.add_argument(
+        "--engine-args",
         "--vllm-args",
         default="",
-        help='more `vllm serve` arguments for --engine vllm, as one string (e.g. "--max-model-len 4096 '
-        "--enable-auto-tool-choice --tool-call-parser hermes\"); vLLM's own parser reads them",
+        help="more arguments for the engine, as one string: `vllm serve` arguments for --engine vllm (e.g. "
+        '"--max-model-len 4096 --enable-auto-tool-choice --tool-call-parser hermes"), which vLLM\'s own parser reads',
     )
     serve.add_argument(
         "--log-level",
@@ -127,13 +129,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
-    import uvicorn
+    """Check, preload, bind, then serve with the engine's adapter until stopped."""
+    import asyncio
+    import shlex
 
-    from weightsync.errors import ConfigError
     from weightsync.options import ReceiverOptions
     from weightsync.serving.background import bind
     from weightsync.serving.config import ServeConfig
-    from weightsync.serving.hf.startup import Startup
+    from weightsync.serving.engines import engine_adapter
+    from weightsync.serving.foreground import Ready
 
     config = ServeConfig(
         model=args.model,
@@ -156,83 +160,31 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
         max_lora_rank=args.max_lora_rank,
         lora_versions=args.lora_versions,
     )
-    if args.engine == "vllm":
-        return run_vllm(config, args, footprint)
-    if args.vllm_args:
-        raise ConfigError("--vllm-args is for --engine vllm")
-    startup = Startup(config)
-    # The engine's imports now (a missing engine fails before the port is taken), so that the
-    # engine builds on a thread after it, and the API answers within milliseconds all along.
-    startup.preload()
+    adapter = engine_adapter(config.engine)  # a missing engine fails here, before the port is taken
+    extra = shlex.split(args.engine_args)
+    adapter.check(config, extra)  # so does a refusal of the engine's arguments
+    # The engine's imports now, so that the engine builds on a thread after them and the API
+    # answers within milliseconds all along.
+    adapter.preload(config)
     configure_logging(args.log_level)
     sock = bind(args.host, args.port)
     host, bound_port = sock.getsockname()[:2]
     url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
-    http = uvicorn.Server(
-        uvicorn.Config(
-            startup.front,
-            log_level=max(logging.WARNING, logging.getLevelName(args.log_level.upper())),
-            access_log=args.log_level == "debug",
-            lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-    )
 
-    def started() -> None:
-        if startup.server is None:  # could not start: stop serving, and say why below
-            http.should_exit = True
-            return
-        print(f"weightsync serve: {url} receiver {startup.server.receiver.address}", flush=True)
+    def announce(ready: Ready) -> None:
+        print(f"weightsync serve: {url} receiver {','.join(ready.addresses)}", flush=True)
 
     try:
         log.info("listening on %s (503 until the %s engine is up)", url, args.engine)
-        startup.start(started)  # the engine loads on a thread; the API answers 503 meanwhile
-        http.run(sockets=[sock])
-    except SystemExit as exc:  # SIGTERM is how a server is stopped: uvicorn has shut down cleanly
-        if exc.code != TERMINATED:
-            raise
-    finally:
-        startup.close()
-        sock.close()
-    if startup.error is not None:
-        raise startup.error
-    return 0
-
-
-def run_vllm(config: ServeConfig, args: argparse.Namespace, footprint: Footprint) -> int:
-    """vLLM's own OpenAI server with weightsync's parts on top (weightsync.integrations.vllm)."""
-    import asyncio
-    import shlex
-
-    from weightsync.serving.background import bind
-    from weightsync.serving.config import require_engine
-
-    require_engine("vllm")  # a missing vLLM fails here, before the port is taken
-    from weightsync.serving.vllm.launch import preload, vllm_namespace
-    from weightsync.serving.vllm.server import ENGINE_SHUTDOWN_S, serve
-
-    extra = shlex.split(args.vllm_args)
-    vllm_namespace(config, extra)  # vLLM's refusal of the arguments, before the port is taken
-    preload(config.model)
-    configure_logging(args.log_level)
-    sock = bind(args.host, args.port)
-    host, bound_port = sock.getsockname()[:2]
-    url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
-
-    def announce(address: str) -> None:
-        print(f"weightsync serve: {url} receiver {address}", flush=True)
-
-    try:
-        log.info("listening on %s (503 until the vllm engine is up)", url)
         caught = asyncio.run(
-            serve(
+            adapter.serve(
                 config,
                 sock,
                 extra_args=extra,
                 announce=announce,
                 log_level=args.log_level,
                 note=footprint.note,
-                shutdown_timeout=ENGINE_SHUTDOWN_S,  # then the footprint ends what is left of vLLM
+                shutdown_timeout=ENGINE_SHUTDOWN_S,  # then the footprint ends what is left of the engine
             )
         )
     finally:
@@ -240,7 +192,7 @@ def run_vllm(config: ServeConfig, args: argparse.Namespace, footprint: Footprint
     # What preload froze stays frozen: the interpreter's last collection at exit would scan it all
     # (5 s of a stop on the loaded 2-core dev machine, against 0.6 s), and the process ends here.
     if signal.SIGINT in caught:
-        raise KeyboardInterrupt  # stopped cleanly; Ctrl-C's exit status, 130, as with the hf engine
+        raise KeyboardInterrupt  # stopped cleanly; Ctrl-C's exit status, 130
     return 0
 
 

@@ -6,23 +6,23 @@ OpenAI server with weightsync's backend in every worker ("vllm", weightsync.inte
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import socket
 import threading
-import time
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from weightsync.errors import ResourceError
 from weightsync.serving.config import ServeConfig
+from weightsync.serving.engines import ENGINES, engine_adapter
+from weightsync.serving.foreground import Ready
 
 if TYPE_CHECKING:
     from weightsync.serving.hf.server import RolloutServer
 
 __all__ = ["BackgroundServer", "bind"]
-
-VLLM_START_TIMEOUT_S = 300.0
-"""Seconds vLLM's server may take to start (20-75 s alone on a 2-core host; more when loaded)."""
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -45,12 +45,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class BackgroundServer:
-    """The rollout server of `config` on a daemon thread, listening on `config.host`.
+    """The rollout server of `config` on a daemon thread, listening on `config.host`: the engine's
+    adapter serving as `weightsync serve` does, on an event loop of its own.
 
     Args:
         config: what to serve.
         port: the HTTP port (0: any free one).
-        start_timeout: seconds the server may take to start (None: 30 s for hf, 300 s for vllm).
+        start_timeout: seconds the server may take to start (None: the engine's `start_s`).
 
     Raises:
         ConfigError: the config is refused (vLLM refused its arguments, say).
@@ -60,63 +61,33 @@ class BackgroundServer:
     def __init__(self, config: ServeConfig, port: int = 0, start_timeout: float | None = None) -> None:
         self.config = config
         self.server: RolloutServer | None = None
-        """The hf engine's server (None for vllm, whose parts live in vLLM's own processes)."""
+        """The transformers engine's server (None for vLLM, whose parts live in its own processes)."""
         self.addresses: list[str] = []
-        """Where a sender pushes weights to this server: one receiver per vLLM worker, one for hf."""
+        """Where a sender pushes weights to this server: one receiver per worker."""
+        adapter = engine_adapter(config.engine)
+        adapter.check(config)  # a refusal of the engine's arguments, raised here
         self._sock = bind(config.host, port)
         host, bound_port = self._sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{bound_port}"
         try:
-            if config.engine == "vllm":
-                self._close = self._start_vllm(VLLM_START_TIMEOUT_S if start_timeout is None else start_timeout)
-            else:
-                self._close = self._start_hf(30.0 if start_timeout is None else start_timeout)
+            self._close = self._start(
+                adapter, ENGINES[config.engine].start_s if start_timeout is None else start_timeout
+            )
         except BaseException:
             self._sock.close()
             raise
 
-    def _start_hf(self, start_timeout: float) -> Any:
-        import uvicorn
-
-        from weightsync.serving.hf.app import create_app
-        from weightsync.serving.hf.server import RolloutServer
-
-        server = self.server = RolloutServer(self.config)
-        self.addresses = [server.receiver.address]
-        http = uvicorn.Server(uvicorn.Config(create_app(server), log_level="warning", lifespan="off"))
-        thread = threading.Thread(
-            target=http.run, kwargs={"sockets": [self._sock]}, name="weightsync-http", daemon=True
-        )
-        thread.start()
-
-        def close(timeout: float) -> None:
-            http.should_exit = True
-            thread.join(timeout)
-            server.close()
-
-        deadline = time.monotonic() + start_timeout
-        while not http.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                close(start_timeout)
-                raise ResourceError(f"the HTTP server on {self.url} did not start within {start_timeout} s")
-            time.sleep(0.01)
-        return close
-
-    def _start_vllm(self, start_timeout: float) -> Any:
-        from weightsync.serving.vllm.launch import vllm_namespace
-        from weightsync.serving.vllm.server import serve
-
-        vllm_namespace(self.config)  # vLLM's refusal of the arguments, raised here
+    def _start(self, adapter: Any, start_timeout: float) -> Callable[[float], None]:
         ready = threading.Event()
         started: dict[str, Any] = {}
 
-        def announce(addresses: str) -> None:
-            self.addresses = addresses.split(",")
+        def announce(up: Ready) -> None:
+            self.addresses, self.server = list(up.addresses), up.server
             ready.set()
 
         async def main() -> None:
             started["loop"], started["stop"] = asyncio.get_running_loop(), asyncio.Event()
-            await serve(self.config, self._sock, announce=announce, log_level="warning", stop=started["stop"])
+            await adapter.serve(self.config, self._sock, announce=announce, log_level="warning", stop=started["stop"])
 
         def run() -> None:
             try:
@@ -126,13 +97,14 @@ class BackgroundServer:
             finally:
                 ready.set()
 
-        thread = threading.Thread(target=run, name="weightsync-vllm-server", daemon=True)
+        thread = threading.Thread(target=run, name=f"weightsync-{self.config.engine}-server", daemon=True)
         thread.start()
 
         def close(timeout: float) -> None:
             loop, stop = started.get("loop"), started.get("stop")
             if loop is not None and stop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(stop.set)
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(stop.set)
             thread.join(timeout)
             # vLLM's engine client leaves its ZeroMQ contexts to the garbage collector, which
             # warns about each (ResourceWarning) whenever it gets to them: collect them now,
@@ -146,7 +118,7 @@ class BackgroundServer:
             error = started.get("error")
             if isinstance(error, Exception):
                 raise error
-            raise ResourceError(f"vLLM's server on {self.url} did not start within {start_timeout} s")
+            raise ResourceError(f"the {self.config.engine} server on {self.url} did not start within {start_timeout} s")
         return close
 
     def weight_info(self) -> dict[str, Any]:

@@ -4,7 +4,6 @@ states a server reports (`Health`)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from pathlib import Path
 from typing import Literal
 
@@ -12,19 +11,17 @@ from weightsync.auth import check_bind, resolve_token
 from weightsync.errors import ConfigError
 from weightsync.options import ReceiverOptions
 from weightsync.serving.body_limit import default_max_request_bytes
+from weightsync.serving.engines import ENGINES
 from weightsync.transports import get_transport, serving_transports
 
 __all__ = [
     "AUTO_VERSION",
-    "ENGINE_PACKAGES",
     "PAUSE_MODES",
-    "EngineName",
     "Health",
     "LoadFormat",
     "PauseMode",
     "ServeConfig",
     "ServerState",
-    "require_engine",
 ]
 
 LoadFormat = Literal["dummy", "auto"]
@@ -36,14 +33,6 @@ PauseMode = Literal["wait", "abort", "keep"]
 abort (end what runs), keep (freeze what runs where it is; it continues on resume)."""
 PAUSE_MODES: tuple[PauseMode, ...] = ("wait", "abort", "keep")
 """Every PauseMode; `mode in PAUSE_MODES` narrows a str to one."""
-
-EngineName = Literal["hf", "vllm"]
-"""The engines a server runs: "hf" in this process behind weightsync's own app (`RolloutServer`),
-"vllm" as vLLM's own server with weightsync's backend in its workers (weightsync.integrations.vllm)."""
-
-
-ENGINE_PACKAGES: dict[str, str] = {"hf": "transformers", "vllm": "vllm"}
-"""Engine name -> the package it runs on, imported by `require_engine` to fail early where it is missing."""
 
 AUTO_VERSION = 0
 """The version a server started with --load-format auto serves: the checkpoint on disk."""
@@ -69,7 +58,7 @@ class ServeConfig:
 
     Attributes:
         model: model directory (config.json, tokenizer; the checkpoint for load_format "auto").
-        engine: "hf" or "vllm".
+        engine: the engine's name in `ENGINES` ("hf" or "vllm").
         load_format: "dummy" (serve nothing until the first sync) or "auto".
         transport: the receiver's transport, "shm", "tcp", "collective" or "nixl".
         receiver: how each worker's weight receiver listens and what it accepts (its interface
@@ -96,7 +85,7 @@ class ServeConfig:
     """
 
     model: str
-    engine: EngineName = "hf"
+    engine: str = "hf"
     load_format: LoadFormat = "dummy"
     transport: str = "shm"
     receiver: ReceiverOptions = dataclasses.field(default_factory=ReceiverOptions)
@@ -124,7 +113,7 @@ class ServeConfig:
         if not (Path(self.model) / "config.json").is_file():
             raise ConfigError(f"model {self.model!r} is not a directory with a config.json")
         choices = {
-            "engine": tuple(ENGINE_PACKAGES),
+            "engine": tuple(ENGINES),
             "load_format": ("dummy", "auto"),
             "transport": tuple(serving_transports()),
             "sync_mode": PAUSE_MODES,
@@ -156,20 +145,3 @@ class ServeConfig:
         if self.max_request_bytes is not None:
             return self.max_request_bytes
         return default_max_request_bytes(self.model)
-
-
-def require_engine(name: str) -> None:
-    """Import the package engine `name` runs on (vLLM is heavy and optional, so only when chosen).
-
-    Raises:
-        ConfigError: the engine is unknown, or its package is missing or does not import here.
-    """
-    if name not in ENGINE_PACKAGES:
-        raise ConfigError(f"engine must be one of {', '.join(ENGINE_PACKAGES)}; got {name!r}")
-    try:
-        importlib.import_module(ENGINE_PACKAGES[name])
-    except (ImportError, RuntimeError) as exc:  # RuntimeError: a vLLM build that does not match torch
-        hint = "run scripts/install-vllm.sh (vLLM's CPU build; pip install vllm on a GPU host)"
-        if name != "vllm":
-            hint = "pip install -e '.[hf]' in your weightsync checkout"
-        raise ConfigError(f"engine {name!r} is not available here ({exc}); {hint}") from exc

@@ -25,8 +25,9 @@ from weightsync.errors import ConfigError
 from weightsync.lora import Adapter
 from weightsync.messages import Plan
 from weightsync.receiver import WeightReceiver
-from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig, require_engine
+from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
 from weightsync.serving.control import Served, SyncControl
+from weightsync.serving.engines import require_engine
 from weightsync.serving.hf.base import SamplingParams, StepEngine
 from weightsync.serving.hf.loop import EngineLoop
 from weightsync.serving.hf.lora import LoraServing

@@ -6,24 +6,83 @@ meets an open port that does not answer: until the server is up, `front` (the HT
 `Starting`) answers /health and every endpoint with a 503 naming the state ("starting", "loading
 engine", or "failed" with the error that then stops the process), then it serves the app.
 
+    serve(config, sock)              the adapter's `serve`: the port, the build, until stopped
     Startup(config).start(on_done)   build on a thread; on_done() when it is up or has failed
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
+import socket
 import threading
 from collections.abc import Callable
 
-from weightsync.serving.config import Health, ServeConfig, require_engine
+from weightsync.serving.config import Health, ServeConfig
+from weightsync.serving.engines import require_engine
+from weightsync.serving.foreground import Ready, http_server, stop_on, stopped_by_signals
 from weightsync.serving.hf.app import create_app
 from weightsync.serving.hf.server import RolloutServer
 from weightsync.serving.http import Starting
 
-__all__ = ["Startup"]
+__all__ = ["Startup", "preload", "serve"]
 
 log = logging.getLogger(__name__)
+
+
+def preload(config: ServeConfig) -> None:
+    """Call before the port listens: import what the build imports, and freeze the heap.
+
+    Both hold the interpreter for long stretches when done on the build thread: imports, and full
+    garbage collections (each scans every object there is). Objects frozen now are skipped by
+    those collections, and by the interpreter's own while the server runs.
+    """
+    require_engine(config.engine)
+    from weightsync.serving.hf.engine import HFEngine
+
+    HFEngine.preload(config.model)
+    gc.collect()
+    gc.freeze()
+
+
+async def serve(
+    config: ServeConfig,
+    sock: socket.socket,
+    *,
+    announce: Callable[[Ready], None] = lambda ready: None,
+    log_level: str = "info",
+    stop: asyncio.Event | None = None,
+) -> list[int]:
+    """Serve on `sock` until SIGTERM/SIGINT (or `stop` is set): 503s while the engine builds on
+    a thread, then the app; `announce(ready)` once it serves. Returns the signals caught.
+
+    Raises:
+        ConfigError: the engine cannot run the model (the build's own error).
+    """
+    loop = asyncio.get_running_loop()
+    startup = Startup(config)
+    http = http_server(startup.front, log_level)
+
+    def built() -> None:  # on the build thread
+        server = startup.server
+        if server is None:  # could not start: stop serving, and raise why below
+            http.should_exit = True
+            return
+        loop.call_soon_threadsafe(announce, Ready((server.receiver.address,), server))
+
+    with stopped_by_signals(http) as caught:
+        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
+        try:
+            startup.start(built)
+            await http.serve(sockets=[sock])
+        finally:
+            if watch is not None:
+                watch.cancel()
+            startup.close()
+    if startup.error is not None:
+        raise startup.error
+    return caught
 
 
 class Startup:
@@ -41,21 +100,6 @@ class Startup:
         self.front = Starting()
         self._lock = threading.Lock()
         self._closed = False
-
-    def preload(self) -> None:
-        """Call before the port listens: import what the build imports, and freeze the heap.
-
-        Both hold the interpreter for long stretches when done on the build thread: imports,
-        and full garbage collections (each scans every object there is). Objects frozen now are
-        skipped by those collections, and by the interpreter's own while the server runs.
-        `close` unfreezes them.
-        """
-        require_engine(self.config.engine)
-        from weightsync.serving.hf.engine import HFEngine
-
-        HFEngine.preload(self.config.model)
-        gc.collect()
-        gc.freeze()
 
     def start(self, on_done: Callable[[], None]) -> None:
         """Build the server on a daemon thread; `on_done()` is called from it once the server is

@@ -29,14 +29,11 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-
-import uvicorn
 
 from weightsync.errors import ResourceError
 from weightsync.integrations.vllm.internals import serve_lora
@@ -44,6 +41,7 @@ from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
 from weightsync.serving.control import Served, SyncControl
 from weightsync.serving.doorbell import Doorbell
+from weightsync.serving.foreground import Ready, http_server, stop_on, stopped_by_signals
 from weightsync.serving.http import Face, Starting, add_routes
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
@@ -58,27 +56,14 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 120.0
 """Seconds a start-up or shut-down call into vLLM's workers may take."""
 
-GRACEFUL_SHUTDOWN_S = 5
-"""Seconds requests in flight get to finish when the server is stopped."""
 
 STOP_RPC_S = 1.0
 """Seconds the workers get to close their receivers at a stop: a worker busy in a sync answers
 only once the sync ends (up to its timeout), and vLLM's shutdown ends the workers anyway."""
 
-ENGINE_SHUTDOWN_S = 3.0
-"""Seconds `weightsync serve` gives vLLM's own shutdown (its workers' exit, its engine core's)
-before it ends whatever is left of vLLM's processes: vLLM alone may wait 5 s, then 4 more."""
 
 NOTE_EVERY_S = 1.0
 """How often, while vLLM's processes start, the shared memory they map is noted (`serve`'s `note`)."""
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its own signal handling: SIGTERM and SIGINT are this module's (`_signals`)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class _MetricsBridge:
@@ -170,42 +155,19 @@ async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[
     return workers
 
 
-@contextlib.contextmanager
-def _signals(http: uvicorn.Server) -> Iterator[list[int]]:
-    """SIGTERM/SIGINT stop the server gracefully; yields the signals caught (the caller turns a
-    SIGINT into the exit status of Ctrl-C, 130; SIGTERM, how a server is stopped, exits 0)."""
-    loop = asyncio.get_running_loop()
-    caught: list[int] = []
-
-    def stop(sig: int) -> None:
-        caught.append(sig)
-        http.should_exit = True
-
-    installed = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: the caller stops us
-            loop.add_signal_handler(sig, stop, sig)
-            installed.append(sig)
-    try:
-        yield caught
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-
-
 async def serve(
     config: ServeConfig,
     sock: socket.socket,
     *,
     extra_args: Sequence[str] = (),
-    announce: Callable[[str], None] = lambda address: None,
+    announce: Callable[[Ready], None] = lambda ready: None,
     log_level: str = "info",
     stop: asyncio.Event | None = None,
     note: Callable[[], None] = lambda: None,
     shutdown_timeout: float | None = None,
 ) -> list[int]:
-    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(addresses)` once ready (every
-    worker's receiver, comma-separated). Returns the signals that stopped it (none: `stop`).
+    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(ready)` once ready (every
+    worker's receiver). Returns the signals that stopped it (none: `stop`).
     `note()` is called while vLLM's processes start, once they serve, and before they stop: the
     caller records what they made (`weightsync.serving.footprint.Footprint.note`). vLLM's own
     shutdown gets `shutdown_timeout` seconds (None: as long as it takes); a caller that bounds
@@ -223,18 +185,10 @@ async def serve(
     if config.auth_token is not None:  # vLLM's workers inherit it: their receivers require it
         os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
     front = Starting()
-    http = _Server(
-        uvicorn.Config(
-            front,
-            log_level=max(logging.WARNING, logging.getLevelName(log_level.upper())),
-            access_log=log_level == "debug",
-            lifespan="off",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
-    )
-    with _signals(http) as caught:
+    http = http_server(front, log_level)
+    with stopped_by_signals(http) as caught:
         serving = asyncio.create_task(http.serve(sockets=[sock]))
-        watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
+        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
         try:
             front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
             # With a bounded shutdown the caller ends vLLM's processes: a stop need not wait for the build.
@@ -242,9 +196,9 @@ async def serve(
             if engine is None:  # stopped while vLLM loaded
                 return caught
 
-            def ready(addresses: str) -> None:
+            def ready(up: Ready) -> None:
                 note()  # every vLLM process is up: the most they map
-                announce(addresses)
+                announce(up)
 
             try:
                 await _serve_engine(config, args, engine, front, serving, ready)
@@ -310,18 +264,13 @@ def _shutdown(engine: Any, timeout: float | None) -> None:
         log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
 
 
-async def _stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
-    await stop.wait()
-    http.should_exit = True
-
-
 async def _serve_engine(
     config: ServeConfig,
     args: argparse.Namespace,
     engine: Any,
     front: Starting,
     serving: asyncio.Task[None],
-    announce: Callable[[str], None],
+    announce: Callable[[Ready], None],
 ) -> None:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
@@ -374,7 +323,7 @@ async def _serve_engine(
         try:
             async with app.router.lifespan_context(app):
                 front.app = outer
-                announce(",".join(addresses))
+                announce(Ready(tuple(addresses)))
                 await serving
         finally:
             front.app = None
