@@ -422,3 +422,20 @@ def test_the_layer_check_sees_an_upward_import():
     assert layer_of("weightsync.serving.control") < layer_of("weightsync.serving.vllm.server")
     assert layer_of("weightsync.integrations.vllm.worker") < layer_of("weightsync.serving.hf.app")
     assert layer_of("weightsync.sender") == (0, "core")
+
+
+def test_the_architecture_page_maps_every_module():
+    """docs/architecture.md's module map names every module of the package (by its file name,
+    under its folder's line), so the map cannot fall behind the code."""
+    page = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    start = page.index("## Modules")
+    block = page[start : page.index("```", page.index("```", start) + 3)]
+    words = set(block.replace(",", " ").replace("(", " ").replace(")", " ").replace(":", " ").split())
+    missing = []
+    for name, path in module_names(PACKAGE).items():
+        if path.suffix != ".py" or path.name == "__init__.py" or path.name.startswith("_"):
+            continue
+        stem = path.stem
+        if not ({stem, f"{stem}.py", f"{stem}/"} & words):
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, f"modules missing from docs/architecture.md's map: {missing}"

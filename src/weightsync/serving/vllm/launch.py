@@ -59,10 +59,10 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
     given = " ".join(extra)
     if config.chat_template is not None:
         if "--chat-template" in given:
-            raise ConfigError("give the chat template once: --chat-template, or in --vllm-args")
+            raise ConfigError("give the chat template once: --chat-template, or in --engine-args")
         argv += ["--chat-template", config.chat_template]
     if "--enforce-eager" not in given and "compilation" not in given:
-        argv.append("--enforce-eager")  # compiling takes minutes on CPU; opt in with --vllm-args
+        argv.append("--enforce-eager")  # compiling takes minutes on CPU; opt in with --engine-args
     if config.max_lora_rank:
         # a request runs on the adapter version it started with: every resident version, and
         # one still draining, may be in one batch (--max-loras); the CPU cache holds a few more
@@ -73,7 +73,7 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
             argv += ["--max-cpu-loras", str(4 * config.lora_versions)]
     if "--kv-cache-memory-bytes" not in given and "--gpu-memory-utilization" not in given:
         argv += ["--kv-cache-memory-bytes", str(DEFAULT_KV_CACHE_BYTES)]
-    parser = make_arg_parser(FlexibleArgumentParser(prog="weightsync serve --vllm-args"))
+    parser = make_arg_parser(FlexibleArgumentParser(prog="weightsync serve --engine-args"))
     try:
         args = parser.parse_args([*argv, *extra])
         validate_parsed_serve_args(args)

@@ -3,7 +3,7 @@
 How it is put together, and why this way (docs/server.md has the longer account):
 
 1. vLLM's arguments are parsed by vLLM's own `make_arg_parser` (engine.py), from weightsync's
-   flags plus anything given with --vllm-args: every `vllm serve` option works, with vLLM's
+   flags plus anything given with --engine-args: every `vllm serve` option works, with vLLM's
    defaults.
 2. The engine is vLLM's `AsyncLLM` (engine core and worker in vLLM's own processes), built from
    those arguments with the same public calls vLLM's `build_async_engine_client_from_engine_args`
