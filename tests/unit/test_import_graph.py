@@ -432,7 +432,7 @@ def test_the_architecture_page_maps_every_module():
     block = page[start : page.index("```", page.index("```", start) + 3)]
     words = set(block.replace(",", " ").replace("(", " ").replace(")", " ").replace(":", " ").split())
     missing = []
-    for name, path in module_names(PACKAGE).items():
+    for _name, path in module_names(PACKAGE).items():
         if path.suffix != ".py" or path.name == "__init__.py" or path.name.startswith("_"):
             continue
         stem = path.stem
