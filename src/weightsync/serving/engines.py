@@ -14,9 +14,20 @@ __all__ = ["ENGINES", "EngineEntry", "engine_adapter", "require_engine"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineEntry:
-    """One engine a server runs: its adapter (a package of serving/ with `check`, `preload` and
-    `serve`: serving/hf/__init__.py says what each does), the package the engine runs on
-    (imported first, to fail early where it is missing), and how to install that package."""
+    """One engine a server runs: its adapter's module (under serving/<engine>/), the package the
+    engine runs on (imported first, to fail early where it is missing), and how to install it.
+
+    The adapter's module supplies three entry points:
+
+        check(config, extra_args)   refuse what it cannot serve, before the port is taken
+        preload(config)             imports and a heap freeze before the port listens (the
+                                    command only, not a server on a thread)
+        serve(config, sock, *, extra_args, announce, log_level, stop, note, shutdown_timeout)
+                                    serve until SIGTERM/SIGINT or `stop` (serving/foreground.py);
+                                    `announce(Ready)` once it serves; `note()` while the engine's
+                                    processes start and stop (serving/footprint.py); returns the
+                                    signals caught
+    """
 
     adapter: str
     package: str
@@ -28,10 +39,10 @@ class EngineEntry:
 
 ENGINES: dict[str, EngineEntry] = {
     "hf": EngineEntry(
-        "weightsync.serving.hf", "transformers", "pip install -e '.[hf]' in your weightsync checkout", 60.0
+        "weightsync.serving.hf.startup", "transformers", "pip install -e '.[hf]' in your weightsync checkout", 60.0
     ),
     "vllm": EngineEntry(
-        "weightsync.serving.vllm",
+        "weightsync.serving.vllm.server",
         "vllm",
         "run scripts/install-vllm.sh (vLLM's CPU build; pip install vllm on a GPU host)",
         300.0,
@@ -39,7 +50,7 @@ ENGINES: dict[str, EngineEntry] = {
 }
 """The engines `weightsync serve --engine` runs: "hf" in this process behind weightsync's own
 OpenAI subset, "vllm" as vLLM's own server with weightsync's backend in its workers. Adding an
-engine is one adapter package and one line here."""
+engine is one adapter module (serving/<engine>/) and one line here."""
 
 
 def require_engine(name: str) -> None:
@@ -58,7 +69,7 @@ def require_engine(name: str) -> None:
 
 
 def engine_adapter(name: str) -> Any:
-    """Engine `name`'s adapter package (its `check`, `preload` and `serve`), once its engine's
+    """Engine `name`'s adapter module (its `check`, `preload` and `serve`), once its engine's
     package imports here.
 
     Raises:

@@ -6,7 +6,7 @@ meets an open port that does not answer: until the server is up, `front` (the HT
 `Starting`) answers /health and every endpoint with a 503 naming the state ("starting", "loading
 engine", or "failed" with the error that then stops the process), then it serves the app.
 
-    serve(config, sock)              the adapter's `serve`: the port, the build, until stopped
+    check, preload, serve            the engine adapter's entry points (serving/engines.py)
     Startup(config).start(on_done)   build on a thread; on_done() when it is up or has failed
 """
 
@@ -17,8 +17,9 @@ import gc
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from weightsync.errors import ConfigError
 from weightsync.serving.config import Health, ServeConfig
 from weightsync.serving.engines import require_engine
 from weightsync.serving.foreground import Ready, http_server, stop_on, stopped_by_signals
@@ -26,7 +27,7 @@ from weightsync.serving.hf.app import create_app
 from weightsync.serving.hf.server import RolloutServer
 from weightsync.serving.http import Starting
 
-__all__ = ["Startup", "preload", "serve"]
+__all__ = ["Startup", "check", "preload", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +47,31 @@ def preload(config: ServeConfig) -> None:
     gc.freeze()
 
 
+def check(config: ServeConfig, extra_args: Sequence[str] = ()) -> None:
+    """Raises ConfigError for engine arguments: the transformers engine takes none."""
+    if extra_args:
+        raise ConfigError("--engine-args are for --engine vllm")
+
+
 async def serve(
     config: ServeConfig,
     sock: socket.socket,
     *,
+    extra_args: Sequence[str] = (),
     announce: Callable[[Ready], None] = lambda ready: None,
     log_level: str = "info",
     stop: asyncio.Event | None = None,
+    note: Callable[[], None] = lambda: None,
+    shutdown_timeout: float | None = None,
 ) -> list[int]:
     """Serve on `sock` until SIGTERM/SIGINT (or `stop` is set): 503s while the engine builds on
-    a thread, then the app; `announce(ready)` once it serves. Returns the signals caught.
+    a thread, then the app; `announce(ready)` once it serves. Returns the signals caught. The
+    engine lives in this process: there is nothing to `note`, and its close is not bounded.
 
     Raises:
-        ConfigError: the engine cannot run the model (the build's own error).
+        ConfigError: engine arguments were given, or the engine cannot run the model.
     """
+    check(config, extra_args)
     loop = asyncio.get_running_loop()
     startup = Startup(config)
     http = http_server(startup.front, log_level)

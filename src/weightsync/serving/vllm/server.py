@@ -47,9 +47,10 @@ from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.serving.vllm.labeller import Versioned
 from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
+from weightsync.serving.vllm.launch import preload as preload_vllm
 from weightsync.serving.vllm.versions import LoraUse, VersionedEngine
 
-__all__ = ["serve"]
+__all__ = ["check", "preload", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,16 @@ async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[
     if len(workers) != expected:
         raise ResourceError(f"{len(workers)} of vLLM's {expected} workers started a receiver")
     return workers
+
+
+def check(config: ServeConfig, extra_args: Sequence[str] = ()) -> None:
+    """Raises ConfigError when vLLM's own parser refuses the arguments."""
+    vllm_namespace(config, extra_args)
+
+
+def preload(config: ServeConfig) -> None:
+    """Imports and a heap freeze before the port listens (launch.py)."""
+    preload_vllm(config.model)
 
 
 async def serve(
