@@ -160,9 +160,11 @@ class SGLangEngine:
 
         Raises:
             ConfigError: `version` is not an integer above the last one labelled.
-            SyncFailed: some worker did not land the version whole; nothing was labelled
-                (the message says whether the previous weights serve, or generation stays
-                paused because they are mixed).
+            SyncFailed: the push failed (the source raised, a worker refused it or did not land
+                it whole); nothing was labelled. The message says whether the previous weights
+                serve (generation goes on), or generation stays paused (a worker's weights are
+                mixed, or no worker said how it went); `.report` is the push's report, or None
+                when the push itself raised.
             ServerError: an SGLang route failed; nothing was labelled.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -174,31 +176,43 @@ class SGLangEngine:
         sender = self._require()
         refused = sender.connect()
         if refused:
-            why = "; ".join(f"{address}: {one_line(error)}" for address, error in refused.items())
-            raise ConnectError(f"version {version} not pushed: a TP worker's receiver refused the sender: {why}")
+            causes = "; ".join(f"{address}: {one_line(error)}" for address, error in refused.items())
+            raise ConnectError(f"version {version} not pushed: a TP worker's receiver refused the sender: {causes}")
 
         self.client.pause(self.pause_mode)
         try:
-            report, landings, failure = self._round(sender, tensors, version)
+            report, landings, why = self._round(sender, tensors, version)
         except BaseException:
-            self.client.resume()  # the round failed before any worker could load: the weights are whole
+            self.client.resume()  # an SGLang route failed, or an interrupt: the caller sees why
             raise
-        mixed = [landing for landing in landings if landing.touched and not landing.landed]
-        if failure is None and report.ok and all(landing.landed for landing in landings):
+        if report is not None:
+            why = [outcome.cause() for outcome in report.failed] + why
+        why += [f"TP rank {landing.rank}: {landing.error}" for landing in landings if not landing.landed]
+        if not why:
             self.client.label(str(version))
             self.client.resume()
             self._check_label(version)
             self.version = version
+            assert report is not None
             return report
-        if not mixed:
+        unsure = [landing.rank for landing in landings if landing.touched and not landing.landed]
+        if landings and not unsure:
             self.client.resume()
-        raise SyncFailed(_failure(version, report, landings, failure, mixed), report)
+            state = "the previous weights serve, labelled as before"
+        elif unsure:
+            state = f"the weights of TP rank(s) {unsure} are mixed: SGLang's generation stays paused until a push lands"
+        else:
+            state = "no worker said how it went: SGLang's generation stays paused until a push lands"
+        raise SyncFailed(f"version {version} was not labelled ({state}): " + "; ".join(why), report)
 
     def _round(
         self, sender: WeightSender, tensors: Any, version: int
-    ) -> tuple[SyncReport, list[Landing], BaseException | None]:
-        """Inside SGLang's update session: the update call and the push side by side; the
-        push's report, every worker's landing and the update call's error (None if it succeeded)."""
+    ) -> tuple[SyncReport | None, list[Landing], list[str]]:
+        """Inside SGLang's update session, the update call and the push side by side; returns
+        the push's report (None if it raised), every worker's landing ([] if some worker wrote
+        none) and what else went wrong."""
+        why = []
+        report = None
         land = Land(version=version, timeout=self.deadline)
         self.client.begin_update()
         pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-sglang-update")
@@ -206,11 +220,11 @@ class SGLangEngine:
             update = pool.submit(self._update, land, len(self.workers), flush_cache=self.pause_mode != "in_place")
             try:
                 report = sender.push(tensors, version, deadline=self.deadline)
-            except BaseException:  # the workers heard that the sender gave up: they return
-                _error_of(update, self.deadline + HTTP_MARGIN_S)
-                self.client.end_update()
-                raise
-            failure = _error_of(update, self.deadline + HTTP_MARGIN_S)
+            except Exception as exc:  # the workers heard that the sender gave up: they return
+                why.append(f"the push failed: {one_line(exc)}")
+            failed = _error_of(update, self.deadline + HTTP_MARGIN_S)
+            if failed is not None:
+                why.append(f"SGLang's update call: {one_line(failed)}")
         finally:
             pool.shutdown(wait=False)  # never join a control-plane thread on the error path
         self.client.end_update()
@@ -218,8 +232,8 @@ class SGLangEngine:
         try:
             landings = read_landings(self._store, self._session, version, ranks, HTTP_MARGIN_S)
         except WeightSyncError as exc:
-            return report, [], failure or exc
-        return report, landings, failure
+            return report, [], [*why, one_line(exc)]
+        return report, landings, why
 
     def _update(self, message: Connect | Land, num_ranks: int, *, flush_cache: bool) -> None:
         """One update call carrying `message` to every TP worker, in an update session of its
@@ -271,32 +285,9 @@ def _new_session() -> str:
     return secrets.token_hex(8)
 
 
-def _failure(
-    version: int,
-    report: SyncReport,
-    landings: list[Landing],
-    failure: BaseException | None,
-    mixed: list[Landing],
-) -> str:
-    """Why `version` was not labelled, on one line, and what SGLang serves now."""
-    why = [outcome.cause() for outcome in report.failed]
-    why += [f"TP rank {landing.rank}: {landing.error}" for landing in landings if not landing.landed]
-    if failure is not None:
-        why.append(f"SGLang's update call: {one_line(failure)}")
-    if mixed:
-        ranks = ", ".join(str(landing.rank) for landing in mixed)
-        state = f"the weights of TP rank(s) {ranks} are mixed: SGLang's generation stays paused until a push lands"
-    else:
-        state = "the previous weights serve, labelled as before"
-    return f"version {version} was not labelled ({state}): " + "; ".join(why or ["no reason given"])
-
-
 def _error_of(future: Future[None], timeout: float) -> BaseException | None:
-    """The error `future` ended with, None if it succeeded, or a timeout error after `timeout`."""
+    """What `future` raised (None: it returned), or a TimeoutError once `timeout` passed."""
     try:
-        future.result(timeout=timeout)
+        return future.exception(timeout=timeout)
     except TimeoutError:
         return TimeoutError(f"no answer within {timeout:g} s")
-    except Exception as exc:
-        return exc
-    return None
