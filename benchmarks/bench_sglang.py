@@ -189,11 +189,16 @@ class FromDisk:
 
 
 class Push:
-    """weightsync's whole round: SGLangEngine.push."""
+    """weightsync's whole round: SGLangEngine.push.
+
+    A worker holds one receiver, for the trainer that connected last: each transport's engine
+    connects again before its round (untimed; a trainer connects once)."""
 
     def __init__(self, url: str, transport: str) -> None:
         options = SenderOptions(timeout=120)
         self.engine = SGLangEngine(url, transport=transport, options=options)
+
+    def prepare(self) -> None:
         self.engine.connect()
 
     def __call__(self, weights: Weights, version: int) -> dict[str, float]:
@@ -244,6 +249,8 @@ def main() -> None:
                 for name, method in methods.items():
                     target = "a" if served == "b" else "b"
                     version += 1
+                    if isinstance(method, Push):
+                        method.prepare()
                     started = time.perf_counter()
                     extra = method(weights_a if target == "a" else weights_b, version)
                     times[name].append(time.perf_counter() - started)

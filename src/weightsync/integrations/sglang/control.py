@@ -72,6 +72,8 @@ class Land(msgspec.Struct, tag="land", frozen=True, kw_only=True):
     """Land the push of `version` into the model through SGLang's own `load_weights`."""
 
     version: int
+    session: str
+    """The `Connect` this push belongs to: a worker connected since by another trainer refuses it."""
     timeout: float
     """Seconds the worker waits for the push to reach it, and for each part of it after."""
 

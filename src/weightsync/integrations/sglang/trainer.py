@@ -213,7 +213,7 @@ class SGLangEngine:
         none) and what else went wrong."""
         why = []
         report = None
-        land = Land(version=version, timeout=self.deadline)
+        land = Land(version=version, session=self._session, timeout=self.deadline)
         self.client.begin_update()
         pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-sglang-update")
         try:

@@ -124,8 +124,9 @@ def load_weights(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> N
 
 def _land(model: Any, message: Land) -> None:
     worker = _worker
-    if worker is None:
-        log.error("weightsync: version %d refused: no receiver (the trainer connects first)", message.version)
+    if worker is None or worker.session != message.session:
+        why = "no receiver" if worker is None else "another trainer connected since"
+        log.error("weightsync: version %d refused: %s (the trainer connects first)", message.version, why)
         return
     landing = worker.land(model, message.version, message.timeout)
     try:
