@@ -203,7 +203,15 @@ class Push:
 
     def __call__(self, weights: Weights, version: int) -> dict[str, float]:
         report = self.engine.push(weights, version)
-        return {"push_s": report.seconds}
+        times = report.outcomes[0].times
+        assert times is not None
+        # the worker's receiver: bytes into its standby copy, then SGLang's load_weights
+        return {
+            "push_s": report.seconds,
+            "transfer_s": times.transfer_s,
+            "landing_s": times.landing_s,
+            "load_s": times.load_s,
+        }
 
 
 def main() -> None:

@@ -69,7 +69,9 @@ class SGLangServer:
         env = dict(os.environ)
         if not gpu_count():
             command += ["--device", "cpu", "--attention-backend", "torch_native"]
-            env |= {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))}
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            if tp > 1:  # one core per rank (SGLang's default gives each rank a whole NUMA node)
+                env["SGLANG_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp)))
         self._before = _leftovers()
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sglang-", suffix=".log", delete=False)
         self.process = subprocess.Popen(
