@@ -199,3 +199,15 @@ def test_the_loader_alone_takes_no_weights(server) -> None:
         httpx.post(f"{server.url}/end_weight_update", json={}, timeout=60).raise_for_status()
     assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
     assert _checksums(server.url) == before
+
+
+def test_a_trainer_that_died_inside_a_round_is_recovered_by_the_next(server, weights, references) -> None:
+    """A round left open (generation paused, SGLang's update session open) by a trainer that died:
+    the next trainer's connect ends the session, and its first push lands and resumes generation."""
+    httpx.post(f"{server.url}/pause_generation", json={"mode": "abort"}, timeout=60).raise_for_status()
+    httpx.post(f"{server.url}/begin_weight_update", json={}, timeout=60).raise_for_status()
+    with _engine(server.url, "shm") as engine:
+        version = next(_versions)
+        engine.push(weights[1], version=version)
+        assert _label(server.url) == str(version)
+        assert [_greedy(server.url, prompt) for prompt in PROMPTS] == references[1]

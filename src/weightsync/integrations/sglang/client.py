@@ -55,6 +55,10 @@ class SGLangClient:
     def end_update(self) -> None:
         self._update("/end_weight_update", {})
 
+    def end_stale_update(self) -> bool:
+        """End an update session left open (by a trainer that died inside a round); whether one was."""
+        return self._call("POST", "/end_weight_update", {}, ok=(200, 400)).get("success") is True
+
     def update_from_tensor(
         self, payload: list[str], *, load_format: str, flush_cache: bool, timeout: float | None = None
     ) -> None:
@@ -75,7 +79,9 @@ class SGLangClient:
         if answer.get("success") is False:
             raise ServerError(400, f"{path}: {answer.get('message')}")
 
-    def _call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> dict[str, Any]:
+    def _call(
+        self, method: str, path: str, body: Any = None, timeout: float | None = None, ok: tuple[int, ...] = (200,)
+    ) -> dict[str, Any]:
         try:
             response = self._http.request(method, path, json=body, timeout=timeout or self.timeout)
         except httpx.HTTPError as exc:
@@ -84,7 +90,7 @@ class SGLangClient:
             answer = response.json()
         except ValueError:
             answer = response.text
-        if response.status_code != 200:
+        if response.status_code not in ok:
             message = answer.get("message", answer) if isinstance(answer, dict) else answer
             raise ServerError(response.status_code, f"SGLang {path}: {message}")
         return answer if isinstance(answer, dict) else {"answer": answer}

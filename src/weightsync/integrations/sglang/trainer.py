@@ -12,6 +12,7 @@ stock SGLang server over weightsync's transports.
 
 `connect()` (the first `push` calls it) starts every TP worker's receiver::
 
+    end_weight_update                               only if a trainer that died left one open
     open_store(rendezvous_host)                     the trainer's store, for the engine's life
     update_weights_from_tensor(Connect)             inside begin/end_weight_update: every TP
                                                     worker starts a receiver and announces it
@@ -131,6 +132,10 @@ class SGLangEngine:
         """
         self._drop_sender()
         num_ranks = int(self.client.server_info().get("tp_size", 1))
+        if self.client.end_stale_update():
+            # A trainer died inside a round. Generation stays as it left it: paused, when the
+            # round had paused it, until a push lands (its weights may not be a version).
+            log.warning("weightsync: ended an SGLang weight-update session left open")
         self._store, where = open_store(self.rendezvous_host, self.options.timeout)
         self._session = _new_session()
         message = Connect(
