@@ -97,6 +97,9 @@ class _Worker:
 
 
 _worker: _Worker | None = None
+_sinks: tuple[_LayoutStream, StagedSink] | None = None
+"""Kept from the first `Connect` on: a trainer that connects again (or another) reuses the
+standby copy rather than fault in a fresh one."""
 _lock = threading.Lock()
 
 
@@ -139,20 +142,23 @@ def _connect(model: torch.nn.Module, message: Connect) -> _Worker:
     """Start this worker's receiver and announce it in the trainer's store."""
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
+    global _sinks
     rank = int(get_parallel().tp_rank)
-    dtype = next(model.parameters()).dtype
-    layout = checkpoint_layout(get_server_args().model_path, dtype)
+    if _sinks is None:
+        layout = checkpoint_layout(get_server_args().model_path, next(model.parameters()).dtype)
+        stream = _LayoutStream(layout, timeout=message.timeout)
+        _sinks = stream, StagedSink(stream)
+    stream, staged = _sinks
     options = ReceiverOptions(
         host=message.host,
         port=message.port + rank if message.port else 0,
         timeout=message.timeout,
         verify=message.verify,  # type: ignore[arg-type]  # checked by ReceiverOptions
     )
-    stream = _LayoutStream(layout, timeout=options.timeout)
-    receiver = WeightReceiver(StagedSink(stream), message.transport, options=options)
+    receiver = WeightReceiver(staged, message.transport, options=options)
     try:
         store = connect_store(message.rendezvous, options.timeout)
-        me = WorkerAddress(address=receiver.address, rank=rank, weight_bytes=layout.total_bytes)
+        me = WorkerAddress(address=receiver.address, rank=rank, weight_bytes=stream.layout.total_bytes)
         announce(message.rendezvous, message.session, me, timeout=options.timeout)
     except BaseException:
         receiver.close()
