@@ -194,7 +194,13 @@ class SGLangEngine:
             why = [outcome.cause() for outcome in report.failed] + why
         why += [f"TP rank {landing.rank}: {landing.error}" for landing in landings if not landing.landed]
         if not why:
-            self.client.label(str(version))
+            try:
+                self.client.label(str(version))
+            except ServerError as exc:  # new weights under the old label: serve nothing instead
+                raise ServerError(
+                    exc.status,
+                    f"version {version} landed but SGLang refused its label (generation stays paused): {exc}",
+                ) from exc
             self.client.resume()
             self._check_label(version)
             self.version = version
