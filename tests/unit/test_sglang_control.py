@@ -1,0 +1,81 @@
+"""The SGLang backend's control messages and landings, without SGLang: what the trainer writes
+into SGLang's update call decodes in a worker as exactly the message sent, anything else is
+refused, and each worker's `Landing` travels back through the trainer's store."""
+
+from __future__ import annotations
+
+import base64
+import pickle
+
+import pytest
+import torch
+
+from weightsync.errors import ProtocolError, TransferTimeout
+from weightsync.integrations.sglang.control import (
+    CONTROL_NAME,
+    Connect,
+    Land,
+    Landing,
+    connect_store,
+    decode,
+    payload,
+    read_landings,
+    write_landing,
+)
+from weightsync.integrations.vllm.rendezvous import open_store
+
+
+def _as_sglang_reads(entry: str) -> list[tuple[str, torch.Tensor]]:
+    """What SGLang's worker gets from one rank's entry (base64, then its restricted unpickler,
+    which allows a plain CPU tensor: this is plain pickle's view of the same bytes)."""
+    return pickle.loads(base64.b64decode(entry))  # noqa: S301  (the test's own bytes)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Connect(rendezvous="127.0.0.1:1234", session="ab12", transport="tcp", port=5000, verify="bucket"),
+        Land(version=7, session="ab12", timeout=30.0),
+    ],
+)
+def test_a_control_message_decodes_as_sent_on_every_rank(message: Connect | Land) -> None:
+    entries = payload(message, num_ranks=2)
+    assert len(entries) == 2
+    for entry in entries:
+        named = _as_sglang_reads(entry)
+        assert [name for name, _ in named] == [CONTROL_NAME]
+        assert decode(named) == message
+    assert len(entries[0]) < 2048  # a control message, never weights
+
+
+@pytest.mark.parametrize(
+    "named",
+    [
+        [("model.norm.weight", torch.zeros(4))],
+        [(CONTROL_NAME, torch.zeros(4))],
+        [(CONTROL_NAME, torch.frombuffer(bytearray(b'{"type": "other"}'), dtype=torch.uint8))],
+        [(CONTROL_NAME, torch.zeros(2, 2, dtype=torch.uint8))],
+        [],
+    ],
+    ids=["weights", "float", "unknown-tag", "2-d", "empty"],
+)
+def test_anything_but_one_control_message_is_refused(named: list[tuple[str, torch.Tensor]]) -> None:
+    with pytest.raises(ProtocolError):
+        decode(named)
+
+
+def test_landings_travel_back_through_the_store() -> None:
+    store, where = open_store("127.0.0.1", 10)
+    worker = connect_store(where, 10)
+    write_landing(worker, "s1", Landing(rank=1, version=3, landed=False, touched=True, error="boom"))
+    write_landing(worker, "s1", Landing(rank=0, version=3, landed=True, touched=True))
+    landings = read_landings(store, "s1", 3, [0, 1], timeout=10)
+    assert [(landing.rank, landing.landed, landing.touched) for landing in landings] == [
+        (0, True, True),
+        (1, False, True),
+    ]
+    with pytest.raises(TransferTimeout):
+        read_landings(store, "s1", 3, [0, 1], timeout=0.2)  # read once: a version's landings are consumed
+    store.set("s1/landing/4/0", '{"rank": 1, "version": 4, "landed": true, "touched": true}')
+    with pytest.raises(ProtocolError, match="rank 1"):
+        read_landings(store, "s1", 4, [0], timeout=10)
