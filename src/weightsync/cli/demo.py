@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the policy, the prompts and the sampling")
     demo.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any request or sync may take")
+    demo.add_argument(
+        "--startup-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds each rollout server may take to start (default: 300 for hf, 600 for vllm: a busy host is slow)",
+    )
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory")
     demo.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar over the steps"
@@ -94,8 +102,20 @@ def choose_engine(engine: str, mode: str) -> str:
     return engine
 
 
-STARTUP_S = {"hf": "10 s", "vllm": "10-20 s"}
-"""How long starting the rollout servers took on the 2-core dev machine (imports, engine, warm-up)."""
+STARTUP_S = {"hf": "10-30 s", "vllm": "30-120 s"}
+"""How long starting the rollout servers took on the 2-core dev machine (imports, engine,
+warm-up), idle to busy."""
+
+
+def show_progress() -> None:
+    """The demo's own log lines (a server still starting, one that failed) on stderr, as
+    `weightsync demo: ...`; the servers' logs go to files in the run directory."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("weightsync demo: %(message)s"))
+    demo_log = logging.getLogger("weightsync.demo")
+    demo_log.addHandler(handler)
+    demo_log.setLevel(logging.INFO)
+    demo_log.propagate = False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         out=args.out,
         timeout=args.timeout,
+        startup_timeout=args.startup_timeout,
         kill_server_at=args.kill_server_at,
         progress=args.progress,
         delta="all" if args.delta and args.delta_all else args.delta,
@@ -131,11 +152,12 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "disaggregated":
         print(
             f"weightsync demo: starting {args.servers} rollout servers on the {engine} engine "
-            f"(about {STARTUP_S[engine]}), then {steps} GRPO steps"
+            f"(about {STARTUP_S[engine]}; their logs: {args.out}/server-*.log), then {steps} GRPO steps"
             + (f" training a rank-{lora_rank} LoRA adapter" if lora_rank else ""),
             file=sys.stderr,
             flush=True,
         )
+    show_progress()
     started = time.perf_counter()
     records = run_loop(config)
     plot(records, args.out / "reward_and_sync.png", engine=served_by, mode=args.mode)
@@ -144,8 +166,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"weightsync demo ({args.mode}, {served_by} engine): {result['steps']} steps in {result['seconds']:.0f} s; "
         f"reward {result['reward_first_10pct']:.2f} (first 10% of steps) -> {result['reward_last_10pct']:.2f} "
-        f"(last 10%); {result['syncs']} syncs, mean {result['mean_sync_seconds'] * 1e3:.1f} ms, median "
-        f"{result['median_sync_bytes'] / 1024:.1f} KiB ({result['median_sync_fraction']:.1%} of the model's bytes); "
+        f"(last 10%); {result['syncs']} syncs of the {result['pushes']}, mean {result['mean_sync_seconds'] * 1e3:.1f} "
+        f"ms, median {result['median_sync_bytes'] / 1024:.1f} KiB pushed ({result['median_sync_fraction']:.1%} of the "
+        f"model's bytes), {result['median_wire_bytes'] / 1024:.1f} KiB on the wire; "
         f"max version lag {result['max_version_lag']}, "
         f"{result['dropped_stale']} samples dropped as stale"
     )

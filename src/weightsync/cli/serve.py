@@ -208,6 +208,12 @@ def run_vllm(config: ServeConfig, args: argparse.Namespace, footprint: Footprint
     from weightsync.serving.config import require_engine
 
     require_engine("vllm")  # a missing vLLM fails here, before the port is taken
+    from weightsync.serving import watchdog
+
+    # vLLM's engine core and worker are our grandchildren: should this process be killed
+    # (SIGKILL, the OOM killer), the watchdog ends them and removes their shared memory.
+    # Our own stop ends it (it is a descendant: footprint.close).
+    watchdog.start(footprint.folder)
     from weightsync.serving.vllm.launch import preload, vllm_namespace
     from weightsync.serving.vllm.server import ENGINE_SHUTDOWN_S, serve
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from weightsync.demo import grpo, task
 from weightsync.demo.report import StepLog
-from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
+from weightsync.demo.rollouts import STARTUP_TIMEOUT_S, FleetOptions, LocalRollouts, Request, Sample, ServerFleet
 from weightsync.errors import ConfigError
 from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
@@ -56,6 +56,10 @@ class DemoConfig:
     seed: int = 0
     out: Path = Path("runs/demo")
     timeout: float = 60.0
+    """Seconds any request or sync may take."""
+    startup_timeout: float | None = None
+    """Seconds each rollout server may take to start (None: the engine's `STARTUP_TIMEOUT_S`,
+    generous: a vLLM server alone takes 54-90 s on a busy 2-core host)."""
     kill_server_at: int | None = None
     progress: bool = True
     delta: Delta = True
@@ -106,7 +110,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             push(rollouts, model, 0)  # the adapter's version 0: the base's output
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
-        model_bytes = sum(t.nbytes for t in model_weights(model).values())
+        model_bytes = distinct_bytes(model_weights(model))
         samples = rollouts.generate(new_request(config, rng, 0))
         for step in range(config.steps):
             if step == config.kill_server_at and isinstance(rollouts, ServerFleet):
@@ -130,6 +134,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
                 "sync_gbps": report.gbps,
                 "sync_bytes": report.total_bytes,
                 "model_bytes": model_bytes,
+                "adapter": ADAPTER if config.lora_rank else None,
                 "wire_bytes": report.wire_bytes,
                 "changed_fraction": report.changed_fraction,
                 "sync_modes": sorted({o.mode for o in report.outcomes if o.committed}),
@@ -168,9 +173,9 @@ def start_rollouts(config: DemoConfig, model_dir: Path) -> Rollouts:
     if config.mode == "colocated":
         return LocalRollouts(model_dir, config.timeout, max_lora_rank=config.lora_rank, delta=config.delta)
     if config.mode == "disaggregated":
-        return ServerFleet(
-            model_dir, config.servers, config.engine, config.timeout, max_lora_rank=config.lora_rank, delta=config.delta
-        )
+        startup_timeout = config.startup_timeout or STARTUP_TIMEOUT_S[config.engine]
+        options = FleetOptions(startup_timeout=startup_timeout, max_lora_rank=config.lora_rank, log_dir=config.out)
+        return ServerFleet(model_dir, config.servers, config.engine, config.timeout, options, delta=config.delta)
     raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
 
 
@@ -186,6 +191,12 @@ def with_adapter(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The policy's own weights (under an adapter: the base's, in the base's names)."""
     return base_from_peft(model) if hasattr(model, "peft_config") else dict(model.state_dict())
+
+
+def distinct_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The bytes of `tensors`, each memory counted once: a tied `lm_head` is the embedding, and
+    a push sends it once."""
+    return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors.values()}.values())
 
 
 def save(model: Any, config: DemoConfig) -> None:
