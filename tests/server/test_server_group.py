@@ -86,3 +86,34 @@ def test_wait_until_up_honours_its_whole_timeout_while_the_port_refuses_connecti
         with live_server(tiny_models["qwen2"], port=port) as server:
             waiter.join(60.0)
             assert found["addresses"] == server.client.weight_info()["addresses"]
+
+
+def test_a_url_that_is_not_a_weightsync_server_is_named_not_its_html() -> None:
+    """Another service's 404 page is not repeated to the user: one line says what answered."""
+    import http.server
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = b"<!DOCTYPE html><html><head><title>404 Not Found</title></head><body>" + b"x" * 900 + b"</body>"
+            self.send_response(404)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=web.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{web.server_address[1]}"
+    try:
+        with ServerGroup(timeout=5.0) as group:
+            _, errors = group.join([url])
+    finally:
+        web.shutdown()
+        web.server_close()
+        thread.join()
+    message = str(errors[url])
+    assert "answered HTTP 404 with a web page: is it a weightsync server?" in message and "<" not in message, message

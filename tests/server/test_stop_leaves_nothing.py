@@ -174,7 +174,9 @@ def test_a_vllm_server_killed_with_sigkill_takes_its_engine_and_shared_memory_wi
         server.process.wait(WAIT_S)
         killed = time.monotonic()
         assert wait_until(lambda: not running(processes), timeout=KILLED_GONE_S), running(processes)
-        assert wait_until(lambda: footprints.left() == (set(), set()), timeout=KILLED_GONE_S - (time.monotonic() - killed))
+        assert wait_until(
+            lambda: footprints.left() == (set(), set()), timeout=KILLED_GONE_S - (time.monotonic() - killed)
+        )
         gone = time.monotonic() - killed
     finally:
         server.close()

@@ -61,12 +61,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument(
         "--delta",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="delta sync: send servers on a network transport only what changed (default: --delta)",
+        default=False,
+        help="delta sync (delta=True): send servers on a network transport only what changed; the demo's "
+        "servers share its host (shm), where every push goes whole (docs/delta.md)",
     )
-    demo.add_argument(
-        "--delta-all", action="store_true", help="with --delta: send only what changed over every transport (shm too)"
-    )
+    demo.add_argument("--delta-all", action="store_true", help="send only what changed over every transport (shm too)")
     demo.add_argument(
         "--lora",
         action="store_true",
@@ -145,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         kill_server_at=args.kill_server_at,
         progress=args.progress,
-        delta="all" if args.delta and args.delta_all else args.delta,
+        delta="all" if args.delta_all else args.delta,
         lora_rank=lora_rank,
         pretrain_steps=LORA_PRETRAIN_STEPS if args.lora else 0,
     )

@@ -62,11 +62,12 @@ class DemoConfig:
     generous: a vLLM server alone takes 54-90 s on a busy 2-core host)."""
     kill_server_at: int | None = None
     progress: bool = True
-    delta: Delta = True
+    delta: Delta = False
     """`WeightSender`'s `delta`: a server on a network transport (True) or on any ("all") gets
-    only the elements that changed, where that is less than half the model (docs/delta.md). At
-    this learning rate nearly every weight moves every step, so most pushes still go full;
-    steps.jsonl records what each one moved."""
+    only the elements that changed, where that is less than half the model (docs/delta.md). The
+    demo's servers are on shm, where True sends every push whole (the sender says so, once); at
+    this learning rate nearly every weight moves every step, so even "all" mostly goes full;
+    steps.jsonl records what each push moved."""
     lora_rank: int = 0
     """Train a LoRA adapter of this rank on every linear layer of the policy, whose own weights
     stay frozen, and push only the adapter after each step (0: train and push the whole policy)."""

@@ -130,8 +130,10 @@ class RolloutClient:
             body = None
         if isinstance(body, dict):
             return body
-        if allow_text:  # an error status from a proxy or another service: say what it said
+        if allow_text and not _is_html(response):  # an error from a proxy or another service: what it said
             return " ".join(response.text.split())[:200] or response.reason_phrase
+        if allow_text:  # a web page (another service's 404): its markup would say nothing
+            return f"{self.base_url}{path} answered HTTP {response.status_code} with a web page: is it a weightsync server?"
         raise ServerError(
             0,
             f"{self.base_url}{path} answered HTTP {response.status_code} without a JSON object: is it a weightsync server?",
@@ -145,6 +147,11 @@ class RolloutClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _is_html(response: httpx.Response) -> bool:
+    """Whether `response` is a web page (by its type, or by its first character)."""
+    return "html" in response.headers.get("content-type", "") or response.text.lstrip().startswith("<")
 
 
 Waiting = Callable[[str, float, str], None]

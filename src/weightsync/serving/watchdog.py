@@ -30,6 +30,7 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -78,7 +79,7 @@ def watch(pid: int, folder: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _pidfd(pid: int):  # type: ignore[no-untyped-def]
+def _pidfd(pid: int) -> Iterator[int]:
     """A pidfd for `pid`: readable once the process has ended."""
     fd = os.pidfd_open(pid)
     try:
