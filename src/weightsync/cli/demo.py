@@ -42,6 +42,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument("--prompts-per-step", type=at_least(1), default=16, help="prompts per training step")
     demo.add_argument("--group", type=at_least(2), default=8, help="samples per prompt")
     demo.add_argument("--lr", type=float, help="learning rate (default: 3e-3; 7e-3 with --lora)")
+    demo.add_argument(
+        "--final-lr-fraction",
+        type=float,
+        help="the learning rate falls linearly to lr x this by the last step (default: 1.0, constant; 0.1 with --lora)",
+    )
     demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy")
     demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old")
     demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
@@ -137,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         group=args.group,
         lr=args.lr if args.lr is not None else (7e-3 if args.lora else 3e-3),
         kl_coef=args.kl_coef,
+        final_lr_fraction=args.final_lr_fraction if args.final_lr_fraction is not None else (0.1 if args.lora else 1.0),
         max_staleness=args.max_staleness,
         seed=args.seed,
         out=args.out,

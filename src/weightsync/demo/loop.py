@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import random
 from collections.abc import Callable
@@ -68,6 +69,11 @@ class DemoConfig:
     demo's servers are on shm, where True sends every push whole (the sender says so, once); at
     this learning rate nearly every weight moves every step, so even "all" mostly goes full;
     steps.jsonl records what each push moved."""
+    final_lr_fraction: float = 1.0
+    """The learning rate falls linearly from `lr` at the first step to `lr` x this at the last
+    (1.0: constant). Adam's steps keep their size however small the gradient, so once nearly
+    every group is all correct (no signal) a constant rate walks the policy off what it learned:
+    a LoRA run at 7e-3 reached 0.97 near step 220 of 300, then collapsed to 0.47."""
     lora_rank: int = 0
     """Train a LoRA adapter of this rank on every linear layer of the policy, whose own weights
     stay frozen, and push only the adapter after each step (0: train and push the whole policy)."""
@@ -111,6 +117,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             push(rollouts, model, 0)  # the adapter's version 0: the base's output
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, config=config))
         model_bytes = distinct_bytes(model_weights(model))
         samples = rollouts.generate(new_request(config, rng, 0))
         for step in range(config.steps):
@@ -122,6 +129,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             used, dropped = fresh(samples, version=step, max_staleness=config.max_staleness)
             rewards = [task.reward(task_digit(s), s.completion_ids) for s in used]
             train_step(model, reference, optimizer, used, rewards, config)
+            schedule.step()
             if next_batch is not None:  # push only once no request is in flight: a pure transfer
                 samples = next_batch.result(timeout=config.timeout * 4)
             rollouts.check_alive()
@@ -192,6 +200,12 @@ def with_adapter(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The policy's own weights (under an adapter: the base's, in the base's names)."""
     return base_from_peft(model) if hasattr(model, "peft_config") else dict(model.state_dict())
+
+
+def lr_factor(step: int, config: DemoConfig) -> float:
+    """The learning rate at `step`, as a fraction of `config.lr`: linear to `final_lr_fraction`."""
+    progress = step / max(config.steps - 1, 1)
+    return 1.0 + (config.final_lr_fraction - 1.0) * min(progress, 1.0)
 
 
 def distinct_bytes(tensors: dict[str, torch.Tensor]) -> int:
