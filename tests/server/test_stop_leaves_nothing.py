@@ -182,3 +182,27 @@ def test_a_vllm_server_killed_with_sigkill_takes_its_engine_and_shared_memory_wi
         server.close()
     assert footprints.shm, "vLLM made segments: the check had something to check"
     assert gone < KILLED_GONE_S, gone
+
+
+STOPPED_WHILE_IMPORTING = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from weightsync import cli
+    from weightsync.serving.hf.startup import Startup
+
+    def preload(self):  # SIGTERM arrives while the engine's imports run
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    Startup.preload = preload
+    sys.exit(cli.main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_server_stopped_during_its_imports_exits_0(tiny_models: dict[str, Path]) -> None:
+    """SIGTERM is how a server is stopped, during its start as later: status 0, not 143."""
+    command = [sys.executable, "-c", STOPPED_WHILE_IMPORTING, *serve_command(tiny_models["qwen2"], "hf")[3:]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr

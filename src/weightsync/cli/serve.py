@@ -117,13 +117,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped; whatever way it stops (SIGTERM, SIGINT, an error, its parent gone),
-    what the server and its engine made on the host goes with it (serving/footprint.py)."""
+    what the server and its engine made on the host goes with it (serving/footprint.py). SIGTERM
+    at any point exits 0: that is how a server is stopped."""
     from weightsync.serving.footprint import Footprint
     from weightsync.serving.process import on_hard_exit
 
-    with Footprint() as footprint:  # first: the engine's temporary files go to its folder
-        on_hard_exit(footprint.close)
-        return run_server(args, footprint)
+    try:
+        with Footprint() as footprint:  # first: the engine's temporary files go to its folder
+            on_hard_exit(footprint.close)
+            return run_server(args, footprint)
+    except SystemExit as exc:
+        # SIGTERM is how a server is stopped, whenever it comes: during the engine's imports
+        # (seconds to a minute on a busy host) as well as while it serves. It stopped cleanly.
+        if exc.code != TERMINATED:
+            raise
+        return 0
 
 
 def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
