@@ -69,7 +69,9 @@ def watch(pid: int, folder: Path) -> list[str]:
     left = _still_running(tree)
     for process in left:
         segments |= footprint._mapped_segments(process.pid)
-    _kill(left)
+    # the server's own end of the resource tracker's pipe closed with it: the tracker cleans up
+    # once the others are gone, if it is given the chance (footprint.end_processes)
+    footprint.end_processes(left, END_WAIT_S)
     removed: list[str] = footprint.reap(pid, str(folder.parent))
     for name in sorted(segments):
         with contextlib.suppress(FileNotFoundError):
@@ -89,12 +91,13 @@ def _pidfd(pid: int) -> Iterator[int]:
 
 
 def _note(pid: int, tree: dict[int, psutil.Process], footprint: ModuleType) -> set[str]:
-    """Add the processes under `pid` now to `tree`; returns the engine segments they map."""
+    """Add the processes under `pid` now to `tree`; returns the engine segments they and `pid`
+    itself map."""
     try:
         found = psutil.Process(pid).children(recursive=True)
     except psutil.Error:  # it just ended: the next select says so
         return set()
-    segments: set[str] = set()
+    segments: set[str] = footprint._mapped_segments(pid)
     for process in found:
         if process.pid == os.getpid():
             continue
@@ -114,13 +117,6 @@ def _still_running(tree: dict[int, psutil.Process]) -> list[psutil.Process]:
                 left.update((child.pid, child) for child in process.children(recursive=True))
     left.pop(os.getpid(), None)
     return list(left.values())
-
-
-def _kill(processes: list[psutil.Process]) -> None:
-    for process in processes:
-        with contextlib.suppress(psutil.Error):
-            process.kill()
-    psutil.wait_procs(processes, timeout=END_WAIT_S)
 
 
 def _footprint() -> ModuleType:
