@@ -51,8 +51,11 @@ def start(folder: Path) -> subprocess.Popen[bytes]:
     Isolated (-I): it reads no PYTHON* variable and puts no folder of ours on its path."""
     return subprocess.Popen(
         [sys.executable, "-I", __file__, str(os.getpid()), str(folder)],
+        # none of the server's pipes: whoever reads the server's output to its end (a parent
+        # waiting for EOF) must not wait on the watchdog, which outlives a killed server
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         close_fds=True,
     )
 
