@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv and vLLM, then run the main job: `weightsync demo`, a GRPO run whose weights are
-# pushed to two vLLM rollout servers after every step; writes runs/demo/. Every step prints a
-# line as it starts. Extra arguments go to `weightsync demo`:
+# pushed to two vLLM rollout servers after every step; writes runs/demo/ (the servers' logs too). A
+# set-up already done is not redone. A progress bar counts the steps. Extra arguments go to
+# `weightsync demo`:
 #   ./scripts/demo.sh --engine hf              # transformers servers: no vLLM to install, quicker
 #   ./scripts/demo.sh --mode colocated          # the engine in the trainer's process (hf)
 # WEIGHTSYNC_SKIP_VLLM=1 skips installing vLLM (the demo then runs on hf).

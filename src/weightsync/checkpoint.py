@@ -63,6 +63,8 @@ class SafetensorsSource:
 
 
 def _shard_files(model_dir: Path) -> list[Path]:
+    if not model_dir.is_dir():
+        raise ConfigError(f"{model_dir}: no such folder")
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = dict.fromkeys(json.loads(index.read_text())["weight_map"].values())

@@ -14,10 +14,10 @@ REFUSALS = frozenset({"AuthError", "NegotiationError", "PlanError"})
 failing while it moved."""
 
 
-def moved(num_bytes: int, seconds: float) -> str:
-    """What a sync moved, for people: bytes and milliseconds, then GB/s where it is a rate worth
-    reading (a latency-bound sync of a small model would read "0.00 GB/s")."""
-    text = f"{num_bytes} bytes in {seconds * 1e3:.1f} ms"
+def moved(num_bytes: int, seconds: float, unit: str = "bytes") -> str:
+    """What a sync moved, for people: bytes (`unit` names them) and milliseconds, then GB/s where
+    it is a rate worth reading (a latency-bound sync of a small model would read "0.00 GB/s")."""
+    text = f"{num_bytes} {unit} in {seconds * 1e3:.1f} ms"
     gbps = num_bytes / seconds / 1e9 if seconds > 0 else 0.0
     return f"{text} ({gbps:.2f} GB/s)" if round(gbps, 2) > 0 else text
 
@@ -90,18 +90,31 @@ class SyncReport:
         return tuple(outcome for outcome in self.outcomes if not outcome.committed)
 
     def summary(self) -> str:
-        """The push on one line: what moved where it committed, else who refused or failed it and
-        why (the first cause; a refusal's message names its fix). A push that committed nowhere
+        """The push on one line: where it committed, how (full or delta) and the bytes on the wire,
+        else who refused or failed it and why (the first cause; a refusal's message names its fix). A push that committed nowhere
         moved nothing anyone serves, so it reports no bytes or GB/s."""
         committed = len(self.outcomes) - len(self.failed)
         if not committed:
             verb = "refused by" if all(outcome.refused for outcome in self.outcomes) else "failed on"
             return f"version {self.version} {verb} every receiver ({len(self.outcomes)}): {self._causes()}"
+        wire = self.wire_bytes or self.total_bytes
+        pushed = "" if wire == self.total_bytes else f" (of {self.total_bytes} pushed)"
         done = (
-            f"version {self.version} committed on {committed} of {len(self.outcomes)} receivers: "
-            f"{self.num_tensors} tensors, {moved(self.total_bytes, self.seconds)}"
+            f"version {self.version} committed on {committed} of {len(self.outcomes)} receivers ({self.modes()}): "
+            f"{self.num_tensors} tensors, {moved(wire, self.seconds, 'bytes on the wire')}{pushed}"
         )
         return done if self.ok else f"{done}; {len(self.failed)} did not: {self._causes()}"
+
+    def modes(self) -> str:
+        """How the receivers that committed were sent the version: "full", "delta" (only what
+        changed), or both with their counts ("delta 1, full 1")."""
+        counts: dict[str, int] = {}
+        for outcome in self.outcomes:
+            if outcome.committed:
+                counts[outcome.mode] = counts.get(outcome.mode, 0) + 1
+        if len(counts) == 1:
+            return next(iter(counts))
+        return ", ".join(f"{mode} {count}" for mode, count in sorted(counts.items()))
 
     def failure(self) -> str:
         """Why the push did not commit everywhere, on one line: the receivers that did not, and

@@ -152,6 +152,8 @@ class WeightSender:
                 plane = spec.send_plane(channel, plane_options)
                 mine = tuple(address for address in addresses if specs[address] is spec)
                 patches = options.delta == "all" or (options.delta is True and spec.networked)
+                if options.delta is True and not patches:
+                    _say_whole_once(spec.name)
                 self._routes.append(
                     Route(spec.name, spec.has_wire, mine, channel, plane, spec.largest_auto_bucket_bytes, patches)
                 )
@@ -479,4 +481,21 @@ def _outcome(
     kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
     return ReceiverOutcome(
         address, False, kind, str(error), mode=mode, wire_bytes=wire_bytes, changed_fraction=changed_fraction
+    )
+
+
+_SAID_WHOLE: set[str] = set()
+"""Transports `_say_whole_once` has named in this process."""
+
+
+def _say_whole_once(transport: str) -> None:
+    """delta=True to a receiver it does not patch: say why, once per transport and process (a
+    group of servers rebuilds its sender whenever a server joins)."""
+    if transport in _SAID_WHOLE:
+        return
+    _SAID_WHOLE.add(transport)
+    log.warning(
+        "delta=True sends every push whole to %s receivers: a diff pays only over a network transport "
+        '(tcp, collective, nixl); delta="all" diffs over every transport (docs/delta.md)',
+        transport,
     )

@@ -92,6 +92,8 @@ def test_colocated_loop_learns_and_serves_the_trainer_weights(tmp_path: Path) ->
     assert served == [True, True, True]
     result = summary(records)
     assert result["reward_last_10pct"] > result["reward_first_10pct"] + 0.2, result
+    # the whole model moves (the tied lm_head once, as a push sends it): 100% of its bytes
+    assert result["pushes"] == "whole model" and result["median_sync_fraction"] == 1.0, result
     plot(records, tmp_path / "plot.png")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
 
@@ -149,7 +151,7 @@ def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Pa
     shapes = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]  # q k v o gate up down
     adapter_bytes = 2 * sum(4 * (fan_in + fan_out) for fan_in, fan_out in shapes)  # rank 1, fp32, 2 layers
     assert all(r["sync_bytes"] == r["wire_bytes"] == adapter_bytes for r in records)
-    assert all(r["model_bytes"] == 304_384 and r["receivers_committed"] == 2 for r in records)
+    assert all(r["model_bytes"] == 300_800 and r["receivers_committed"] == 2 for r in records)
     assert summary(records)["median_sync_fraction"] < 0.05
     # what the run leaves: the base, loadable as it is, and the adapter as PEFT saves it
     from peft import PeftModel

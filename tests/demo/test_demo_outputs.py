@@ -139,8 +139,13 @@ RECORDS = [
 
 def test_the_plot_names_engine_mode_and_payload_and_marks_events(tmp_path) -> None:
     assert title(RECORDS, "vllm", "disaggregated") == (
-        "weightsync demo: GRPO (disaggregated, vllm engine), 294 KiB model pushed after every step"
+        "weightsync demo: GRPO (disaggregated, vllm engine)\n294 KiB model pushed after every step"
     )
+    # a full-model run whose model_bytes differ from what a push sends is still a full-model run
+    full = [r | {"model_bytes": 304_384, "adapter": None} for r in RECORDS]
+    assert title(full, "hf", "").endswith("294 KiB model pushed after every step")
+    lora = [r | {"sync_bytes": 8192, "adapter": "policy-lora"} for r in RECORDS]
+    assert title(lora, "hf", "").endswith("8 KiB LoRA adapter pushed after every step")
     assert event_marks(RECORDS) == [
         (1, "server 0 killed (SIGKILL)", "tab:red"),
         (1, "server 0 died", "tab:red"),

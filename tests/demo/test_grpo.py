@@ -56,3 +56,13 @@ def test_staleness_bound_drops_older_samples() -> None:
     kept, dropped = fresh(samples, version=5, max_staleness=1)
     assert [s.weight_version for s in kept] == [4, 5] and dropped == 1
     assert fresh(samples, version=5, max_staleness=0)[1] == 2
+
+
+def test_the_learning_rate_falls_linearly_to_its_final_fraction() -> None:
+    """A LoRA run's rate falls to a tenth by its last step: a constant one walked a learned policy
+    off the task once nearly every group was all correct (Adam keeps its step size)."""
+    from weightsync.demo.loop import DemoConfig, lr_factor
+
+    config = DemoConfig(steps=11, final_lr_fraction=0.1)
+    assert [round(lr_factor(step, config), 2) for step in (0, 5, 10)] == [1.0, 0.55, 0.1]
+    assert lr_factor(7, DemoConfig(steps=11)) == 1.0  # the default: constant

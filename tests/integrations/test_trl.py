@@ -360,3 +360,30 @@ def test_a_peft_model_is_pushed_as_its_adapter_and_generated_from_by_name(tmp_pa
         tensors, _ = adapter_from_peft(model, "grpo")
         assert (served["name"], served["version"], info["version"]) == ("grpo", 1, 0)
         assert served["content_digest"] == source_digest(tensors)
+
+
+TRL_DOC = ROOT / "docs" / "integrations" / "trl.md"
+
+
+@pytest.mark.slow
+def test_the_docs_grpo_program_runs_as_written(tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """docs/integrations/trl.md's program, a whole one, against a real hf rollout server: TRL's
+    GRPOTrainer trains two steps, and every generation is preceded by a push that commits."""
+    import runpy
+    import sys
+
+    from tests.server.conftest import live_server
+
+    text = TRL_DOC.read_text().split("## The lines that change in a TRL script", 1)[1]
+    program = tmp_path / "grpo.py"
+    program.write_text(text.split("```python\n", 1)[1].split("```\n", 1)[0])
+    policy_dir = tmp_path / "policy"
+    task.save_policy(task.build_policy(policy_dir), policy_dir)  # the trainer reads weights, the server none
+    monkeypatch.chdir(tmp_path)
+    with live_server(policy_dir) as server:
+        monkeypatch.setattr(sys, "argv", [str(program), str(policy_dir), server.url])
+        runpy.run_path(str(program), run_name="__main__")
+        served = server.client.weight_info()["version"]
+    # one push before each step's generation: the version is the trainer's global step
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "pushed versions: [0, 1]"
+    assert served == 1

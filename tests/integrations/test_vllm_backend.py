@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import runpy
+import shlex
 import sys
 import tempfile
 import time
@@ -91,15 +94,9 @@ def server(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Iter
     """Stock vLLM on dummy weights with the weightsync backend."""
     kind, tp = request.param
     port = _free_port()
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints[kind])]
-    command += ["--weight-transfer-config", '{"backend": "weightsync"}', "--load-format", "dummy"]
-    command += ["--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)]
+    env, command = doc_server_command(checkpoints[kind], port)  # docs/integrations/vllm.md's, as written
     command += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp" if tp > 1 else "uni"]
-    env = os.environ | {
-        "VLLM_SERVER_DEV_MODE": "1",  # vLLM's weight-update routes are dev-mode routes
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp > 1 else "auto",
-    }
+    env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp > 1 else "auto"}
     before = _vllm_leftovers()
     child = ChildProcess(command, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -110,6 +107,43 @@ def server(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Iter
         child.close()
         for path in _vllm_leftovers() - before:
             path.unlink(missing_ok=True)
+
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "vllm.md"
+
+
+def doc_block(after: str, language: str) -> str:
+    """The first `language` code block after the line containing `after` in the vLLM doc."""
+    text = DOC.read_text().split(after, 1)[1]
+    return text.split(f"```{language}\n", 1)[1].split("```\n", 1)[0]
+
+
+def doc_server_command(model: Path, port: int) -> tuple[dict[str, str], list[str]]:
+    """The doc's server command, as written, for `model` on `port`: its variables and its argv
+    (`python` is this interpreter)."""
+    words = shlex.split(doc_block("## The lines that change", "bash"))
+    start = words.index("python")
+    env = dict(word.split("=", 1) for word in words[:start])
+    argv = words[start:]
+    assert "MODEL_DIR" in argv and "8000" in argv, argv
+    argv = [sys.executable, *argv[1:]]
+    return env, [str(model) if word == "MODEL_DIR" else str(port) if word == "8000" else word for word in argv]
+
+
+def test_the_docs_trainer_program_runs_as_written(server, tmp_path, monkeypatch, capsys) -> None:
+    """docs/integrations/vllm.md's trainer, a whole program, against the doc's own server command
+    (the fixture runs it): three pushes, each committed on every worker and labelled."""
+    if server.kind != "qwen2":
+        pytest.skip("the doc's program trains a dense model")
+    program = tmp_path / "train_vllm.py"
+    program.write_text(doc_block("The trainer, written with vLLM's own classes", "python"))
+    monkeypatch.setattr(sys, "argv", [str(program), str(server.checkpoint), server.url])
+    runpy.run_path(str(program), run_name="__main__")
+    lines = capsys.readouterr().out.strip().splitlines()
+    versions = [int(line.split(" committed on ")[0].removeprefix("version ")) for line in lines]
+    assert len(versions) == 3 and versions == list(range(versions[0], versions[0] + 3)), lines
+    assert all(re.match(r"version \d+ committed on (\d+) of \1 receivers \(full\): ", line) for line in lines), lines
+    assert _label(server.url) == str(versions[-1])
 
 
 def _free_port() -> int:

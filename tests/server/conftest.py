@@ -39,12 +39,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 class LiveServer(BackgroundServer):
     """A BackgroundServer on 127.0.0.1 with a client for it."""
 
-    def __init__(self, model: Path, **options: object) -> None:
+    def __init__(self, model: Path, port: int = 0, **options: object) -> None:
         from weightsync.serving.client import RolloutClient
         from weightsync.serving.config import ServeConfig
 
         config = ServeConfig(model=str(model), **options)  # type: ignore[arg-type]
-        super().__init__(config, start_timeout=None if config.engine == "vllm" else WAIT_S)
+        super().__init__(config, port=port, start_timeout=None if config.engine == "vllm" else WAIT_S)
         self.client = RolloutClient(self.url, timeout=WAIT_S * 3)
 
     @property

@@ -33,3 +33,26 @@ def test_bad_stop_strings_are_refused(server, stop) -> None:
     with pytest.raises(ServerError) as raised:
         server.client.completions("ab", max_tokens=2, stop=stop)
     assert raised.value.status == 400 and "stop" in str(raised.value)
+
+
+def test_a_body_that_is_not_json_names_no_field() -> None:
+    """pydantic locates a JSON syntax error by character ("17"): not a field, so no `param`."""
+    from weightsync.serving.hf.app import first_field, plain
+
+    error = {"type": "json_invalid", "loc": ("body", 17), "msg": "JSON decode error"}
+    assert first_field([error]) is None
+    assert plain([error]) == "body: not valid JSON (JSON decode error, at character 17)"
+
+
+def test_a_malformed_json_body_is_refused_in_plain_words(server) -> None:
+    import httpx
+
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b'{"prompt": "ab", ',
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] is None, error
+    assert error["message"].startswith("body: not valid JSON"), error

@@ -123,3 +123,19 @@ def test_digest_cli_of_a_checkpoint_alone(tiny_models, capsys):
     code, out = run(capsys, "--model", str(model))
     assert code == 0 and out["expected"] == source_digest(SafetensorsSource(model))
     assert main(["digest"]) == 2
+
+
+def test_digest_cast_checks_a_cast_push_against_its_float32_checkpoint(tiny_models, capsys):
+    """A bf16-cast push of an fp32 checkpoint carries the digest of the bf16 wire tensors:
+    `--cast bfloat16` computes that one from the checkpoint; without it, it is another."""
+    model = tiny_models["qwen2"]
+    cast = source_digest(SafetensorsSource(model), torch.bfloat16)
+    code, out = run(capsys, "--model", str(model), "--cast", "bfloat16")
+    assert code == 0 and out["expected"] == cast != source_digest(SafetensorsSource(model))
+    assert main(["digest", "--to", "http://127.0.0.1:9", "--cast", "bfloat16"]) == 2  # --cast is for --model
+    assert "--cast applies to --model" in capsys.readouterr().err
+
+
+def test_a_missing_model_folder_is_named_as_missing(tmp_path, capsys):
+    assert main(["digest", "--model", str(tmp_path / "nowhere")]) == 2
+    assert f"{tmp_path / 'nowhere'}: no such folder" in capsys.readouterr().err

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +226,51 @@ def test_an_adapter_serves_on_after_the_base_weights_change(served) -> None:
     out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
     assert out["choices"][0]["token_ids"] == greedy(on_base(policy, model_dir, v2, tensors), PROMPT, 8)
     assert (out["weight_version"], out["base_version"]) == (9, 2)
+
+
+def test_weightsync_push_pushes_a_peft_adapter_folder_served_by_its_name(served, tmp_path, capsys) -> None:
+    """`weightsync push --model ADAPTER_DIR`: adapter_config.json makes it an adapter (not base
+    weights), served under the folder's name, its next version by default; a rank the server
+    does not take is refused in one line."""
+    from weightsync import cli
+
+    model_dir, server, _ = served
+    policy = peft_policy(model_dir, seed=3)
+    policy.save_pretrained(tmp_path / "cli-adapter")
+    capsys.readouterr()
+    argv = ["push", "--model", str(tmp_path / "cli-adapter"), "--to", server.url, "--timeout", "30"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("adapter 'cli-adapter' version 1: committed on 1 of 1 servers; "), out
+    assert cli.main([*argv, "--adapter-name", "cli-adapter"]) == 0  # the next version of the same name
+    assert "adapter 'cli-adapter' version 2: committed" in capsys.readouterr().out
+    answer = server.client.completions(PROMPT, model="cli-adapter", max_tokens=8, temperature=0)
+    assert answer["choices"][0]["token_ids"] == greedy(policy, PROMPT, 8) and answer["weight_version"] == 2
+
+    peft_policy(model_dir, seed=4, rank=16).save_pretrained(tmp_path / "too-wide")  # the server takes rank <= 8
+    capsys.readouterr()  # transformers' loading bar
+    assert cli.main(["push", "--model", str(tmp_path / "too-wide"), "--to", server.url, "--timeout", "30"]) == 1
+    out, err = capsys.readouterr()
+    assert "refused" in out.strip().splitlines()[-1] and len(err.strip().splitlines()) == 1, (out, err)
+    assert "rank 16" in err and "Traceback" not in err, err
+
+
+LORA_DOC = Path(__file__).resolve().parents[2] / "docs" / "lora.md"
+
+
+def test_the_docs_trainer_program_runs_as_written(tiny_models, tmp_path, monkeypatch, capsys) -> None:
+    """docs/lora.md's trainer, a whole program: the base once, then three adapter versions, each
+    committed; requests naming the adapter are served by its newest version."""
+    import runpy
+    import sys
+
+    block = LORA_DOC.read_text().split("## The trainer side", 1)[1].split("```python\n", 1)[1].split("```\n", 1)[0]
+    program = tmp_path / "train_lora.py"
+    program.write_text(block)
+    model_dir = tiny_models["qwen2"]
+    with live_server(model_dir, max_lora_rank=8) as server:
+        monkeypatch.setattr(sys, "argv", [str(program), str(model_dir), server.url])
+        runpy.run_path(str(program), run_name="__main__")
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(" committed on ")[0] for line in lines[:3]] == ["version 1", "version 2", "version 3"], lines
+    assert lines[-1] == "policy 3", lines

@@ -87,7 +87,7 @@ def test_cast_pushes_a_bfloat16_checkpoint_into_a_float32_server(tiny_models, tm
         # the refusal, once, on one line of stderr, naming the fix; the summary moves no bytes
         (refused,) = err.strip().splitlines()
         assert refused.startswith(f"weightsync push: {server.url}: PlanError: the push sends bfloat16 "), err
-        assert refused.endswith("push float32 (cast=torch.float32, or no cast) or serve a bfloat16 model"), err
+        assert refused.endswith("push float32 (--cast float32, or no cast) or serve a bfloat16 model"), err
         assert out.strip().splitlines() == [
             "version 1: committed on 0 of 1 servers: refused (PlanError, the reason is on stderr); no weights moved"
         ], out

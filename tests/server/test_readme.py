@@ -39,7 +39,7 @@ def test_the_readme_trainer_commits_on_a_bf16_server(tiny_models, tmp_path, monk
         assert server.client.weight_info()["version"] == 3
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" committed on ")[0] for line in lines] == ["version 1", "version 2", "version 3"], lines
-    assert all(" committed on 1 of 1 receivers: " in line for line in lines), lines
+    assert all(" committed on 1 of 1 receivers (full): " in line for line in lines), lines
 
 
 def test_the_readme_trainer_stops_on_a_float32_server_with_the_fix(tiny_models, tmp_path, monkeypatch) -> None:

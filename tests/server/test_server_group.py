@@ -4,13 +4,14 @@ sender of its own, and a closed group that refuses."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 from safetensors.torch import load_file
 
 from tests.server.conftest import live_server
-from weightsync.errors import ConfigError, ResourceError, SyncFailed
+from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed
 from weightsync.serving.client import ServerGroup
 
 DEAD = "http://127.0.0.1:9"
@@ -60,3 +61,59 @@ def test_a_malformed_url_is_refused_before_any_server_is_asked() -> None:
     with ServerGroup(timeout=1.0) as group, pytest.raises(ConfigError, match="http:// or https://"):
         group.join(["http://127.0.0.1:9", "127.0.0.1:8000"])
     assert group.clients == []
+
+
+def test_wait_until_up_honours_its_whole_timeout_while_the_port_refuses_connections(tiny_models) -> None:
+    """A server binds its port only after its imports (8-40 s on a busy host): refused connections
+    are waited for as long as a 503 is, the whole timeout, not a shorter grace of their own."""
+    from weightsync.serving.background import bind
+    from weightsync.serving.client import RolloutClient
+
+    with RolloutClient(DEAD) as client:
+        started = time.monotonic()
+        with pytest.raises(ServerError, match="not up after 2 s") as refused:
+            client.wait_until_up(2.0)
+        assert time.monotonic() - started >= 2.0 and refused.value.status == 0
+    probe = bind("127.0.0.1", 0)
+    port = probe.getsockname()[1]
+    probe.close()  # a free port nothing listens on yet: refused until the server below takes it
+    found: dict[str, object] = {}
+    with RolloutClient(f"http://127.0.0.1:{port}") as client:
+        waiter = threading.Thread(target=lambda: found.update(client.wait_until_up(60.0)))
+        waiter.start()
+        time.sleep(11.0)  # past the 10 s refused connections used to get
+        assert waiter.is_alive(), "still waiting for the port"
+        with live_server(tiny_models["qwen2"], port=port) as server:
+            waiter.join(60.0)
+            assert found["addresses"] == server.client.weight_info()["addresses"]
+
+
+def test_a_url_that_is_not_a_weightsync_server_is_named_not_its_html() -> None:
+    """Another service's 404 page is not repeated to the user: one line says what answered."""
+    import http.server
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = b"<!DOCTYPE html><html><head><title>404 Not Found</title></head><body>" + b"x" * 900 + b"</body>"
+            self.send_response(404)
+            self.send_header("content-type", "text/html")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=web.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{web.server_address[1]}"
+    try:
+        with ServerGroup(timeout=5.0) as group:
+            _, errors = group.join([url])
+    finally:
+        web.shutdown()
+        web.server_close()
+        thread.join()
+    message = str(errors[url])
+    assert "answered HTTP 404 with a web page: is it a weightsync server?" in message and "<" not in message, message

@@ -145,3 +145,64 @@ def test_a_server_whose_parent_is_killed_leaves_nothing(tiny_models: dict[str, P
             parent.kill()
             parent.communicate()
     assert footprints.left() == (set(), set()), (footprints.shm, footprints.tmp, f"gone {gone:.1f} s after")
+
+
+KILLED_GONE_S = 30.0
+"""The issue's bound: SIGKILL to the server, and 30 s later nothing of its tree is left."""
+
+TP2 = ["--vllm-args", "--tensor-parallel-size 2 --distributed-executor-backend mp"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
+def test_a_vllm_server_killed_with_sigkill_takes_its_engine_and_shared_memory_with_it(
+    tiny_models: dict[str, Path], tp: int
+) -> None:
+    """SIGKILL gives the server no way out: its watchdog (serving/watchdog.py) ends vLLM's engine
+    core, workers and resource tracker, and removes their /dev/shm segments and the folder."""
+    footprints = Footprints()
+    env = os.environ | ENV | ({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {})
+    command = serve_command(tiny_models["qwen2"], "vllm") + (TP2 if tp == 2 else [])
+    server = ChildProcess(command, env=env)
+    try:
+        assert server.wait_for_line(ANNOUNCEMENT, START_S), server.why_not_started("the server", START_S)
+        footprints.during(server.pid)
+        processes = [pid for pid in tree(server.pid) if pid != server.pid]
+        assert len(processes) >= 3, "the watchdog, vLLM's engine core and worker(s)"
+        os.kill(server.pid, signal.SIGKILL)  # the server alone: not its group, as the OOM killer does
+        server.process.wait(WAIT_S)
+        killed = time.monotonic()
+        assert wait_until(lambda: not running(processes), timeout=KILLED_GONE_S), running(processes)
+        assert wait_until(
+            lambda: footprints.left() == (set(), set()), timeout=KILLED_GONE_S - (time.monotonic() - killed)
+        )
+        gone = time.monotonic() - killed
+    finally:
+        server.close()
+    assert footprints.shm, "vLLM made segments: the check had something to check"
+    assert gone < KILLED_GONE_S, gone
+
+
+STOPPED_WHILE_IMPORTING = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from weightsync import cli
+    from weightsync.serving.hf.startup import Startup
+
+    def preload(self):  # SIGTERM arrives while the engine's imports run
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    Startup.preload = preload
+    sys.exit(cli.main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_server_stopped_during_its_imports_exits_0(tiny_models: dict[str, Path]) -> None:
+    """SIGTERM is how a server is stopped, during its start as later: status 0, not 143."""
+    command = [sys.executable, "-c", STOPPED_WHILE_IMPORTING, *serve_command(tiny_models["qwen2"], "hf")[3:]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=os.environ | ENV)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr

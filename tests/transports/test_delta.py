@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import assert_all_bit_exact, receiving, sending, wait_until
 from tests.test_failures import Child
-from weightsync import NegotiationError, TensorDictSink, WeightReceiver
+from weightsync import NegotiationError, TensorDictSink, WeightReceiver, WeightSender
 from weightsync.delta import Baseline
 from weightsync.landing import Landing
 from weightsync.messages import Offer
@@ -454,3 +454,22 @@ def test_delta_over_cudaipc_patches_gpu_destinations_bit_exact() -> None:
             assert report.outcomes[0].mode == ("full" if version == 0 else "delta")
             assert_all_bit_exact({name: t.cpu() for name, t in dest.items()}, trainer.as_sent())
             assert receiver.content_digest == report.content_digest != ""
+
+
+def test_delta_true_to_a_receiver_it_does_not_patch_says_why_once(monkeypatch, caplog) -> None:
+    """delta=True diffs only over network transports: to an in-process (or shared-memory) receiver
+    every push goes whole, and the sender says so, one line, once per transport."""
+    import logging
+
+    import weightsync.sender
+
+    monkeypatch.setattr(weightsync.sender, "_SAID_WHOLE", set())
+    weights = {"w": torch.zeros(64)}
+    with caplog.at_level(logging.WARNING, logger="weightsync.sender"):
+        for version in (1, 2):  # two senders, as a server group rebuilds its own
+            with WeightReceiver({"w": torch.zeros(64)}, transport="inproc").start() as receiver:
+                with WeightSender([receiver.address], delta=True) as sender:
+                    report = sender.push(weights, version)
+            assert [o.mode for o in report.outcomes] == ["full"]
+    said = [r.getMessage() for r in caplog.records if "delta=True" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("delta=True sends every push whole to inproc receivers"), said

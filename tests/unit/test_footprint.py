@@ -90,3 +90,44 @@ def test_a_dead_servers_leftovers_are_reaped_and_a_live_ones_are_not(tmp_path: P
     finally:
         for name in segments.values():
             Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+# A server (this script) whose engine process holds a semaphore of multiprocessing's spawn context,
+# as vLLM's processes do: registered with the resource tracker (the server's child), left in
+# /dev/shm as sem.mp-* until the tracker unlinks it. Killed first, the tracker never did.
+TRACKED = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+    from pathlib import Path
+    from weightsync.serving.footprint import Footprint
+
+    def hold(path):
+        lock = multiprocessing.get_context("spawn").Lock()
+        Path(path).write_text(lock._semlock.name)
+        time.sleep(600)
+
+    if __name__ == "__main__":
+        footprint = Footprint()
+        engine = multiprocessing.get_context("spawn").Process(target=hold, args=(sys.argv[1],), daemon=True)
+        engine.start()
+        while not os.path.exists(sys.argv[1]) or not Path(sys.argv[1]).read_text():
+            time.sleep(0.05)
+        footprint.close()
+        os._exit(0)
+    """
+)
+
+
+def test_close_lets_the_resource_tracker_unlink_what_killed_processes_registered(tmp_path: Path) -> None:
+    script, named = tmp_path / "server.py", tmp_path / "semaphore"
+    script.write_text(TRACKED)
+    done = subprocess.run(
+        [sys.executable, str(script), str(named)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ | {"PYTHONPATH": SRC, "TMPDIR": str(tmp_path)},
+    )
+    assert done.returncode == 0, done.stderr
+    name = "sem." + named.read_text().lstrip("/")
+    assert name.startswith("sem.mp-") and not (Path("/dev/shm") / name).exists(), (name, done.stderr)

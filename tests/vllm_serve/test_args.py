@@ -60,3 +60,15 @@ def test_a_chat_template_file_reaches_vllm_once(config: ServeConfig, tmp_path: P
     assert vllm_namespace(config).chat_template is None
     with pytest.raises(ConfigError, match="give the chat template once"):
         vllm_namespace(templated, ["--chat-template", str(template)])
+
+
+@pytest.mark.parametrize(("rank", "vllms"), [(1, 1), (4, 8), (8, 8), (9, 16), (64, 64)])
+def test_a_lora_rank_vllm_does_not_offer_is_rounded_up_for_its_buffers(config: ServeConfig, rank, vllms) -> None:
+    """vLLM takes --max-lora-rank only from its list (1, 8, 16, ...): `weightsync serve
+    --max-lora-rank 4` (the demo's default adapter) starts it at 8; pushes are still held to 4."""
+    import dataclasses
+
+    from weightsync.serving.vllm.launch import vllm_namespace
+
+    args = vllm_namespace(dataclasses.replace(config, max_lora_rank=rank))
+    assert args.enable_lora is True and args.max_lora_rank == vllms

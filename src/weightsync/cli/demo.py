@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -41,11 +42,23 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument("--prompts-per-step", type=at_least(1), default=16, help="prompts per training step")
     demo.add_argument("--group", type=at_least(2), default=8, help="samples per prompt")
     demo.add_argument("--lr", type=float, help="learning rate (default: 3e-3; 7e-3 with --lora)")
+    demo.add_argument(
+        "--final-lr-fraction",
+        type=float,
+        help="the learning rate falls linearly to lr x this by the last step (default: 1.0, constant; 0.1 with --lora)",
+    )
     demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy")
     demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old")
     demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the policy, the prompts and the sampling")
     demo.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any request or sync may take")
+    demo.add_argument(
+        "--startup-timeout",
+        type=positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds each rollout server may take to start (default: 300 for hf, 600 for vllm: a busy host is slow)",
+    )
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), help="run directory")
     demo.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar over the steps"
@@ -53,12 +66,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument(
         "--delta",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="delta sync: send servers on a network transport only what changed (default: --delta)",
+        default=False,
+        help="delta sync (delta=True): send servers on a network transport only what changed; the demo's "
+        "servers share its host (shm), where every push goes whole (docs/delta.md)",
     )
-    demo.add_argument(
-        "--delta-all", action="store_true", help="with --delta: send only what changed over every transport (shm too)"
-    )
+    demo.add_argument("--delta-all", action="store_true", help="send only what changed over every transport (shm too)")
     demo.add_argument(
         "--lora",
         action="store_true",
@@ -69,8 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.set_defaults(handler=run)
 
 
-LORA_RANK = 1
-"""Rank 1 on every linear layer: 3% of the policy's bytes, and enough to learn the task (docs/demo.md)."""
+LORA_RANK = 4
+"""Rank 4 on every linear layer: 11% of the policy's bytes. Rank 1 (3%) plateaued near 0.5 in
+300 steps on hf (seed 0, 2026-11-28) where rank 4 learned the task (docs/demo.md)."""
 LORA_PRETRAIN_STEPS = 300
 """Supervised batches of `task.pretrain` before a LoRA run: the base learns to add, not the task."""
 
@@ -94,8 +107,20 @@ def choose_engine(engine: str, mode: str) -> str:
     return engine
 
 
-STARTUP_S = {"hf": "10 s", "vllm": "10-20 s"}
-"""How long starting the rollout servers took on the 2-core dev machine (imports, engine, warm-up)."""
+STARTUP_S = {"hf": "10-30 s", "vllm": "30-120 s"}
+"""How long starting the rollout servers took on the 2-core dev machine (imports, engine,
+warm-up), idle to busy."""
+
+
+def show_progress() -> None:
+    """The demo's own log lines (a server still starting, one that failed) on stderr, as
+    `weightsync demo: ...`; the servers' logs go to files in the run directory."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("weightsync demo: %(message)s"))
+    demo_log = logging.getLogger("weightsync.demo")
+    demo_log.addHandler(handler)
+    demo_log.setLevel(logging.INFO)
+    demo_log.propagate = False
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,24 +143,27 @@ def run(args: argparse.Namespace) -> int:
         group=args.group,
         lr=args.lr if args.lr is not None else (7e-3 if args.lora else 3e-3),
         kl_coef=args.kl_coef,
+        final_lr_fraction=args.final_lr_fraction if args.final_lr_fraction is not None else (0.1 if args.lora else 1.0),
         max_staleness=args.max_staleness,
         seed=args.seed,
         out=args.out,
         timeout=args.timeout,
+        startup_timeout=args.startup_timeout,
         kill_server_at=args.kill_server_at,
         progress=args.progress,
-        delta="all" if args.delta and args.delta_all else args.delta,
+        delta="all" if args.delta_all else args.delta,
         lora_rank=lora_rank,
         pretrain_steps=LORA_PRETRAIN_STEPS if args.lora else 0,
     )
     if args.mode == "disaggregated":
         print(
             f"weightsync demo: starting {args.servers} rollout servers on the {engine} engine "
-            f"(about {STARTUP_S[engine]}), then {steps} GRPO steps"
+            f"(about {STARTUP_S[engine]}; their logs: {args.out}/server-*.log), then {steps} GRPO steps"
             + (f" training a rank-{lora_rank} LoRA adapter" if lora_rank else ""),
             file=sys.stderr,
             flush=True,
         )
+    show_progress()
     started = time.perf_counter()
     records = run_loop(config)
     plot(records, args.out / "reward_and_sync.png", engine=served_by, mode=args.mode)
@@ -144,8 +172,9 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"weightsync demo ({args.mode}, {served_by} engine): {result['steps']} steps in {result['seconds']:.0f} s; "
         f"reward {result['reward_first_10pct']:.2f} (first 10% of steps) -> {result['reward_last_10pct']:.2f} "
-        f"(last 10%); {result['syncs']} syncs, mean {result['mean_sync_seconds'] * 1e3:.1f} ms, median "
-        f"{result['median_sync_bytes'] / 1024:.1f} KiB ({result['median_sync_fraction']:.1%} of the model's bytes); "
+        f"(last 10%); {result['syncs']} syncs of the {result['pushes']}, mean {result['mean_sync_seconds'] * 1e3:.1f} "
+        f"ms, median {result['median_sync_bytes'] / 1024:.1f} KiB pushed ({result['median_sync_fraction']:.1%} of the "
+        f"model's bytes), {result['median_wire_bytes'] / 1024:.1f} KiB on the wire; "
         f"max version lag {result['max_version_lag']}, "
         f"{result['dropped_stale']} samples dropped as stale"
     )

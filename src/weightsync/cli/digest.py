@@ -1,6 +1,6 @@
 """`weightsync digest`: compare the content digest servers hold with each other, a checkpoint or a value.
 
-weightsync digest [--to URL ...] [--model DIR] [--expect HEX]
+weightsync digest [--to URL ...] [--model DIR [--cast DTYPE]] [--expect HEX]
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import argparse
 import json
 
 from weightsync.cli.args import DefaultsFormatter, add_auth_token, auth_token, positive_seconds
-from weightsync.cli.push import waiting_line
+from weightsync.cli.push import CAST_DTYPES, waiting_line
 from weightsync.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
@@ -27,6 +27,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     digest.add_argument("--to", nargs="*", default=[], metavar="URL", help="server URLs (http://HOST:PORT)")
     digest.add_argument("--model", default=None, help="checkpoint directory (*.safetensors) to compute it from")
+    digest.add_argument(
+        "--cast",
+        choices=CAST_DTYPES,
+        default=None,
+        metavar="DTYPE",
+        help="with --model: the digest of the checkpoint as `weightsync push --cast DTYPE` sends it (every "
+        "floating-point tensor as DTYPE), e.g. a bfloat16 push of a float32 checkpoint",
+    )
     digest.add_argument("--expect", default=None, metavar="HEX", help="the digest a push reported")
     digest.add_argument(
         "--timeout",
@@ -42,10 +50,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run(args: argparse.Namespace) -> int:
     from weightsync.checkpoint import SafetensorsSource
     from weightsync.digest import source_digest
+    from weightsync.dtypes import dtype_from_name
     from weightsync.serving.client import ServerGroup
 
     if not args.to and not args.model:
         raise ConfigError("give --to URL ... (what servers hold), --model DIR (what a push would send), or both")
+    if args.cast and not args.model:
+        raise ConfigError("--cast applies to --model: the checkpoint's digest as a cast push sends it")
     with ServerGroup(timeout=args.timeout, auth_token=auth_token(args)) as group:
         infos, errors = group.join(args.to, waiting_line("digest"))
     if errors:
@@ -53,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     held = {url: {"version": info["version"], "content_digest": info["content_digest"]} for url, info in infos.items()}
     expected = args.expect
     if args.model:
-        computed = source_digest(SafetensorsSource(args.model))
+        computed = source_digest(SafetensorsSource(args.model), dtype_from_name(args.cast) if args.cast else None)
         if expected is not None and expected != computed:
             raise ConfigError(f"--expect {expected} contradicts the checkpoint's digest {computed}")
         expected = computed

@@ -1,6 +1,8 @@
-"""`weightsync push`: push a safetensors checkpoint to running rollout servers.
+"""`weightsync push`: push a safetensors checkpoint, or a PEFT LoRA adapter folder, to running
+rollout servers.
 
 weightsync push --model DIR --to http://127.0.0.1:8000 [URL ...] [--version N] [--verify bucket] [--cast bfloat16]
+weightsync push --model ADAPTER_DIR --to URL [--adapter-name NAME]    # adapter_config.json found: an adapter
 
 Like `WeightSender.push`, it fails when any server did not commit (exit status 1), and it
 reports per server and goes on with the others: a server that does not answer, refuses or fails
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weightsync.checksum import VERIFY_MODES
@@ -22,6 +26,7 @@ from weightsync.cli.errors import FAILED, describe
 from weightsync.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
+    from weightsync.messages import Adapter
     from weightsync.report import SyncReport
     from weightsync.serving.client import Waiting
 
@@ -39,7 +44,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Read DIR's safetensors checkpoint one tensor at a time and push it to every server "
         "that answers; each server's outcome is reported, and the exit status is 1 if any did not commit.",
     )
-    push.add_argument("--model", required=True, help="model directory with *.safetensors")
+    push.add_argument(
+        "--model",
+        required=True,
+        help="model directory with *.safetensors, or a PEFT LoRA adapter folder (adapter_config.json, "
+        "adapter_model.safetensors: the adapter is pushed, served by --adapter-name)",
+    )
+    push.add_argument(
+        "--adapter-name",
+        default=None,
+        metavar="NAME",
+        help="with an adapter folder: the name requests ask for it by (default: the folder's name)",
+    )
     push.add_argument("--to", nargs="+", required=True, metavar="URL", help="server URLs (http://HOST:PORT)")
     push.add_argument("--version", type=at_least(0), default=None, help="weight version (default: highest served + 1)")
     push.add_argument(
@@ -63,7 +79,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    from weightsync.checkpoint import SafetensorsSource
     from weightsync.dtypes import dtype_from_name
     from weightsync.options import SenderOptions
     from weightsync.serving.client import ServerGroup
@@ -82,11 +97,13 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"ok": False, "version": None, "outcomes": unreachable_json(unreachable)}))
             return FAILED
-        version = choose_version(args.version, infos, args.allow_older_version)
-        report = group.push(SafetensorsSource(args.model), version)
+        tensors, adapter = what_to_push(args.model, args.adapter_name)
+        version = choose_version(args.version, served_versions(infos, adapter), args.allow_older_version)
+        report = group.push(tensors, version, adapter=adapter)
     urls = {address: url for url, info in infos.items() for address in info["addresses"]}
     for outcome in report.failed:
-        print(f"weightsync push: {urls[outcome.address]}: {outcome.kind}: {one_line(outcome.error)}", file=sys.stderr)
+        why = in_flags(one_line(outcome.error))
+        print(f"weightsync push: {urls[outcome.address]}: {outcome.kind}: {why}", file=sys.stderr)
     if args.json:
         outcomes = outcomes_json(report, urls, unreachable)
         print(json.dumps(report_json(report) | {"ok": report.ok and not unreachable, "outcomes": outcomes}))
@@ -94,11 +111,17 @@ def run(args: argparse.Namespace) -> int:
         for outcome in report.outcomes:
             if outcome.committed:
                 print(f"{urls[outcome.address]}: committed version {report.version}")
-        print(summary(report, urls, len(infos) + len(unreachable)))
+        print(summary(report, urls, len(infos) + len(unreachable), adapter))
     return 0 if report.ok and not unreachable else FAILED
 
 
-def summary(report: SyncReport, urls: dict[str, str], num_servers: int) -> str:
+def in_flags(message: str) -> str:
+    """A receiver's message in this command's words: its fix `cast=torch.X` (the Python API's) is
+    `--cast X` here."""
+    return re.sub(r"cast=torch\.(\w+)", r"--cast \1", message)
+
+
+def summary(report: SyncReport, urls: dict[str, str], num_servers: int, adapter: Adapter | None = None) -> str:
     """The last line: how many servers committed and what moved. A push that none committed moved
     nothing anyone serves: the line says it was refused (or failed) and with which errors, whose
     messages stderr gave once, one line per server."""
@@ -106,7 +129,8 @@ def summary(report: SyncReport, urls: dict[str, str], num_servers: int) -> str:
 
     failed = {urls[outcome.address] for outcome in report.failed}
     committed = len(set(urls.values()) - failed)
-    head = f"version {report.version}: committed on {committed} of {num_servers} servers"
+    what = "" if adapter is None else f"adapter {adapter.name!r} "
+    head = f"{what}version {report.version}: committed on {committed} of {num_servers} servers"
     if not committed:
         verb = "refused" if all(outcome.refused for outcome in report.failed) else "failed"
         kinds = ", ".join(dict.fromkeys(outcome.kind for outcome in report.failed))
@@ -123,13 +147,44 @@ def waiting_line(command: str) -> Waiting:
     return waiting
 
 
-def choose_version(asked: int | None, infos: dict[str, dict[str, Any]], allow_older: bool) -> int:
-    """--version, or the highest version any server serves, plus one.
+def what_to_push(model: str, adapter_name: str | None) -> tuple[Any, Adapter | None]:
+    """The checkpoint in folder `model` as a source, or, where it holds adapter_config.json, the
+    PEFT LoRA adapter's tensors and its `Adapter` (served as `adapter_name`, default the folder's
+    name; each server checks its rank and targets against its base before a byte moves).
+
+    Raises:
+        ConfigError: --adapter-name without an adapter folder; an adapter that cannot be pushed
+            (not LoRA, no tensors); no such folder (the source says, as it opens it).
+    """
+    from weightsync.checkpoint import SafetensorsSource
+    from weightsync.lora import adapter_from_dir
+
+    folder = Path(model)
+    if (folder / "adapter_config.json").is_file():
+        return adapter_from_dir(folder, adapter_name or folder.resolve().name)
+    if adapter_name is not None:
+        raise ConfigError(f"--adapter-name is for a PEFT adapter folder; {model} has no adapter_config.json")
+    return SafetensorsSource(model), None
+
+
+def served_versions(infos: dict[str, dict[str, Any]], adapter: Adapter | None) -> dict[str, int]:
+    """The version each server serves of what is pushed: its base weights, or the adapter."""
+    if adapter is None:
+        return {url: info["version"] for url, info in infos.items() if info["version"] is not None}
+    return {
+        url: served["version"]
+        for url, info in infos.items()
+        for served in info.get("adapters", [])
+        if served["name"] == adapter.name
+    }
+
+
+def choose_version(asked: int | None, served: dict[str, int], allow_older: bool) -> int:
+    """--version, or the highest version any server serves (of `served`, by URL), plus one.
 
     Raises:
         ConfigError: --version is lower than what a server serves, without --allow-older-version.
     """
-    served = {url: info["version"] for url, info in infos.items() if info["version"] is not None}
     if asked is None:
         return max(served.values(), default=0) + 1
     newer = {url: version for url, version in served.items() if version > asked}

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from weightsync.checksum import VERIFY_MODES
 from weightsync.cli.args import DefaultsFormatter, add_auth_token, at_least, auth_token, port, seconds
+from weightsync.cli.errors import TERMINATED
 from weightsync.serving.engines import ENGINES
 from weightsync.transports import serving_transports
 
@@ -119,13 +120,21 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped; whatever way it stops (SIGTERM, SIGINT, an error, its parent gone),
-    what the server and its engine made on the host goes with it (serving/footprint.py)."""
+    what the server and its engine made on the host goes with it (serving/footprint.py). SIGTERM
+    at any point exits 0: that is how a server is stopped."""
     from weightsync.serving.footprint import Footprint
     from weightsync.serving.process import on_hard_exit
 
-    with Footprint() as footprint:  # first: the engine's temporary files go to its folder
-        on_hard_exit(footprint.close)
-        return run_server(args, footprint)
+    try:
+        with Footprint() as footprint:  # first: the engine's temporary files go to its folder
+            on_hard_exit(footprint.close)
+            return run_server(args, footprint)
+    except SystemExit as exc:
+        # SIGTERM is how a server is stopped, whenever it comes: during the engine's imports
+        # (seconds to a minute on a busy host) as well as while it serves. It stopped cleanly.
+        if exc.code != TERMINATED:
+            raise
+        return 0
 
 
 def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
@@ -161,6 +170,12 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
         lora_versions=args.lora_versions,
     )
     adapter = engine_adapter(config.engine)  # a missing engine fails here, before the port is taken
+    from weightsync.serving import watchdog
+
+    # An engine's worker processes are our descendants (vLLM's engine core and worker are our
+    # grandchildren): should this process be killed (SIGKILL, the OOM killer), the watchdog ends
+    # them and removes their shared memory. Our own stop ends it (a descendant: footprint.close).
+    watchdog.start(footprint.folder)
     extra = shlex.split(args.engine_args)
     adapter.check(config, extra)  # so does a refusal of the engine's arguments
     # The engine's imports now, so that the engine builds on a thread after them and the API

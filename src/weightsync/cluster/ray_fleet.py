@@ -25,7 +25,7 @@ from typing import Any
 
 from weightsync.auth import resolve_token
 from weightsync.checksum import check_verify
-from weightsync.errors import ConfigError, ResourceError, SyncFailed, WeightSyncError
+from weightsync.errors import ConfigError, ResourceError, SyncFailed, WeightSyncError, one_line
 from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.report import SyncReport
 from weightsync.serving.client import ServerGroup
@@ -107,6 +107,16 @@ class FleetReport:
     def ok(self) -> bool:
         """Every live member committed (dropped servers are reported, not failures)."""
         return all(o.committed or o.address in self.dropped_addresses for o in self.sync.outcomes)
+
+    def summary(self) -> str:
+        """The push on one line: `SyncReport.summary`, then the servers dropped (and why) and the
+        ones that joined."""
+        line = self.sync.summary()
+        if self.dropped:
+            line += "; dropped: " + ", ".join(f"{name} ({one_line(why)})" for name, why in self.dropped.items())
+        if self.joined:
+            line += "; joined: " + ", ".join(self.joined)
+        return line
 
 
 class RolloutFleet:

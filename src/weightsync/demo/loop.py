@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import random
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from tqdm import tqdm
 
 from weightsync.demo import grpo, task
 from weightsync.demo.report import StepLog
-from weightsync.demo.rollouts import LocalRollouts, Request, Sample, ServerFleet
+from weightsync.demo.rollouts import STARTUP_TIMEOUT_S, FleetOptions, LocalRollouts, Request, Sample, ServerFleet
 from weightsync.errors import ConfigError
 from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
@@ -56,13 +57,23 @@ class DemoConfig:
     seed: int = 0
     out: Path = Path("runs/demo")
     timeout: float = 60.0
+    """Seconds any request or sync may take."""
+    startup_timeout: float | None = None
+    """Seconds each rollout server may take to start (None: the engine's `STARTUP_TIMEOUT_S`,
+    generous: a vLLM server alone takes 54-90 s on a busy 2-core host)."""
     kill_server_at: int | None = None
     progress: bool = True
-    delta: Delta = True
+    delta: Delta = False
     """`WeightSender`'s `delta`: a server on a network transport (True) or on any ("all") gets
-    only the elements that changed, where that is less than half the model (docs/delta.md). At
-    this learning rate nearly every weight moves every step, so most pushes still go full;
-    steps.jsonl records what each one moved."""
+    only the elements that changed, where that is less than half the model (docs/delta.md). The
+    demo's servers are on shm, where True sends every push whole (the sender says so, once); at
+    this learning rate nearly every weight moves every step, so even "all" mostly goes full;
+    steps.jsonl records what each push moved."""
+    final_lr_fraction: float = 1.0
+    """The learning rate falls linearly from `lr` at the first step to `lr` x this at the last
+    (1.0: constant). Adam's steps keep their size however small the gradient, so once nearly
+    every group is all correct (no signal) a constant rate walks the policy off what it learned:
+    a LoRA run at 7e-3 reached 0.97 near step 220 of 300, then collapsed to 0.47."""
     lora_rank: int = 0
     """Train a LoRA adapter of this rank on every linear layer of the policy, whose own weights
     stay frozen, and push only the adapter after each step (0: train and push the whole policy)."""
@@ -106,7 +117,8 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             push(rollouts, model, 0)  # the adapter's version 0: the base's output
         trained = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(trained, lr=config.lr, weight_decay=0.0)
-        model_bytes = sum(t.nbytes for t in model_weights(model).values())
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, config=config))
+        model_bytes = distinct_bytes(model_weights(model))
         samples = rollouts.generate(new_request(config, rng, 0))
         for step in range(config.steps):
             if step == config.kill_server_at and isinstance(rollouts, ServerFleet):
@@ -117,6 +129,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
             used, dropped = fresh(samples, version=step, max_staleness=config.max_staleness)
             rewards = [task.reward(task_digit(s), s.completion_ids) for s in used]
             train_step(model, reference, optimizer, used, rewards, config)
+            schedule.step()
             if next_batch is not None:  # push only once no request is in flight: a pure transfer
                 samples = next_batch.result(timeout=config.timeout * 4)
             rollouts.check_alive()
@@ -130,6 +143,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
                 "sync_gbps": report.gbps,
                 "sync_bytes": report.total_bytes,
                 "model_bytes": model_bytes,
+                "adapter": ADAPTER if config.lora_rank else None,
                 "wire_bytes": report.wire_bytes,
                 "changed_fraction": report.changed_fraction,
                 "sync_modes": sorted({o.mode for o in report.outcomes if o.committed}),
@@ -168,9 +182,9 @@ def start_rollouts(config: DemoConfig, model_dir: Path) -> Rollouts:
     if config.mode == "colocated":
         return LocalRollouts(model_dir, config.timeout, max_lora_rank=config.lora_rank, delta=config.delta)
     if config.mode == "disaggregated":
-        return ServerFleet(
-            model_dir, config.servers, config.engine, config.timeout, max_lora_rank=config.lora_rank, delta=config.delta
-        )
+        startup_timeout = config.startup_timeout or STARTUP_TIMEOUT_S[config.engine]
+        options = FleetOptions(startup_timeout=startup_timeout, max_lora_rank=config.lora_rank, log_dir=config.out)
+        return ServerFleet(model_dir, config.servers, config.engine, config.timeout, options, delta=config.delta)
     raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
 
 
@@ -186,6 +200,18 @@ def with_adapter(model: torch.nn.Module, rank: int) -> torch.nn.Module:
 def model_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The policy's own weights (under an adapter: the base's, in the base's names)."""
     return base_from_peft(model) if hasattr(model, "peft_config") else dict(model.state_dict())
+
+
+def lr_factor(step: int, config: DemoConfig) -> float:
+    """The learning rate at `step`, as a fraction of `config.lr`: linear to `final_lr_fraction`."""
+    progress = step / max(config.steps - 1, 1)
+    return 1.0 + (config.final_lr_fraction - 1.0) * min(progress, 1.0)
+
+
+def distinct_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """The bytes of `tensors`, each memory counted once: a tied `lm_head` is the embedding, and
+    a push sends it once."""
+    return sum({(t.data_ptr(), t.nbytes): t.nbytes for t in tensors.values()}.values())
 
 
 def save(model: Any, config: DemoConfig) -> None:

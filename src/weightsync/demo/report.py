@@ -71,19 +71,20 @@ def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: s
         row = counts[step] = counts.get(step, -1) + 1
         box = {"facecolor": "white", "alpha": 0.8, "edgecolor": "none", "pad": 1}
         reward_axis.text(step, 1.0 - 0.12 * row, f" {label}", color=color, fontsize=7, va="top", bbox=box)
-    figure.suptitle(title(records, engine, mode), fontsize=10)
+    figure.suptitle(title(records, engine, mode), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
 
 
 def title(records: list[dict[str, Any]], engine: str, mode: str) -> str:
-    """The plot's title: the mode, the engine and what each step pushes (the model, or an adapter)."""
+    """The plot's title, on two lines (one would not fit the figure): the mode and the engine,
+    then what each step pushes: the whole model, or a LoRA adapter (the records say which)."""
     payload = records[0]["sync_bytes"] if records else 0
-    model = records[0].get("model_bytes", payload) if records else 0
     setup = ", ".join(part for part in (mode, f"{engine} engine" if engine else "") if part)
-    what = f"{payload / 1024:.0f} KiB model" if payload == model else f"{payload / 1024:.0f} KiB LoRA adapter"
-    return f"weightsync demo: GRPO{f' ({setup})' if setup else ''}, {what} pushed after every step"
+    adapter = bool(records and records[0].get("adapter"))
+    what = f"{payload / 1024:.0f} KiB {'LoRA adapter' if adapter else 'model'}"
+    return f"weightsync demo: GRPO{f' ({setup})' if setup else ''}\n{what} pushed after every step"
 
 
 def event_marks(records: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
@@ -104,6 +105,7 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = sum(r["sync_seconds"] for r in records)
     pushed = statistics.median(r["sync_bytes"] for r in records)
     model = records[0].get("model_bytes", records[0]["sync_bytes"])
+    wire = statistics.median(r.get("wire_bytes", r["sync_bytes"]) for r in records)
     return {
         "reward_first_step": records[0]["reward_mean"],
         "steps": len(records),
@@ -113,9 +115,11 @@ def summary(records: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_sync_gbps": sum(r["sync_bytes"] for r in records) / seconds / 1e9 if seconds else 0.0,
         "mean_sync_seconds": seconds / len(records),
         "median_sync_bytes": pushed,
-        "median_wire_bytes": statistics.median(r.get("wire_bytes", r["sync_bytes"]) for r in records),
+        "median_wire_bytes": wire,
         "model_bytes": model,
         "median_sync_fraction": pushed / model if model else 0.0,
+        "median_wire_fraction": wire / model if model else 0.0,
+        "pushes": "LoRA adapter" if records[0].get("adapter") else "whole model",
         "max_version_lag": max(r["max_version_lag"] for r in records),
         "dropped_stale": sum(r["dropped_stale"] for r in records),
         "events": [f"step {r['step']}: {e}" for r in records for e in r["events"]],

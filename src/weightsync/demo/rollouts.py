@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +34,7 @@ from weightsync.serving.client import ServerGroup
 from weightsync.serving.hf.base import SamplingParams
 from weightsync.serving.process import ChildProcess
 
-__all__ = ["LocalRollouts", "Sample", "ServerFleet"]
+__all__ = ["STARTUP_TIMEOUT_S", "FleetOptions", "LocalRollouts", "Sample", "ServerFleet"]
 
 log = logging.getLogger(__name__)
 
@@ -115,37 +116,76 @@ class LocalRollouts:
         self.engine.close()
 
 
+PROGRESS_S = 15.0
+"""Seconds between the lines that say a rollout server is still starting."""
+
+STARTUP_TIMEOUT_S = {"hf": 300.0, "vllm": 600.0}
+"""Seconds a rollout server may take to start, by engine, unless told otherwise. Measured on the
+2-core dev machine under load (1-10): one vLLM server alone took 54-90 s, two at once longer;
+hf about 10 s idle. Generous: a slow start is not a failure, a server that never starts is."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class FleetOptions:
+    """How a `ServerFleet` starts its servers."""
+
+    startup_timeout: float
+    """Seconds each server may take to start (imports, engine, warm-up)."""
+    max_lora_rank: int = 0
+    """The servers serve LoRA adapters up to this rank (0: none)."""
+    log_dir: Path | None = None
+    """Where each server's stderr goes (`server-<index>.log`); None: onto this process's stderr."""
+
+
 class _Server:
-    """One `weightsync serve` process, tied to this one (it stops when we do, however we end)."""
+    """One `weightsync serve` process, tied to this one (it stops when we do, however we end);
+    its stderr goes to `log_dir/server-<index>.log`."""
 
     ANNOUNCEMENT = "weightsync serve: http://"
 
-    def __init__(self, index: int, model_dir: Path, engine: str, timeout: float, max_lora_rank: int = 0) -> None:
+    def __init__(self, index: int, model_dir: Path, engine: str, timeout: float, options: FleetOptions) -> None:
         self.index = index
         self.timeout = timeout
+        self.startup_timeout = options.startup_timeout
         command = [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model_dir)]
         command += ["--port", "0", "--load-format", "dummy", "--ready-timeout", str(timeout), "--log-level", "warning"]
-        if max_lora_rank:
-            command += ["--max-lora-rank", str(max_lora_rank)]
+        if options.max_lora_rank:
+            command += ["--max-lora-rank", str(options.max_lora_rank)]
         env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
         if engine == "vllm":  # each server's worker on a core of its own (vLLM's "auto" puts all on one)
             cores = sorted(os.sched_getaffinity(0))  # the cores this process may use, not all the host's
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
-        self.child = ChildProcess(command, env=env | os.environ | {"OMP_NUM_THREADS": "1"})
+        log_path = None if options.log_dir is None else options.log_dir / f"server-{index}.log"
+        self.child = ChildProcess(command, env=env | os.environ | {"OMP_NUM_THREADS": "1"}, log_path=log_path)
+        self.started = time.monotonic()
         self.url = ""
         self.client: httpx.Client | None = None
 
     def wait_ready(self) -> None:
-        """Wait for the server's announcement (its URL).
+        """Wait for the server's announcement (its URL), up to `startup_timeout` seconds from
+        its start; every `PROGRESS_S` of them, a line (logged) says it is still starting.
 
         Raises:
-            ResourceError: it exited or did not announce itself within the timeout.
+            ResourceError: it exited or did not announce itself within the start-up timeout:
+                one line with the flag that waits longer and how its log ends.
         """
         if self.client is not None:
             return
-        line = self.child.wait_for_line(self.ANNOUNCEMENT, self.timeout)
+        ends = self.started + self.startup_timeout
+        line = None
+        while line is None and self.child.alive() and (left := ends - time.monotonic()) > 0:
+            line = self.child.wait_for_line(self.ANNOUNCEMENT, min(PROGRESS_S, left))
+            if line is None and self.child.alive() and time.monotonic() < ends:
+                log.info(
+                    "rollout server %d still starting after %.0f s (at most %.0f s: --startup-timeout)",
+                    self.index,
+                    time.monotonic() - self.started,
+                    self.startup_timeout,
+                )
         if line is None:
-            raise ResourceError(self.child.why_not_started(f"rollout server {self.index}", self.timeout))
+            raise ResourceError(
+                self.child.why_not_started(f"rollout server {self.index}", self.startup_timeout, "--startup-timeout")
+            )
         self.url = line.split()[2]
         token = resolve_token(None)  # the servers inherit $WEIGHTSYNC_AUTH_TOKEN, if set
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -195,9 +235,10 @@ class ServerFleet:
         model_dir: the policy's directory (config.json and tokenizer; no weights are read).
         size: servers to start.
         engine: "hf" or "vllm".
-        timeout: seconds any request or start-up may take.
+        timeout: seconds any request or push may take.
+        options: how the servers start (their start-up timeout, LoRA rank, logs; default: the
+            engine's `STARTUP_TIMEOUT_S`, no LoRA, logs on stderr).
         restart: start a replacement for a server that died (it rejoins after the next push).
-        max_lora_rank: the servers serve LoRA adapters up to this rank (0: none).
         delta: `WeightSender`'s `delta` for the pushes.
     """
 
@@ -207,12 +248,12 @@ class ServerFleet:
         size: int,
         engine: str,
         timeout: float,
+        options: FleetOptions | None = None,
         restart: bool = True,
-        max_lora_rank: int = 0,
         delta: Delta = False,
     ) -> None:
         self._model_dir, self._engine, self._timeout, self._restart = model_dir, engine, timeout, restart
-        self._max_lora_rank = max_lora_rank
+        self._options = options or FleetOptions(startup_timeout=STARTUP_TIMEOUT_S[engine])
         # each push's report is read: a server that failed it is dropped, the run goes on
         self._group = ServerGroup(timeout=timeout, delta=delta, raise_on_failure=False)
         self._lock = threading.RLock()  # generation (a background thread) and pushes both drop servers
@@ -223,7 +264,7 @@ class ServerFleet:
         self.servers: list[_Server] = []
         try:
             for index in range(size):  # every server starts at once; then wait for each
-                self.servers.append(_Server(index, model_dir, engine, timeout, max_lora_rank))
+                self.servers.append(_Server(index, model_dir, engine, timeout, self._options))
             for server in self.servers:
                 server.wait_ready()
         except BaseException:
@@ -313,7 +354,7 @@ class ServerFleet:
             server.close()
             self.events.append(f"server {server.index} {why}; continuing on {len(self.servers)}")
             if self._restart:
-                replacement = _Server(server.index, self._model_dir, self._engine, self._timeout, self._max_lora_rank)
+                replacement = _Server(server.index, self._model_dir, self._engine, self._timeout, self._options)
                 self.joining.append(replacement)
                 self.events.append(f"server {server.index} restarted; it serves after the next push")
 

@@ -31,10 +31,6 @@ log = logging.getLogger(__name__)
 
 STARTING_POLL_S = 0.5
 """How often `wait_until_up` asks a server that is starting."""
-REFUSED_GRACE_S = 10.0
-"""How long `wait_until_up` retries a port that refuses connections: a server process binds its
-port within seconds of starting (before its engine loads), so a port still closed after this is
-no server at all."""
 
 
 class RolloutClient:
@@ -68,10 +64,10 @@ class RolloutClient:
         return info
 
     def wait_until_up(self, timeout: float, waiting: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """The server's /weight_info once it is up. A server that answers 503 (it is starting, its
-        engine loads) is asked again every half second for up to `timeout` seconds, and a port
-        that refuses connections (a server process that has not bound it yet) for up to
-        `REFUSED_GRACE_S` of them; `waiting(why)` hears once what it is waiting for.
+        """The server's /weight_info once it is up. A server that answers 503 (its engine loads)
+        or whose port refuses connections (its process has not bound it yet: on a busy host its
+        imports alone take 8-40 s) is asked again every half second, for the whole `timeout`;
+        `waiting(why)` hears once what it is waiting for.
 
         Raises:
             ServerError: any other answer at once; else the last answer once the wait is over.
@@ -87,7 +83,7 @@ class RolloutClient:
                 if not (exc.status == 503 or refused):
                     raise
                 now = time.monotonic()
-                if now >= ends or (refused and now >= started + REFUSED_GRACE_S):
+                if now >= ends:
                     raise ServerError(exc.status, f"not up after {now - started:.0f} s: {exc}") from exc
                 if waiting is not None and not told:
                     waiting(str(exc))
@@ -134,8 +130,10 @@ class RolloutClient:
             body = None
         if isinstance(body, dict):
             return body
-        if allow_text:  # an error status from a proxy or another service: say what it said
+        if allow_text and not _is_html(response):  # an error from a proxy or another service: what it said
             return " ".join(response.text.split())[:200] or response.reason_phrase
+        if allow_text:  # a web page (another service's 404): its markup would say nothing
+            return f"{self.base_url}{path} answered HTTP {response.status_code} with a web page: is it a weightsync server?"
         raise ServerError(
             0,
             f"{self.base_url}{path} answered HTTP {response.status_code} without a JSON object: is it a weightsync server?",
@@ -149,6 +147,11 @@ class RolloutClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _is_html(response: httpx.Response) -> bool:
+    """Whether `response` is a web page (by its type, or by its first character)."""
+    return "html" in response.headers.get("content-type", "") or response.text.lstrip().startswith("<")
 
 
 Waiting = Callable[[str, float, str], None]

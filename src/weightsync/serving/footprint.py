@@ -35,11 +35,12 @@ import re
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
-__all__ = ["FOLDER_PREFIX", "Footprint", "reap", "reap_dead"]
+__all__ = ["FOLDER_PREFIX", "Footprint", "end_processes", "reap", "reap_dead"]
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +137,61 @@ class Footprint:
 def end_descendants(timeout: float = END_WAIT_S) -> None:
     """SIGKILL to every descendant of this process; wait up to `timeout` for them to end (reaping
     our children). Called once the engine had its own chance to stop: what is left is stuck, or
-    ignores SIGTERM (Python's resource tracker does)."""
-    processes = _descendants()
+    ignores SIGTERM (Python's resource tracker does). The tracker goes last (`end_processes`),
+    after our own end of its pipe is closed (`_release_resource_tracker`)."""
+    end_processes(_descendants(), timeout, before_trackers=_release_resource_tracker)
+
+
+def end_processes(
+    processes: list[psutil.Process], timeout: float = END_WAIT_S, before_trackers: Callable[[], None] | None = None
+) -> None:
+    """SIGKILL `processes`, Python's resource trackers among them last. A tracker unlinks the
+    semaphores and segments still registered with it (`sem.mp-*`, `psm_*` of processes that
+    were killed) once every holder of its pipe is gone, then exits: killed first, it could not,
+    and they stayed in /dev/shm. `before_trackers` runs once the others have ended (the holder
+    of a pipe end that is still alive closes it there); a tracker that has not exited within
+    `timeout` is killed."""
+    trackers = [process for process in processes if _is_resource_tracker(process)]
+    _kill([process for process in processes if process not in trackers], timeout)
+    if before_trackers is not None:
+        before_trackers()
+    _, alive = psutil.wait_procs(trackers, timeout=timeout)
+    _kill(alive, timeout)
+
+
+def _kill(processes: list[psutil.Process], timeout: float) -> None:
     for process in processes:
         with contextlib.suppress(psutil.Error):
             process.kill()
     _, alive = psutil.wait_procs(processes, timeout=timeout)
     if alive:
         log.warning("processes still running %.0f s after SIGKILL: %s", timeout, [p.pid for p in alive])
+
+
+def _is_resource_tracker(process: psutil.Process) -> bool:
+    """Whether `process` is Python multiprocessing's resource tracker (by its command line)."""
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+
+
+def _release_resource_tracker() -> None:
+    """Close this process's end of its resource tracker's pipe (the tracker's own `_stop`, but
+    without its unbounded wait: `end_processes` bounds it), so that the tracker, once its other
+    holders are gone, cleans up and exits."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    fd = getattr(tracker, "_fd", None)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    # ended (and reaped) by end_processes; a later use starts a new one (private fields: the stdlib
+    # has no public way to let go of its tracker)
+    setattr(tracker, "_fd", None)  # noqa: B010
+    setattr(tracker, "_pid", None)  # noqa: B010
 
 
 def reap(pid: int, root: str | None = None) -> list[str]:

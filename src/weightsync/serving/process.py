@@ -26,6 +26,7 @@ never blocks on a full pipe.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import psutil
 
@@ -55,15 +57,21 @@ STOP_TIMEOUT_S = 10.0
 """Seconds `ChildProcess.close` waits for the child to stop, before SIGKILL."""
 
 
+TAIL_LINES = 20
+"""Lines of a child's stderr kept for `ChildProcess.tail` (why it did not start, say)."""
+
+
 class ChildProcess:
     """`command` (a `weightsync` command line) in a child process tied to this one.
 
     Args:
         command: the argv to run.
         env: its environment (default: this process's).
+        log_path: a file for the child's stderr (its log), instead of this process's stderr: an
+            engine's start-up noise stays out of the user's terminal, and is there to read.
     """
 
-    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, command: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> None:
         read_fd, self._lifeline = os.pipe()  # both ends non-inheritable: only the child gets read_fd
         try:
             self.process = subprocess.Popen(
@@ -81,6 +89,9 @@ class ChildProcess:
         finally:
             os.close(read_fd)
         self._lines: queue.Queue[str | None] = queue.Queue()
+        self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.log_path = log_path
+        self._log = None if log_path is None else log_path.open("a", encoding="utf-8")
         self._found = threading.Event()
         self._quiet = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True, name="weightsync-child-stdout")
@@ -112,13 +123,22 @@ class ChildProcess:
                 return line
         return None
 
-    def why_not_started(self, what: str, timeout: float) -> str:
-        """Why no announcement came: the child's exit status (its own message is on stderr,
-        above), or the wait that ran out."""
+    def tail(self) -> list[str]:
+        """The last lines the child wrote to stderr (up to `TAIL_LINES`), blank ones left out."""
+        return [line for line in list(self._tail) if line.strip()]
+
+    def why_not_started(self, what: str, timeout: float, flag: str = "") -> str:
+        """Why no announcement came, on one line: the wait that ran out (and `flag`, that gives a
+        longer one) or the child's exit status, then where its log is and how it ends."""
         status = self.process.poll()
         if status is None:
-            return f"{what} did not start within {timeout} s"
-        return f"{what} exited with status {status} before it started (its error is above)"
+            longer = f" ({flag} SECONDS waits longer)" if flag else ""
+            head = f"{what} did not start within {timeout:.0f} s{longer}"
+        else:
+            head = f"{what} exited with status {status} before it started"
+        where = "its log" if self.log_path is None else f"its log {self.log_path}"
+        last = " | ".join(line.strip() for line in self.tail()[-3:])
+        return f"{head}; {where} ends: {last}" if last else f"{head}; {where} is empty"
 
     def kill(self) -> None:
         """SIGKILL to the child and everything it started (its process group), then reap."""
@@ -200,12 +220,17 @@ class ChildProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
 
     def _relay_stderr(self) -> None:
-        """The child's stderr onto ours, line by line, until it is told to stop (or this process
-        is stopping: `quiet_children`): what it says while it shuts down is not news."""
+        """The child's stderr into its log file, or onto ours line by line until it is told to
+        stop (or this process is stopping: `quiet_children`): what it says while it shuts down
+        is not news. The last lines are kept for `tail` either way."""
         stderr = self.process.stderr
         try:
             for line in stderr or ():
-                if not (self._quiet.is_set() or _QUIET.is_set()):
+                self._tail.append(line)
+                if self._log is not None:
+                    self._log.write(line)
+                    self._log.flush()
+                elif not (self._quiet.is_set() or _QUIET.is_set()):
                     sys.stderr.write(line)
                     sys.stderr.flush()
         except (OSError, ValueError):
@@ -213,6 +238,8 @@ class ChildProcess:
         finally:
             if stderr is not None:
                 stderr.close()
+            if self._log is not None:
+                self._log.close()
 
     def _read(self) -> None:
         stdout = self.process.stdout

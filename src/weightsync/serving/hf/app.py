@@ -83,16 +83,27 @@ def plain(errors: Sequence[Any]) -> str:
     message per field (a union type reports every alternative; the first says enough)."""
     messages: dict[str, str] = {}
     for item in errors:
-        location = [str(part) for part in item.get("loc", ()) if part != "body"]
+        location = fields(item)
         field = location[0] if location else "body"
-        messages.setdefault(field, str(item.get("msg", "invalid")).removeprefix("Value error, "))
+        message = str(item.get("msg", "invalid")).removeprefix("Value error, ")
+        if item.get("type") == "json_invalid":
+            message = f"not valid JSON ({message}, at character {item['loc'][-1]})"
+        messages.setdefault(field, message)
     return "; ".join(f"{field}: {message}" for field, message in messages.items()) or "invalid request"
 
 
 def first_field(errors: Sequence[Any]) -> str | None:
     """The request field the first validation error is about (OpenAI's `param`), if any."""
     for item in errors:
-        location = [str(part) for part in item.get("loc", ()) if part != "body"]
+        location = fields(item)
         if location:
             return location[0]
     return None
+
+
+def fields(error: Any) -> list[str]:
+    """The request fields a validation error is about (outermost first): none for a body that is
+    not JSON at all, whose location pydantic gives as the character where parsing failed."""
+    if error.get("type") == "json_invalid":
+        return []
+    return [str(part) for part in error.get("loc", ()) if part != "body"]

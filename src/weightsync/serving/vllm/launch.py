@@ -22,7 +22,7 @@ from weightsync.errors import ConfigError
 from weightsync.integrations.vllm.plugin import BACKEND
 from weightsync.serving.config import ServeConfig
 
-__all__ = ["build_async_llm", "preload", "vllm_namespace", "warm_up"]
+__all__ = ["build_async_llm", "preload", "vllm_lora_rank", "vllm_namespace", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
     if config.max_lora_rank:
         # a request runs on the adapter version it started with: every resident version, and
         # one still draining, may be in one batch (--max-loras); the CPU cache holds a few more
-        argv += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank)]
+        argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(config.max_lora_rank))]
         if "--max-loras" not in given:
             argv += ["--max-loras", str(config.lora_versions + 1)]
         if "--max-cpu-loras" not in given:
@@ -88,6 +88,17 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
         # servers to a trainer (push to each).
         raise ConfigError(f"--data-parallel-size {args.data_parallel_size}: run one weightsync serve per replica")
     return args
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM's --max-lora-rank accepts (vLLM 0.32's choices: it refuses any other)."""
+
+
+def vllm_lora_rank(max_rank: int) -> int:
+    """vLLM's --max-lora-rank for weightsync's `max_rank`: the smallest value vLLM accepts that
+    holds it (its LoRA buffers are sized by it; the rank a push may have is still `max_rank`,
+    checked by weightsync before a byte moves)."""
+    return next((rank for rank in VLLM_LORA_RANKS if rank >= max_rank), max_rank)
 
 
 PRELOADED_MODULES = (
