@@ -75,7 +75,9 @@ def test_serve_and_push_end_to_end(tiny_models) -> None:
 
 def test_push_to_nowhere_fails_cleanly(tiny_models) -> None:
     done = subprocess.run(
-        cli("push", "--model", str(tiny_models["qwen2"]), "--to", "http://127.0.0.1:9"),
+        # a refused port is waited for the whole --timeout (a server binds its port only after
+        # its imports): a short one, so that the push fails within the test's wait
+        cli("push", "--model", str(tiny_models["qwen2"]), "--to", "http://127.0.0.1:9", "--timeout", "5"),
         capture_output=True,
         text=True,
         env=env(),
