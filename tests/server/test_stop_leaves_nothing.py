@@ -188,13 +188,13 @@ STOPPED_WHILE_IMPORTING = textwrap.dedent(
     """
     import os, signal, sys, time
     from weightsync import cli
-    from weightsync.serving.hf.startup import Startup
+    from weightsync.serving.hf import startup
 
-    def preload(self):  # SIGTERM arrives while the engine's imports run
+    def preload(config):  # SIGTERM arrives while the engine's imports run
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
 
-    Startup.preload = preload
+    startup.preload = preload
     sys.exit(cli.main(sys.argv[1:]))
     """
 )
