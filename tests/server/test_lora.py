@@ -214,20 +214,6 @@ def test_a_server_started_without_lora_refuses_adapters_and_says_how(tiny_models
     assert not report.ok and "start it with --max-lora-rank N" in report.failed[0].error
 
 
-def test_an_adapter_serves_on_after_the_base_weights_change(served) -> None:
-    """vLLM drops every adapter a worker holds when the base weights are replaced: the next
-    request loads it again from weightsync's memory. (Last in the module: the base changes.)"""
-    model_dir, server, sender = served
-    policy = peft_policy(model_dir, seed=4)
-    tensors, adapter = adapter_from_peft(policy, "policy")
-    assert sender.push(tensors, version=9, adapter=adapter).ok
-    v2 = {name: tensor * 1.25 for name, tensor in load_file(model_dir / "model.safetensors").items()}
-    assert sender.push(v2, version=2).ok
-    out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
-    assert out["choices"][0]["token_ids"] == greedy(on_base(policy, model_dir, v2, tensors), PROMPT, 8)
-    assert (out["weight_version"], out["base_version"]) == (9, 2)
-
-
 def test_weightsync_push_pushes_a_peft_adapter_folder_served_by_its_name(served, tmp_path, capsys) -> None:
     """`weightsync push --model ADAPTER_DIR`: adapter_config.json makes it an adapter (not base
     weights), served under the folder's name, its next version by default; a rank the server
@@ -253,6 +239,20 @@ def test_weightsync_push_pushes_a_peft_adapter_folder_served_by_its_name(served,
     out, err = capsys.readouterr()
     assert "refused" in out.strip().splitlines()[-1] and len(err.strip().splitlines()) == 1, (out, err)
     assert "rank 16" in err and "Traceback" not in err, err
+
+
+def test_an_adapter_serves_on_after_the_base_weights_change(served) -> None:
+    """vLLM drops every adapter a worker holds when the base weights are replaced: the next
+    request loads it again from weightsync's memory. (Last in the module: the base changes.)"""
+    model_dir, server, sender = served
+    policy = peft_policy(model_dir, seed=4)
+    tensors, adapter = adapter_from_peft(policy, "policy")
+    assert sender.push(tensors, version=9, adapter=adapter).ok
+    v2 = {name: tensor * 1.25 for name, tensor in load_file(model_dir / "model.safetensors").items()}
+    assert sender.push(v2, version=2).ok
+    out = server.client.completions(PROMPT, model="policy", max_tokens=8, temperature=0)
+    assert out["choices"][0]["token_ids"] == greedy(on_base(policy, model_dir, v2, tensors), PROMPT, 8)
+    assert (out["weight_version"], out["base_version"]) == (9, 2)
 
 
 LORA_DOC = Path(__file__).resolve().parents[2] / "docs" / "lora.md"
