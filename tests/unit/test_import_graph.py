@@ -377,7 +377,7 @@ def test_the_checker_names_the_chain_to_an_optional_stack(tmp_path, statement):
 
 LAYERS = (
     ("starters", ("weightsync.cli", "weightsync.demo", "weightsync.cluster", "weightsync.serving.background")),
-    ("engine adapters", ("weightsync.serving.hf", "weightsync.serving.vllm")),
+    ("engine adapters", ("weightsync.serving.hf", "weightsync.serving.vllm", "weightsync.serving.sglang")),
     ("integrations", ("weightsync.integrations",)),
     ("serving", ("weightsync.serving",)),
 )

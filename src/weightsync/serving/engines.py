@@ -47,9 +47,16 @@ ENGINES: dict[str, EngineEntry] = {
         "run scripts/install-vllm.sh (vLLM's CPU build; pip install vllm on a GPU host)",
         300.0,
     ),
+    "sglang": EngineEntry(
+        "weightsync.serving.sglang.server",
+        "sglang",
+        "run scripts/install-sglang.sh DIR and use DIR/bin/weightsync (SGLang pins its own torch)",
+        420.0,
+    ),
 }
 """The engines `weightsync serve --engine` runs: "hf" in this process behind weightsync's own
-OpenAI subset, "vllm" as vLLM's own server with weightsync's backend in its workers. Adding an
+OpenAI subset, "vllm" as vLLM's own server with weightsync's backend in its workers, "sglang" as
+SGLang's own server with weightsync's loader in its workers. Adding an
 engine is one adapter module (serving/<engine>/) and one line here."""
 
 

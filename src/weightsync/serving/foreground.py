@@ -4,6 +4,7 @@
     stopped_by_signals(http)      SIGTERM and SIGINT stop it gracefully; yields the signals caught
     stop_on(event, http)          a `stop` event (a BackgroundServer's close) stops it too
     Ready                         what an adapter's `serve` announces once it serves
+    EngineThread                  an engine built, and later shut down, on a thread of its own
 
 An engine adapter's `serve(config, sock, ...)` runs on an event loop until one of those stops it,
 and returns the signals caught: the command turns a SIGINT into the exit status of Ctrl-C (130),
@@ -17,12 +18,16 @@ import contextlib
 import dataclasses
 import logging
 import signal
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
 
-__all__ = ["GRACEFUL_SHUTDOWN_S", "Ready", "http_server", "stop_on", "stopped_by_signals"]
+__all__ = ["GRACEFUL_SHUTDOWN_S", "EngineThread", "Ready", "http_server", "stop_on", "stopped_by_signals"]
+
+log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 5
 """Seconds requests in flight get to finish when the server is stopped."""
@@ -84,3 +89,75 @@ def stopped_by_signals(http: uvicorn.Server) -> Iterator[list[int]]:
 async def stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
     await stop.wait()
     http.should_exit = True
+
+
+class EngineThread:
+    """An engine built on a thread that lives as long as the engine does, and shut down there.
+
+    The build blocks for tens of seconds (the engine's processes start, the model loads) while
+    the port answers 503 "loading engine". The thread stays: an engine's processes may die with
+    the thread that started them (SGLang's ask the kernel for SIGKILL when it ends,
+    PR_SET_PDEATHSIG), so the build cannot run on a thread that returns.
+
+    Args:
+        name: the engine's name, in log lines.
+        build: makes the engine (on the thread); the engine's `shutdown()` ends it.
+        note_every: seconds between calls of `wait`'s `note`.
+    """
+
+    def __init__(self, name: str, build: Callable[[], Any], note_every: float) -> None:
+        self.name = name
+        self.note_every = note_every
+        self.loop = asyncio.get_running_loop()
+        self.built: asyncio.Future[Any] = self.loop.create_future()
+        self._release = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(build,), daemon=True, name=f"weightsync-{name}")
+        self._thread.start()
+
+    def _run(self, build: Callable[[], Any]) -> None:
+        try:
+            result: tuple[Any, BaseException | None] = (build(), None)
+        except BaseException as exc:
+            result = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
+            self.loop.call_soon_threadsafe(_settle, self.built, *result)
+        engine = result[0]
+        if engine is None:
+            return
+        self._release.wait()
+        started = time.monotonic()
+        engine.shutdown()
+        log.info("%s's engine shut down in %.1f s", self.name, time.monotonic() - started)
+
+    async def wait(self, note: Callable[[], None], stop: asyncio.Task[None] | None) -> Any:
+        """The engine once built; `note()` every `note_every` seconds meanwhile, as its processes
+        start. None if `stop` ends first: the build goes on on its thread (a daemon), and fails
+        once the caller has ended the engine's processes.
+
+        Raises:
+            Exception: whatever the build raised.
+        """
+        waits: set[asyncio.Future[Any]] = {self.built} if stop is None else {self.built, stop}
+        while not self.built.done():
+            await asyncio.wait(waits, timeout=self.note_every, return_when=asyncio.FIRST_COMPLETED)
+            note()
+            if stop is not None and stop.done() and not self.built.done():
+                return None
+        return self.built.result()
+
+    def shutdown(self, timeout: float | None) -> None:
+        """The engine's own shutdown, given `timeout` seconds (None: as long as it takes); a
+        caller that bounds it ends what is left of the engine's processes."""
+        self._release.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.info("%s's engine did not shut down within %.0f s: its processes are ended", self.name, timeout)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)

@@ -49,7 +49,16 @@ OPEN_PATHS = frozenset({"/health", "/ping"})
 """Answered without the token: liveness probes."""
 
 UNGATED_POSTS = frozenset(
-    {"/pause", "/resume", "/ping", "/tokenize", "/detokenize", "/v1/messages/count_tokens", "/is_scaling_elastic_ep"}
+    {
+        "/pause",
+        "/resume",
+        "/ping",
+        "/tokenize",
+        "/detokenize",
+        "/v1/messages/count_tokens",
+        "/is_scaling_elastic_ep",
+        "/freeze_gc",
+    }
 )
 """POSTs that run no model: answered before the first sync too."""
 

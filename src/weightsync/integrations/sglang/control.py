@@ -66,6 +66,14 @@ class Connect(msgspec.Struct, tag="connect", frozen=True, kw_only=True):
     verify: str = "off"
     timeout: float = 60.0
     """Seconds any single wait of the receiver may last."""
+    bell: str = ""
+    """`weightsync serve --engine sglang`'s doorbell socket: the server, not a trainer, runs each
+    round (its worker rings the server's control as a push arrives, lands and commits); empty: a
+    trainer's `SGLangEngine` runs it, and reads every worker's `Landing` from its store."""
+    staged: bool = False
+    """(with `bell`) land each push in host memory first; generation pauses only for the load."""
+    drain_timeout: float = 60.0
+    """(with `bell`) seconds the server may take to pause generation for a push."""
 
 
 class Land(msgspec.Struct, tag="land", frozen=True, kw_only=True):

@@ -22,6 +22,13 @@ reach it. Why the plan is checked against the checkpoint's layout before any byt
 SGLang's loaders skip names they do not know and leave tensors nobody sent as they were, which
 would serve a mix without a word.
 
+Under `weightsync serve --engine sglang` the server is the trainer's counterpart: `Connect`
+names its doorbell (`bell`), and the worker's sink is a `ControlledSink` around the same stream
+(staged or not, as the server says). A push then rings the server's control as it arrives; the
+control pauses generation, opens SGLang's update session and sends `Land`; the worker lands the
+version as above, and its commit or failure goes to the control through the doorbell, not the
+store (weightsync.serving.control decides the version, as for every engine).
+
 The loader never raises: an exception in a custom loader ends SGLang's scheduler process (and
 the server), and with TP > 1 the other workers would wait in SGLang's barrier. Every failure is
 logged, told to the trainer through the sender's report and the `Landing`, and the loader
@@ -31,6 +38,7 @@ returns; SGLang's update call then succeeds, and the trainer labels no version.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from typing import Any
@@ -44,7 +52,9 @@ from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.messages import Plan
 from weightsync.options import ReceiverOptions
 from weightsync.receiver import WeightReceiver
-from weightsync.sink import StagedSink
+from weightsync.serving.doorbell import ring
+from weightsync.serving.sink import ControlledSink
+from weightsync.sink import StagedSink, WeightSink
 from weightsync.stream import StreamSink
 
 __all__ = ["load_weights"]
@@ -73,7 +83,8 @@ class _Worker:
     rank: int
     session: str
     store: Any
-    """A client of the trainer's store (torch.distributed.TCPStore)."""
+    """A client of the trainer's store (torch.distributed.TCPStore); None under a server, whose
+    control hears each outcome through its doorbell."""
     stream: _LayoutStream
     receiver: WeightReceiver
 
@@ -132,6 +143,8 @@ def _land(model: Any, message: Land) -> None:
         log.error("weightsync: version %d refused: %s (the trainer connects first)", message.version, why)
         return
     landing = worker.land(model, message.version, message.timeout)
+    if worker.store is None:  # under a server: the worker's sink told its control already
+        return
     try:
         write_landing(worker.store, worker.session, landing)
     except Exception as exc:  # the trainer then times out waiting for it, and labels nothing
@@ -155,9 +168,20 @@ def _connect(model: torch.nn.Module, message: Connect) -> _Worker:
         timeout=message.timeout,
         verify=message.verify,  # type: ignore[arg-type]  # checked by ReceiverOptions
     )
-    receiver = WeightReceiver(staged, message.transport, options=options).start()
+    sink: WeightSink = staged
+    if message.bell:
+        sink = ControlledSink(
+            staged if message.staged else stream,
+            functools.partial(ring, message.bell),
+            rank=rank,
+            drain_timeout=message.drain_timeout,
+            timeout=options.timeout,
+        )
+    receiver = WeightReceiver(sink, message.transport, options=options).start()
+    if isinstance(sink, ControlledSink):
+        receiver.watch(sink.observe)
     try:
-        store = connect_store(message.rendezvous, options.timeout)
+        store = None if message.bell else connect_store(message.rendezvous, options.timeout)
         me = WorkerAddress(address=receiver.address, rank=rank, weight_bytes=stream.layout.total_bytes)
         announce(message.rendezvous, message.session, me, timeout=options.timeout)
     except BaseException:

@@ -27,11 +27,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import socket
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,11 +40,11 @@ from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
 from weightsync.serving.control import Served, SyncControl
 from weightsync.serving.doorbell import Doorbell
-from weightsync.serving.foreground import Ready, http_server, stop_on, stopped_by_signals
+from weightsync.serving.foreground import EngineThread, Ready, http_server, stop_on, stopped_by_signals
 from weightsync.serving.http import Face, Starting, add_routes
+from weightsync.serving.labels import Versioned
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
-from weightsync.serving.vllm.labeller import Versioned
 from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
 from weightsync.serving.vllm.launch import preload as preload_vllm
 from weightsync.serving.vllm.versions import LoraUse, VersionedEngine
@@ -202,8 +201,9 @@ async def serve(
         watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
         try:
             front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
+            owner = EngineThread("vLLM", functools.partial(build_async_llm, args), NOTE_EVERY_S)
             # With a bounded shutdown the caller ends vLLM's processes: a stop need not wait for the build.
-            engine = await _build(args, note, serving if shutdown_timeout is not None else None)
+            engine = await owner.wait(note, serving if shutdown_timeout is not None else None)
             if engine is None:  # stopped while vLLM loaded
                 return caught
 
@@ -215,7 +215,7 @@ async def serve(
                 await _serve_engine(config, args, engine, front, serving, ready)
             finally:
                 note()  # what vLLM's processes map, before they go
-                _shutdown(engine, shutdown_timeout)
+                owner.shutdown(shutdown_timeout)
         except BaseException as exc:
             front.health = Health(False, "failed", f"the server could not start: {exc}")
             raise
@@ -226,53 +226,6 @@ async def serve(
             if watch is not None:
                 watch.cancel()
     return caught
-
-
-async def _build(args: argparse.Namespace, note: Callable[[], None], stop: asyncio.Task[None] | None) -> Any:
-    """vLLM's engine, built on a thread (it blocks for 20-30 s); `note()` every `NOTE_EVERY_S`
-    meanwhile, as its processes start. None if `stop` ends first: the build is left to its
-    thread (a daemon), and fails once the caller has ended vLLM's processes."""
-    loop = asyncio.get_running_loop()
-    building: asyncio.Future[Any] = loop.create_future()
-
-    def build() -> None:
-        try:
-            result: tuple[Any, BaseException | None] = (build_async_llm(args), None)
-        except BaseException as exc:
-            result = (None, exc)
-        with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped meanwhile
-            loop.call_soon_threadsafe(_settle, building, *result)
-
-    threading.Thread(target=build, daemon=True, name="weightsync-vllm-build").start()
-    waits: set[asyncio.Future[Any]] = {building} if stop is None else {building, stop}
-    while not building.done():
-        await asyncio.wait(waits, timeout=NOTE_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
-        note()
-        if stop is not None and stop.done() and not building.done():
-            return None
-    return building.result()
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
-
-
-def _shutdown(engine: Any, timeout: float | None) -> None:
-    """vLLM's own shutdown, given `timeout` seconds; on a thread that is left behind if it takes
-    longer (the caller then ends vLLM's processes, and the shutdown returns)."""
-    started = time.monotonic()
-    thread = threading.Thread(target=engine.shutdown, daemon=True, name="weightsync-vllm-shutdown")
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        log.info("vLLM's engine did not shut down within %.0f s: its processes are ended", timeout)
-    else:
-        log.info("vLLM's engine shut down in %.1f s", time.monotonic() - started)
 
 
 async def _serve_engine(

@@ -3,8 +3,8 @@
 vLLM's OpenAI handlers call `engine_client.generate(...)` once per prompt and turn its outputs
 into responses; they drop the weight version. `VersionedEngine` is the engine client handed to
 vLLM's `init_app_state`: it forwards everything to `AsyncLLM`, and wraps `generate` so that each
-output is noted in the `Recorder` of the HTTP request being served (a context variable the HTTP
-layer sets; see http.py), before vLLM's handler formats it:
+output is noted in the `Recorder` of the HTTP request being served (serving/labels.py), before
+vLLM's handler formats it:
 
     newest      the version of the newest token of the request (a streamed chunk's weight_version)
     spans[i]    choice i's spans {"version", "start", "end"} over its output tokens, from vLLM's
@@ -16,17 +16,13 @@ p * n + k (chat has one prompt).
 
 from __future__ import annotations
 
-import contextvars
-import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
 from weightsync.integrations.vllm.internals import MEMORY_SCHEME, token_version
+from weightsync.serving.labels import RECORDER, Recorder
 
-__all__ = ["RECORDER", "LoraUse", "Recorder", "VersionedEngine", "memory_adapter", "version_number"]
-
-RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("weightsync_recorder", default=None)
-"""The recorder of the HTTP request being served, None outside one."""
+__all__ = ["LoraUse", "VersionedEngine", "follow", "memory_adapter", "version_number"]
 
 
 def version_number(label: str | None) -> int | None:
@@ -76,52 +72,41 @@ class LoraUse:
                 await aclose()
 
 
-class Recorder:
-    """The weight versions of one HTTP request's choices, as far as generated."""
+async def follow(
+    recorder: Recorder, outputs: AsyncIterator[Any], engine: Any, ordinal: int, n: int, delta: bool
+) -> AsyncIterator[Any]:
+    """Yield vLLM's `outputs` for the `ordinal`-th prompt of a request unchanged, noting each
+    one's versions in `recorder` first."""
+    counts: dict[int, int] = {}
+    try:
+        async for output in outputs:
+            for completion in output.outputs:
+                _note(recorder, engine, output.request_id, ordinal * n, completion, counts, delta)
+            yield output
+    finally:  # a client gone or a handler failing: vLLM aborts the request when its generator closes
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
-    def __init__(self) -> None:
-        self.adapter_version: int | None = None
-        """The version of the LoRA adapter the request runs on (held in memory by weightsync),
-        else None."""
-        self.newest: int | None = None
-        self.spans: dict[int, list[dict[str, int | None]]] = {}
-        self._ordinals = itertools.count()
 
-    def versions(self) -> list[int]:
-        """Every version that produced a token of this request, oldest first."""
-        seen = {span["version"] for spans in self.spans.values() for span in spans}
-        return sorted(version for version in seen if version is not None)
-
-    async def follow(self, outputs: AsyncIterator[Any], engine: Any, n: int, delta: bool) -> AsyncIterator[Any]:
-        """Yield `outputs` unchanged, noting each one's versions first."""
-        ordinal = next(self._ordinals)
-        counts: dict[int, int] = {}
-        try:
-            async for output in outputs:
-                for completion in output.outputs:
-                    self._note(engine, output.request_id, ordinal * n, completion, counts, delta)
-                yield output
-        finally:  # a client gone or a handler failing: vLLM aborts the request when its generator closes
-            aclose = getattr(outputs, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    def _note(
-        self, engine: Any, request_id: str, first: int, completion: Any, counts: dict[int, int], delta: bool
-    ) -> None:
-        index = completion.index
-        count = counts.get(index, 0) + len(completion.token_ids) if delta else len(completion.token_ids)
-        counts[index] = count
-        spans = completion.weight_versions
-        if spans is not None:  # the final output: vLLM's own spans
-            choice = [{"version": version_number(s.version), "start": s.start, "end": s.end} for s in spans]
-            self.spans[first + index] = choice
-            if choice:
-                self.newest = choice[-1]["version"]
-        elif count:
-            label = token_version(engine, request_id, index, count - 1)
-            if label is not None:
-                self.newest = version_number(label)
+def _note(
+    recorder: Recorder, engine: Any, request_id: str, first: int, completion: Any, counts: dict[int, int], delta: bool
+) -> None:
+    index = completion.index
+    count = counts.get(index, 0) + len(completion.token_ids) if delta else len(completion.token_ids)
+    counts[index] = count
+    spans = completion.weight_versions
+    if spans is not None:  # the final output: vLLM's own spans
+        choice: list[dict[str, int | None]] = [
+            {"version": version_number(s.version), "start": s.start, "end": s.end} for s in spans
+        ]
+        recorder.spans[first + index] = choice
+        if choice:
+            recorder.newest = choice[-1]["version"]
+    elif count:
+        label = token_version(engine, request_id, index, count - 1)
+        if label is not None:
+            recorder.newest = version_number(label)
 
 
 class VersionedEngine:
@@ -147,4 +132,4 @@ class VersionedEngine:
             return outputs
         recorder.adapter_version = None if adapter is None else adapter[0]
         delta = sampling_params.output_kind == RequestOutputKind.DELTA
-        return recorder.follow(outputs, self._engine, sampling_params.n or 1, delta)
+        return follow(recorder, outputs, self._engine, recorder.next_call(), sampling_params.n or 1, delta)

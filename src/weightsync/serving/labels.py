@@ -1,28 +1,65 @@
-"""Weight versions on vLLM's responses: one ASGI middleware inside the HTTP face (http.py).
+"""Weight versions on an engine's OpenAI responses: one ASGI middleware inside the HTTP face
+(http.py), the same for every engine that serves its own OpenAI routes (vLLM, SGLang).
 
 /v1/completions and /v1/chat/completions get `weight_version` (int) on the response and on every
 streamed chunk, and per choice `weight_versions` spans [{"version", "start", "end"}] over its
 output tokens once the choice ends. A request run on a LoRA adapter names the adapter's version,
-and the base weights' as `base_version`. The versions come from vLLM's own per-request record
-(versions.py), read as the request's outputs are made.
+and the base weights' as `base_version`.
+
+The versions come from the engine's own per-request record: its adapter wraps the engine call the
+OpenAI handlers make, and notes each output's versions in the `Recorder` of the HTTP request
+being served (`RECORDER`, a context variable `Versioned` sets) before the handler formats it
+(serving/vllm/versions.py, serving/sglang/versions.py).
 """
 
 from __future__ import annotations
 
+import contextvars
+import itertools
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from weightsync.serving.control import SyncControl
-from weightsync.serving.vllm.versions import RECORDER, Recorder
 
-__all__ = ["Labeller", "Versioned"]
+__all__ = ["RECORDER", "Labeller", "Recorder", "Span", "Versioned"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[..., Awaitable[None]]
+
+Span = dict[str, int | None]
+"""{"version", "start", "end"}: output tokens [start, end) of a choice came from `version`."""
+
+
+class Recorder:
+    """The weight versions of one HTTP request's choices, as far as generated."""
+
+    def __init__(self) -> None:
+        self.adapter_version: int | None = None
+        """The version of the LoRA adapter the request runs on (held in memory by weightsync),
+        else None."""
+        self.newest: int | None = None
+        """The version of the newest token of the request (a streamed chunk's weight_version)."""
+        self.spans: dict[int, list[Span]] = {}
+        """Choice i's spans, once it ended."""
+        self._calls = itertools.count()
+
+    def next_call(self) -> int:
+        """The ordinal of the engine call the request makes next (vLLM: one per prompt)."""
+        return next(self._calls)
+
+    def versions(self) -> list[int]:
+        """Every version that produced a token of this request, oldest first."""
+        seen = {span["version"] for spans in self.spans.values() for span in spans}
+        return sorted(version for version in seen if version is not None)
+
+
+RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("weightsync_recorder", default=None)
+"""The recorder of the HTTP request being served, None outside one."""
+
 
 VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Responses that carry weight_version."""

@@ -1,4 +1,4 @@
-"""Weight versions added to vLLM's response bodies: whole JSON bodies (length fixed up) and SSE
+"""Weight versions added to an engine's OpenAI response bodies: whole JSON bodies (length fixed up) and SSE
 chunks, also when an event arrives split over several body messages."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import json
 from typing import Any
 
 from weightsync.serving.control import SyncControl
+from weightsync.serving.labels import Labeller, Recorder
 from weightsync.serving.metrics import ServerMetrics
-from weightsync.serving.vllm.labeller import Labeller
-from weightsync.serving.vllm.versions import Recorder
 
 
 def label(messages: list[dict[str, Any]], recorder: Recorder) -> list[dict[str, Any]]:

@@ -1,0 +1,391 @@
+"""`weightsync serve --engine sglang`: SGLang's own server, with weightsync's parts on top.
+
+How it is put together (the vLLM adapter's shape, with SGLang's doors):
+
+1. SGLang's arguments are parsed by SGLang's own `prepare_server_args` (launch.py), from
+   weightsync's flags plus anything given with --engine-args: every `sglang serve` option
+   works, with SGLang's defaults, and weightsync's loader as its `--custom-weight-loader`.
+2. The engine is SGLang's `Engine` (the tokenizer manager in this process, the scheduler and
+   detokenizer in SGLang's own processes), built on a thread: the port answers 503 "loading
+   engine" meanwhile instead of hanging.
+3. The app is SGLang's own FastAPI app, set up as SGLang's `launch_server` sets it up: every
+   route, handler, chat template and sampling parameter is SGLang's own code.
+4. Every TP worker runs weightsync's receiver, started through SGLang's custom-loader door
+   (`update_weights_from_tensor` carrying a `Connect` control message); the workers tell this
+   process their addresses through a rendezvous store it hosts for that call, and ring its
+   doorbell as a push reaches them: this process then runs the round on every worker through
+   the sync control (control.py): SGLang's `pause_generation`, `begin_weight_update`, a `Land`
+   message through the loader door, `end_weight_update`, `update_weight_version`,
+   `continue_generation`.
+5. weightsync adds its routes and its middleware (http.py, labels.py): /health, /weight_info,
+   /pause, /resume, /metrics, the gate, bearer auth, weight versions on OpenAI responses; and
+   refuses SGLang's own weight and pause routes (`Owned`): the sync control owns the weights,
+   and an update behind its back would serve a version nobody labelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from typing import Any
+
+from weightsync.errors import ResourceError
+from weightsync.integrations.sglang.control import Connect, Land, payload
+from weightsync.integrations.sglang.trainer import LOADER
+from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
+from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
+from weightsync.serving.control import Served, SyncControl
+from weightsync.serving.doorbell import Doorbell
+from weightsync.serving.error_body import error
+from weightsync.serving.foreground import EngineThread, Ready, http_server, stop_on, stopped_by_signals
+from weightsync.serving.http import Face, Starting, add_routes
+from weightsync.serving.labels import Versioned
+from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.sglang.launch import build_engine, serve_app, sglang_args, warm_up
+from weightsync.serving.sglang.launch import preload as preload_sglang
+from weightsync.serving.sglang.versions import record_versions
+
+__all__ = ["check", "preload", "serve"]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[..., Awaitable[None]]
+
+log = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 120.0
+"""Seconds a start-up call into SGLang's workers may take."""
+
+NOTE_EVERY_S = 1.0
+"""How often, while SGLang's processes start, the shared memory they map is noted (`serve`'s `note`)."""
+
+DRAIN_POLL_S = 0.05
+"""How often a "wait" pause checks whether the requests it waits for have finished."""
+
+OWNED_PATHS = frozenset(
+    {
+        "/update_weights_from_disk",
+        "/update_weights_from_tensor",
+        "/update_weights_from_distributed",
+        "/update_weights_from_ipc",
+        "/init_weights_update_group",
+        "/destroy_weights_update_group",
+        "/init_weights_send_group_for_remote_instance",
+        "/send_weights_to_remote_instance",
+        "/begin_weight_update",
+        "/end_weight_update",
+        "/update_weight_version",
+        "/pause_generation",
+        "/continue_generation",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/load_lora_adapter",
+        "/load_lora_adapter_from_tensors",
+        "/unload_lora_adapter",
+    }
+)
+"""SGLang's routes that change the weights, their label or the pause: weightsync's own here."""
+
+
+class Owned:
+    """Refuses SGLang's routes in `OWNED_PATHS` with a 403 naming weightsync's way instead."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in OWNED_PATHS:
+            response = error(
+                403,
+                f"{scope['path']} is not served here: weightsync owns this server's weights "
+                "(push with weightsync; pause with POST /pause and /resume)",
+                None,
+            )
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class _Engine:
+    """SGLang's tokenizer manager as the sync control calls it (`control.Engine`)."""
+
+    name = "SGLang"
+
+    def __init__(self, manager: Any, tp_size: int, timeout: float) -> None:
+        self.manager = manager
+        self.session = ""
+        """The rendezvous session the workers' receivers were started in (`_start_receivers`)."""
+        self.tp_size = tp_size
+        self.timeout = timeout
+        self.died = ""
+        """Why SGLang's engine is gone for good ("" while it runs): one of its processes failed."""
+
+    @property
+    def errored(self) -> bool:
+        return bool(self.died)
+
+    def failure(self) -> str:
+        return f"SGLang's engine died ({self.died}); restart the server" if self.died else ""
+
+    async def pause_generation(self, *, mode: PauseMode) -> None:
+        """SGLang's pause: "abort" is its own, "keep" its "in_place"; "wait" lets the requests
+        running now finish first, then holds what came since in place."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        if mode == "wait":
+            running = set(self.manager.rid_to_state)
+            while running & set(self.manager.rid_to_state):
+                await asyncio.sleep(DRAIN_POLL_S)
+        await self.manager.pause_generation(PauseGenerationReqInput(mode="abort" if mode == "abort" else "in_place"))
+
+    async def resume_generation(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        await self.manager.continue_generation(ContinueGenerationReqInput())
+
+    async def start_weight_update(self) -> None:
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
+
+        _succeeded(await self.manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all")), "begin")
+
+    async def update_weights(self, version: int) -> None:
+        """Every TP worker lands `version` from its receiver (the `Land` message through
+        SGLang's loader door); each tells the control how it went through the doorbell."""
+        land = Land(version=version, session=self.session, timeout=self.timeout)
+        await self._load(land)
+
+    async def finish_weight_update(self, version: int | None) -> None:
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
+
+        _succeeded(await self.manager.end_weight_update(EndWeightUpdateReqInput()), "end")
+        if version is not None:
+            await self.label(version)
+
+    async def label(self, version: int) -> None:
+        """Name the weights served `version` (SGLang's `update_weight_version`; generation is
+        paused, or not started: no request is running to abort)."""
+        from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
+
+        request = UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
+        await self.manager.update_weight_version(request)
+
+    async def serve_lora(self, name: str, lora_id: int, path: str) -> None:
+        raise NotImplementedError("weightsync serve --engine sglang serves no LoRA adapters")
+
+    async def remove_lora(self, lora_id: int) -> None:
+        raise NotImplementedError("weightsync serve --engine sglang serves no LoRA adapters")
+
+    async def connect(self, message: Connect) -> None:
+        """Every TP worker starts its receiver (`Connect` through the loader door), in an update
+        session of its own."""
+        from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+
+        _succeeded(await self.manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all")), "begin")
+        try:
+            await self._load(message)
+        finally:
+            _succeeded(await self.manager.end_weight_update(EndWeightUpdateReqInput()), "end")
+
+    async def _load(self, message: Connect | Land) -> None:
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        request = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payload(message, self.tp_size), load_format=LOADER, flush_cache=True
+        )
+        _succeeded(await self.manager.update_weights_from_tensor(request, None), "update_weights_from_tensor")
+
+
+def _succeeded(answer: Any, call: str) -> None:
+    """SGLang's (success, message) answer, or raise with its message."""
+    success, message = answer[0], answer[1]
+    if not success:
+        raise RuntimeError(f"SGLang's {call} failed: {message}")
+
+
+async def _start_receivers(engine: _Engine, config: ServeConfig, bell: str) -> list[WorkerAddress]:
+    """Start weightsync's receiver in every SGLang TP worker and return their addresses, in rank
+    order.
+
+    Raises:
+        ResourceError: a worker's receiver did not start, or not every worker announced one.
+    """
+    options = config.receiver
+    with Rendezvous("127.0.0.1", RPC_TIMEOUT_S) as rendezvous:
+        engine.session = rendezvous.session
+        message = Connect(
+            rendezvous=rendezvous.where,
+            session=rendezvous.session,
+            transport=config.transport,
+            host=options.host,
+            port=options.port,
+            verify=options.verify,
+            timeout=options.timeout,
+            bell=bell,
+            staged=config.staged,
+            drain_timeout=config.drain_timeout,
+        )
+        try:
+            await asyncio.wait_for(engine.connect(message), RPC_TIMEOUT_S)
+            workers = sorted(rendezvous.collect(), key=lambda worker: worker.rank)
+        except Exception as exc:
+            raise ResourceError(f"weightsync's receivers did not start in SGLang's workers: {exc}") from exc
+    if len(workers) != engine.tp_size:
+        raise ResourceError(
+            f"{len(workers)} of SGLang's {engine.tp_size} workers started a receiver (the workers' log says why)"
+        )
+    return workers
+
+
+def check(config: ServeConfig, extra_args: Sequence[str] = ()) -> None:
+    """Raises ConfigError when SGLang's own parser refuses the arguments."""
+    sglang_args(config, 0, extra_args)
+
+
+def preload(config: ServeConfig) -> None:
+    """Imports before the port listens (launch.py)."""
+    preload_sglang()
+
+
+async def serve(
+    config: ServeConfig,
+    sock: socket.socket,
+    *,
+    extra_args: Sequence[str] = (),
+    announce: Callable[[Ready], None] = lambda ready: None,
+    log_level: str = "info",
+    stop: asyncio.Event | None = None,
+    note: Callable[[], None] = lambda: None,
+    shutdown_timeout: float | None = None,
+) -> list[int]:
+    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(ready)` once ready (every
+    worker's receiver). Returns the signals that stopped it (none: `stop`).
+    `note()` is called while SGLang's processes start, once they serve, and before they stop
+    (`weightsync.serving.footprint.Footprint.note`). SGLang's own shutdown gets
+    `shutdown_timeout` seconds (None: as long as it takes).
+
+    Raises:
+        ConfigError: SGLang refused the arguments.
+        ResourceError: the engine or the receivers could not start.
+    """
+    args = sglang_args(config, int(sock.getsockname()[1]), extra_args)
+    if config.auth_token is not None:  # SGLang's workers inherit it: their receivers require it
+        os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
+    front = Starting()
+    http = http_server(front, log_level)
+    with stopped_by_signals(http) as caught:
+        serving = asyncio.create_task(http.serve(sockets=[sock]))
+        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
+        try:
+            front.health = Health(False, "loading engine", f"loading the sglang engine for {config.model}")
+            owner = EngineThread("SGLang", functools.partial(build_engine, args), NOTE_EVERY_S)
+            # With a bounded shutdown the caller ends SGLang's processes: a stop need not wait for the build.
+            engine = await owner.wait(note, serving if shutdown_timeout is not None else None)
+            if engine is None:  # stopped while SGLang loaded
+                return caught
+
+            def ready(up: Ready) -> None:
+                note()  # every SGLang process is up: the most they map
+                announce(up)
+
+            sglang = _Engine(engine.tokenizer_manager, engine.server_args.tp_size, config.receiver.timeout)
+            try:
+                # SGLang's tokenizer manager takes SIGTERM and SIGQUIT on this loop; take them back
+                engine.tokenizer_manager.auto_create_handle_loop()
+                with _signals_kept(http, caught, sglang):
+                    await _serve_engine(config, engine, sglang, front, serving, ready)
+            finally:
+                note()  # what SGLang's processes map, before they go
+                owner.shutdown(shutdown_timeout)
+        except BaseException as exc:
+            front.health = Health(False, "failed", f"the server could not start: {exc}")
+            raise
+        finally:
+            http.should_exit = True
+            with contextlib.suppress(BaseException):
+                await serving
+            if watch is not None:
+                watch.cancel()
+    return caught
+
+
+@contextlib.contextmanager
+def _signals_kept(http: Any, caught: list[int], engine: _Engine) -> Iterator[None]:
+    """SGLang's tokenizer manager takes SIGTERM and SIGQUIT for itself on its first use (SIGTERM
+    drains and ends the process tree; SIGQUIT, a child's failure, kills it). Take them back:
+    SIGTERM and SIGINT stop the server as for every engine (foreground.py), and a SIGQUIT marks
+    the engine dead (503s naming it, syncs refused) until the server is restarted."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: SGLang installed nothing
+        loop.add_signal_handler(signal.SIGQUIT, _died, engine)
+    with stopped_by_signals(http) as ours:
+        try:
+            yield
+        finally:
+            caught.extend(ours)
+
+
+async def _serve_engine(
+    config: ServeConfig,
+    engine: Any,
+    sglang: _Engine,
+    front: Starting,
+    serving: asyncio.Task[None],
+    announce: Callable[[Ready], None],
+) -> None:
+    if serving.done():  # stopped while the engine loaded
+        return
+    manager = engine.tokenizer_manager
+    await warm_up(manager, config.model)
+    record_versions(manager)
+    app = serve_app(engine)
+
+    metrics = ServerMetrics()
+    initial = AUTO_VERSION if config.load_format == "auto" else None
+    if initial is not None:
+        await sglang.label(initial)
+    control = SyncControl(
+        sglang,
+        workers=sglang.tp_size,
+        mode=config.sync_mode,
+        drain_timeout=config.drain_timeout,
+        sync_timeout=config.receiver.timeout,
+        metrics=metrics,
+        version=initial,
+    )
+    bell = Doorbell(control.on_event, timeout=config.receiver.timeout)
+    await bell.start()
+    try:
+        workers = await _start_receivers(sglang, config, bell.path)
+        addresses = tuple(worker.address for worker in workers)
+        served = Served(
+            engine="sglang",
+            model=config.model_name,
+            transport=config.transport,
+            addresses=addresses,
+            weight_bytes=workers[0].weight_bytes,
+        )
+        add_routes(app, control, served, metrics=metrics.render)
+        outer = Face.of(Versioned(Owned(app), control), control, config)
+        try:
+            async with app.router.lifespan_context(app):
+                front.app = outer
+                announce(Ready(addresses))
+                await serving
+        finally:
+            front.app = None
+            front.health = Health(False, "failed", "the server is stopping")
+            control.close()
+    finally:
+        await bell.close()
+
+
+def _died(engine: _Engine) -> None:
+    engine.died = "one of its processes failed (SIGQUIT)"
+    log.error("SGLang's engine died: one of its processes failed; restart the server")
