@@ -69,6 +69,11 @@ def sglang_args(config: ServeConfig, port: int, extra: Sequence[str] = ()) -> An
         if "--chat-template" in given:
             raise ConfigError("give the chat template once: --chat-template, or in --engine-args")
         argv += ["--chat-template", config.chat_template]
+    if config.sync_mode == "keep":
+        raise ConfigError(
+            "--sync-mode keep: SGLang cannot flush its prefix cache while requests are held in place "
+            "across a sync; use wait (the default) or abort"
+        )
     if config.max_lora_rank:
         raise ConfigError("--max-lora-rank: weightsync serve --engine sglang serves no LoRA adapters yet")
     if on_cpu():

@@ -32,7 +32,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
 from weightsync.errors import ResourceError
@@ -95,7 +95,9 @@ OWNED_PATHS = frozenset(
 
 
 class Owned:
-    """Refuses SGLang's routes in `OWNED_PATHS` with a 403 naming weightsync's way instead."""
+    """Refuses SGLang's routes in `OWNED_PATHS` with a 403 naming weightsync's way instead,
+    outside the HTTP face: the same answer with or without the token, before or after the first
+    sync."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -126,6 +128,10 @@ class _Engine:
         self.timeout = timeout
         self.died = ""
         """Why SGLang's engine is gone for good ("" while it runs): one of its processes failed."""
+        self.admitting = asyncio.Event()
+        self.admitting.set()
+        self._epoch = 0
+        """Counts resumes: a "wait" pause still draining when generation resumed pauses nothing."""
 
     @property
     def errored(self) -> bool:
@@ -135,20 +141,41 @@ class _Engine:
         return f"SGLang's engine died ({self.died}); restart the server" if self.died else ""
 
     async def pause_generation(self, *, mode: PauseMode) -> None:
-        """SGLang's pause: "abort" is its own, "keep" its "in_place"; "wait" lets the requests
-        running now finish first, then holds what came since in place."""
+        """SGLang's pause: "abort" is its own; "wait" admits no new request, lets every running
+        one finish, then pauses (nothing is held, so SGLang can flush its prefix cache at the
+        update); "keep" holds running requests in place (SGLang's "in_place": a sync then fails
+        and leaves the server not ready, as SGLang cannot flush a cache that requests hold, so
+        `check` refuses it as the sync mode)."""
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
+        epoch = self._epoch
         if mode == "wait":
-            running = set(self.manager.rid_to_state)
-            while running & set(self.manager.rid_to_state):
-                await asyncio.sleep(DRAIN_POLL_S)
+            self.admitting.clear()  # new requests wait here; once paused, in SGLang's tokenizer manager
+            try:
+                while self.manager.rid_to_state and not self.died:
+                    await asyncio.sleep(DRAIN_POLL_S)
+            finally:
+                self.admitting.set()
+        if epoch != self._epoch:  # resumed while it drained
+            return
         await self.manager.pause_generation(PauseGenerationReqInput(mode="abort" if mode == "abort" else "in_place"))
 
     async def resume_generation(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
 
+        self._epoch += 1
         await self.manager.continue_generation(ContinueGenerationReqInput())
+
+    def admit(self, generate: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        """SGLang's `generate_request`, holding a new request while a "wait" pause drains."""
+
+        @functools.wraps(generate)
+        async def admitted(obj: Any, request: Any = None) -> AsyncIterator[Any]:
+            await self.admitting.wait()
+            async for output in generate(obj, request):
+                yield output
+
+        return admitted
 
     async def start_weight_update(self) -> None:
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
@@ -343,6 +370,7 @@ async def _serve_engine(
         return
     manager = engine.tokenizer_manager
     await warm_up(manager, config.model)
+    manager.generate_request = sglang.admit(manager.generate_request)
     record_versions(manager)
     app = serve_app(engine)
 
@@ -372,7 +400,7 @@ async def _serve_engine(
             weight_bytes=workers[0].weight_bytes,
         )
         add_routes(app, control, served, metrics=metrics.render)
-        outer = Face.of(Versioned(Owned(app), control), control, config)
+        outer = Owned(Face.of(Versioned(app, control), control, config))  # refused whoever asks, whenever
         try:
             async with app.router.lifespan_context(app):
                 front.app = outer
