@@ -34,9 +34,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     demo.add_argument("--servers", type=at_least(1), default=2, help="rollout servers (disaggregated)")
     demo.add_argument(
         "--engine",
-        choices=["auto", "hf", "vllm"],
+        choices=["auto", "hf", "vllm", "sglang"],
         default="auto",
-        help="rollout servers' engine: auto is vllm where it is installed, else hf (default: auto)",
+        help="rollout servers' engine: auto is vllm where it is installed, else hf (default: auto); sglang runs "
+        "from SGLang's own venv (scripts/install-sglang.sh DIR, then DIR/bin/weightsync demo --engine sglang)",
     )
     demo.add_argument("--steps", type=at_least(1), help="training steps (default: 80; 300 with --lora)")
     demo.add_argument("--prompts-per-step", type=at_least(1), default=16, help="prompts per training step")
@@ -94,6 +95,11 @@ def choose_engine(engine: str, mode: str) -> str:
     Raises:
         ConfigError: --engine vllm where vLLM is not installed.
     """
+    if engine == "sglang" and importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            "--engine sglang: SGLang is not installed here; run scripts/install-sglang.sh DIR, "
+            "then DIR/bin/weightsync demo --engine sglang"
+        )
     installed = importlib.util.find_spec("vllm") is not None
     if engine == "vllm" and not installed:
         raise ConfigError("--engine vllm: vLLM is not installed here; run scripts/install-vllm.sh, or use --engine hf")
@@ -107,7 +113,7 @@ def choose_engine(engine: str, mode: str) -> str:
     return engine
 
 
-STARTUP_S = {"hf": "10-30 s", "vllm": "30-120 s"}
+STARTUP_S = {"hf": "10-30 s", "vllm": "30-120 s", "sglang": "60-180 s"}
 """How long starting the rollout servers took on the 2-core dev machine (imports, engine,
 warm-up), idle to busy."""
 

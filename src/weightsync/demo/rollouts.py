@@ -119,7 +119,7 @@ class LocalRollouts:
 PROGRESS_S = 15.0
 """Seconds between the lines that say a rollout server is still starting."""
 
-STARTUP_TIMEOUT_S = {"hf": 300.0, "vllm": 600.0}
+STARTUP_TIMEOUT_S = {"hf": 300.0, "vllm": 600.0, "sglang": 600.0}
 """Seconds a rollout server may take to start, by engine, unless told otherwise. Measured on the
 2-core dev machine under load (1-10): one vLLM server alone took 54-90 s, two at once longer;
 hf about 10 s idle. Generous: a slow start is not a failure, a server that never starts is."""
@@ -152,9 +152,11 @@ class _Server:
         if options.max_lora_rank:
             command += ["--max-lora-rank", str(options.max_lora_rank)]
         env = {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning"}  # vLLM's, not ours
+        cores = sorted(os.sched_getaffinity(0))  # the cores this process may use, not all the host's
         if engine == "vllm":  # each server's worker on a core of its own (vLLM's "auto" puts all on one)
-            cores = sorted(os.sched_getaffinity(0))  # the cores this process may use, not all the host's
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
+        if engine == "sglang":  # the same for SGLang's CPU path (its default binds a whole NUMA node)
+            env["SGLANG_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
         log_path = None if options.log_dir is None else options.log_dir / f"server-{index}.log"
         self.child = ChildProcess(command, env=env | os.environ | {"OMP_NUM_THREADS": "1"}, log_path=log_path)
         self.started = time.monotonic()
@@ -234,7 +236,7 @@ class ServerFleet:
     Args:
         model_dir: the policy's directory (config.json and tokenizer; no weights are read).
         size: servers to start.
-        engine: "hf" or "vllm".
+        engine: "hf", "vllm" or "sglang".
         timeout: seconds any request or push may take.
         options: how the servers start (their start-up timeout, LoRA rank, logs; default: the
             engine's `STARTUP_TIMEOUT_S`, no LoRA, logs on stderr).

@@ -100,6 +100,7 @@ def build_policy(path: Path, seed: int = 0) -> PreTrainedModel:
         pad_token_id=VOCAB["<pad>"],
         bos_token_id=None,
         dtype="float32",  # named in config.json: the servers build this dtype, the one the trainer pushes
+        architectures=["Qwen2ForCausalLM"],  # how an engine (SGLang, vLLM) finds its model class
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)

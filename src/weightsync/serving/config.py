@@ -4,6 +4,7 @@ states a server reports (`Health`)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -145,3 +146,12 @@ class ServeConfig:
         if self.max_request_bytes is not None:
             return self.max_request_bytes
         return default_max_request_bytes(self.model)
+
+
+def model_dtype(model_dir: str) -> str:
+    """The dtype the model's config.json names ("dtype", or the older "torch_dtype"), else
+    "auto": an engine's "auto" may run a float32 checkpoint in bfloat16 on a CPU, and a push of
+    that checkpoint would then be refused."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value) if isinstance(value, str) else "auto"

@@ -57,6 +57,9 @@ STOP_TIMEOUT_S = 10.0
 """Seconds `ChildProcess.close` waits for the child to stop, before SIGKILL."""
 
 
+STDOUT_CLOSED_EXIT_S = 5.0
+"""Seconds a child whose stdout closed gets to exit, so that a caller polling `alive()` sees it end."""
+
 TAIL_LINES = 20
 """Lines of a child's stderr kept for `ChildProcess.tail` (why it did not start, say)."""
 
@@ -117,6 +120,8 @@ class ChildProcess:
                 return None
             if line is None:
                 self._lines.put(None)  # later calls see the end too
+                with contextlib.suppress(subprocess.TimeoutExpired):  # its stdout closed: it is exiting
+                    self.process.wait(min(left, STDOUT_CLOSED_EXIT_S))
                 return None
             if line.startswith(prefix):
                 self._found.set()

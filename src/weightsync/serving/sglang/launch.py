@@ -19,7 +19,7 @@ from typing import Any
 
 from weightsync.errors import ConfigError
 from weightsync.integrations.sglang.trainer import LOADER
-from weightsync.serving.config import ServeConfig
+from weightsync.serving.config import ServeConfig, model_dtype
 
 __all__ = ["build_engine", "on_cpu", "preload", "serve_app", "sglang_args", "warm_up"]
 
@@ -28,6 +28,11 @@ log = logging.getLogger(__name__)
 CPU_KV_TOKENS = 4096
 """KV cache tokens SGLang reserves on a CPU unless told otherwise (by default it takes 0.7 of
 the host's free memory)."""
+
+OWNED_FLAGS = frozenset(
+    {"--custom-weight-loader", "--port", "--api-key", "--admin-api-key", "--dp-size", "--dp", "--skip-server-warmup"}
+)
+"""SGLang flags weightsync sets itself under `weightsync serve`, refused in --engine-args."""
 
 WARM_UP_TIMEOUT_S = 300.0
 """Seconds the one-token warm-up generation may take (a first forward on a busy CPU is slow)."""
@@ -53,22 +58,10 @@ def sglang_args(config: ServeConfig, port: int, extra: Sequence[str] = ()) -> An
     Raises:
         ConfigError: SGLang refused the arguments, or they take what weightsync owns.
     """
-    _cpu_platform()
-    from sglang.srt.server_args import prepare_server_args
-
-    given = " ".join(extra)
-    for owned in ("--custom-weight-loader", "--port", "--api-key", "--admin-api-key", "--dp-size", "--dp "):
-        if owned in given + " ":
-            raise ConfigError(
-                f"{owned.strip()} is weightsync's own under weightsync serve (docs/integrations/sglang.md)"
-            )
-    argv = ["--model-path", config.model, "--served-model-name", config.model_name]
-    argv += ["--load-format", config.load_format, "--host", config.host, "--port", str(port)]
-    argv += ["--custom-weight-loader", LOADER, "--skip-server-warmup"]
-    if config.chat_template is not None:
-        if "--chat-template" in given:
-            raise ConfigError("give the chat template once: --chat-template, or in --engine-args")
-        argv += ["--chat-template", config.chat_template]
+    given = {arg.split("=", 1)[0] for arg in extra if arg.startswith("--")}
+    owned = sorted(given & OWNED_FLAGS)
+    if owned:
+        raise ConfigError(f"{owned[0]} is weightsync's own under weightsync serve (docs/integrations/sglang.md)")
     if config.sync_mode == "keep":
         raise ConfigError(
             "--sync-mode keep: SGLang cannot flush its prefix cache while requests are held in place "
@@ -76,13 +69,21 @@ def sglang_args(config: ServeConfig, port: int, extra: Sequence[str] = ()) -> An
         )
     if config.max_lora_rank:
         raise ConfigError("--max-lora-rank: weightsync serve --engine sglang serves no LoRA adapters yet")
+    if config.chat_template is not None and "--chat-template" in given:
+        raise ConfigError("give the chat template once: --chat-template, or in --engine-args")
+    argv = ["--model-path", config.model, "--served-model-name", config.model_name]
+    argv += ["--dtype", model_dtype(config.model), "--load-format", config.load_format]
+    argv += ["--host", config.host, "--port", str(port), "--custom-weight-loader", LOADER, "--skip-server-warmup"]
+    if config.chat_template is not None:
+        argv += ["--chat-template", config.chat_template]
     if on_cpu():
-        if "--device" not in given:
-            argv += ["--device", "cpu"]
-        if "--attention-backend" not in given:
-            argv += ["--attention-backend", "torch_native"]
-        if "--max-total-tokens" not in given and "--mem-fraction-static" not in given:
-            argv += ["--max-total-tokens", str(CPU_KV_TOKENS)]
+        defaults = {"--device": "cpu", "--attention-backend": "torch_native", "--max-total-tokens": str(CPU_KV_TOKENS)}
+        for flag, value in defaults.items():
+            if flag not in given and not (flag == "--max-total-tokens" and "--mem-fraction-static" in given):
+                argv += [flag, value]
+    _cpu_platform()
+    from sglang.srt.server_args import prepare_server_args
+
     try:
         return prepare_server_args([*argv, *extra])
     except SystemExit as exc:  # argparse's way of refusing: SGLang printed why

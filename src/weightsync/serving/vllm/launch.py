@@ -20,7 +20,7 @@ from typing import Any
 
 from weightsync.errors import ConfigError
 from weightsync.integrations.vllm.plugin import BACKEND
-from weightsync.serving.config import ServeConfig
+from weightsync.serving.config import ServeConfig, model_dtype
 
 __all__ = ["build_async_llm", "preload", "vllm_lora_rank", "vllm_namespace", "warm_up"]
 
@@ -50,7 +50,7 @@ def vllm_namespace(config: ServeConfig, extra: Sequence[str] = ()) -> argparse.N
         "--load-format",
         config.load_format,
         "--dtype",
-        config_dtype(Path(config.model)),
+        model_dtype(config.model),
         "--weight-transfer-config",
         TRANSFER_CONFIG,
         "--host",
@@ -133,15 +133,6 @@ def preload(model: str) -> None:
             importlib.import_module(module or "")
     gc.collect()
     gc.freeze()
-
-
-def config_dtype(model_dir: Path) -> str:
-    """The dtype config.json names ("dtype", or the older "torch_dtype"), else vLLM's "auto"
-    (which would run a float32 checkpoint in bfloat16 on CPU, and a push of that checkpoint
-    would then be refused)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    value = config.get("dtype") or config.get("torch_dtype")
-    return str(value) if isinstance(value, str) else "auto"
 
 
 def build_async_llm(args: argparse.Namespace) -> Any:
