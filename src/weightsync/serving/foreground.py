@@ -5,6 +5,9 @@
     stop_on(event, http)          a `stop` event (a BackgroundServer's close) stops it too
     Ready                         what an adapter's `serve` announces once it serves
     EngineThread                  an engine built, and later shut down, on a thread of its own
+    serve_engine(...)             the whole of an adapter's `serve` for an engine in processes
+                                  of its own (vLLM, SGLang): the port answers while the engine
+                                  builds, then the adapter's app, until stopped
 
 An engine adapter's `serve(config, sock, ...)` runs on an event loop until one of those stops it,
 and returns the signals caught: the command turns a SIGINT into the exit status of Ctrl-C (130),
@@ -20,12 +23,24 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
 
-__all__ = ["GRACEFUL_SHUTDOWN_S", "EngineThread", "Ready", "http_server", "stop_on", "stopped_by_signals"]
+from weightsync.serving.config import Health
+from weightsync.serving.http import Starting
+
+__all__ = [
+    "GRACEFUL_SHUTDOWN_S",
+    "EngineThread",
+    "Port",
+    "Ready",
+    "http_server",
+    "serve_engine",
+    "stop_on",
+    "stopped_by_signals",
+]
 
 log = logging.getLogger(__name__)
 
@@ -161,3 +176,77 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_result(result)
     else:
         future.set_exception(error)
+
+
+NOTE_EVERY_S = 1.0
+"""How often, while an engine's processes start, the shared memory they map is noted (`note`)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Port:
+    """The port an engine adapter serves on: `front` answers (503s naming the start-up state
+    until the adapter sets its app), `serving` runs until the server stops, `caught` lists the
+    signals that stopped it."""
+
+    front: Starting
+    http: uvicorn.Server
+    serving: asyncio.Task[None]
+    caught: list[int]
+
+
+async def serve_engine(
+    name: str,
+    build: Callable[[], Any],
+    run: Callable[[Any, Port, Callable[[Ready], None]], Awaitable[None]],
+    sock: Any,
+    *,
+    loading: str,
+    announce: Callable[[Ready], None],
+    log_level: str,
+    stop: asyncio.Event | None,
+    note: Callable[[], None],
+    shutdown_timeout: float | None,
+) -> list[int]:
+    """Serve `sock` until SIGTERM/SIGINT (or `stop`): 503 "loading engine" (`loading` says why)
+    while `build()` makes the engine on its `EngineThread`, then `run(engine, port, ready)`
+    until the port stops, then the engine's own shutdown, given `shutdown_timeout` seconds (None:
+    as long as it takes; a caller that bounds it ends what is left of the engine's processes,
+    and need not wait for a build to stop). `note()` is called while the engine's processes
+    start, once they serve (`ready`, which also announces), and before they stop. Returns the
+    signals caught.
+
+    Raises:
+        Exception: the engine could not be built, or `run` failed.
+    """
+    front = Starting()
+    http = http_server(front, log_level)
+    with stopped_by_signals(http) as caught:
+        port = Port(front, http, asyncio.create_task(http.serve(sockets=[sock])), caught)
+        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
+        try:
+            front.health = Health(False, "loading engine", loading)
+            owner = EngineThread(name, build, NOTE_EVERY_S)
+            engine = await owner.wait(note, port.serving if shutdown_timeout is not None else None)
+            if engine is None:  # stopped while the engine loaded
+                return caught
+
+            def ready(up: Ready) -> None:
+                note()  # every engine process is up: the most they map
+                announce(up)
+
+            try:
+                if not port.serving.done():  # not stopped while the engine loaded
+                    await run(engine, port, ready)
+            finally:
+                note()  # what the engine's processes map, before they go
+                owner.shutdown(shutdown_timeout)
+        except BaseException as exc:
+            front.health = Health(False, "failed", f"the server could not start: {exc}")
+            raise
+        finally:
+            http.should_exit = True
+            with contextlib.suppress(BaseException):
+                await port.serving
+            if watch is not None:
+                watch.cancel()
+    return caught

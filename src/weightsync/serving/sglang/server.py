@@ -43,8 +43,8 @@ from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConf
 from weightsync.serving.control import Served, SyncControl
 from weightsync.serving.doorbell import Doorbell
 from weightsync.serving.error_body import error
-from weightsync.serving.foreground import EngineThread, Ready, http_server, stop_on, stopped_by_signals
-from weightsync.serving.http import Face, Starting, add_routes
+from weightsync.serving.foreground import Port, Ready, serve_engine, stopped_by_signals
+from weightsync.serving.http import Face, add_routes
 from weightsync.serving.labels import Versioned
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.sglang.launch import build_engine, serve_app, sglang_args, warm_up
@@ -62,9 +62,6 @@ log = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 120.0
 """Seconds a start-up call into SGLang's workers may take."""
-
-NOTE_EVERY_S = 1.0
-"""How often, while SGLang's processes start, the shared memory they map is noted (`serve`'s `note`)."""
 
 DRAIN_POLL_S = 0.05
 """How often a "wait" pause checks whether the requests it waits for have finished."""
@@ -304,46 +301,32 @@ async def serve(
     args = sglang_args(config, int(sock.getsockname()[1]), extra_args)
     if config.auth_token is not None:  # SGLang's workers inherit it: their receivers require it
         os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
-    front = Starting()
-    http = http_server(front, log_level)
-    with stopped_by_signals(http) as caught:
-        serving = asyncio.create_task(http.serve(sockets=[sock]))
-        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
-        try:
-            front.health = Health(False, "loading engine", f"loading the sglang engine for {config.model}")
-            owner = EngineThread("SGLang", functools.partial(build_engine, args), NOTE_EVERY_S)
-            # With a bounded shutdown the caller ends SGLang's processes: a stop need not wait for the build.
-            engine = await owner.wait(note, serving if shutdown_timeout is not None else None)
-            if engine is None:  # stopped while SGLang loaded
-                return caught
+    build = functools.partial(build_engine, args)
 
-            def ready(up: Ready) -> None:
-                note()  # every SGLang process is up: the most they map
-                announce(up)
+    async def run(engine: Any, port: Port, ready: Callable[[Ready], None]) -> None:
+        sglang = _Engine(engine.tokenizer_manager, engine.server_args.tp_size, config.receiver.timeout)
+        # SGLang's tokenizer manager takes SIGTERM and SIGQUIT on this loop; take them back
+        engine.tokenizer_manager.auto_create_handle_loop()
+        with _signals_kept(port, sglang):
+            await _serve_engine(config, engine, sglang, port, ready)
 
-            sglang = _Engine(engine.tokenizer_manager, engine.server_args.tp_size, config.receiver.timeout)
-            try:
-                # SGLang's tokenizer manager takes SIGTERM and SIGQUIT on this loop; take them back
-                engine.tokenizer_manager.auto_create_handle_loop()
-                with _signals_kept(http, caught, sglang):
-                    await _serve_engine(config, engine, sglang, front, serving, ready)
-            finally:
-                note()  # what SGLang's processes map, before they go
-                owner.shutdown(shutdown_timeout)
-        except BaseException as exc:
-            front.health = Health(False, "failed", f"the server could not start: {exc}")
-            raise
-        finally:
-            http.should_exit = True
-            with contextlib.suppress(BaseException):
-                await serving
-            if watch is not None:
-                watch.cancel()
-    return caught
+    loading = f"loading the sglang engine for {config.model}"
+    return await serve_engine(
+        "SGLang",
+        build,
+        run,
+        sock,
+        loading=loading,
+        announce=announce,
+        log_level=log_level,
+        stop=stop,
+        note=note,
+        shutdown_timeout=shutdown_timeout,
+    )
 
 
 @contextlib.contextmanager
-def _signals_kept(http: Any, caught: list[int], engine: _Engine) -> Iterator[None]:
+def _signals_kept(port: Port, engine: _Engine) -> Iterator[None]:
     """SGLang's tokenizer manager takes SIGTERM and SIGQUIT for itself on its first use (SIGTERM
     drains and ends the process tree; SIGQUIT, a child's failure, kills it). Take them back:
     SIGTERM and SIGINT stop the server as for every engine (foreground.py), and a SIGQUIT marks
@@ -351,23 +334,16 @@ def _signals_kept(http: Any, caught: list[int], engine: _Engine) -> Iterator[Non
     loop = asyncio.get_running_loop()
     with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: SGLang installed nothing
         loop.add_signal_handler(signal.SIGQUIT, _died, engine)
-    with stopped_by_signals(http) as ours:
+    with stopped_by_signals(port.http) as ours:
         try:
             yield
         finally:
-            caught.extend(ours)
+            port.caught.extend(ours)
 
 
 async def _serve_engine(
-    config: ServeConfig,
-    engine: Any,
-    sglang: _Engine,
-    front: Starting,
-    serving: asyncio.Task[None],
-    announce: Callable[[Ready], None],
+    config: ServeConfig, engine: Any, sglang: _Engine, port: Port, announce: Callable[[Ready], None]
 ) -> None:
-    if serving.done():  # stopped while the engine loaded
-        return
     manager = engine.tokenizer_manager
     await warm_up(manager, config.model)
     manager.generate_request = sglang.admit(manager.generate_request)
@@ -403,12 +379,12 @@ async def _serve_engine(
         outer = Owned(Face.of(Versioned(app, control), control, config))  # refused whoever asks, whenever
         try:
             async with app.router.lifespan_context(app):
-                front.app = outer
+                port.front.app = outer
                 announce(Ready(addresses))
-                await serving
+                await port.serving
         finally:
-            front.app = None
-            front.health = Health(False, "failed", "the server is stopping")
+            port.front.app = None
+            port.front.health = Health(False, "failed", "the server is stopping")
             control.close()
     finally:
         await bell.close()

@@ -40,8 +40,8 @@ from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
 from weightsync.serving.control import Served, SyncControl
 from weightsync.serving.doorbell import Doorbell
-from weightsync.serving.foreground import EngineThread, Ready, http_server, stop_on, stopped_by_signals
-from weightsync.serving.http import Face, Starting, add_routes
+from weightsync.serving.foreground import Port, Ready, serve_engine
+from weightsync.serving.http import Face, add_routes
 from weightsync.serving.labels import Versioned
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
@@ -60,10 +60,6 @@ RPC_TIMEOUT_S = 120.0
 STOP_RPC_S = 1.0
 """Seconds the workers get to close their receivers at a stop: a worker busy in a sync answers
 only once the sync ends (up to its timeout), and vLLM's shutdown ends the workers anyway."""
-
-
-NOTE_EVERY_S = 1.0
-"""How often, while vLLM's processes start, the shared memory they map is noted (`serve`'s `note`)."""
 
 
 class _MetricsBridge:
@@ -194,54 +190,37 @@ async def serve(
             log.warning(NO_CHAT_TEMPLATE, config.model)
     if config.auth_token is not None:  # vLLM's workers inherit it: their receivers require it
         os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
-    front = Starting()
-    http = http_server(front, log_level)
-    with stopped_by_signals(http) as caught:
-        serving = asyncio.create_task(http.serve(sockets=[sock]))
-        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
-        try:
-            front.health = Health(False, "loading engine", f"loading the vllm engine for {config.model}")
-            owner = EngineThread("vLLM", functools.partial(build_async_llm, args), NOTE_EVERY_S)
-            # With a bounded shutdown the caller ends vLLM's processes: a stop need not wait for the build.
-            engine = await owner.wait(note, serving if shutdown_timeout is not None else None)
-            if engine is None:  # stopped while vLLM loaded
-                return caught
+    build = functools.partial(build_async_llm, args)
 
-            def ready(up: Ready) -> None:
-                note()  # every vLLM process is up: the most they map
-                announce(up)
+    async def run(engine: Any, port: Port, ready: Callable[[Ready], None]) -> None:
+        await _serve_engine(config, args, engine, port, ready)
 
-            try:
-                await _serve_engine(config, args, engine, front, serving, ready)
-            finally:
-                note()  # what vLLM's processes map, before they go
-                owner.shutdown(shutdown_timeout)
-        except BaseException as exc:
-            front.health = Health(False, "failed", f"the server could not start: {exc}")
-            raise
-        finally:
-            http.should_exit = True
-            with contextlib.suppress(BaseException):
-                await serving
-            if watch is not None:
-                watch.cancel()
-    return caught
+    loading = f"loading the vllm engine for {config.model}"
+    return await serve_engine(
+        "vLLM",
+        build,
+        run,
+        sock,
+        loading=loading,
+        announce=announce,
+        log_level=log_level,
+        stop=stop,
+        note=note,
+        shutdown_timeout=shutdown_timeout,
+    )
 
 
 async def _serve_engine(
     config: ServeConfig,
     args: argparse.Namespace,
     engine: Any,
-    front: Starting,
-    serving: asyncio.Task[None],
+    port: Port,
     announce: Callable[[Ready], None],
 ) -> None:
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-    if serving.done():  # stopped while the engine loaded
-        return
     await warm_up(engine, config.model)
     await engine.reset_mm_cache()
     supported = await engine.get_supported_tasks()
@@ -286,12 +265,12 @@ async def _serve_engine(
         outer = Face.of(Versioned(app, control), control, config)
         try:
             async with app.router.lifespan_context(app):
-                front.app = outer
+                port.front.app = outer
                 announce(Ready(tuple(addresses)))
-                await serving
+                await port.serving
         finally:
-            front.app = None
-            front.health = Health(False, "failed", "the server is stopping")
+            port.front.app = None
+            port.front.health = Health(False, "failed", "the server is stopping")
             control.close()  # a sync in progress ends here: vLLM's engine goes next
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(engine.shutdown_weight_transfer_engine(), STOP_RPC_S)
