@@ -68,7 +68,10 @@ def sglang_args(config: ServeConfig, port: int, extra: Sequence[str] = ()) -> An
             "across a sync; use wait (the default) or abort"
         )
     if config.max_lora_rank:
-        raise ConfigError("--max-lora-rank: weightsync serve --engine sglang serves no LoRA adapters yet")
+        raise ConfigError(
+            "--max-lora-rank: weightsync serve --engine sglang serves no LoRA adapters yet "
+            "(docs/integrations/sglang.md); --engine vllm and hf do"
+        )
     if config.chat_template is not None and "--chat-template" in given:
         raise ConfigError("give the chat template once: --chat-template, or in --engine-args")
     argv = ["--model-path", config.model, "--served-model-name", config.model_name]
