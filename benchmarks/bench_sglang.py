@@ -14,6 +14,10 @@ as one whole round timed end to end as a trainer sees it:
 
 - weightsync shm / tcp: `SGLangEngine.push` (pause, begin_weight_update, update_weights_from_tensor
   with weightsync's loader alongside the push, end_weight_update, label, continue_generation).
+- weightsync serve, shm: a `WeightSender` push into `weightsync serve --engine sglang` (SGLang's
+  own server under weightsync's sync control, a second server started on A with `--load-format
+  auto`): the same round, run by the server as the push arrives; the push returns once the
+  server labelled the version.
 - SGLang broadcast (per tensor): SGLang's `update_weights_from_distributed` over a gloo group
   with this process (`/init_weights_update_group` once, before the rounds): pause,
   begin_weight_update, one update call per bucket of `--bucket-mb` MiB alongside this process's
@@ -51,8 +55,9 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightsync import SenderOptions
+from weightsync import SenderOptions, WeightSender
 from weightsync.integrations.sglang import SGLangEngine
+from weightsync.serving.process import ChildProcess
 from weightsync_bench.saved_model import build_model, read_through
 from weightsync_bench.sglang_server import SGLangServer
 
@@ -214,6 +219,33 @@ class Push:
         }
 
 
+class ServePush:
+    """A push into `weightsync serve --engine sglang`, started on `model` (its own server, at
+    `url`): the server runs the round as the push arrives."""
+
+    START_S = 600.0
+
+    def __init__(self, model: Path, log: Path) -> None:
+        command = [sys.executable, "-m", "weightsync", "serve", "--engine", "sglang", "--model", str(model)]
+        command += ["--load-format", "auto", "--port", "0", "--transport", "shm", "--log-level", "warning"]
+        self.child = ChildProcess(command, log_path=log)
+        line = self.child.wait_for_line("weightsync serve:", self.START_S)
+        if line is None:
+            raise SystemExit(self.child.why_not_started("weightsync serve --engine sglang", self.START_S))
+        _, _, self.url, _, address = line.split()
+        self.sender = WeightSender([address], timeout=120)
+
+    def __call__(self, weights: Weights, version: int) -> dict[str, float]:
+        report = self.sender.push(weights, version)
+        times = report.outcomes[0].times
+        assert times is not None
+        return {"push_s": report.seconds, "transfer_s": times.transfer_s, "load_s": times.load_s}
+
+    def close(self) -> None:
+        self.sender.close()
+        self.child.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=0.5)
@@ -247,15 +279,19 @@ def main() -> None:
             methods: dict[str, Callable[[Weights, int], dict[str, float]]] = {}
             for transport in args.transports.split(","):
                 methods[f"weightsync {transport}"] = Push(url, transport)
+            serve = ServePush(root / "a", root / "serve.log")
+            methods["weightsync serve, shm"] = serve
             methods["SGLang broadcast (per tensor)"] = Broadcast(url, args.bucket_mb << 20, flattened=False)
             methods["SGLang broadcast (flattened)"] = Broadcast(url, args.bucket_mb << 20, flattened=True)
             methods["SGLang from disk"] = disk
             times: dict[str, list[float]] = {name: [] for name in methods}
             parts: dict[str, list[dict[str, float]]] = {name: [] for name in methods}
+            serving = {url: served, serve.url: "a"}  # what each server serves
             version = 1
             for _ in range(args.repeat + 1):
                 for name, method in methods.items():
-                    target = "a" if served == "b" else "b"
+                    into = serve.url if method is serve else url
+                    target = "a" if serving[into] == "b" else "b"
                     version += 1
                     if isinstance(method, Push):
                         method.prepare()
@@ -263,13 +299,14 @@ def main() -> None:
                     extra = method(weights_a if target == "a" else weights_b, version)
                     times[name].append(time.perf_counter() - started)
                     parts[name].append(extra)
-                    if _checksums(url) != reference[target]:
+                    if _checksums(into) != reference[target]:
                         raise SystemExit(f"{name}: what SGLang serves is not checkpoint {target}")
-                    served = target
+                    serving[into] = target
                     print(f"{name}: {times[name][-1]:.3f} s {extra}", flush=True)
             for method in methods.values():
                 if isinstance(method, Push):
                     method.engine.close()
+            serve.close()
 
     results = {}
     for name, series in times.items():

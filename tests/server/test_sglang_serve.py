@@ -14,7 +14,8 @@ the first push. Checked:
 - a push that fails (a tensor missing) is refused and the previous version serves on;
 - under load (clients generating while checkpoints 0 and 1 are pushed back to back), every
   response's greedy output is that of the checkpoint its version names;
-- SIGTERM stops the server with status 0.
+- SIGTERM stops the server with status 0; SIGKILL to the other server (as the OOM killer sends
+  it) takes SGLang's processes and shared memory with it within 30 s (the server's watchdog).
 
 Skipped where SGLang's venv is absent (WEIGHTSYNC_SKIP_SGLANG=1 skips installing it).
 """
@@ -22,7 +23,9 @@ Skipped where SGLang's venv is absent (WEIGHTSYNC_SKIP_SGLANG=1 skips installing
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +36,8 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import WAIT_S
+from tests.helpers import WAIT_S, wait_until
+from tests.leftovers import Footprints, tree
 from tests.models import save_model
 from weightsync import SyncFailed, WeightSender
 from weightsync.serving.process import ChildProcess
@@ -55,6 +59,7 @@ START_S = 420.0
 
 PROMPTS = [[10, 20, 30, 40], [5, 6, 7], [99, 3]]
 NEW_TOKENS = 8
+KILLED_GONE_S = 30.0
 
 
 class Served:
@@ -120,8 +125,10 @@ def weights(checkpoints: list[Path]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def servers(checkpoints: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Served]]:
     """(the server on dummy weights, the server started on checkpoint 1), started side by side;
-    SIGTERM must stop each with 0."""
+    SIGTERM must stop each that still runs with 0."""
     logs = tmp_path_factory.mktemp("sglang_serve_logs")
+    FOOTPRINTS.clear()
+    FOOTPRINTS.append(Footprints())  # before either server makes anything
     with (
         _started(checkpoints[0], logs / "dummy.log", "--load-format", "dummy") as dummy_process,
         _started(checkpoints[1], logs / "auto.log", "--load-format", "auto") as auto_process,
@@ -129,11 +136,16 @@ def servers(checkpoints: list[Path], tmp_path_factory: pytest.TempPathFactory) -
         dummy = _announced(dummy_process, checkpoints[0].name)
         reference = _announced(auto_process, checkpoints[1].name)
         yield dummy, reference
-        for served in (dummy, reference):
+        running = [served for served in (dummy, reference) if served.process.alive()]
+        for served in running:
             served.http.close()
             served.process.process.terminate()
-        for served in (dummy, reference):
+        for served in running:
             assert served.process.process.wait(WAIT_S * 3) == 0  # SIGTERM is how a server stops: exit 0
+
+
+FOOTPRINTS: list[Footprints] = []
+"""What /dev/shm and the temporary folder held before the module's servers started."""
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +288,31 @@ def test_under_load_every_response_is_the_checkpoint_its_version_names(
             checked += 1
     assert checked >= len(seen) // 2 and checked > 0
     assert dummy.version() == 8
+
+
+def test_sigkill_takes_sglangs_processes_and_shared_memory_with_it(servers: tuple[Served, Served]) -> None:
+    """SIGKILL gives the server no way out: its watchdog (serving/watchdog.py) ends SGLang's
+    scheduler and detokenizer and removes what they made. (Last: it kills the reference.)"""
+    reference = servers[1]
+    footprints = FOOTPRINTS[0]
+    pid = reference.process.pid
+    footprints.during(pid)
+    processes = [child for child in tree(pid) if child != pid]
+    assert len(processes) >= 3, "the watchdog, SGLang's scheduler and detokenizer"
+    os.kill(pid, signal.SIGKILL)  # the server alone: not its group, as the OOM killer does
+    reference.process.process.wait(WAIT_S)
+    assert wait_until(lambda: not _running(processes), timeout=KILLED_GONE_S), _running(processes)
+    assert wait_until(lambda: not footprints.left()[0], timeout=KILLED_GONE_S), footprints.left()
+
+
+def _running(pids: list[int]) -> list[int]:
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
