@@ -9,8 +9,9 @@ workers, and the resource tracker Python's multiprocessing starts for them):
   Stopping removes the folder whole.
 - **Shared memory** in /dev/shm is named by whoever creates it, so it is found by what this
   process tree maps (`/proc/<pid>/maps`): segments named as vLLM and Python's multiprocessing
-  name them (`psm_*`, `sem.mp-*`, `vllm_dist_*`), seen mapped by this process or a descendant
-  (`note`, called while vLLM loads, once it is up, and as it stops). vLLM's CPU all-reduce names
+  name them (`psm_*`, `sem.mp-*`, `vllm_dist_*`; SGLang's `sglang_*.shm`), seen mapped by this
+  process or a descendant (`note`, called while the engine loads, once it is up, every few
+  seconds while it serves, and as it stops). vLLM's CPU all-reduce names
   its segments after the rendezvous file (`/dev/shm/vllm_dist_<id>-...`), and that file lies in
   the private folder: those are found even if no process still maps them.
   Nothing another run made is touched: a name must be one this tree mapped, or carry the id of
@@ -51,9 +52,10 @@ SHM_DIR = Path("/dev/shm")
 MANIFEST = "shared-memory"
 """The file in the folder listing the /dev/shm names the server's processes were seen mapping."""
 
-ENGINE_SEGMENT = re.compile(r"psm_[0-9a-f]+|sem\.mp-[a-z0-9_]+|vllm_dist_[0-9a-f]{32}-.+")
-"""/dev/shm names made by vLLM's processes: Python's multiprocessing (shared_memory, semaphores)
-and vLLM's CPU all-reduce (`vllm_dist_<id>-<group>-cpushm_<rank>`)."""
+ENGINE_SEGMENT = re.compile(r"psm_[0-9a-f]+|sem\.mp-[a-z0-9_]+|vllm_dist_[0-9a-f]{32}-.+|sglang_[a-z]+_[0-9a-f_]+\.shm")
+"""/dev/shm names made by an engine's processes: Python's multiprocessing (shared_memory,
+semaphores), vLLM's CPU all-reduce (`vllm_dist_<id>-<group>-cpushm_<rank>`) and SGLang's load
+snapshots (`sglang_loads_<id>_<id>.shm`, which SGLang leaves behind even when it stops)."""
 
 RENDEZVOUS = re.compile(r"vllm_dist_[0-9a-f]{32}")
 """vLLM's rendezvous file (`file://<tmp>/vllm_dist_<id>`): its id prefixes the all-reduce's segments."""

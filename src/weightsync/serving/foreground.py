@@ -181,6 +181,10 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 NOTE_EVERY_S = 1.0
 """How often, while an engine's processes start, the shared memory they map is noted (`note`)."""
 
+NOTE_SERVING_S = 5.0
+"""How often, while the engine serves, what its processes map is noted again (SGLang makes a
+segment a few seconds after it is up)."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Port:
@@ -234,10 +238,12 @@ async def serve_engine(
                 note()  # every engine process is up: the most they map
                 announce(up)
 
+            noting = asyncio.create_task(_note_every(note, NOTE_SERVING_S))
             try:
                 if not port.serving.done():  # not stopped while the engine loaded
                     await run(engine, port, ready)
             finally:
+                noting.cancel()
                 note()  # what the engine's processes map, before they go
                 owner.shutdown(shutdown_timeout)
         except BaseException as exc:
@@ -250,3 +256,9 @@ async def serve_engine(
             if watch is not None:
                 watch.cancel()
     return caught
+
+
+async def _note_every(note: Callable[[], None], seconds: float) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        note()
