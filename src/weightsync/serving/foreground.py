@@ -259,6 +259,11 @@ async def serve_engine(
 
 
 async def _note_every(note: Callable[[], None], seconds: float) -> None:
+    """`note()` every `seconds`, on a thread: reading an engine's process maps must not hold up
+    the port's answers."""
     while True:
         await asyncio.sleep(seconds)
-        note()
+        try:
+            await asyncio.to_thread(note)
+        except Exception as exc:  # a process that ended mid-read: the next note sees the rest
+            log.debug("noting the engine's footprint failed: %s", exc)
