@@ -54,6 +54,8 @@ class ModuleSource:
         self.sharded = sharded
         self._gathered: dict[int, torch.Tensor] = {}
         """This push's tensors `layout()` gathered that this rank sends."""
+        self._layout: SourceLayout | None = None
+        """This push's layout (`layout()`)."""
         named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
         if buffers:
             persistent = {name for name, _ in module.named_buffers() if _is_persistent(module, name)}
@@ -99,7 +101,19 @@ class ModuleSource:
                 if index % world == rank:
                     self._gathered[index] = full
             rows.append(bounds)
-        return SourceLayout(rank, world, tuple(rows))
+        self._layout = SourceLayout(rank, world, tuple(rows))
+        return self._layout
+
+    @property
+    def layout_rank(self) -> int:
+        """This rank in this push's layout (0 before `layout()`)."""
+        return self._layout.rank if self._layout is not None else 0
+
+    def rows_of(self, name: str) -> tuple[int, ...] | None:
+        """The row boundaries of tensor `name` in this push's layout (None: whole)."""
+        if self._layout is None:
+            return None
+        return dict(zip((entry for entry, _ in self._entries), self._layout.rows, strict=True)).get(name)
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as this rank holds it (`ShardedSource.held`): its local rows of a sharded
@@ -116,6 +130,11 @@ class ModuleSource:
 
 _EMPTY = torch.empty(0)
 """What `held` yields for a gathered tensor another rank sends (never read)."""
+
+
+def gathered(source: ModuleSource, name: str) -> torch.Tensor:
+    """Tensor `name` of `source` whole: gathered (a collective: every rank calls it, in step)."""
+    return _full(dict(source._entries)[name])
 
 
 def _rank_and_world(tensors: list[torch.Tensor]) -> tuple[int, int]:
