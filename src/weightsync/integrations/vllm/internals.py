@@ -165,18 +165,28 @@ def checkpoint_format_on_meta(model: torch.nn.Module) -> Iterator[None]:
     inside writes nothing. After: every layer's live tensors put back as they were.
 
     Call it outside a weight update (the worker's own reload keeps them elsewhere then)."""
-    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
     from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
     from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
 
     saved = [
         (layer, *get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)) for layer in model.modules()
     ]
+    wrapped: list[tuple[torch.Tensor, Any]] = []
+    """Restored tensors whose loader a past reload left wrapped in vLLM's online processing
+    (which would only buffer the call), with that loader: unwrapped inside, put back after."""
     try:
         for layer, *_ in saved:
             restore_layer_on_meta(layer, get_layerwise_info(layer))
+            for tensor in get_layer_tensors(layer).values():
+                loader = getattr(tensor, "weight_loader", None)
+                if getattr(loader, "__name__", "") == "online_process_loader":
+                    wrapped.append((tensor, loader))
+                    tensor.weight_loader = _get_original_loader(tensor)
         yield
     finally:
+        for tensor, loader in wrapped:
+            tensor.weight_loader = loader  # type: ignore[attr-defined]
         for layer, parameters, buffers, non_persistent in saved:
             for name in get_layer_tensors(layer):
                 delattr(layer, name)
