@@ -1,7 +1,7 @@
 """Sharded sync into stock vLLM at tensor parallel size 2, from a 2-rank FSDP2 trainer.
 
 A real vLLM server (TP=2, dummy weights, the weightsync backend) and a real FSDP2 trainer
-(`torchrun --nproc-per-node 2`, gloo, `fully_shard`: tests/integrations/fsdp_trainer.py) whose
+(`torchrun --nproc-per-node 2`, gloo, `fully_shard`: `weightsync_bench.fsdp_ranks`) whose
 every rank calls vLLM's trainer API (`trainer_init`, `send_weights`) with `sharded=True`: each
 rank pushes the rows it holds, and each worker is sent only the boxes its loaders keep. Checked,
 for a dense Qwen2 (tied embeddings, one KV head replicated over both workers, biases) and the
@@ -16,10 +16,7 @@ Skipped where vLLM is not installed (scripts/install-vllm.sh installs it).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +39,7 @@ from tests.integrations.test_vllm_backend import (  # noqa: E402
     doc_server_command,
 )
 from tests.models import save_model  # noqa: E402
+from tests.transports.test_sharded import fsdp_ranks  # noqa: E402
 from weightsync.serving.process import ChildProcess  # noqa: E402
 
 pytestmark = [
@@ -51,7 +49,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
 
-TRAINER = Path(__file__).with_name("fsdp_trainer.py")
 MOST_OF_A_FULL_PUSH = 0.6
 """What a TP=2 worker may receive, as a fraction of a full push's bytes."""
 
@@ -90,14 +87,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def _fsdp_push(server: Served, transport: str, out: Path, versions: int = 1) -> list[list[dict[str, object]]]:
     """Two FSDP2 ranks push the checkpoint through vLLM's trainer API, sharded; each rank's reports."""
-    command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(TRAINER)),
-        *("--model", str(server.checkpoint), "--out", str(out), "--transport", transport, "--vllm", server.url),
-        *("--versions", str(versions), "--vllm-source"),
-    ]
-    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    subprocess.run(command, check=True, timeout=600, env=env, cwd=out)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return fsdp_ranks(["--vllm", server.url, "--vllm-source"], server.checkpoint, transport, out, versions)
 
 
 def _full_push(server: Served, version: int, plus: float = 0.0) -> None:

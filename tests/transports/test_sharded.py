@@ -6,13 +6,20 @@ on every receiver, which keeps what it held."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.helpers import assert_bit_exact, random_tensor
+from tests.models import save_model
 from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
 from weightsync.messages import Want
 from weightsync.source import SourceLayout, TensorMeta, chunk_rows
@@ -189,3 +196,38 @@ def test_a_part_that_never_comes_fails_the_sync_within_the_timeout() -> None:
             report = sender.push(RowShards(full, 0, 2), version=1)
         assert not report.ok and "parts [1] did not land" in report.outcomes[0].error
         assert receiver.version is None
+
+
+def fsdp_ranks(
+    target: list[str], model: Path, transport: str, out: Path, versions: int = 1
+) -> list[list[dict[str, Any]]]:
+    """Two FSDP2 ranks (torchrun, gloo: `weightsync_bench.fsdp_ranks`) push the checkpoint at
+    `model` `versions` times, sharded, to `target` (`["--to", ADDRESS]`, `["--vllm", URL]`);
+    each rank's pushes, as it reported them."""
+    command = [*(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")]
+    command += ["weightsync_bench.fsdp_ranks", "--model", str(model), "--out", str(out)]
+    command += ["--transport", transport, "--versions", str(versions), *target]
+    subprocess.run(command, check=True, timeout=600, cwd=out, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    return [json.loads((out / f"rank{rank}.json").read_text())["pushes"] for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, tmp_path: Path) -> None:
+    """A real FSDP2 trainer (2 ranks, gloo): every rank's `WeightSender` pushes its rows of a
+    dense model (`ModuleSource(sharded=True)`) or of a mixture of experts in its checkpoint's
+    names (`HFCheckpointSource(sharded=True)`: each expert whole from the rank holding it)."""
+    from safetensors.torch import load_file
+
+    save_model(kind, tmp_path / "model")
+    checkpoint = load_file(tmp_path / "model" / "model.safetensors")
+    landed = {name: torch.zeros_like(tensor) for name, tensor in checkpoint.items()}
+    with WeightReceiver(landed, "tcp", timeout=60) as receiver:
+        ranks = fsdp_ranks(["--to", receiver.address], tmp_path / "model", "tcp", tmp_path)
+        assert receiver.version == 1
+    assert all(push["ok"] for rank in ranks for push in rank)
+    sent = [push["wire_bytes"][receiver.address] for rank in ranks for push in rank]
+    assert sum(sent) == sum(tensor.nbytes for tensor in checkpoint.values()), "every element once"
+    assert all(0 < bytes_ < sum(sent) for bytes_ in sent), "both ranks sent a part"
+    for name, tensor in checkpoint.items():
+        assert_bit_exact(landed[name], tensor, name)
