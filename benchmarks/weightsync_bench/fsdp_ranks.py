@@ -54,7 +54,7 @@ def main() -> None:
     model = sharded_model(args.model)
     source = trainer_source(model, sharded=args.mode == "sharded", vllm_source=args.vllm_source)
     pushes = push_to_vllm(args, source) if args.vllm else push_to(args, source)
-    shard = sum(p.to_local().nbytes for p in model.parameters())  # type: ignore[operator]
+    shard = sum(p.to_local().nbytes for p in model.parameters())  # type: ignore[attr-defined]
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({"pushes": pushes, "shard_bytes": shard}))
     dist.barrier()
     dist.destroy_process_group()
