@@ -212,6 +212,12 @@ class Landing:
     # --- what the receiver loop asks ----------------------------------------------------------
 
     @property
+    def cut(self) -> bool:
+        """Whether the plan carries boxes of tensors, or parts from several senders (sharded
+        sync): no whole tensor lands here."""
+        return bool(self.plan.parts) or any(spec.region is not None for spec in self.plan.tensors)
+
+    @property
     def lends_chunked(self) -> bool:
         """Whether the sink borrows tensors larger than a bucket that have no destination."""
         return "arena" in self.routes

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.delta import Baseline, Diff, Step, settled
+from weightsync.digest import source_digest
 from weightsync.errors import (
     ConfigError,
     NegotiationError,
@@ -195,6 +196,8 @@ class WeightSender:
         self._whole: tuple[str, ...] = ()
         """The tensors the last push sent whole to a receiver keeping boxes of others."""
         self._said_whole: tuple[str, ...] = ()
+        self._hasher: ThreadPoolExecutor | None = None
+        """Hashes a sharded push's whole tensors while its buckets go out (one sender)."""
         plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
         try:
             for spec in dict.fromkeys(specs.values()):
@@ -311,7 +314,7 @@ class WeightSender:
             *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
         if sharded is not None:
-            deliveries, changed_fraction = sharded, 1.0
+            deliveries, changed_fraction = self._with_content(sharded, source, verify), 1.0
         elif diff is None:
             deliveries = [Delivery("full", self._plans.build(specs, bucket_bytes), metas, source, frozenset(reachable))]
             changed_fraction = 1.0
@@ -474,6 +477,18 @@ class WeightSender:
             )
         return deliveries
 
+    def _with_content(self, deliveries: list[Delivery], source: WeightSource, verify: Verify) -> list[Delivery]:
+        """A verified sharded push from one sender: the whole version's content digest, hashed
+        from the whole tensors it holds (no receiver gets them whole to hash); from several
+        senders, none (no process holds a whole tensor)."""
+        layout = deliveries[0].layout
+        if verify == "off" or layout is None or layout.world > 1:
+            return deliveries
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
+        content = self._hasher.submit(source_digest, source, self.options.cast)
+        return [dataclasses.replace(delivery, content=content) for delivery in deliveries]
+
     def _cut_plan(self, specs: list[TensorSpec], layout: SourceLayout, bucket_bytes: int) -> tuple[Plan, str]:
         """`regions.part_plan` and its id, the same as last time for the same arguments."""
         key = (tuple(specs), layout.world, layout.rows, bucket_bytes)
@@ -559,6 +574,9 @@ class WeightSender:
         """Close connections and release transfer buffers (shared-memory rings)."""
         for route in self._routes:
             route.close()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
 
     def __enter__(self) -> WeightSender:
         return self

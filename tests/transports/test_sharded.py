@@ -21,6 +21,7 @@ import torch
 from tests.helpers import assert_bit_exact, random_tensor
 from tests.models import save_model
 from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
+from weightsync.digest import source_digest
 from weightsync.messages import Want
 from weightsync.source import SourceLayout, TensorMeta, chunk_rows
 
@@ -156,6 +157,9 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: s
     for want in WORKER_1:
         assert_bit_exact(loader.loaded[want.name], full[want.name][box(want)], want.name)
 
+    digests = {report.content_digest for report in reports}
+    assert digests == ({source_digest(full)} if world == 1 else {""}), "one sender hashes the whole version"
+    assert all(receiver.content_digest == (source_digest(full) if world == 1 else "") for receiver in receivers)
     received = [sum(report.outcomes[i].wire_bytes for report in reports) for i in range(3)]
     boxes = [sum(t.nbytes for t in full.values()), 0, sum(t.nbytes for t in loader.loaded.values())]
     boxes[1] = sum(full[w.name][box(w)].nbytes for w in WORKER_0) + full["norm"].nbytes + full["experts"].nbytes
