@@ -23,9 +23,10 @@ VOCAB_SIZE = 128
 """The model's vocabulary size: the tokenizer's ids, padded (ids it never produces are fine)."""
 
 
-def build_model(path: Path, size_gb: float, dtype: str = "bfloat16") -> int:
+def build_model(path: Path, size_gb: float, dtype: str = "bfloat16", vocab_size: int = VOCAB_SIZE) -> int:
     """A Qwen2-shaped model of about `size_gb` GiB in `dtype` (a torch dtype's name) saved at
-    `path`; returns its parameter bytes."""
+    `path`, with `vocab_size` embedding rows (the tokenizer's ids and never-produced ones);
+    returns its parameter bytes."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -34,9 +35,9 @@ def build_model(path: Path, size_gb: float, dtype: str = "bfloat16") -> int:
     hidden, intermediate = 1536, 4096
     element_bytes = getattr(torch, dtype).itemsize
     per_layer = element_bytes * (2 * hidden * hidden + 2 * hidden * 256 + 3 * hidden * intermediate)
-    layers = max(1, round((size_gb * GIB - element_bytes * 2 * VOCAB_SIZE * hidden) / per_layer))
+    layers = max(1, round((size_gb * GIB - element_bytes * 2 * vocab_size * hidden) / per_layer))
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=intermediate,
         num_hidden_layers=layers,

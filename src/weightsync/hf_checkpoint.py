@@ -16,6 +16,11 @@ an expert stack is a `Chunk` (gate from up) then a `SplitModulelist` (one per ex
 `Chunk` copies each half of the whole stack (`.contiguous()`) before splitting it. Those two ops
 are applied here as views; a tensor whose conversion uses any other op is converted by
 transformers itself, which may copy it.
+
+Sharded (`sharded=True`, an FSDP2 model, every rank pushing): a checkpoint tensor that is a
+parameter's rows (renamed at most) is sent by rows as the parameter is held; one that is a view
+of a parameter (an expert of a stack) is sent whole by the rank whose rows hold it (FSDP2 splits
+a stack by experts); any other is gathered and converted by one rank.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from typing import Any
 import torch
 
 from weightsync.errors import ConfigError
-from weightsync.module_source import ModuleSource
-from weightsync.source import TensorMeta
+from weightsync.module_source import ModuleSource, gathered
+from weightsync.reads import Box, view_box
+from weightsync.source import SourceLayout, TensorMeta
 
 __all__ = ["HFCheckpointSource", "checkpoint_metas"]
 
@@ -76,14 +82,21 @@ class HFCheckpointSource:
 
     Args:
         model: a transformers `PreTrainedModel` (transformers 5).
+        sharded: every rank pushes what it holds (module docstring; `ShardedSource`).
 
     Raises:
         ConfigError: the model's checkpoint joins several tensors into one (`checkpoint_metas`).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, sharded: bool = False) -> None:
         self._model = model
-        self._module = ModuleSource(model, buffers=True)
+        self.sharded = sharded
+        self._module = ModuleSource(model, buffers=True, sharded=sharded)
+        self._pieces: dict[str, list[tuple[str, int, Box | None]]] = {}
+        """Sharded, this push: each model tensor's checkpoint tensors, each with the rank that
+        sends it (-1: every rank holds its rows) and the box of the model tensor it is."""
+        self._whole: dict[str, torch.Tensor] = {}
+        """Sharded, this push: the model tensors gathered whole, on the rank that converts them."""
         self._checkpoint = checkpoint_metas(model, self._module.metas())
         converters = _reverse_converters(model)
         self._route: dict[str, tuple[str, Any]] = {}
@@ -109,6 +122,105 @@ class HFCheckpointSource:
                 yield from zip(names, _split_as_views(tensor, converter, self._model.config) or [], strict=True)
             else:
                 yield from revert_weight_conversion(self._model, {name: tensor}).items()
+
+    def layout(self) -> SourceLayout | None:
+        """Which rows of each checkpoint tensor each rank holds (module docstring), or None
+        unless `sharded`; every rank, in step: it gathers what no rank holds in one piece."""
+        module = self._module.layout()
+        if module is None:
+            return None
+        rows: list[tuple[int, ...] | None] = []
+        self._pieces, self._whole = {}, {}
+        for index, (meta, bounds) in enumerate(zip(self._module.metas(), module.rows, strict=True)):
+            pieces = self._place(meta, bounds, index % module.world, module)
+            self._pieces[meta.name] = pieces
+            for (_, owner, _), entry in zip(pieces, self._checkpoint[meta.name], strict=True):
+                rows.append(bounds if owner < 0 else _held_by(owner, entry.shape, module.world))
+        return SourceLayout(module.rank, module.world, tuple(rows))
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every checkpoint tensor as this rank holds it (`ShardedSource.held`), in `metas()`
+        order; `layout()` ran for this push."""
+        rank = self._module.layout_rank
+        for name, local in self._module.held():
+            pieces = self._pieces[name]
+            whole = self._whole.get(name)
+            converted = self._converted(name, whole) if whole is not None else {}
+            for key, owner, box in pieces:
+                if owner < 0:
+                    yield key, local
+                elif owner != rank:
+                    yield key, _EMPTY
+                elif box is None:
+                    yield key, converted[key] if whole is not None else local
+                else:
+                    yield key, _box_of(whole if whole is not None else local, box, self._first_row(name, rank))
+
+    def _place(
+        self, meta: TensorMeta, bounds: tuple[int, ...] | None, owner: int, module: SourceLayout
+    ) -> list[tuple[str, int, Box | None]]:
+        """Who sends each checkpoint tensor of model tensor `meta`, and which box of it each is."""
+        route, converter = self._route[meta.name]
+        names = [entry.name for entry in self._checkpoint[meta.name]]
+        if route == "as is":
+            return [(names[0], -1 if bounds is not None else owner, None)]
+        boxes = _piece_boxes(meta, converter, self._model.config) if route == "views" else None
+        owners = [_rows_owner(box, bounds) for box in boxes] if boxes is not None and bounds is not None else []
+        if boxes is not None and owners and all(o is not None for o in owners):
+            return [(key, o, box) for key, o, box in zip(names, owners, boxes, strict=True) if o is not None]
+        if boxes is not None and bounds is None:  # whole on `owner` (plain, or gathered by the module)
+            return [(key, owner, box) for key, box in zip(names, boxes, strict=True)]
+        whole = gathered(self._module, meta.name)  # every rank, in step
+        if module.rank == owner:
+            self._whole[meta.name] = whole
+        return [(key, owner, None) for key in names]
+
+    def _converted(self, name: str, whole: torch.Tensor) -> dict[str, torch.Tensor]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return dict(revert_weight_conversion(self._model, {name: whole}).items())
+
+    def _first_row(self, name: str, rank: int) -> int:
+        """The first row of model tensor `name` this rank holds (0 where it holds it whole)."""
+        bounds = self._module.rows_of(name)
+        return bounds[rank] if bounds is not None and name not in self._whole else 0
+
+
+_EMPTY = torch.empty(0)
+"""What `held` yields for a checkpoint tensor another rank sends (never read)."""
+
+
+def _held_by(owner: int, shape: tuple[int, ...], world: int) -> tuple[int, ...]:
+    """Row boundaries by which rank `owner` alone holds a tensor of `shape` whole."""
+    rows = shape[0] if shape else 1
+    return tuple(0 if rank <= owner else rows for rank in range(world + 1))
+
+
+def _piece_boxes(meta: TensorMeta, converter: Any, config: Any) -> list[Box] | None:
+    """The box of the model tensor each of its checkpoint tensors is a view of."""
+    shell = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    pieces = _split_as_views(shell, converter, config) or []
+    boxes = [view_box(piece, meta.shape) for piece in pieces]
+    return None if not boxes or any(box is None for box in boxes) else [box for box in boxes if box is not None]
+
+
+def _rows_owner(box: Box, bounds: tuple[int, ...]) -> int | None:
+    """The rank whose rows hold all of `box`'s, or None."""
+    (first, *_), (end, *_) = box
+    return next((rank for rank in range(len(bounds) - 1) if bounds[rank] <= first and end <= bounds[rank + 1]), None)
+
+
+def _box_of(tensor: torch.Tensor, box: Box, first_row: int) -> torch.Tensor:
+    """`box` of a model tensor (a checkpoint tensor that is a view of it), cut from `tensor`,
+    which holds rows from `first_row` on, squeezed as transformers' `SplitModulelist` does."""
+    start, stop = box
+    view = tensor[
+        tuple(
+            slice(a - (first_row if d == 0 else 0), b - (first_row if d == 0 else 0))
+            for d, (a, b) in enumerate(zip(start, stop, strict=True))
+        )
+    ]
+    return view.squeeze()
 
 
 def _reverse_converters(model: Any) -> list[Any]:

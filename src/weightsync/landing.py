@@ -17,10 +17,18 @@ the tensors it completed. The routes:
 - "own": anything else without a destination to write in place (a sink that keeps what it is
   handed): a host tensor of its own;
 - "patch": a delta's encoded tensor, staged in the arena and applied in place when complete.
+
+A sharded sync's plan comes in parts, one per sender, each landed on its own connection's
+thread into the one `Landing`: its verbs take a lock, a tensor is delivered once its last piece
+landed, whichever part brought it, and a tensor without a destination gets one of its own
+("own": parts land in any order, so nothing is lent from a transport's buffer or shares arena
+space). A box of a tensor (`TensorSpec.region`) lands in that box of the sink's destination
+when it has one of the whole tensor's shape.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections import Counter
@@ -34,13 +42,14 @@ import xxhash
 
 from weightsync.checksum import SyncHashes, Verify, content_digest, tensor_hashes
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ChecksumError, PlanError
+from weightsync.errors import ChecksumError, PlanError, SinkError
 from weightsync.hostmem import host_bytes
 from weightsync.hostpin import readable_tensor
 from weightsync.messages import Piece, Plan
 from weightsync.pack import byte_view, copy_bytes, flat_bytes
 from weightsync.patch import apply_patch
 from weightsync.plan import arena_layout, tensor_nbytes
+from weightsync.regions import region_view
 from weightsync.sink import WeightSink, sink_errors
 
 __all__ = ["Landing", "Route", "Staging"]
@@ -136,10 +145,12 @@ class Landing:
         num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
         self.routes: tuple[Route, ...] = tuple(self._route(t, num_pieces[t]) for t in range(len(plan.tensors)))
         """Each tensor's route (`Route`), fixed for the sync."""
-        self._completes = [
-            [p.tensor for p in bucket if p.tensor_offset + p.nbytes == tensor_nbytes(plan.tensors[p.tensor])]
-            for bucket in plan.buckets
-        ]
+        self._remaining = num_pieces
+        """Each tensor's pieces not landed yet: it is delivered when none is left."""
+        self._lock = threading.RLock()
+        """Held by every verb: the parts of a sharded sync land on several threads."""
+        self.failed: BaseException | None = None
+        """Why the sync failed (a part's error): every verb raises it from then on."""
         self._arena_offsets, self._arena_bytes = arena_layout(
             plan, [t for t in sorted(num_pieces) if self.routes[t] in ("arena", "patch")]
         )
@@ -160,6 +171,8 @@ class Landing:
         spec = self.plan.tensors[index]
         with sink_errors("destination"):
             dest = self.sink.destination(spec.name)
+        if dest is not None and spec.region is not None and tuple(dest.shape) == spec.region.whole:
+            dest = region_view(dest, spec)
         if dest is not None and (tuple(dest.shape) != spec.shape or dest.dtype != dtype_from_name(spec.dtype)):
             raise PlanError(
                 f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, destination is {dest.dtype}{list(dest.shape)}"
@@ -176,7 +189,7 @@ class Landing:
             return "patch"
         if dest is not None and dest.is_contiguous():
             return "host" if dest.device.type == "cpu" else "device"
-        if not self.sink.traits.borrows:
+        if not self.sink.traits.borrows or self.plan.parts:
             return "own"
         return "lent" if num_pieces <= 1 else "arena"
 
@@ -197,6 +210,12 @@ class Landing:
             )
 
     # --- what the receiver loop asks ----------------------------------------------------------
+
+    @property
+    def cut(self) -> bool:
+        """Whether the plan carries boxes of tensors, or parts from several senders (sharded
+        sync): no whole tensor lands here."""
+        return bool(self.plan.parts) or any(spec.region is not None for spec in self.plan.tensors)
 
     @property
     def lends_chunked(self) -> bool:
@@ -252,7 +271,9 @@ class Landing:
         """Where `piece`'s bytes go: host bytes (its destination's, its place in the arena, or
         its own tensor's), a device's bytes (a uint8 tensor), or None for a lent piece: the
         transport's buffer is kept (`copy_in`, `read_in`)."""
-        return None if self.routes[piece.tensor] == "lent" else self._site(piece)
+        with self._lock:
+            self._check_live()
+            return None if self.routes[piece.tensor] == "lent" else self._site(piece)
 
     def _site(self, piece: Piece) -> np.ndarray | torch.Tensor:
         route, dest = self.routes[piece.tensor], self._dest[piece.tensor]
@@ -280,6 +301,11 @@ class Landing:
         `target`. `pinned`: host `data` is page-locked for CUDA (hostpin), so a device copies it
         by DMA directly. Device copies are left in flight on the current stream: synchronise
         before reusing `data`."""
+        with self._lock:
+            self._check_live()
+            self._copy_in(piece, data, pinned, whole)
+
+    def _copy_in(self, piece: Piece, data: np.ndarray | torch.Tensor, pinned: bool, whole: np.ndarray | None) -> None:
         started = time.perf_counter()
         route = self.routes[piece.tensor]
         if route == "lent" or (whole is not None and route == "arena"):
@@ -299,6 +325,11 @@ class Landing:
         """Have `read` write the piece's bytes into host memory (a socket's `recv_into`): its
         host target; for a lent piece, the reused receive buffer it is lent from; for a device,
         a bounce buffer of one bucket (pinned for CUDA: the copy to the device is a DMA)."""
+        with self._lock:
+            self._check_live()
+            self._read_in(piece, read)
+
+    def _read_in(self, piece: Piece, read: Callable[[np.ndarray], object]) -> None:
         if self.routes[piece.tensor] == "lent":
             received = self._staging.receive_buffer(self.plan.bucket_bytes)
             self._lent[piece.tensor] = data = received[piece.bucket_offset : piece.bucket_offset + piece.nbytes]
@@ -315,7 +346,9 @@ class Landing:
     def adopt(self, tensor: int, value: torch.Tensor) -> None:
         """Take `value` (already in the wire dtype and shape) as tensor `tensor`'s content without
         copying (a tensor that does not land in place; in-process only)."""
-        self._staged[tensor] = value
+        with self._lock:
+            self._check_live()
+            self._staged[tensor] = value
 
     def copy_tensors(self, values: Sequence[tuple[int, torch.Tensor]]) -> set[torch.device]:
         """Land each (tensor, value) whole from `value`, the sender's own tensor (its dtype and
@@ -325,6 +358,11 @@ class Landing:
         the sender's memory when no cast is needed); else copied into a tensor of its own.
         Returns the devices whose streams copies are left in flight on: synchronise them
         before the sender may change the values."""
+        with self._lock:
+            self._check_live()
+            return self._copy_tensors(values)
+
+    def _copy_tensors(self, values: Sequence[tuple[int, torch.Tensor]]) -> set[torch.device]:
         started = time.perf_counter()
         dests: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
@@ -361,6 +399,20 @@ class Landing:
     def finish_bucket(self, index: int, checksum: int | None = None) -> None:
         """Check bucket `index` (when the sync verifies and the transport sent a checksum), then
         deliver the tensors it completed to their destinations or the sink."""
+        with self._lock:
+            self._check_live()
+            self._finish_bucket(index, checksum)
+
+    def fail(self, error: BaseException) -> None:
+        """The sync failed (on any part's thread): every verb raises from now on, so that the
+        other parts stop landing."""
+        self.failed = self.failed or error
+
+    def _check_live(self) -> None:
+        if self.failed is not None:
+            raise SinkError(f"the sync of version {self.version} failed: {self.failed}") from self.failed
+
+    def _finish_bucket(self, index: int, checksum: int | None) -> None:
         if self.verify != "off" and checksum is not None:
             started = time.perf_counter()
             pieces = self.plan.buckets[index]
@@ -373,7 +425,12 @@ class Landing:
                     version=self.version,
                     bucket=index,
                 )
-        self._deliver(self._completes[index])
+        completed = []
+        for piece in self.plan.buckets[index]:
+            self._remaining[piece.tensor] -= 1
+            if not self._remaining[piece.tensor]:
+                completed.append(piece.tensor)
+        self._deliver(completed)
 
     # --- delivery -----------------------------------------------------------------------------
 

@@ -26,11 +26,13 @@ __all__ = [
     "SyncTimes",
     "Piece",
     "Plan",
+    "Region",
     "TensorSpec",
+    "Want",
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a chain
 of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5:
 `NixlTarget` and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the
@@ -40,7 +42,26 @@ and `Commit` name the plan by `plan_id`, only a ring's `BucketReady` names a slo
 tells an shm receiver where it staged each tensor larger than a bucket in a `Staged`; an `Abort`
 between syncs tells a receiver a version will not come, naming its adapter if it is one's; 11:
 cudaipc sends `Shared` before every offer, the tensors receivers copy straight from the sender's
-GPU memory, and its handles are `CudaHandle`s)."""
+GPU memory, and its handles are `CudaHandle`s; 12: sharded sync: a receiver's `Welcome` names the box
+of each tensor it keeps (`wants`), a `TensorSpec` may be a box of its tensor (`region`), and a
+plan's buckets may come from several senders (`Plan.parts`, `Offer.part`))."""
+
+
+class Region(msgspec.Struct, frozen=True, array_like=True):
+    """Where a box sits in its tensor: the box's first element along each dimension, and the
+    whole tensor's shape. The box's extents are the shape of the `TensorSpec` that carries it."""
+
+    start: tuple[int, ...]
+    whole: tuple[int, ...]
+
+
+class Want(msgspec.Struct, frozen=True, array_like=True):
+    """The box of tensor `name` a receiver keeps: elements [start[d], stop[d]) along each
+    dimension d."""
+
+    name: str
+    start: tuple[int, ...]
+    stop: tuple[int, ...]
 
 
 class TensorSpec(msgspec.Struct, frozen=True):
@@ -57,6 +78,9 @@ class TensorSpec(msgspec.Struct, frozen=True):
     change's offset in its block as one byte; patch.py)."""
     count: int = 0
     """Values a patch carries (0 for "dense")."""
+    region: Region | None = None
+    """The spec is a box of the tensor `name` (`shape` is the box's extents), where a receiver
+    keeps only that box (sharded sync, regions.py); None: the whole tensor."""
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -76,6 +100,9 @@ class Plan(msgspec.Struct, frozen=True):
     tensors: tuple[TensorSpec, ...]
     buckets: tuple[tuple[Piece, ...], ...]
     total_bytes: int
+    parts: tuple[int, ...] = ()
+    """Sharded sync: the buckets come from several senders, sender m carrying buckets
+    [parts[m], parts[m+1]) (the last to the end); () for one sender carrying every bucket."""
 
 
 # --- control messages -------------------------------------------------------------------------
@@ -112,6 +139,9 @@ class Welcome(Message, frozen=True):
     content: str = ""
     """The content digest of what it holds, where a patch (a delta sync) can be applied to it,
     else "" (never verified, dirty, or a sink without destinations to patch)."""
+    wants: tuple[Want, ...] = ()
+    """The box of each tensor it keeps, where it keeps less than whole tensors (an engine's
+    tensor-parallel worker); a tensor it does not name is sent whole. () : every tensor whole."""
 
 
 class Auth(Message, frozen=True):
@@ -149,6 +179,9 @@ class Offer(Message, frozen=True):
     adapter: Adapter | None = None
     """The plan is version `version` of this LoRA adapter, served on top of the base weights,
     which it leaves as they are; None: the plan is the base weights."""
+    part: int = 0
+    """Sharded sync: which of the plan's parts this sender carries (`Plan.parts`); the receiver
+    takes one offer of the same plan from each part's sender into one sync."""
 
 
 class Accept(Message, frozen=True):

@@ -34,6 +34,8 @@ __all__ = [
     "build_plan",
     "check_plan",
     "dense_nbytes",
+    "pack_segments",
+    "part_buckets",
     "plan_id",
     "tensor_nbytes",
     "wire_specs",
@@ -42,6 +44,8 @@ __all__ = [
 MAX_TENSORS = 1 << 20
 MAX_NAME_LENGTH = 4096
 MAX_DIMS = 16
+MAX_PARTS = 1 << 16
+"""More senders than any sharded sync has."""
 MAX_ELEMENTS = 1 << 56
 """More elements than any real tensor has; keeps every byte size torch computes within int64."""
 
@@ -136,6 +140,15 @@ def wire_specs(
 
 def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int) -> Plan:
     """Pack `specs` into buckets of `bucket_bytes` (a multiple of 64), chunking what does not fit."""
+    buckets = pack_segments([(index, 0, tensor_nbytes(spec)) for index, spec in enumerate(specs)], bucket_bytes)
+    total = sum(piece.nbytes for bucket in buckets for piece in bucket)
+    return Plan(bucket_bytes=bucket_bytes, tensors=tuple(specs), buckets=tuple(buckets), total_bytes=total)
+
+
+def pack_segments(segments: Sequence[tuple[int, int, int]], bucket_bytes: int) -> list[tuple[Piece, ...]]:
+    """Pack byte runs `(tensor, offset, nbytes)` of tensors into buckets of `bucket_bytes`, in
+    order (the module docstring's rule: each run starts on a 64-byte boundary, one that does not
+    fit what is left starts a new bucket, one larger than a bucket is chunked)."""
     if bucket_bytes < ALIGN_BYTES or bucket_bytes % ALIGN_BYTES:
         raise ConfigError(f"bucket_bytes must be a positive multiple of {ALIGN_BYTES}, got {bucket_bytes}")
     buckets: list[tuple[Piece, ...]] = []
@@ -148,14 +161,13 @@ def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int) -> Plan:
             buckets.append(tuple(current))
         current, fill = [], 0
 
-    for index, spec in enumerate(specs):
-        nbytes = tensor_nbytes(spec)
+    for index, first, nbytes in segments:
         start = align_up(fill)
         if nbytes > bucket_bytes - start and nbytes <= bucket_bytes:
             close_bucket()
             start = 0
         if nbytes <= bucket_bytes - start:
-            current.append(Piece(index, 0, start, nbytes))
+            current.append(Piece(index, first, start, nbytes))
             fill = start + nbytes
             continue
         offset = 0
@@ -165,12 +177,11 @@ def build_plan(specs: Sequence[TensorSpec], bucket_bytes: int) -> Plan:
                 close_bucket()
                 start = 0
             length = min(nbytes - offset, bucket_bytes - start)
-            current.append(Piece(index, offset, start, length))
+            current.append(Piece(index, first + offset, start, length))
             offset += length
             fill = start + length
     close_bucket()
-    total = sum(piece.nbytes for bucket in buckets for piece in bucket)
-    return Plan(bucket_bytes=bucket_bytes, tensors=tuple(specs), buckets=tuple(buckets), total_bytes=total)
+    return buckets
 
 
 def plan_id(plan: Plan) -> str:
@@ -204,8 +215,9 @@ class PlanCache:
 def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
     """Validate a plan received from a peer before anything it asks for is allocated.
 
-    Checks sizes, names, dtypes and that the pieces cover every tensor exactly once, in order,
-    inside their buckets without overlapping.
+    Checks sizes, names, dtypes and that the pieces cover every tensor exactly once, inside their
+    buckets without overlapping: in order, or, for a plan in parts (sharded sync), in order
+    within each part and together covering every tensor.
 
     Raises:
         PlanError: with the first problem found.
@@ -221,6 +233,9 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
         raise PlanError("plan names a tensor twice")
     if sum(sizes) != plan.total_bytes:
         raise PlanError(f"plan total_bytes {plan.total_bytes} != sum of tensor sizes {sum(sizes)}")
+    if plan.parts:
+        _check_parts(plan, sizes)
+        return
     tensor, offset, started = 0, 0, False
     for bucket_index, bucket in enumerate(plan.buckets):
         bucket_end = 0
@@ -233,17 +248,7 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
                 raise PlanError(
                     f"bucket {bucket_index}: piece {piece} breaks plan order (expected tensor {tensor} at {offset})"
                 )
-            if piece.nbytes < 0 or (piece.nbytes == 0 and sizes[tensor] > 0) or offset + piece.nbytes > sizes[tensor]:
-                raise PlanError(
-                    f"bucket {bucket_index}: piece {piece} is empty or runs past its tensor ({sizes[tensor]} bytes)"
-                )
-            if piece.bucket_offset < bucket_end or piece.bucket_offset + piece.nbytes > plan.bucket_bytes:
-                raise PlanError(f"bucket {bucket_index}: piece {piece} overlaps or leaves the bucket")
-            spec = plan.tensors[tensor]
-            size = itemsize(dtype_from_name(spec.dtype)) if spec.encoding == "dense" else 1  # a patch: raw bytes
-            if piece.tensor_offset % size or piece.nbytes % size:
-                raise PlanError(f"bucket {bucket_index}: piece {piece} splits an element of {size} bytes")
-            bucket_end = piece.bucket_offset + piece.nbytes
+            bucket_end = _check_piece(plan, bucket_index, piece, sizes[tensor], bucket_end)
             offset += piece.nbytes
             started = True
     complete = not sizes or (started and tensor == len(sizes) - 1 and offset == sizes[tensor])
@@ -251,6 +256,61 @@ def check_plan(plan: Plan, max_bucket_bytes: int) -> None:
         raise PlanError(
             f"plan leaves tensor {plan.tensors[min(tensor, len(sizes) - 1)].name!r} and those after it incomplete"
         )
+
+
+def part_buckets(plan: Plan, part: int) -> range:
+    """The buckets of part `part` of a plan (every bucket for a plan of one part)."""
+    parts = plan.parts or (0,)
+    if not 0 <= part < len(parts):
+        raise PlanError(f"part {part} of a plan in {len(parts)} parts")
+    return range(parts[part], parts[part + 1] if part + 1 < len(parts) else len(plan.buckets))
+
+
+def _check_piece(plan: Plan, bucket_index: int, piece: Piece, size: int, bucket_end: int) -> int:
+    """One piece of tensor bytes `size` lies inside its tensor and its bucket, after `bucket_end`
+    (where the bucket's previous piece ended), and splits no element; where it ends."""
+    if piece.nbytes < 0 or (piece.nbytes == 0 and size > 0) or piece.tensor_offset + piece.nbytes > size:
+        raise PlanError(f"bucket {bucket_index}: piece {piece} is empty or runs past its tensor ({size} bytes)")
+    if piece.bucket_offset < bucket_end or piece.bucket_offset + piece.nbytes > plan.bucket_bytes:
+        raise PlanError(f"bucket {bucket_index}: piece {piece} overlaps or leaves the bucket")
+    spec = plan.tensors[piece.tensor]
+    element = itemsize(dtype_from_name(spec.dtype)) if spec.encoding == "dense" else 1  # a patch: raw bytes
+    if piece.tensor_offset % element or piece.nbytes % element:
+        raise PlanError(f"bucket {bucket_index}: piece {piece} splits an element of {element} bytes")
+    return piece.bucket_offset + piece.nbytes
+
+
+def _check_parts(plan: Plan, sizes: list[int]) -> None:
+    """A plan in parts: each part's pieces in plan order, and all of them covering every tensor
+    exactly once."""
+    parts = plan.parts
+    if len(parts) > MAX_PARTS or parts[0] != 0 or list(parts) != sorted(parts) or parts[-1] > len(plan.buckets):
+        raise PlanError(f"plan parts {parts[:8]} do not split its {len(plan.buckets)} buckets in order")
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for part in range(len(parts)):
+        previous = (-1, -1)
+        for bucket_index in part_buckets(plan, part):
+            bucket_end = 0
+            if not plan.buckets[bucket_index]:
+                raise PlanError(f"bucket {bucket_index} is empty")
+            for piece in plan.buckets[bucket_index]:
+                if not 0 <= piece.tensor < len(sizes) or (piece.tensor, piece.tensor_offset) <= previous:
+                    raise PlanError(f"bucket {bucket_index}: piece {piece} breaks the order of part {part}")
+                if piece.tensor_offset < 0:
+                    raise PlanError(f"bucket {bucket_index}: piece {piece} starts before its tensor")
+                bucket_end = _check_piece(plan, bucket_index, piece, sizes[piece.tensor], bucket_end)
+                previous = (piece.tensor, piece.tensor_offset)
+                covered.setdefault(piece.tensor, []).append((piece.tensor_offset, piece.nbytes))
+    for tensor, size in enumerate(sizes):
+        runs = sorted(covered.get(tensor, []))
+        ends = [offset + nbytes for offset, nbytes in runs]
+        if (
+            not runs
+            or runs[0][0] != 0
+            or ends[-1] != size
+            or any(a != b for (a, _), b in zip(runs[1:], ends[:-1], strict=True))
+        ):
+            raise PlanError(f"the parts do not cover tensor {plan.tensors[tensor].name!r} exactly once")
 
 
 def _checked_nbytes(spec: TensorSpec) -> int:
@@ -267,7 +327,19 @@ def _checked_nbytes(spec: TensorSpec) -> int:
         raise PlanError(f"tensor {spec.name!r} has an invalid shape {spec.shape}")
     dtype_from_name(spec.source_dtype)
     _check_encoding(spec)
+    if spec.region is not None:
+        _check_region(spec)
     return tensor_nbytes(spec)
+
+
+def _check_region(spec: TensorSpec) -> None:
+    """A box of a tensor lies inside it, and travels whole (never as a patch)."""
+    start, whole = spec.region.start, spec.region.whole  # type: ignore[union-attr]
+    inside = len(start) == len(whole) == len(spec.shape) and all(
+        0 <= first and first + extent <= size for first, extent, size in zip(start, spec.shape, whole, strict=True)
+    )
+    if not inside or math.prod(max(dim, 1) for dim in whole) > MAX_ELEMENTS or spec.encoding != "dense":
+        raise PlanError(f"tensor {spec.name!r}: box {spec.shape} at {start} does not fit its tensor {whole}")
 
 
 def _check_encoding(spec: TensorSpec) -> None:

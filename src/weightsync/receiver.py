@@ -13,6 +13,11 @@ The receive loop is the mirror of `WeightSender.push`, one per connected sender:
                 data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
                 any failure -> abort (sink.abort, told whether the served weights are intact)
 
+A sharded sync (a plan in parts, one per sender) is one sync fed by several connections: the
+first part's offer begins it, each other part's offer of the same plan joins it (`_Parts`), each
+connection lands the buckets of its own part, and the sync commits once every part sent its
+Commit; a failure on any part aborts it for all.
+
 State machine (one sync at a time; `WeightReceiver` is its only owner)::
 
     empty --begin--> syncing --commit--> ready --begin--> syncing ...
@@ -43,6 +48,8 @@ from weightsync.errors import (
     PlanError,
     ProtocolError,
     RemoteError,
+    SinkError,
+    TransferTimeout,
     TransportError,
     WeightSyncError,
 )
@@ -62,7 +69,7 @@ from weightsync.messages import (
     Welcome,
 )
 from weightsync.options import ReceiverOptions, build_options
-from weightsync.plan import check_plan, plan_id
+from weightsync.plan import check_plan, part_buckets, plan_id
 from weightsync.sink import WeightSink, as_sink, sink_errors
 from weightsync.transports import get_transport
 from weightsync.transports.base import Link, Listener, PlaneOptions, ReceivePlane
@@ -75,6 +82,28 @@ __all__ = ["ReceiverState", "ReceiverStatus", "WeightReceiver"]
 log = logging.getLogger(__name__)
 
 ReceiverState: TypeAlias = Literal["empty", "syncing", "ready", "dirty"]
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Parts:
+    """A sync fed by several senders, one part of its plan each: which parts joined, which
+    committed, and how it ended (guarded by the receiver's `_joining` condition)."""
+
+    offer: Offer
+    landing: Landing
+    joined: set[int]
+    committed: set[int] = dataclasses.field(default_factory=set)
+    ended: bool = False
+    error: BaseException | None = None
+
+    def takes(self, offer: Offer) -> bool:
+        """Whether `offer` is another part of this sync."""
+        first = self.offer
+        return (offer.version, offer.plan_id, offer.adapter) == (first.version, first.plan_id, first.adapter)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.committed) == len(self.offer.plan.parts)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,6 +175,12 @@ class WeightReceiver:
         self._checked_plan = ""
         """The id of the last plan `check_plan` passed (the same id is the same plan)."""
         self._before_sync: ReceiverState = "empty"
+        self._landing: Landing | None = None
+        """The sync in progress (from `begin` to its commit or abort)."""
+        self._parts: _Parts | None = None
+        """The sharded sync in progress, which the other parts' offers join."""
+        self._joining = threading.Condition()
+        """Guards `_parts`; the parts waiting for the others to commit wait on it."""
         self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
         self._spec = spec
@@ -292,15 +327,19 @@ class WeightReceiver:
         bucket: int | None = None  # the bucket in flight: where an error that stops the sync happened
         try:
             link.send(Accept(offer.version, landing.lends_chunked), self._timeout)
-            if offer.plan.buckets:
+            buckets = part_buckets(offer.plan, offer.part)
+            if buckets:
                 plane.begin(landing)
-            for bucket in range(len(offer.plan.buckets)):
+            for bucket in buckets:
                 plane.receive(bucket, landing)
             plane.finish(landing)
             bucket = None
             commit = expect_on(link, Commit, self._timeout)
             committing = time.perf_counter()
-            self.commit(landing, commit)
+            if offer.plan.parts:
+                self._commit_part(landing, commit, offer.part)
+            else:
+                self.commit(landing, commit)
             times = _times(landing, landing.sink, started, committing)
             self._set(times=times)
             base = self._base
@@ -327,8 +366,17 @@ class WeightReceiver:
         """Our Welcome, with a fresh challenge and, if we hold a token, our answer to the sender's."""
         answer = proof(self._token, "receiver", sender_nonce) if self._token and sender_nonce else ""
         base = self._base if self.state == "ready" else ""
+        wants = self._sink.wants()
         return Welcome(
-            PROTOCOL_VERSION, self._id, self._max_bucket_bytes, self.version, self._verify, new_nonce(), answer, base
+            PROTOCOL_VERSION,
+            self._id,
+            self._max_bucket_bytes,
+            self.version,
+            self._verify,
+            new_nonce(),
+            answer,
+            base,
+            wants,
         )
 
     def authenticate(self, welcome: Welcome, message: Message) -> bool:
@@ -346,7 +394,22 @@ class WeightReceiver:
 
     def begin(self, offer: Offer) -> Landing:
         """Check an offered plan and start its sync; the landing site it will go to. A refused
-        offer raises why, once the sink heard it (`WeightSink.refused`)."""
+        offer raises why, once the sink heard it (`WeightSink.refused`). The offer of a part of
+        the sharded sync in progress joins it."""
+        if not offer.plan.parts:
+            return self._begin_sync(offer)
+        with self._joining:
+            parts = self._parts
+            if parts is None or not parts.takes(offer):
+                landing = self._begin_sync(offer)
+                self._parts = _Parts(offer, landing, {offer.part})
+                return landing
+            if offer.part in parts.joined:
+                raise NegotiationError(f"part {offer.part} of version {offer.version} was offered twice")
+            parts.joined.add(offer.part)
+            return parts.landing
+
+    def _begin_sync(self, offer: Offer) -> Landing:
         if not self._busy.acquire(blocking=False):
             log.warning("push of version %d refused: busy with another sync", offer.version)
             busy = NegotiationError(f"receiver is busy with another sync; version {offer.version} refused")
@@ -369,6 +432,7 @@ class WeightReceiver:
             self._refuse(offer, exc)
             self._busy.release()
             raise
+        self._landing = landing
         if offer.adapter is None:  # an adapter sync leaves the base weights, and so the state, as they are
             self._before_sync = self._status.state
             self._base = ""  # every sync writes destinations: nothing to patch until it commits
@@ -408,6 +472,10 @@ class WeightReceiver:
         if offer.plan_id != self._checked_plan:  # a trainer offers the same plan every step
             check_plan(offer.plan, self._max_bucket_bytes)
             self._checked_plan = offer.plan_id
+        if not 0 <= offer.part < max(1, len(offer.plan.parts)):
+            raise PlanError(f"the offer carries part {offer.part} of a plan in {len(offer.plan.parts)} parts")
+        if offer.plan.parts and (offer.base or offer.adapter is not None):
+            raise PlanError("a plan in parts carries neither a patch nor an adapter")
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
         if offer.base and offer.base != self._base:
@@ -444,18 +512,44 @@ class WeightReceiver:
             raise
         if self._adapter(landing):
             self._set(last_error="")
-            self._busy.release()
+            self._release()
             return
         self._base = content if landing.patchable else ""
         mode = "delta" if landing.delta else "full"
         self._set(state="ready", version=commit.version, content_digest=content, last_error="", mode=mode)
-        self._busy.release()
+        self._release()
+
+    def _commit_part(self, landing: Landing, commit: Commit, part: int) -> None:
+        """Part `part` of a sharded sync landed and its sender asked to commit: the last part to
+        get here commits the sync (`commit`); the others wait for it (bounded), and fail if it
+        did not commit."""
+        with self._joining:
+            parts = self._parts
+            if parts is None or parts.landing is not landing:
+                raise SinkError(f"version {commit.version}: the sync of this part ended already")
+            parts.committed.add(part)
+            last = parts.complete
+            if not last and not self._joining.wait_for(lambda: parts.ended, self._timeout):
+                missing = sorted(set(range(len(parts.offer.plan.parts))) - parts.committed)
+                raise TransferTimeout(f"version {commit.version}: parts {missing} did not land in time")
+        if not last:
+            if parts.error is not None:
+                raise SinkError(f"version {commit.version} did not commit: {parts.error}") from parts.error
+            return
+        self.commit(landing, commit)  # its failure aborts the sync, which ends the parts too
 
     def _verified_content(self, landing: Landing, commit: Commit) -> str:
         if (commit.version, commit.plan_id) != (landing.version, landing.plan_id):
             raise PlanError(f"commit of version {commit.version} does not match the sync of version {landing.version}")
         if not commit.content:
             return ""
+        if landing.cut:
+            # boxes of tensors, or parts of them from several senders: no whole tensor lands
+            # here to hash. Every bucket that crossed a wire was checked against its sender's
+            # checksum; the digest is the sender's, of the whole version it pushed.
+            if self._wire and not landing.hashes.complete:
+                raise ChecksumError(f"commit of version {commit.version} has a content digest, the buckets had none")
+            return commit.content
         if landing.hashes.complete and not landing.delta:
             content = landing.hashes.content_digest()
         else:
@@ -474,9 +568,22 @@ class WeightReceiver:
         return content
 
     def abort(self, landing: Landing, error: BaseException) -> None:
-        """The sync of `landing` failed with `error`."""
-        if self._busy.locked():
+        """The sync of `landing` failed with `error` (nothing happens if it ended already)."""
+        if landing is self._landing:
             self._finish_abort(landing, error)
+
+    def _release(self, error: BaseException | None = None) -> None:
+        """The sync in progress ended (with `error`, if it failed): the parts waiting for it
+        hear how, and another sync may begin."""
+        with self._joining:
+            parts, self._parts = self._parts, None
+            if parts is not None:
+                parts.ended, parts.error = True, error
+            if error is not None and self._landing is not None:
+                self._landing.fail(error)  # the other parts' threads stop landing
+            self._landing = None
+            self._joining.notify_all()
+        self._busy.release()
 
     def _finish_abort(self, landing: Landing, error: BaseException) -> None:
         intact = not (landing.touched_live or landing.sink.wrote_live())
@@ -492,7 +599,7 @@ class WeightReceiver:
             self._set(state=self._before_sync, last_error=last_error)
         else:
             self._set(state="dirty", version=None, content_digest="", last_error=last_error)
-        self._busy.release()
+        self._release(error)
 
     def _adapter(self, landing: Landing) -> bool:
         """Whether `landing` is an adapter's sync (it lands in the sink `adapter_sink` gave)."""

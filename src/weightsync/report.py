@@ -74,6 +74,9 @@ class SyncReport:
     changed_fraction: float = 1.0
     """The fraction of elements whose wire bits changed since the previous push (1.0 without a
     previous push, or with `delta` off)."""
+    whole_tensors: tuple[str, ...] = ()
+    """Sharded sync: the tensors sent whole to a receiver that keeps boxes of the others (its
+    engine's loaders could not be traced for these; docs/architecture.md)."""
 
     @property
     def gbps(self) -> float:

@@ -6,19 +6,26 @@
 connect, agree on a bucket size, plan, offer, send buckets, commit, report. It holds the state of
 the push: each step returns which receivers failed and why, and a failed receiver takes no part
 in the steps after.
+
+A sharded push (a `ShardedSource` with a layout, or receivers that keep boxes of tensors: their
+`Welcome.wants`) sends each group of receivers that keep the same boxes its own plan
+(`regions.part_plan`), and this rank only its part of it; the groups go out side by side, each
+through a data plane of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.delta import Baseline, Diff, Step, settled
+from weightsync.digest import source_digest
 from weightsync.errors import (
     ConfigError,
     NegotiationError,
@@ -31,8 +38,9 @@ from weightsync.errors import (
 )
 from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
-from weightsync.pack import bucket_items
-from weightsync.plan import PlanCache, build_plan, dense_nbytes, tensor_nbytes, wire_specs
+from weightsync.pack import BucketItem, bucket_items, part_items
+from weightsync.plan import PlanCache, build_plan, dense_nbytes, part_buckets, plan_id, tensor_nbytes, wire_specs
+from weightsync.regions import cuts, part_plan, sent_whole
 from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sizing import (
     ALIGN_BYTES,
@@ -41,7 +49,7 @@ from weightsync.sizing import (
     auto_bucket_bytes,
     negotiate_bucket_bytes,
 )
-from weightsync.source import TensorMeta, WeightSource, as_source, held_tensors
+from weightsync.source import ShardedSource, SourceLayout, TensorMeta, WeightSource, as_source, held_tensors
 from weightsync.transports import check_address
 from weightsync.transports.base import Failures, PlaneOptions, SendPlane
 from weightsync.transports.control import SenderChannel
@@ -67,6 +75,34 @@ class Delivery:
     content: str | Future[str] = ""
     """The version's content digest where the sender computes it whole (a delta push), possibly
     still being computed: the commit waits for it."""
+    layout: SourceLayout | None = None
+    """A sharded plan (its tensors boxes, or in parts): which rows this rank holds, so that it
+    sends its part, cut from `source`'s held tensors; None: the whole plan, from `source`."""
+    identity: str = ""
+    """The plan's id where it was computed already."""
+    own_plane: bool = False
+    """Goes out beside other deliveries, through a data plane of its own."""
+
+    @property
+    def cut(self) -> bool:
+        """Whether the plan carries boxes of tensors or parts: no process holds its tensors whole
+        to hash, so its commit carries no content digest."""
+        return self.layout is not None
+
+    @property
+    def sent_bytes(self) -> int:
+        """The payload bytes this sender sends each of its receivers (its part of the plan)."""
+        if not self.plan.parts or self.layout is None:
+            return self.plan.total_bytes
+        buckets = part_buckets(self.plan, self.layout.rank)
+        return sum(piece.nbytes for index in buckets for piece in self.plan.buckets[index])
+
+    def items(self) -> Iterator[tuple[int, list[BucketItem]]]:
+        """Each bucket this sender sends, with the source tensors its pieces are cut from."""
+        if self.layout is None:
+            return bucket_items(self.plan, self.metas, self.source.tensors())
+        held = self.source.held() if isinstance(self.source, ShardedSource) else self.source.tensors()
+        return part_items(self.plan, self.layout, held)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,12 +118,28 @@ class Route:
     largest_auto_bucket_bytes: int = LARGEST_AUTO_BUCKET_BYTES
     patches: bool = False
     """Whether its receivers that hold the previous push get only what changed (`delta`)."""
+    takes_parts: bool = False
+    """Whether its transport carries a sharded plan from several senders (`TransportSpec`)."""
+    new_plane: Callable[[], SendPlane] | None = None
+    """Makes another data plane over `channel`, for deliveries that go out side by side."""
+    planes: dict[frozenset[str], SendPlane] = dataclasses.field(default_factory=dict)
+    """Those planes, by the receivers they serve (kept across pushes: a ring is reused)."""
 
     def live(self, failures: Mapping[str, WeightSyncError], welcomes: Mapping[str, Welcome]) -> list[str]:
         return [address for address in self.addresses if address in welcomes and address not in failures]
 
+    def plane_for(self, delivery: Delivery) -> SendPlane:
+        """The data plane `delivery` goes through: the route's own, or one of its own."""
+        if not delivery.own_plane or self.new_plane is None:
+            return self.plane
+        mine = delivery.addresses & frozenset(self.addresses)
+        if mine not in self.planes:
+            self.planes[mine] = self.new_plane()
+        return self.planes[mine]
+
     def close(self) -> None:
-        self.plane.close()
+        for plane in [self.plane, *self.planes.values()]:
+            plane.close()
         self.channel.close()
 
 
@@ -139,6 +191,13 @@ class WeightSender:
         self._plans = PlanCache()
         self._baseline = Baseline() if options.delta else None
         """With delta: the last push, as sent; a receiver holding it gets only what changed."""
+        self._cut_plans: dict[tuple[Any, ...], tuple[Plan, str]] = {}
+        """Sharded pushes' plans and their ids, by what they were built from."""
+        self._whole: tuple[str, ...] = ()
+        """The tensors the last push sent whole to a receiver keeping boxes of others."""
+        self._said_whole: tuple[str, ...] = ()
+        self._hasher: ThreadPoolExecutor | None = None
+        """Hashes a sharded push's whole tensors while its buckets go out (one sender)."""
         plane_options = PlaneOptions(timeout=self._timeout, num_slots=options.num_slots)
         try:
             for spec in dict.fromkeys(specs.values()):
@@ -155,7 +214,17 @@ class WeightSender:
                 if options.delta is True and not patches:
                     _say_whole_once(spec.name)
                 self._routes.append(
-                    Route(spec.name, spec.has_wire, mine, channel, plane, spec.largest_auto_bucket_bytes, patches)
+                    Route(
+                        spec.name,
+                        spec.has_wire,
+                        mine,
+                        channel,
+                        plane,
+                        spec.largest_auto_bucket_bytes,
+                        patches,
+                        spec.takes_parts,
+                        functools.partial(spec.send_plane, channel, plane_options),
+                    )
                 )
         except BaseException:
             self.close()
@@ -214,11 +283,17 @@ class WeightSender:
         try:  # until the offer, receivers wait for one: a failure tells them it will not come
             source = as_source(tensors)
             metas = source.metas()
+            layout = source.layout() if isinstance(source, ShardedSource) else None  # every rank, in step
+            if layout is not None and (self._baseline is not None or adapter is not None):
+                raise ConfigError("a sharded push carries neither a delta nor a LoRA adapter")
             specs = wire_specs(metas, self.options.cast)
             welcomes, failures = self._connect()
             largest = max((tensor_nbytes(spec) for spec in specs), default=0)
             full_bytes = sum(dense_nbytes(spec) for spec in specs)
             bucket_bytes = self._agree_bucket_bytes(largest, full_bytes, welcomes, failures)
+            sharded, self._whole = None, ()
+            if adapter is None and self._baseline is None:
+                sharded = self._sharded(specs, source, layout, bucket_bytes, welcomes, failures)
             self._turn_away(version, failures, adapter)
             reachable = [address for address in self._addresses if address in welcomes and address not in failures]
             takers = [a for route in self._routes if route.patches for a in route.addresses if a in reachable]
@@ -238,7 +313,9 @@ class WeightSender:
             "off" if diff is None else "bucket",
             *(check_verify(w.verify) for a, w in welcomes.items() if a not in failures),
         )
-        if diff is None:
+        if sharded is not None:
+            deliveries, changed_fraction = self._with_content(sharded, source, verify), 1.0
+        elif diff is None:
             deliveries = [Delivery("full", self._plans.build(specs, bucket_bytes), metas, source, frozenset(reachable))]
             changed_fraction = 1.0
         else:
@@ -249,13 +326,18 @@ class WeightSender:
         by_address: dict[str, Delivery] = {}
         committed: dict[str, Committed] = {}
         contents = []
-        for index, delivery in enumerate(deliveries):
-            try:
-                replies, failed, content = self._deliver(delivery, version, verify, ends, welcomes, failures, adapter)
-            except BaseException as exc:  # the next deliveries' receivers were offered nothing yet
-                later = [address for after in deliveries[index + 1 :] for address in after.addresses]
-                self._give_up(version, f"the sender failed: {one_line(exc)}", later, adapter)
-                raise
+        if len(deliveries) > 1 and all(delivery.own_plane for delivery in deliveries):
+            results = self._deliver_side_by_side(deliveries, version, verify, ends, welcomes, failures)
+        else:
+            results = []
+            for index, delivery in enumerate(deliveries):
+                try:
+                    results.append(self._deliver(delivery, version, verify, ends, welcomes, failures, adapter))
+                except BaseException as exc:  # the next deliveries' receivers were offered nothing yet
+                    later = [address for after in deliveries[index + 1 :] for address in after.addresses]
+                    self._give_up(version, f"the sender failed: {one_line(exc)}", later, adapter)
+                    raise
+        for delivery, (replies, failed, content) in zip(deliveries, results, strict=True):
             failures |= failed
             committed |= replies
             contents.append(content)
@@ -273,8 +355,9 @@ class WeightSender:
                 for address in self._addresses
             ),
             content_digest=next((content for content in contents if content), ""),
-            wire_bytes=sum(delivery.plan.total_bytes for delivery in deliveries if delivery.addresses),
+            wire_bytes=sum(delivery.sent_bytes for delivery in deliveries if delivery.addresses),
             changed_fraction=changed_fraction,
+            whole_tensors=self._whole,
         )
         log.info("push: %s", report.summary())
         if self.options.raise_on_failure and not report.ok:
@@ -306,9 +389,11 @@ class WeightSender:
         committed (their replies), those that failed in it, and the content digest committed
         ("" unverified)."""
         plan = delivery.plan
-        identity = self._plans.plan_id(plan)
+        identity = delivery.identity or self._plans.plan_id(plan)
         failures = dict(failures)
-        offer = Offer(version, plan, identity, verify, delivery.base, adapter)
+        part = delivery.layout.rank if delivery.layout is not None and plan.parts else 0
+        offer = Offer(version, plan, identity, verify, delivery.base, adapter, part)
+        planes = {route.name: route.plane_for(delivery) for route in self._routes}
 
         def live(route: Route) -> list[str]:
             return [a for a in route.live(failures, welcomes) if a in delivery.addresses]
@@ -316,30 +401,33 @@ class WeightSender:
         hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
         try:
             # only a plane that reads tensors in place (cudaipc) makes the source yield them early
-            wanted = plan.buckets and any(route.plane.reads_held for route in self._routes)
+            wanted = plan.buckets and not delivery.cut and any(planes[route.name].reads_held for route in self._routes)
             held = held_tensors(delivery.source) if wanted else []
             for route in self._routes:
-                failures |= _at(version, None, route.plane.prepare(plan, live(route), held))
+                plane = planes[route.name]
+                failures |= _at(version, None, plane.prepare(plan, live(route), held))
                 failures |= _at(version, None, route.channel.offer(offer, live(route)))
-                if plan.buckets and live(route):
-                    failures |= _at(version, None, route.plane.begin(plan, live(route)))
-            for index, items in bucket_items(plan, delivery.metas, delivery.source.tensors()):
+                if part_buckets(plan, part) and live(route):
+                    failures |= _at(version, None, plane.begin(plan, live(route)))
+            for index, items in delivery.items():
                 if not any(live(route) for route in self._routes):
                     continue  # every receiver failed; walk on: the source may be a collective others are in
                 _check_deadline(ends, version, index)
                 for route in self._routes:
-                    failures |= _at(version, index, route.plane.send(index, items, live(route), hashes[route.name]))
+                    sent = planes[route.name].send(index, items, live(route), hashes[route.name])
+                    failures |= _at(version, index, sent)
             for route in self._routes:
-                failures |= _at(version, None, route.plane.finish(live(route)))
+                failures |= _at(version, None, planes[route.name].finish(live(route)))
         except BaseException as exc:
             for route in self._routes:
-                route.plane.abort()
+                planes[route.name].abort()
                 route.channel.abort(Abort(version, f"sender failed: {exc}"), live(route))
             raise
         committed: dict[str, Committed] = {}
         contents = []
         for route in self._routes:
-            commit, content = _commit_message(version, identity, verify, hashes[route.name], delivery.content)
+            hashed = None if delivery.cut else hashes[route.name]  # no process hashes a whole tensor
+            commit, content = _commit_message(version, identity, verify, hashed, delivery.content)
             replies, failed = route.channel.commit(commit, live(route))
             _at(version, None, failed)
             for address, reply in replies.items():
@@ -349,6 +437,90 @@ class WeightSender:
             contents.append(content)
         failed_here = {a: e for a, e in failures.items() if a in delivery.addresses}
         return committed, failed_here, next((content for content in contents if content), "")
+
+    def _sharded(
+        self,
+        specs: list[TensorSpec],
+        source: WeightSource,
+        layout: SourceLayout | None,
+        bucket_bytes: int,
+        welcomes: Mapping[str, Welcome],
+        failures: Failures,
+    ) -> list[Delivery] | None:
+        """The deliveries of a sharded push (docs/architecture.md): one per group of receivers
+        that keep the same boxes of tensors, its plan in this rank's part; None for a push of
+        whole tensors from one sender. Receivers whose wants are refused join `failures`."""
+        if layout is not None and layout.world > 1:
+            unfit = sorted({route.name for route in self._routes if not route.takes_parts})
+            if unfit:
+                raise ConfigError(f"a push from {layout.world} ranks runs over shm, tcp or inproc, not {unfit}")
+        reachable = [address for address in self._addresses if address in welcomes and address not in failures]
+        wants = {address: welcomes[address].wants for address in reachable}
+        groups, refused = cuts(specs, wants)
+        failures |= refused
+        self._whole = sent_whole(specs, {a: w for a, w in wants.items() if a not in refused})
+        if self._whole and self._whole != self._said_whole:
+            self._said_whole = self._whole
+            log.warning("these tensors are sent whole, their receivers' loaders could not be traced: %s", self._whole)
+        if layout is None and all(all(s.region is None for s in group_specs) for _, group_specs in groups):
+            return None
+        if layout is None and len(groups) > 1 and getattr(source, "holds_tensors", False) is not True:
+            _say_walked_once()
+            return None
+        layout = layout or SourceLayout.whole(len(specs))
+        deliveries = []
+        for addresses, group_specs in groups:
+            plan, identity = self._cut_plan(group_specs, layout, bucket_bytes)
+            own = len(groups) > 1
+            deliveries.append(
+                Delivery("full", plan, [], source, addresses, layout=layout, identity=identity, own_plane=own)
+            )
+        return deliveries
+
+    def _with_content(self, deliveries: list[Delivery], source: WeightSource, verify: Verify) -> list[Delivery]:
+        """A verified sharded push from one sender: the whole version's content digest, hashed
+        from the whole tensors it holds (no receiver gets them whole to hash); from several
+        senders, none (no process holds a whole tensor)."""
+        layout = deliveries[0].layout
+        if verify == "off" or layout is None or layout.world > 1:
+            return deliveries
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
+        content = self._hasher.submit(source_digest, source, self.options.cast)
+        return [dataclasses.replace(delivery, content=content) for delivery in deliveries]
+
+    def _cut_plan(self, specs: list[TensorSpec], layout: SourceLayout, bucket_bytes: int) -> tuple[Plan, str]:
+        """`regions.part_plan` and its id, the same as last time for the same arguments."""
+        key = (tuple(specs), layout.world, layout.rows, bucket_bytes)
+        found = self._cut_plans.get(key)
+        if found is None:
+            plan = part_plan(specs, layout, bucket_bytes)
+            found = self._cut_plans[key] = (plan, plan_id(plan))
+            while len(self._cut_plans) > MAX_CUT_PLANS:
+                self._cut_plans.pop(next(iter(self._cut_plans)))
+        return found
+
+    def _deliver_side_by_side(
+        self,
+        deliveries: list[Delivery],
+        version: int,
+        verify: Verify,
+        ends: float | None,
+        welcomes: Mapping[str, Welcome],
+        failures: Failures,
+    ) -> list[tuple[dict[str, Committed], Failures, str]]:
+        """`_deliver` each of `deliveries` on a thread of its own (each through its own data
+        plane); the first error any raised, once every one ended."""
+        with ThreadPoolExecutor(len(deliveries), thread_name_prefix="weightsync-delivery") as pool:
+            running = [
+                pool.submit(self._deliver, delivery, version, verify, ends, welcomes, failures, None)
+                for delivery in deliveries
+            ]
+            errors = [future.exception() for future in running]
+        for error in errors:
+            if error is not None:
+                raise error
+        return [future.result() for future in running]
 
     def _turn_away(self, version: int, failures: Failures, adapter: Adapter | None) -> None:
         """Receivers connected and failed before any offer (a bucket size they cannot afford):
@@ -402,6 +574,9 @@ class WeightSender:
         """Close connections and release transfer buffers (shared-memory rings)."""
         for route in self._routes:
             route.close()
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
+            self._hasher = None
 
     def __enter__(self) -> WeightSender:
         return self
@@ -470,7 +645,7 @@ def _commit_message(
 def _outcome(
     address: str, failures: Failures, reply: Committed | None, delivery: Delivery | None, changed_fraction: float
 ) -> ReceiverOutcome:
-    mode, wire_bytes = (delivery.mode, delivery.plan.total_bytes) if delivery is not None else ("full", 0)
+    mode, wire_bytes = (delivery.mode, delivery.sent_bytes) if delivery is not None else ("full", 0)
     error: WeightSyncError | None = failures.get(address)
     if error is None and reply is not None:
         return ReceiverOutcome(
@@ -481,6 +656,22 @@ def _outcome(
     kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
     return ReceiverOutcome(
         address, False, kind, str(error), mode=mode, wire_bytes=wire_bytes, changed_fraction=changed_fraction
+    )
+
+
+MAX_CUT_PLANS = 16
+"""Sharded plans a sender keeps (one per distinct group of receivers and bucket size)."""
+
+
+def _say_walked_once() -> None:
+    """Receivers keep different boxes, and the source may be walked only once (its tensors are
+    made on demand): every receiver is sent whole tensors. Said once per process."""
+    if "walked once" in _SAID_WHOLE:
+        return
+    _SAID_WHOLE.add("walked once")
+    log.warning(
+        "receivers keep different boxes of the tensors, and the source makes its tensors on demand: "
+        "every receiver is sent whole tensors (a sharded source, or one that holds its tensors, is cut per receiver)"
     )
 
 

@@ -15,8 +15,9 @@ import torch
 
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, PlanError, SinkError, WeightSyncError
-from weightsync.messages import Adapter, Plan
+from weightsync.messages import Adapter, Plan, Want
 from weightsync.plan import tensor_nbytes
+from weightsync.regions import region_view, whole_shape
 
 __all__ = [
     "CallableSink",
@@ -79,8 +80,17 @@ class WeightSink:
         """Check the plan against the engine; raise PlanError to refuse it."""
 
     def destination(self, name: str) -> torch.Tensor | None:
-        """The live tensor `name` should be written into, or None to receive it via `load`."""
+        """The live tensor `name` should be written into, or None to receive it via `load`. For
+        a tensor the sink keeps a box of (`wants`), the whole tensor (its box is written) or a
+        tensor of the box's shape."""
         return None
+
+    def wants(self) -> tuple[Want, ...]:
+        """The box of each tensor this sink keeps, where it keeps less than whole tensors (an
+        engine's tensor-parallel worker): each sync then carries only those boxes (a `TensorSpec`
+        with a `region`), and `load` gets tensors of the box's shape. A tensor it does not name
+        comes whole; () (the default): every tensor whole."""
+        return ()
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Take complete tensors. With `traits.borrows` (the default) they are read-only views into
@@ -123,6 +133,9 @@ class WrappingSink(WeightSink):
 
     def destination(self, name: str) -> torch.Tensor | None:
         return self.inner.destination(name)
+
+    def wants(self) -> tuple[Want, ...]:
+        return self.inner.wants()
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         self.inner.load(named_tensors)
@@ -205,6 +218,9 @@ class StagedSink(WeightSink):
     def destination(self, name: str) -> torch.Tensor | None:
         return self._standby[name]
 
+    def wants(self) -> tuple[Want, ...]:
+        return self.inner.wants()
+
     def commit(self, version: int) -> None:
         if self._plan is None:
             raise SinkError(f"commit of version {version} without a sync begun")
@@ -217,7 +233,8 @@ class StagedSink(WeightSink):
             tensor = self._standby[spec.name]
             dest = self.inner.destination(spec.name)
             if dest is not None:
-                dest.copy_(tensor)
+                whole = tuple(dest.shape) == whole_shape(spec)
+                (region_view(dest, spec) if whole else dest).copy_(tensor)
                 continue
             batch.append((spec.name, tensor))
             size += tensor_nbytes(spec)
@@ -253,11 +270,10 @@ def check_against(
             kinds.add(None)
             continue
         expected = str(target.dtype).removeprefix("torch.")
-        if tuple(target.shape) != spec.shape or target.dtype != dtype_from_name(spec.dtype):
-            problems.append(
-                f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {expected}{list(target.shape)}"
-            )
-            kinds.add((spec.dtype, expected) if tuple(target.shape) == spec.shape else None)
+        shape = whole_shape(spec)
+        if tuple(target.shape) != shape or target.dtype != dtype_from_name(spec.dtype):
+            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(shape)}, expected {expected}{list(target.shape)}")
+            kinds.add((spec.dtype, expected) if tuple(target.shape) == shape else None)
     planned = {spec.name for spec in plan.tensors}
     missing = [repr(name) for name in sorted(set(tensors) - planned)] if strict else []
     missing += [" / ".join(repr(name) for name in group) for group in groups if not planned.intersection(group)]

@@ -15,7 +15,16 @@ import torch
 
 from weightsync.errors import ConfigError
 
-__all__ = ["StateDictSource", "TensorMeta", "WeightSource", "as_source", "held_tensors"]
+__all__ = [
+    "ShardedSource",
+    "SourceLayout",
+    "StateDictSource",
+    "TensorMeta",
+    "WeightSource",
+    "as_source",
+    "chunk_rows",
+    "held_tensors",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +56,70 @@ class WeightSource(Protocol):
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The tensors, one at a time, in `metas()` order."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SourceLayout:
+    """Which rows of each tensor each of the `world` trainer ranks holds, the same on every rank
+    but for `rank`.
+
+    Attributes:
+        rank: this sender's rank (the part of every plan it carries).
+        world: how many ranks send (the parts of every plan).
+        rows: per tensor, in source order: the row boundaries (`world + 1` of them: rank r holds
+            rows [rows[r], rows[r + 1]) of dimension 0), or None where every rank holds the whole
+            tensor and rank `index % world` sends it.
+    """
+
+    rank: int
+    world: int
+    rows: tuple[tuple[int, ...] | None, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ConfigError(f"rank {self.rank} of a world of {self.world}")
+        for bounds in self.rows:
+            if bounds is not None and (len(bounds) != self.world + 1 or list(bounds) != sorted(bounds)):
+                raise ConfigError(f"row boundaries {bounds} do not split a tensor over {self.world} ranks")
+
+    @classmethod
+    def whole(cls, num_tensors: int) -> SourceLayout:
+        """One sender holding every tensor whole."""
+        return cls(0, 1, (None,) * num_tensors)
+
+    def owner(self, tensor: int) -> int:
+        """The rank that sends tensor `tensor` where every rank holds it whole."""
+        return tensor % self.world
+
+
+def chunk_rows(num_rows: int, world: int) -> tuple[int, ...]:
+    """The row boundaries of `num_rows` rows chunked over `world` ranks as `torch.chunk` cuts them
+    (FSDP2's `Shard(0)`): ceil(rows / world) each, the last ones shorter or empty."""
+    size = -(-num_rows // world) if world else 0
+    return tuple(min(rank * size, num_rows) for rank in range(world + 1))
+
+
+@runtime_checkable
+class ShardedSource(WeightSource, Protocol):
+    """A source whose ranks each push what they hold (sharded sync: every rank has a sender).
+
+    `metas()` describes the whole tensors on every rank, and `tensors()` still yields them whole
+    (gathered); a push uses the two below instead, and no rank gathers a tensor it can send in
+    part.
+    """
+
+    def layout(self) -> SourceLayout | None:
+        """Which rows of each tensor each rank holds, or None when the source is not sharded (one
+        rank pushes it whole). Called once per push, by every rank at the same point: it may
+        gather (a collective) what cannot be sent in part."""
+        ...
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor in `metas()` order as this rank holds it: its rows of a tensor split by
+        rows, the whole tensor where every rank holds it (or this rank sends what `layout`
+        gathered). Runs no collective, and may be walked several times per push, from several
+        threads at once."""
         ...
 
 

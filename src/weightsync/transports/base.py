@@ -231,6 +231,9 @@ class TransportSpec:
     largest_auto_bucket_bytes: int = 64 << 20
     """The most an "auto" bucket size grows to for this transport's receivers (still within
     the memory budget split over the slots): 64 MiB, beyond which a copy is no faster."""
+    takes_parts: bool = False
+    """Whether it carries the plans of a sharded sync with several senders (`Plan.parts`): its
+    planes count buckets per sync, not from 0 (shm, tcp, inproc)."""
     check: Callable[[str], None] = lambda role: None
     """Raises ConfigError when this process cannot use the transport as `role` ("sender" or
     "receiver"): no CUDA for cudaipc."""

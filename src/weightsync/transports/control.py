@@ -127,6 +127,10 @@ class SenderChannel:
         """The credit window: the last bucket of this sync each receiver acked (`BucketDone`)."""
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
+        self._old_pools: list[ThreadPoolExecutor] = []
+        """Pools outgrown while another delivery may still use them (a sharded push's
+        deliveries share this channel from several threads): shut down on close."""
+        self._pool_lock = threading.Lock()
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
 
     def link(self, address: str) -> Link:
@@ -331,17 +335,20 @@ class SenderChannel:
     def close(self) -> None:
         for address in list(self._links):
             self.drop(address)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool, self._pool_size = None, 0
+        with self._pool_lock:
+            pools = [*self._old_pools, *([self._pool] if self._pool is not None else [])]
+            self._pool, self._pool_size, self._old_pools = None, 0, []
+        for pool in pools:
+            pool.shutdown(wait=True)
 
     def _executor(self, size: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_size < size:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(size, thread_name_prefix=f"weightsync-{self.scheme}-send")
-            self._pool_size = size
-        return self._pool
+        with self._pool_lock:
+            if self._pool is None or self._pool_size < size:
+                if self._pool is not None:
+                    self._old_pools.append(self._pool)
+                self._pool = ThreadPoolExecutor(size, thread_name_prefix=f"weightsync-{self.scheme}-send")
+                self._pool_size = size
+            return self._pool
 
 
 # --- the receiver's reads -----------------------------------------------------------------------

@@ -13,12 +13,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
+
 from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError
 from weightsync.landing import IN_PLACE, Landing
-from weightsync.messages import BucketDone, BucketReady
+from weightsync.messages import BucketDone, BucketReady, Piece, Plan
 from weightsync.pack import BucketItem, write_piece
-from weightsync.transports.base import Failures, Link, ReceivePlane, SendPlane, TransportSpec
+from weightsync.transports.base import Channel, Failures, Link, PlaneOptions, ReceivePlane, SendPlane, TransportSpec
 from weightsync.transports.control import expect_on
 from weightsync.transports.links import queue_link
 
@@ -31,11 +33,22 @@ IN_FLIGHT = 2
 class DirectSendPlane(SendPlane):
     """Hands each bucket's items to every receiver; waits for the one `IN_FLIGHT` before."""
 
+    def __init__(self, channel: Channel, options: PlaneOptions) -> None:
+        super().__init__(channel, options)
+        self._sent: list[int] = []
+        """The buckets this sync sent (a part of a sharded plan starts past 0)."""
+
+    def prepare(self, plan: Plan, live: Sequence[str], held: Sequence[torch.Tensor] = ()) -> Failures:
+        self._sent = []
+        return {}
+
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
         deadline = time.monotonic() + self.options.timeout
+        after = self._sent[-IN_FLIGHT] if len(self._sent) >= IN_FLIGHT else -1
+        self._sent.append(index)
 
         def hand_over(address: str, link: Link) -> None:
-            self.channel.wait_acked(address, index - IN_FLIGHT, deadline)
+            self.channel.wait_acked(address, after, deadline)
             queue_link(link).hand_over(index, items)
             link.send(BucketReady(index), self.options.timeout)
 
@@ -51,18 +64,19 @@ class DirectReceivePlane(ReceivePlane):
         items = link.take_over(index)
         if items is None:
             raise ProtocolError(f"bucket {index} was announced but not handed over", transport="inproc", bucket=index)
-        for item in items:
-            _land(landing, item)
+        for piece, item in zip(landing.plan.buckets[index], items, strict=True):
+            _land(landing, piece, item)
         landing.finish_bucket(index)
         link.send(BucketDone(index), self.options.timeout)
 
 
-def _land(landing: Landing, item: BucketItem) -> None:
-    piece = item.piece
-    if landing.routes[piece.tensor] in IN_PLACE:
+def _land(landing: Landing, piece: Piece, item: BucketItem) -> None:
+    """Land `piece` of the plan from `item` (the same piece, cut from the sender's tensor: of a
+    sharded plan, its offset is in the part of the tensor that sender holds)."""
+    if landing.routes[piece.tensor] in IN_PLACE or landing.plan.parts:
         target = landing.target(piece)
         assert target is not None
-        write_piece(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes, target)
+        write_piece(item.tensor, item.wire_dtype, item.piece.tensor_offset, piece.nbytes, target)
     elif piece.tensor_offset == 0:
         # the whole tensor, adopted as it is (no copy): its later pieces, if any, are in it already
         landing.adopt(piece.tensor, item.tensor.detach().to(item.wire_dtype))
@@ -75,4 +89,5 @@ SPEC = TransportSpec(
     receive_plane=DirectReceivePlane,
     across_processes=False,
     has_wire=False,
+    takes_parts=True,
 )

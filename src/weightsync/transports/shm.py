@@ -263,4 +263,5 @@ SPEC = TransportSpec(
     send_plane=lambda channel, options: RingSendPlane(channel, options, ShmRing, stages=True),
     receive_plane=lambda link, options: RingReceivePlane(link, options, open_ring),
     messages=(Ring, Staged),
+    takes_parts=True,
 )

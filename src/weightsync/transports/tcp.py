@@ -203,4 +203,5 @@ SPEC = TransportSpec(
     send_plane=SocketSendPlane,
     receive_plane=SocketReceivePlane,
     messages=(BucketData,),
+    takes_parts=True,
 )

@@ -9,6 +9,10 @@
   (`cpu_experts_to_prepack`, `prepack_cpu_experts`).
 - LoRA adapters held in memory (`LoraMemory`, `serve_loras_from_memory`, `serve_lora`): vLLM
   loads an adapter only from a path, and drops every adapter after a base-weight update.
+- The model's layers in checkpoint format on the meta device, for a dry run of its loaders
+  (`checkpoint_format_on_meta`): what a sharded sync's worker keeps of each tensor.
+- The module behind the trainer's `vllm...base.ModuleSource` (`module_of`), so that weightsync
+  reads it in place (and shards it) rather than through vLLM's gathering iteration.
 
 vLLM labels every batch of outputs with the engine's weight version and records, per request,
 where each version's tokens start (`RequestState.weight_version_starts` in
@@ -24,6 +28,8 @@ points (build_app, init_app_state, AsyncLLM, the weight-transfer registries and 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,6 +38,8 @@ from weightsync.errors import ConfigError
 
 __all__ = [
     "MEMORY_SCHEME",
+    "checkpoint_format_on_meta",
+    "module_of",
     "LoraMemory",
     "ReloadBuffers",
     "TESTED_VLLM",
@@ -134,6 +142,59 @@ def prepack_cpu_experts(layers: list[tuple[torch.nn.Module, Any]]) -> None:
     """
     for module, experts in layers:
         experts.process_weights_after_loading(module)
+
+
+def module_of(source: Any) -> torch.nn.Module | None:
+    """The module a trainer's vLLM `ModuleSource` iterates (its `_module`), or None for any
+    other source."""
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    if type(source) is not ModuleSource:
+        return None
+    module = getattr(source, "_module", None)
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"vLLM's ModuleSource keeps its module elsewhere now; see {__name__}")
+    return module
+
+
+@contextlib.contextmanager
+def checkpoint_format_on_meta(model: torch.nn.Module) -> Iterator[None]:
+    """Inside: every layer of `model` in checkpoint format with its tensors on the meta device
+    (no memory), as vLLM's layerwise reload restores them before it loads (from the metadata vLLM
+    records when it builds the model), with the original weight loaders, unwrapped; a loader run
+    inside writes nothing. After: every layer's live tensors put back as they were.
+
+    Call it outside a weight update (the worker's own reload keeps them elsewhere then)."""
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+    from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers, get_layer_tensors
+
+    saved = [
+        (layer, *get_layer_params_buffers(layer), set(layer._non_persistent_buffers_set)) for layer in model.modules()
+    ]
+    wrapped: list[tuple[torch.Tensor, Any]] = []
+    """Restored tensors whose loader a past reload left wrapped in vLLM's online processing
+    (which would only buffer the call), with that loader: unwrapped inside, put back after."""
+    try:
+        for layer, *_ in saved:
+            restore_layer_on_meta(layer, get_layerwise_info(layer))
+            for tensor in get_layer_tensors(layer).values():
+                loader = getattr(tensor, "weight_loader", None)
+                if getattr(loader, "__name__", "") == "online_process_loader":
+                    wrapped.append((tensor, loader))
+                    tensor.weight_loader = _get_original_loader(tensor)
+        yield
+    finally:
+        for tensor, loader in wrapped:
+            tensor.weight_loader = loader  # type: ignore[attr-defined]
+        for layer, parameters, buffers, non_persistent in saved:
+            for name in get_layer_tensors(layer):
+                delattr(layer, name)
+            for name, parameter in parameters.items():
+                layer.register_parameter(name, parameter)
+            for name, buffer in buffers.items():
+                layer.register_buffer(name, buffer, persistent=name not in non_persistent)
+            layer._non_persistent_buffers_set = non_persistent
 
 
 class ReloadBuffers:

@@ -8,6 +8,14 @@ before any byte moves:
 
     checkpoint_layout        name -> (shape, dtype) of every tensor, and which names are tied
     check_plan_layout        PlanError naming every way a plan disagrees; else each tensor's feed name
+    kept_boxes               the box of each tensor this worker's loaders keep (sharded sync)
+
+A tensor-parallel worker keeps a box of most tensors (rows of q/k/v, gate/up and the
+embeddings, columns of o and down, a slice of every expert, the whole of a replicated one).
+`kept_boxes` finds them by running the model's own `load_weights` once on tensors without
+storage (`weightsync.reads`), with its layers in checkpoint format on the meta device; the
+trainer is then sent only those boxes, and the worker hands each to the loader inside a tensor
+of the checkpoint's shape (`padded`), whose elements outside the box the loader never reads.
 """
 
 from __future__ import annotations
@@ -18,12 +26,16 @@ from pathlib import Path
 import torch
 
 from weightsync.dtypes import dtype_from_name
+from weightsync.errors import PlanError
 from weightsync.hf_checkpoint import checkpoint_metas
-from weightsync.messages import Plan
+from weightsync.integrations.vllm.internals import checkpoint_format_on_meta
+from weightsync.messages import Plan, TensorSpec, Want
+from weightsync.reads import loader_reads
+from weightsync.regions import region_view, whole_shape
 from weightsync.sink import mismatch
 from weightsync.source import TensorMeta
 
-__all__ = ["CheckpointLayout", "check_plan_layout", "checkpoint_layout"]
+__all__ = ["CheckpointLayout", "check_plan_layout", "checkpoint_layout", "check_boxes", "kept_boxes", "padded"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,10 +101,11 @@ def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | N
             kinds.add(None)
             continue
         shape, dtype = expected
-        if spec.shape != shape or dtype_from_name(spec.dtype) != dtype:
+        whole = whole_shape(spec)
+        if whole != shape or dtype_from_name(spec.dtype) != dtype:
             held = str(dtype).removeprefix("torch.")
-            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(spec.shape)}, expected {held}{list(shape)}")
-            kinds.add((spec.dtype, held) if spec.shape == shape else None)
+            problems.append(f"{spec.name!r}: sent {spec.dtype}{list(whole)}, expected {held}{list(shape)}")
+            kinds.add((spec.dtype, held) if whole == shape else None)
     sent = {spec.name for spec in plan.tensors}
     if len(sent) != len(plan.tensors):
         problems.append("plan names a tensor twice")
@@ -115,6 +128,42 @@ def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | N
     if problems:
         raise mismatch(problems, kinds, "the model's checkpoint layout")
     return feed
+
+
+def kept_boxes(model: torch.nn.Module, layout: CheckpointLayout) -> tuple[Want, ...]:
+    """The box of each checkpoint tensor that this worker's loaders keep (the module docstring),
+    named under every name of a tied group; a tensor they cannot be traced for is not named (a
+    sync sends it whole)."""
+    aliases = {group[0]: group for group in layout.ties}
+    skipped = {name for group in layout.ties for name in group[1:]}
+    metas = [TensorMeta(name, shape, dtype) for name, (shape, dtype) in layout.tensors.items() if name not in skipped]
+    with checkpoint_format_on_meta(model):
+        reads = loader_reads(lambda name, tensor: model.load_weights([(name, tensor)]), metas)  # type: ignore[operator]
+    return tuple(
+        Want(alias, *box) for name, box in reads.items() if box is not None for alias in aliases.get(name, (name,))
+    )
+
+
+def check_boxes(plan: Plan, kept: tuple[Want, ...]) -> None:
+    """Raise PlanError when a box `plan` carries is not the one this worker keeps of its tensor."""
+    boxes = {want.name: (want.start, want.stop) for want in kept}
+    for spec in plan.tensors:
+        if spec.region is None:
+            continue  # sent whole: the loader cuts what it keeps
+        start = spec.region.start
+        stop = tuple(first + extent for first, extent in zip(start, spec.shape, strict=True))
+        if boxes.get(spec.name) != (start, stop):
+            raise PlanError(f"{spec.name!r}: sent the box {start}..{stop}, this worker keeps {boxes.get(spec.name)}")
+
+
+def padded(spec: TensorSpec, box: torch.Tensor) -> torch.Tensor:
+    """`box` (what a sync carried of `spec`'s tensor) inside a tensor of the whole tensor's shape,
+    whose other elements are left unset: the worker's loader reads only the box (`kept_boxes`)."""
+    if spec.region is None:
+        return box
+    whole = torch.empty(spec.region.whole, dtype=box.dtype)
+    region_view(whole, spec).copy_(box)
+    return whole
 
 
 def _numel(shape: tuple[int, ...]) -> int:

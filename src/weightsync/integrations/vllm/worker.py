@@ -12,9 +12,15 @@ weight-update lifecycle::
     update_weights({"version"})  land that sync: every tensor the trainer pushes goes through
                                  the model's own `load_weights` on this thread (each rank's
                                  loader slices its own shard), as the buckets arrive, straight
-                                 from the transport's buffer
+                                 from the transport's buffer; the box of a tensor this worker
+                                 keeps (below) inside a tensor of the checkpoint's shape
     finish_weight_update()       vLLM's layerwise reload ends (post-processing, repacking)
     shutdown()                   close the receiver
+
+Sharded sync: when it starts, each worker finds the box of every checkpoint tensor its loaders
+keep (`layout.kept_boxes`: a dry run of `load_weights` on tensors without storage) and its
+receiver names them to every sender (`Welcome.wants`), so a tensor-parallel worker is sent only
+its boxes, by every trainer rank that holds some of them.
 
 A push that arrives outside a start/finish window is refused before any byte moves, and so is a
 plan that does not match the model's checkpoint (a name twice, a name missing, a wrong shape or
@@ -62,13 +68,16 @@ from weightsync.integrations.vllm.internals import (
 )
 from weightsync.integrations.vllm.layout import (
     CheckpointLayout,
+    check_boxes,
     check_plan_layout,
     checkpoint_layout,
+    kept_boxes,
+    padded,
 )
 from weightsync.integrations.vllm.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.lora import Adapter, check_lora
-from weightsync.messages import Plan
+from weightsync.messages import Plan, TensorSpec, Want
 from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
 from weightsync.receiver import WeightReceiver
 from weightsync.serving.doorbell import ring
@@ -134,19 +143,35 @@ class _WindowSink(StreamSink):
     (or commit), by when the server opened the window (`ControlledSink`, `StagedSink`).
     """
 
-    def __init__(self, layout: CheckpointLayout, *, timeout: float, deferred: bool = False) -> None:
+    def __init__(
+        self, layout: CheckpointLayout, *, timeout: float, deferred: bool = False, kept: tuple[Want, ...] = ()
+    ) -> None:
         super().__init__(timeout=timeout)
         self.layout = layout
+        self.kept = kept
+        """The box of each tensor this worker's loaders keep (`kept_boxes`)."""
         self.deferred = deferred
         self.open = False
         """True between vLLM's start_weight_update and the end of its update."""
         self.feed: dict[str, str | None] = {}
         """The name each planned tensor is loaded under (None: a tied duplicate, not loaded)."""
+        self.specs: dict[str, TensorSpec] = {}
+        """Each planned tensor as it travels (a box of it, for a tensor this worker keeps a box of)."""
         self._pending: tuple[Plan, int] | None = None
+
+    def wants(self) -> tuple[Want, ...]:
+        return self.kept
+
+    def loads(self, batch: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """What vLLM's loader is handed for `batch`: each tensor under the name it is fed, a
+        box inside a tensor of the checkpoint's shape; tied duplicates left out."""
+        return [(fed, padded(self.specs[name], tensor)) for name, tensor in batch if (fed := self.feed[name])]
 
     def begin(self, plan: Plan, version: int) -> None:
         self._pending = None
         feed = check_plan_layout(plan, self.layout)
+        check_boxes(plan, self.kept)
+        self.specs = {spec.name: spec for spec in plan.tensors}
         if not self.deferred:
             self._require_open(version)
         self.feed = feed
@@ -271,7 +296,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         options = dataclasses.replace(options, port=options.port + rank if options.port else 0)
         layout = checkpoint_layout(self.model_config.model, self.model_config.dtype)
         served = bool(init_info.bell)
-        self._sink = _WindowSink(layout, timeout=options.timeout, deferred=served)
+        self._sink = _WindowSink(layout, timeout=options.timeout, deferred=served, kept=self._kept(layout))
         sink: WeightSink = self._sink
         if served:
             inner = StagedSink(self._sink) if init_info.staged else self._sink
@@ -298,6 +323,20 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
             self.shutdown()
             raise
         log.info("weightsync receiver of worker %d at %s", me.rank, me.address)
+
+    def _kept(self, layout: CheckpointLayout) -> tuple[Want, ...]:
+        """The box of each tensor this worker keeps (`kept_boxes`); none (every tensor whole)
+        where the dry run fails."""
+        try:
+            kept = kept_boxes(self.model, layout)
+        except Exception as exc:  # a model whose loaders cannot be dry-run: sent whole, as before
+            log.warning(
+                "this worker takes whole tensors: its loaders could not be dry-run (%s: %s)", type(exc).__name__, exc
+            )
+            return ()
+        whole = len(layout.tensors) - len(kept)
+        log.info("this worker keeps a box of %d checkpoint tensors; %d are sent whole", len(kept), whole)
+        return kept
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -327,7 +366,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
             buffers, copied = ReloadBuffers(self.model), 0
             with sink.stream(version=update_info.version) as stream:
                 for batch in stream.batches():
-                    self.model.load_weights([(fed, tensor) for name, tensor in batch if (fed := sink.feed[name])])
+                    self.model.load_weights(sink.loads(batch))
                     copied += buffers.own(batch)  # the receiver reuses the batch's memory next
             log.info("version %d landed; %d bytes of layers spanning buckets copied", update_info.version, copied)
         except Exception as exc:

@@ -1,0 +1,142 @@
+"""An FSDP2 trainer whose ranks push: run by torchrun, for bench_sharded.py and the tests.
+
+    python -m torch.distributed.run --nproc-per-node 2 -m weightsync_bench.fsdp_ranks \\
+        --model DIR --out DIR (--vllm URL | --to ADDRESS ...) [--mode sharded|full] [--versions N]
+
+Each rank loads the checkpoint at DIR (the same weights on every rank) and shards it with FSDP2
+(`init_device_mesh("cpu", (world,))`, `fully_shard` per decoder layer then the model, gloo).
+Then it pushes `--versions` times:
+
+- `--mode sharded`: every rank pushes the rows it holds. `--vllm`: every rank calls vLLM's
+  trainer API (`trainer_init`, `send_weights`) with `WeightsyncTrainerInitInfo(sharded=True)`;
+  `--to`: every rank has a `WeightSender` of its own.
+- `--mode full`: today's push, for comparison: every rank gathers each tensor whole
+  (`full_tensor()`), rank 0 sends whole tensors and the other ranks walk the source in step.
+
+A dense model goes as its parameters (vLLM's own `ModuleSource` with `--vllm-source`, else
+weightsync's), a mixture-of-experts one in its checkpoint's names (`HFCheckpointSource`).
+Rank r writes OUT/rank{r}.json: per push, whether it committed, its seconds, the bytes each
+worker was sent by this rank, the tensors sent whole, and how much this process's peak RSS grew
+during it (`PeakRss`); and the bytes of the shard this rank holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from weightsync_bench.measure import PeakRss
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--vllm", default="")
+    parser.add_argument("--to", nargs="*", default=[])
+    parser.add_argument("--mode", choices=["sharded", "full"], default="sharded")
+    parser.add_argument("--transport", default="shm")
+    parser.add_argument("--versions", type=int, default=1)
+    parser.add_argument("--first-version", type=int, default=1)
+    parser.add_argument("--bucket-bytes", type=int, default=96 << 10)
+    parser.add_argument("--vllm-source", action="store_true", help="vLLM's own ModuleSource (dense)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = sharded_model(args.model)
+    source = trainer_source(model, sharded=args.mode == "sharded", vllm_source=args.vllm_source)
+    pushes = push_to_vllm(args, source) if args.vllm else push_to(args, source)
+    shard = sum(p.to_local().nbytes for p in model.parameters())  # type: ignore[attr-defined]
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"pushes": pushes, "shard_bytes": shard}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def sharded_model(path: str) -> torch.nn.Module:
+    """The checkpoint at `path`, sharded by FSDP2 over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = AutoModelForCausalLM.from_pretrained(path)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def trainer_source(model: Any, *, sharded: bool, vllm_source: bool) -> Any:
+    from weightsync import HFCheckpointSource, ModuleSource
+
+    if getattr(model.config, "num_experts", 0):
+        return HFCheckpointSource(model, sharded=sharded)
+    if vllm_source:
+        from vllm.distributed.weight_transfer.base import ModuleSource as VLLMModuleSource
+
+        return VLLMModuleSource(model)
+    return ModuleSource(model, sharded=sharded)
+
+
+def measured(push: Any) -> dict[str, Any]:
+    """One push, timed, with this process's peak RSS growth over it."""
+    peak = PeakRss()
+    peak.start()
+    started = time.perf_counter()
+    report = push()
+    seconds = time.perf_counter() - started
+    added = peak.stop()
+    if report is None:  # a rank that only walks the source (a full push's other ranks)
+        return {"ok": True, "seconds": seconds, "peak_rss_added": added, "wire_bytes": {}, "whole_tensors": []}
+    return {
+        "ok": report.ok,
+        "seconds": seconds,
+        "peak_rss_added": added,
+        "summary": report.summary(),
+        "wire_bytes": {outcome.address: outcome.wire_bytes for outcome in report.outcomes},
+        "whole_tensors": list(report.whole_tensors),
+    }
+
+
+def push_to(args: argparse.Namespace, source: Any) -> list[dict[str, Any]]:
+    from weightsync import WeightSender
+
+    with WeightSender(args.to, timeout=60, bucket_bytes=args.bucket_bytes, verify="bucket") as sender:
+        versions = range(args.first_version, args.first_version + args.versions)
+        return [measured(lambda v=version: sender.push(source, v)) for version in versions]
+
+
+def push_to_vllm(args: argparse.Namespace, source: Any) -> list[dict[str, Any]]:
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightsync import SenderOptions
+    from weightsync.integrations.vllm import VLLMSource, WeightsyncTrainerInitInfo
+    from weightsync.source import WeightSource
+
+    if isinstance(source, WeightSource):
+        source = VLLMSource(source)
+    options = SenderOptions(verify="bucket", timeout=120, bucket_bytes=args.bucket_bytes)
+    sharded = args.mode == "sharded"
+    info = WeightsyncTrainerInitInfo(rank=dist.get_rank(), transport=args.transport, options=options, sharded=sharded)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(args.vllm, timeout=300), source=source
+    )
+    try:
+        versions = range(args.first_version, args.first_version + args.versions)
+        return [measured(lambda v=version: engine.send_weights(version=v)) for version in versions]
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,60 @@
+"""The trainer's ranks agreeing on one sharded push through vLLM's trainer API.
+
+Every rank pushes its own part (weightsync's sharded sync), but only rank 0 talks to vLLM (the
+update window, the version label). The ranks agree over a gloo group of their own, made once
+by every rank in `trainer_init`::
+
+    rank 0                                   every rank
+    rendezvous: the workers' addresses  -->  share(): the same addresses (msgspec JSON bytes)
+    start_weight_update                      settle(ok): did every rank connect? (all or none)
+    wait(): the window is open          -->  push its part
+    update_weights returned?                 settle(ok): did every rank commit and vLLM land it?
+    finish (label) or end the update    -->  wait(): every rank returns, or raises, alike
+
+No pickle: what is shared is bytes in a uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from weightsync.errors import ConfigError
+
+__all__ = ["Ranks"]
+
+
+class Ranks:
+    """The trainer's ranks (torch.distributed's default group must be up on every rank).
+
+    Raises:
+        ConfigError: torch.distributed is not initialised.
+    """
+
+    def __init__(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("a sharded push through vLLM's trainer API needs torch.distributed initialised")
+        self.group = dist.new_group(backend="gloo")
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+
+    def share(self, data: bytes) -> bytes:
+        """Rank 0's `data`, on every rank (the others pass anything)."""
+        size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
+        dist.broadcast(size, src=0, group=self.group)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else None
+        if buffer is None:
+            buffer = torch.empty(int(size.item()), dtype=torch.uint8)
+        if buffer.numel():
+            dist.broadcast(buffer, src=0, group=self.group)
+        return buffer.numpy().tobytes()
+
+    def settle(self, ok: bool) -> bool:
+        """Whether every rank says `ok`."""
+        vote = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(vote.item())
+
+    def wait(self) -> None:
+        """Until every rank got here."""
+        dist.barrier(group=self.group)

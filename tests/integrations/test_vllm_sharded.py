@@ -1,0 +1,140 @@
+"""Sharded sync into stock vLLM at tensor parallel size 2, from a 2-rank FSDP2 trainer.
+
+A real vLLM server (TP=2, dummy weights, the weightsync backend) and a real FSDP2 trainer
+(`torchrun --nproc-per-node 2`, gloo, `fully_shard`: `weightsync_bench.fsdp_ranks`) whose
+every rank calls vLLM's trainer API (`trainer_init`, `send_weights`) with `sharded=True`: each
+rank pushes the rows it holds, and each worker is sent only the boxes its loaders keep. Checked,
+for a dense Qwen2 (tied embeddings, one KV head replicated over both workers, biases) and the
+tiny Qwen3-MoE, over shm and tcp: every rank's round commits and vLLM labels the version; each
+worker receives at most 0.6x the bytes of a full push; what every worker serves equals, tensor by
+tensor (vLLM's per-parameter checksums), what a full push of the same weights gives and what
+vLLM itself loaded from the checkpoint on disk when it started; and so does its greedy output.
+
+Skipped where vLLM is not installed (scripts/install-vllm.sh installs it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.integrations.test_vllm_backend import (  # noqa: E402
+    PROMPTS,
+    Served,
+    _checksums,
+    _engine,
+    _free_port,
+    _greedy,
+    _label,
+    _Listed,
+    _vllm_leftovers,
+    _wait_healthy,
+    doc_server_command,
+)
+from tests.models import save_model  # noqa: E402
+from tests.transports.test_sharded import fsdp_ranks  # noqa: E402
+from weightsync.serving.process import ChildProcess  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+MOST_OF_A_FULL_PUSH = 0.6
+"""What a TP=2 worker may receive, as a fraction of a full push's bytes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FromDisk:
+    """vLLM at TP=2, started on the checkpoint (its own load from disk), with what it served then."""
+
+    served: Served
+    greedy: list[list[int]]
+    checksums: dict[str, str]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"], ids=["qwen2-tp2", "moe-tp2"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[FromDisk]:
+    """Stock vLLM at TP=2 with the weightsync backend, started on the checkpoint's weights."""
+    kind = request.param
+    checkpoint = tmp_path_factory.mktemp(kind)
+    save_model(kind, checkpoint)
+    port = _free_port()
+    env, command = doc_server_command(checkpoint, port)
+    command[command.index("--load-format") + 1] = "auto"
+    command += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+    env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    before = _vllm_leftovers()
+    child = ChildProcess(command, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, child)
+        yield FromDisk(Served(url, kind, checkpoint), [_greedy(url, prompt) for prompt in PROMPTS], _checksums(url))
+    finally:
+        child.close()
+        for path in _vllm_leftovers() - before:
+            path.unlink(missing_ok=True)
+
+
+def _fsdp_push(server: Served, transport: str, out: Path, versions: int = 1) -> list[list[dict[str, object]]]:
+    """Two FSDP2 ranks push the checkpoint through vLLM's trainer API, sharded; each rank's reports."""
+    return fsdp_ranks(["--vllm", server.url, "--vllm-source"], server.checkpoint, transport, out, versions)
+
+
+def _full_push(server: Served, version: int, plus: float = 0.0) -> None:
+    """The checkpoint's tensors (+ `plus`), pushed whole by one trainer rank (a source made on
+    demand: not cut per worker)."""
+    from safetensors.torch import load_file
+
+    tensors = [(name, tensor + plus) for name, tensor in load_file(server.checkpoint / "model.safetensors").items()]
+    engine = _engine(server.url, _Listed(tensors))
+    try:
+        report = engine.send_weights(version=version)
+        assert report is not None and report.ok, report
+        assert all(outcome.wire_bytes == report.total_bytes for outcome in report.outcomes)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_fsdp2_ranks_push_their_shards_into_vllm_tp2(server: FromDisk, transport: str, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    url = server.served.url
+    httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+    try:
+        _full_push(server.served, version=5, plus=1.0)  # other weights: the sharded push must change every parameter
+        reports = _fsdp_push(server.served, transport, tmp_path, versions=2)
+        sharded = _checksums(url)
+        _full_push(server.served, version=10)
+        full = _checksums(url)
+    finally:
+        httpx.post(f"{url}/resume", timeout=30).raise_for_status()
+    assert all(report["ok"] for rank in reports for report in rank), reports
+    assert all(report["whole_tensors"] == [] for rank in reports for report in rank)
+    assert sharded == full, "the sharded push and a full push of the same weights differ"
+    assert sharded == server.checksums, "the sharded push and vLLM's own load from disk differ"
+    assert _label(url) == "10"
+
+    full_bytes = sum(tensor.nbytes for tensor in load_file(server.served.checkpoint / "model.safetensors").values())
+    workers = reports[0][0]["wire_bytes"]
+    assert isinstance(workers, dict) and len(workers) == 2
+    for address in workers:
+        received = sum(rank[0]["wire_bytes"][address] for rank in reports)  # type: ignore[index]
+        assert received <= MOST_OF_A_FULL_PUSH * full_bytes, (address, received, full_bytes)
+
+    httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+    try:
+        _fsdp_push(server.served, transport, tmp_path)  # the sharded push again, then what it serves
+    finally:
+        httpx.post(f"{url}/resume", timeout=30).raise_for_status()
+    assert [_greedy(url, prompt) for prompt in PROMPTS] == server.greedy

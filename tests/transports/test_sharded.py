@@ -1,0 +1,237 @@
+"""Sharded sync through the public API: several senders (the ranks of a trainer, here threads),
+each holding rows of every tensor, push one version into receivers that keep boxes of the
+tensors. Every receiver lands exactly what a full push would have given it, receives only its
+boxes, commits only once every part landed, and a part that fails or never comes aborts the sync
+on every receiver, which keeps what it held."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import assert_bit_exact, random_tensor
+from tests.models import save_model
+from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
+from weightsync.digest import source_digest
+from weightsync.messages import Want
+from weightsync.source import SourceLayout, TensorMeta, chunk_rows
+
+TRANSPORTS = ["inproc", "shm", "tcp"]
+TIMEOUT_S = 10.0
+
+
+class RowShards:
+    """Rank `rank` of `world`: holds `torch.chunk`'s rows of every tensor of two or more
+    dimensions, and every smaller one whole (as FSDP2 shards a model with `Shard(0)`)."""
+
+    def __init__(self, full: dict[str, torch.Tensor], rank: int, world: int, fail_at: str = "") -> None:
+        self.full, self.rank, self.world, self.fail_at = full, rank, world, fail_at
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in self.full.items()]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.full.items())
+
+    def layout(self) -> SourceLayout:
+        rows = tuple(chunk_rows(t.shape[0], self.world) if t.dim() > 1 else None for t in self.full.values())
+        return SourceLayout(self.rank, self.world, rows)
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for (name, tensor), bounds in zip(self.full.items(), self.layout().rows, strict=True):
+            if name == self.fail_at:
+                raise RuntimeError(f"rank {self.rank} lost {name}")
+            yield name, tensor if bounds is None else tensor[bounds[self.rank] : bounds[self.rank + 1]]
+
+
+class Keeps(TensorDictSink):
+    """Destinations of the whole tensors, of which it keeps `wants`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], wants: tuple[Want, ...]) -> None:
+        super().__init__(tensors)
+        self._wants = wants
+
+    def wants(self) -> tuple[Want, ...]:
+        return self._wants
+
+
+class Loads(WeightSink):
+    """A loader keeping `wants`: what it is handed, copied."""
+
+    def __init__(self, wants: tuple[Want, ...]) -> None:
+        self._wants = wants
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    def wants(self) -> tuple[Want, ...]:
+        return self._wants
+
+    def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.loaded.update((name, tensor.clone()) for name, tensor in named_tensors)
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    return {
+        "embed": random_tensor(torch.float32, (9, 8), seed),
+        "q": random_tensor(torch.bfloat16, (8, 8), seed + 1),
+        "norm": random_tensor(torch.float32, (8,), seed + 2),
+        "down": random_tensor(torch.float32, (8, 12), seed + 3),
+        "experts": random_tensor(torch.float16, (4, 6, 8), seed + 4),
+    }
+
+
+WORKER_0 = (Want("embed", (0, 0), (5, 8)), Want("q", (0, 0), (4, 8)), Want("down", (0, 0), (8, 6)))
+WORKER_1 = (
+    Want("embed", (5, 0), (9, 8)),
+    Want("q", (4, 0), (8, 8)),
+    Want("down", (0, 6), (8, 12)),
+    Want("experts", (0, 3, 0), (4, 6, 8)),
+    Want("norm", (0,), (8,)),
+)
+"""Two tensor-parallel workers: rows of embed and q, columns of down; worker 1 also keeps half of
+every expert and the whole norm, and names everything, worker 0 names neither (it is sent them
+whole: its loaders could not be traced for them)."""
+
+
+def box(want: Want) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in zip(want.start, want.stop, strict=True))
+
+
+def push_from_ranks(addresses: list[str], sources: list[object], version: int) -> list[SyncReport]:
+    """Each source pushed by a sender of its own, on a thread of its own (as ranks do); the
+    first error a push raised is raised here, once every push ended."""
+    reports: list[SyncReport | None] = [None] * len(sources)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            with WeightSender(
+                addresses, timeout=TIMEOUT_S, bucket_bytes=256, verify="bucket", raise_on_failure=False
+            ) as s:
+                reports[rank] = s.push(sources[rank], version=version)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(sources))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(4 * TIMEOUT_S)
+    if errors:
+        raise errors[0]
+    assert all(report is not None for report in reports)
+    return [report for report in reports if report is not None]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: str, world: int) -> None:
+    full = model()
+    whole = {name: torch.zeros_like(t) for name, t in full.items()}
+    kept = {name: torch.zeros_like(t) for name, t in full.items()}
+    loader = Loads(WORKER_1)
+    receivers = [
+        WeightReceiver(whole, transport, timeout=TIMEOUT_S),
+        WeightReceiver(Keeps(kept, WORKER_0), transport, timeout=TIMEOUT_S),
+        WeightReceiver(loader, transport, timeout=TIMEOUT_S),
+    ]
+    with receivers[0].start(), receivers[1].start(), receivers[2].start():
+        addresses = [receiver.address for receiver in receivers]
+        reports = push_from_ranks(addresses, [RowShards(full, rank, world) for rank in range(world)], 1)
+        assert all(report.ok for report in reports), [report.summary() for report in reports]
+        assert all(receiver.version == 1 and receiver.state == "ready" for receiver in receivers)
+
+    for name, tensor in full.items():
+        assert_bit_exact(whole[name], tensor, name)
+        want = {w.name: w for w in WORKER_0}.get(name)
+        assert_bit_exact(kept[name][box(want)] if want else kept[name], tensor[box(want)] if want else tensor, name)
+    assert sorted(loader.loaded) == sorted(full)
+    for want in WORKER_1:
+        assert_bit_exact(loader.loaded[want.name], full[want.name][box(want)], want.name)
+
+    digests = {report.content_digest for report in reports}
+    assert digests == ({source_digest(full)} if world == 1 else {""}), "one sender hashes the whole version"
+    assert all(receiver.content_digest == (source_digest(full) if world == 1 else "") for receiver in receivers)
+    received = [sum(report.outcomes[i].wire_bytes for report in reports) for i in range(3)]
+    boxes = [sum(t.nbytes for t in full.values()), 0, sum(t.nbytes for t in loader.loaded.values())]
+    boxes[1] = sum(full[w.name][box(w)].nbytes for w in WORKER_0) + full["norm"].nbytes + full["experts"].nbytes
+    assert received == boxes, "every receiver is sent its boxes, each element once"
+    assert reports[0].whole_tensors == ("experts", "norm"), "worker 0 named neither: sent whole, and said"
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_failed_part_aborts_the_sync_on_every_receiver_and_the_next_push_lands(transport: str) -> None:
+    first, second = model(0), model(10)
+    whole = {name: torch.zeros_like(t) for name, t in first.items()}
+    loader = Loads(WORKER_1)
+    with (
+        WeightReceiver(whole, transport, timeout=TIMEOUT_S) as one,
+        WeightReceiver(loader, transport, timeout=TIMEOUT_S) as two,
+    ):
+        addresses = [one.address, two.address]
+        assert all(r.ok for r in push_from_ranks(addresses, [RowShards(first, rank, 2) for rank in range(2)], 1))
+        failing = [RowShards(second, 0, 2), RowShards(second, 1, 2, fail_at="down")]
+        with pytest.raises(RuntimeError, match="lost down"):
+            push_from_ranks(addresses, failing, 2)
+        # rank 0's rows were written in place into one's live tensors: dirty, no version; two's
+        # loader takes only complete tensors, and kept version 1
+        assert (one.state, one.version, two.state, two.version) == ("dirty", None, "ready", 1)
+        assert "version 2" in one.last_error and "version 2" in two.last_error
+        reports = push_from_ranks(addresses, [RowShards(second, rank, 2) for rank in range(2)], 3)
+        assert all(report.ok for report in reports)
+        assert one.version == 3 and two.version == 3
+    for name, tensor in second.items():
+        assert_bit_exact(whole[name], tensor, name)
+
+
+def test_a_part_that_never_comes_fails_the_sync_within_the_timeout() -> None:
+    full = model()
+    whole = {name: torch.zeros_like(t) for name, t in full.items()}
+    with WeightReceiver(whole, "tcp", timeout=2.0) as receiver:
+        with WeightSender(receiver.address, timeout=TIMEOUT_S, raise_on_failure=False) as sender:
+            report = sender.push(RowShards(full, 0, 2), version=1)
+        assert not report.ok and "parts [1] did not land" in report.outcomes[0].error
+        assert receiver.version is None
+
+
+def fsdp_ranks(
+    target: list[str], model: Path, transport: str, out: Path, versions: int = 1
+) -> list[list[dict[str, Any]]]:
+    """Two FSDP2 ranks (torchrun, gloo: `weightsync_bench.fsdp_ranks`) push the checkpoint at
+    `model` `versions` times, sharded, to `target` (`["--to", ADDRESS]`, `["--vllm", URL]`);
+    each rank's pushes, as it reported them."""
+    command = [*(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m")]
+    command += ["weightsync_bench.fsdp_ranks", "--model", str(model), "--out", str(out)]
+    command += ["--transport", transport, "--versions", str(versions), *target]
+    subprocess.run(command, check=True, timeout=600, cwd=out, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    return [json.loads((out / f"rank{rank}.json").read_text())["pushes"] for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, tmp_path: Path) -> None:
+    """A real FSDP2 trainer (2 ranks, gloo): every rank's `WeightSender` pushes its rows of a
+    dense model (`ModuleSource(sharded=True)`) or of a mixture of experts in its checkpoint's
+    names (`HFCheckpointSource(sharded=True)`: each expert whole from the rank holding it)."""
+    from safetensors.torch import load_file
+
+    save_model(kind, tmp_path / "model")
+    checkpoint = load_file(tmp_path / "model" / "model.safetensors")
+    landed = {name: torch.zeros_like(tensor) for name, tensor in checkpoint.items()}
+    with WeightReceiver(landed, "tcp", timeout=60) as receiver:
+        ranks = fsdp_ranks(["--to", receiver.address], tmp_path / "model", "tcp", tmp_path)
+        assert receiver.version == 1
+    assert all(push["ok"] for rank in ranks for push in rank)
+    sent = [push["wire_bytes"][receiver.address] for rank in ranks for push in rank]
+    assert sum(sent) == sum(tensor.nbytes for tensor in checkpoint.values()), "every element once"
+    assert all(0 < bytes_ < sum(sent) for bytes_ in sent), "both ranks sent a part"
+    for name, tensor in checkpoint.items():
+        assert_bit_exact(landed[name], tensor, name)
