@@ -134,6 +134,23 @@ def assert_servers_serve_the_adapter(record: dict[str, Any], model: torch.nn.Mod
         assert body["choices"][0]["token_ids"] == expected, (record["step"], server.index)
 
 
+def assert_engines_sample_from_the_trainers_adapter(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> None:
+    """Sampled completions (temperature 1) carry the logprobs the trainer's adapter gives their
+    tokens: the distribution served is the one trained, scale (alpha / rank) included, not only
+    its most likely token."""
+    from weightsync.demo.loop import token_logprobs
+    from weightsync.demo.rollouts import Request
+
+    prompts = [task.encode(task.prompt_text(d)) for d in range(10)]
+    samples = fleet.generate(Request(prompts, 2, task.ANSWER_LENGTH, 1.0, seed=record["step"], adapter=ADAPTER))
+    with torch.no_grad():
+        for sample in samples:
+            assert sample.weight_version == record["weight_version"]
+            ids = torch.tensor([sample.prompt_ids + sample.completion_ids])
+            trainer = token_logprobs(model, ids)[0, len(sample.prompt_ids) - 1 :]
+            torch.testing.assert_close(torch.tensor(sample.logprobs), trainer, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Path, engine: str) -> None:
     config = DemoConfig(
@@ -144,6 +161,7 @@ def test_lora_loop_pushes_only_the_adapter_and_the_servers_serve_it(tmp_path: Pa
 
     def check(record: dict[str, Any], model: torch.nn.Module, fleet: Any) -> None:
         assert_servers_serve_the_adapter(record, model, fleet)
+        assert_engines_sample_from_the_trainers_adapter(record, model, fleet)
         checked.append(trainer_greedy(model))
 
     records = run(config, on_step=check)

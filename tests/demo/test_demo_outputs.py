@@ -68,10 +68,9 @@ def test_a_run_that_changes_nothing_syncs_nothing_but_its_first_push(tmp_path) -
 
 
 def readme_exercise() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Next: serve the policy you trained") :]
-    block = section[section.index("```\n") + 4 :]
-    return block[: block.index("```")].strip().splitlines()
+    from tests.doc_snippets import snippet
+
+    return snippet("README.md", "### Next: serve the policy you trained").text.strip().splitlines()
 
 
 def free_port() -> int:

@@ -66,3 +66,32 @@ def test_the_learning_rate_falls_linearly_to_its_final_fraction() -> None:
     config = DemoConfig(steps=11, final_lr_fraction=0.1)
     assert [round(lr_factor(step, config), 2) for step in (0, 5, 10)] == [1.0, 0.55, 0.1]
     assert lr_factor(7, DemoConfig(steps=11)) == 1.0  # the default: constant
+
+
+def test_the_lora_base_samples_every_right_answer_at_about_chance(tmp_path) -> None:
+    """After its pretraining the LoRA demo's base has not learned the task, yet samples each
+    digit's right answer about one time in ten: GRPO learns only answers it samples (left
+    untaught, some right answers had odds below 1 in 1000 and were never learned)."""
+    policy = task.build_policy(tmp_path, seed=0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the demo does: tiny matrices, where threads only contend
+    try:
+        task.pretrain(policy, 300, seed=0)
+    finally:
+        torch.set_num_threads(threads)
+    prompts = torch.tensor([task.encode(task.prompt_text(d)) for d in range(10)])
+    with torch.no_grad():
+        first = torch.softmax(policy(input_ids=prompts).logits[:, -1], dim=-1)
+    right = first[range(10), [task.VOCAB[str((d + 1) % 10)] for d in range(10)]]
+    assert 0.04 < right.min() and right.max() < 0.2, right
+
+
+def test_a_lora_run_defaults_to_a_kl_penalty_and_a_falling_rate() -> None:
+    from weightsync.cli import build_parser
+    from weightsync.cli.demo import demo_config
+
+    lora = demo_config(build_parser().parse_args(["demo", "--lora"]), "hf")
+    assert (lora.kl_coef, lora.final_lr_fraction, lora.lora_rank, lora.steps) == (0.05, 0.1, 4, 300)
+    full = demo_config(build_parser().parse_args(["demo"]), "hf")
+    assert (full.kl_coef, full.final_lr_fraction, full.lora_rank, full.steps) == (0.0, 1.0, 0, 80)
+    assert demo_config(build_parser().parse_args(["demo", "--lora", "--kl-coef", "0"]), "hf").kl_coef == 0.0

@@ -249,6 +249,30 @@ def test_the_trl_example_trains_on_fresh_weights_and_leaves_them_on_the_servers(
     assert [s["version"] for s in summary["servers"].values()] == [steps, steps]
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_the_docs_example_command_runs_as_written(tmp_path: Path) -> None:
+    """The example as docs/integrations/trl.md (under its title, "# TRL: GRPO with weightsync
+    rollout servers") and the README (under "## TRL") say it: two vLLM servers, 80 steps, in a
+    checkout (here a folder whose examples/ is the checkout's, so the run writes there)."""
+    from tests.doc_snippets import run_shell, shell_script, snippet
+
+    doc = snippet("docs/integrations/trl.md", "# TRL: GRPO with weightsync rollout servers", 1)
+    readme = snippet("README.md", "## TRL")
+    assert readme.text == ".venv/bin/" + doc.text  # the same command, the README's from the checkout's venv
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    for folder in (tmp_path / "bin", tmp_path / ".venv" / "bin"):  # `python` and `.venv/bin/python`: this one
+        folder.mkdir(parents=True)
+        (folder / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+        (folder / "python").chmod(0o755)
+    done = run_shell(shell_script(doc, {}), cwd=tmp_path, path=tmp_path / "bin", timeout=900)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    summary = json.loads((tmp_path / "runs" / "trl_grpo" / "summary.json").read_text())
+    assert (summary["engine"], summary["steps"]) == ("vllm", 80)
+    assert summary["reward_last_10pct"] > 0.8, summary  # the task learned, as the doc's figures say
+    assert [s["content_digest"] for s in summary["servers"].values()] == [summary["trainer_digest"]] * 2
+
+
 # --- The rollout function's own behaviour, with a stand-in for the trainer ------------------------
 
 

@@ -44,6 +44,7 @@ from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSour
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: E402
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
 
+from tests.doc_snippets import snippet, write_program  # noqa: E402
 from tests.models import save_model  # noqa: E402
 from weightsync import HFCheckpointSource, SenderOptions, SyncFailed, WeightSender  # noqa: E402
 from weightsync.digest import source_digest  # noqa: E402
@@ -144,6 +145,26 @@ def test_the_docs_trainer_program_runs_as_written(server, tmp_path, monkeypatch,
     assert len(versions) == 3 and versions == list(range(versions[0], versions[0] + 3)), lines
     assert all(re.match(r"version \d+ committed on (\d+) of \1 receivers \(full\): ", line) for line in lines), lines
     assert _label(server.url) == str(versions[-1])
+
+
+def test_the_docs_moe_program_runs_as_written(server, tmp_path, monkeypatch, capsys) -> None:
+    """docs/integrations/vllm.md's MoE program ("## Mixture-of-experts models"), against the doc's
+    own server command: the checkpoint's tensors, one per expert, committed on every worker."""
+    if server.kind != "qwen3_moe":
+        pytest.skip("the doc's program pushes a MoE")
+    program = write_program("docs/integrations/vllm.md", "## Mixture-of-experts models", tmp_path / "push_moe.py")
+    monkeypatch.setattr(sys, "argv", [str(program), str(server.checkpoint), server.url])
+    runpy.run_path(str(program), run_name="__main__")
+    [line] = capsys.readouterr().out.strip().splitlines()
+    assert re.match(r"version \d+ committed on (\d+) of \1 receivers \(full\): ", line), line
+    assert _label(server.url) == line.split()[1]
+
+
+def test_the_readme_server_command_is_the_docs() -> None:
+    """The README's command (under "## vLLM's own weight-transfer API") is this doc's, which the
+    `server` fixture runs as written."""
+    readme = snippet("README.md", "## vLLM's own weight-transfer API")
+    assert readme.text == snippet("docs/integrations/vllm.md", "## The lines that change").text
 
 
 def _free_port() -> int:

@@ -3,9 +3,10 @@ never stale, refused whole when they do not fit."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -255,22 +256,38 @@ def test_an_adapter_serves_on_after_the_base_weights_change(served) -> None:
     assert (out["weight_version"], out["base_version"]) == (9, 2)
 
 
-LORA_DOC = Path(__file__).resolve().parents[2] / "docs" / "lora.md"
+DOC_SERVERS = [
+    0,
+    pytest.param(
+        1,
+        marks=[
+            pytest.mark.slow,
+            pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
+        ],
+    ),
+]
+"""The blocks of docs/lora.md's "## The server side": transformers, then vLLM."""
 
 
-def test_the_docs_trainer_program_runs_as_written(tiny_models, tmp_path, monkeypatch, capsys) -> None:
-    """docs/lora.md's trainer, a whole program: the base once, then three adapter versions, each
-    committed; requests naming the adapter are served by its newest version."""
-    import runpy
-    import sys
+@pytest.mark.parametrize("server_block", DOC_SERVERS, ids=["hf", "vllm"])
+def test_the_docs_trainer_program_runs_as_written(tiny_models, tmp_path, server_block: int) -> None:
+    """docs/lora.md's trainer ("## The trainer side"), a whole program, against a server started
+    with the doc's own command ("## The server side"): the base once, then three adapter versions,
+    each committed; requests naming the adapter are served by its newest version."""
+    from tests.doc_snippets import free_port, run_shell, shell_script, snippet, weightsync_on_path, write_program
 
-    block = LORA_DOC.read_text().split("## The trainer side", 1)[1].split("```python\n", 1)[1].split("```\n", 1)[0]
-    program = tmp_path / "train_lora.py"
-    program.write_text(block)
-    model_dir = tiny_models["qwen2"]
-    with live_server(model_dir, max_lora_rank=8) as server:
-        monkeypatch.setattr(sys, "argv", [str(program), str(model_dir), server.url])
-        runpy.run_path(str(program), run_name="__main__")
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split(" committed on ")[0] for line in lines[:3]] == ["version 1", "version 2", "version 3"], lines
+    program = write_program("docs/lora.md", "## The trainer side", tmp_path / "train_lora.py")
+    model_dir, port = tiny_models["qwen2"], free_port()
+    serve = shell_script(snippet("docs/lora.md", "## The server side", server_block), {"DIR": str(model_dir)})
+    url = f"http://127.0.0.1:{port}"
+    script = serve.replace("8000", str(port)) + " &\n"  # as written, in the background
+    script += f"until curl -s {url}/health | grep -q 'waiting for weights'; do kill -0 %1; sleep 0.5; done\n"
+    script += f'python "{program}" "{model_dir}" {url}\n'
+    bin_dir = weightsync_on_path(tmp_path / "bin")
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python").chmod(0o755)
+    done = run_shell(script, cwd=tmp_path, path=bin_dir, timeout=600)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    lines = done.stdout.strip().splitlines()
+    assert [line.split(" committed on ")[0] for line in lines[-4:-1]] == ["version 1", "version 2", "version 3"], lines
     assert lines[-1] == "policy 3", lines

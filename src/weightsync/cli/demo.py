@@ -9,9 +9,13 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from weightsync.cli.args import DefaultsFormatter, at_least, positive_seconds
 from weightsync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from weightsync.demo.loop import DemoConfig
 
 __all__ = ["add_parser", "run"]
 
@@ -48,7 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=float,
         help="the learning rate falls linearly to lr x this by the last step (default: 1.0, constant; 0.1 with --lora)",
     )
-    demo.add_argument("--kl-coef", type=float, default=0.0, help="KL penalty to the initial policy")
+    demo.add_argument(
+        "--kl-coef", type=float, help=f"KL penalty to the initial policy (default: 0; {LORA_KL_COEF} with --lora)"
+    )
     demo.add_argument("--max-staleness", type=at_least(0), default=1, help="drop samples more versions old")
     demo.add_argument("--kill-server-at", type=at_least(0), help="SIGKILL rollout server 0 at this step (resilience)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the policy, the prompts and the sampling")
@@ -87,6 +93,11 @@ LORA_RANK = 4
 300 steps on hf (seed 0, 2026-11-28) where rank 4 learned the task (docs/demo.md)."""
 LORA_PRETRAIN_STEPS = 300
 """Supervised batches of `task.pretrain` before a LoRA run: the base learns to add, not the task."""
+LORA_KL_COEF = 0.05
+"""The KL penalty to the initial policy under --lora. A group of samples all wrong has no
+advantage to give, so without it an adapter drifting toward one answer for every prompt is
+never pulled back on the prompts it stops answering right (seen: "6666666666" for the ten
+digits); the penalty keeps those prompts near the base, which samples every digit."""
 
 
 def choose_engine(engine: str, mode: str) -> str:
@@ -129,27 +140,27 @@ def show_progress() -> None:
     demo_log.propagate = False
 
 
-def run(args: argparse.Namespace) -> int:
-    from weightsync.demo.loop import DemoConfig
-    from weightsync.demo.loop import run as run_loop
-    from weightsync.demo.report import plot, summary
+def demo_config(args: argparse.Namespace, engine: str) -> DemoConfig:
+    """The run `args` ask for, with --lora's own defaults where a flag is left out.
 
-    engine = choose_engine(args.engine, args.mode)
+    Raises:
+        ConfigError: --lora-rank without --lora.
+    """
+    from weightsync.demo.loop import DemoConfig
+
     if args.lora_rank is not None and not args.lora:
         raise ConfigError("--lora-rank applies to a LoRA run: add --lora")
-    lora_rank = (args.lora_rank or LORA_RANK) if args.lora else 0
-    steps = args.steps if args.steps is not None else (300 if args.lora else 80)
-    served_by = engine if args.mode == "disaggregated" else "hf"  # colocated: an hf engine in this process
-    config = DemoConfig(
+    lora = bool(args.lora)
+    return DemoConfig(
         mode=args.mode,
         servers=args.servers,
         engine=engine,
-        steps=steps,
+        steps=args.steps if args.steps is not None else (300 if lora else 80),
         prompts_per_step=args.prompts_per_step,
         group=args.group,
-        lr=args.lr if args.lr is not None else (7e-3 if args.lora else 3e-3),
-        kl_coef=args.kl_coef,
-        final_lr_fraction=args.final_lr_fraction if args.final_lr_fraction is not None else (0.1 if args.lora else 1.0),
+        lr=args.lr if args.lr is not None else (7e-3 if lora else 3e-3),
+        kl_coef=args.kl_coef if args.kl_coef is not None else (LORA_KL_COEF if lora else 0.0),
+        final_lr_fraction=args.final_lr_fraction if args.final_lr_fraction is not None else (0.1 if lora else 1.0),
         max_staleness=args.max_staleness,
         seed=args.seed,
         out=args.out,
@@ -158,9 +169,19 @@ def run(args: argparse.Namespace) -> int:
         kill_server_at=args.kill_server_at,
         progress=args.progress,
         delta="all" if args.delta_all else args.delta,
-        lora_rank=lora_rank,
-        pretrain_steps=LORA_PRETRAIN_STEPS if args.lora else 0,
+        lora_rank=(args.lora_rank or LORA_RANK) if lora else 0,
+        pretrain_steps=LORA_PRETRAIN_STEPS if lora else 0,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    from weightsync.demo.loop import run as run_loop
+    from weightsync.demo.report import plot, summary
+
+    engine = choose_engine(args.engine, args.mode)
+    config = demo_config(args, engine)
+    steps, lora_rank = config.steps, config.lora_rank
+    served_by = engine if args.mode == "disaggregated" else "hf"  # colocated: an hf engine in this process
     if args.mode == "disaggregated":
         print(
             f"weightsync demo: starting {args.servers} rollout servers on the {engine} engine "

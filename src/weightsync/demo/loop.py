@@ -53,6 +53,9 @@ class DemoConfig:
     group: int = 8
     lr: float = 3e-3
     kl_coef: float = 0.0
+    """Weight of a KL penalty to the initial policy (0: none). It keeps the prompts a run does
+    not answer right yet near where it started, still sampling their right answers: a group
+    whose samples are all wrong gives no advantage to pull them back."""
     max_staleness: int = 1
     seed: int = 0
     out: Path = Path("runs/demo")
