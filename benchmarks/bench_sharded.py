@@ -80,7 +80,7 @@ def mode_row(runs: list[list[dict[str, Any]]], bucket_bytes: int, mode: str) -> 
     """What the runs of one mode measured: per worker bytes, per rank memory, push seconds."""
     steady = [push for ranks in runs for push in ranks[0]["pushes"][1:]]
     workers = sorted(runs[0][0]["pushes"][0]["wire_bytes"])
-    received = {w: sum(rank["pushes"][0]["wire_bytes"].get(w, 0) for rank in runs[0]) for w in workers}
+    received = [sum(rank["pushes"][0]["wire_bytes"].get(w, 0) for rank in runs[0]) for w in workers]
     rings = NUM_SLOTS * bucket_bytes * (len(workers) if mode == "sharded" else 1)
     ranks = []
     for rank in range(2):
@@ -148,10 +148,8 @@ def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     finally:
         server.close()
     full, sharded = result["modes"]["full"], result["modes"]["sharded"]
-    result["received_sharded_over_full"] = {
-        w: sharded["received_bytes_per_worker"][w] / full["received_bytes_per_worker"][w]
-        for w in full["received_bytes_per_worker"]
-    }
+    whole = max(full["received_bytes_per_worker"])  # a full push sends every worker the same
+    result["received_sharded_over_full"] = [received / whole for received in sharded["received_bytes_per_worker"]]
     result["push_sharded_over_full"] = sharded["push_median_s"] / full["push_median_s"]
     result["environment"]["loadavg_end"] = os.getloadavg()
     return result
@@ -160,7 +158,7 @@ def run(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     lines = [f"{'mode':8} {'worker MiB':>22} {'rank peak MiB (shard+rings)':>34} {'push s':>8}"]
     for mode, row in result["modes"].items():
-        workers = " ".join(f"{b / MIB:8.1f}" for b in row["received_bytes_per_worker"].values())
+        workers = " ".join(f"{b / MIB:8.1f}" for b in row["received_bytes_per_worker"])
         ranks = " ".join(
             f"{r['peak_rss_added_max'] / MIB:6.1f} ({(r['shard_bytes'] + r['rings_bytes']) / MIB:6.1f})"
             for r in row["ranks"]
