@@ -85,8 +85,8 @@ class Delivery:
 
     @property
     def cut(self) -> bool:
-        """Whether the plan carries boxes of tensors or parts: no process holds its tensors whole
-        to hash, so its commit carries no content digest."""
+        """Whether the plan carries boxes of tensors or parts: no receiver gets a whole tensor
+        to hash, so its commit carries only the digest `content` gives (a sender's own)."""
         return self.layout is not None
 
     @property
@@ -133,6 +133,8 @@ class Route:
         if not delivery.own_plane or self.new_plane is None:
             return self.plane
         mine = delivery.addresses & frozenset(self.addresses)
+        if not mine:
+            return self.plane
         if mine not in self.planes:
             self.planes[mine] = self.new_plane()
         return self.planes[mine]
@@ -393,39 +395,41 @@ class WeightSender:
         failures = dict(failures)
         part = delivery.layout.rank if delivery.layout is not None and plan.parts else 0
         offer = Offer(version, plan, identity, verify, delivery.base, adapter, part)
-        planes = {route.name: route.plane_for(delivery) for route in self._routes}
+        # a delivery beside others goes only through the routes of its own receivers
+        routes = [r for r in self._routes if not delivery.own_plane or delivery.addresses & set(r.addresses)]
+        planes = {route.name: route.plane_for(delivery) for route in routes}
 
         def live(route: Route) -> list[str]:
             return [a for a in route.live(failures, welcomes) if a in delivery.addresses]
 
-        hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in self._routes}
+        hashes = {route.name: SyncHashes(plan) if verify != "off" and route.wire else None for route in routes}
         try:
             # only a plane that reads tensors in place (cudaipc) makes the source yield them early
-            wanted = plan.buckets and not delivery.cut and any(planes[route.name].reads_held for route in self._routes)
+            wanted = plan.buckets and not delivery.cut and any(planes[route.name].reads_held for route in routes)
             held = held_tensors(delivery.source) if wanted else []
-            for route in self._routes:
+            for route in routes:
                 plane = planes[route.name]
                 failures |= _at(version, None, plane.prepare(plan, live(route), held))
                 failures |= _at(version, None, route.channel.offer(offer, live(route)))
                 if part_buckets(plan, part) and live(route):
                     failures |= _at(version, None, plane.begin(plan, live(route)))
             for index, items in delivery.items():
-                if not any(live(route) for route in self._routes):
+                if not any(live(route) for route in routes):
                     continue  # every receiver failed; walk on: the source may be a collective others are in
                 _check_deadline(ends, version, index)
-                for route in self._routes:
+                for route in routes:
                     sent = planes[route.name].send(index, items, live(route), hashes[route.name])
                     failures |= _at(version, index, sent)
-            for route in self._routes:
+            for route in routes:
                 failures |= _at(version, None, planes[route.name].finish(live(route)))
         except BaseException as exc:
-            for route in self._routes:
+            for route in routes:
                 planes[route.name].abort()
                 route.channel.abort(Abort(version, f"sender failed: {exc}"), live(route))
             raise
         committed: dict[str, Committed] = {}
         contents = []
-        for route in self._routes:
+        for route in routes:
             hashed = None if delivery.cut else hashes[route.name]  # no process hashes a whole tensor
             commit, content = _commit_message(version, identity, verify, hashed, delivery.content)
             replies, failed = route.channel.commit(commit, live(route))
