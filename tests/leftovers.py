@@ -34,6 +34,18 @@ def tree(pid: int) -> list[int]:
         return []
 
 
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (a zombie is not)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
 def mapped(pids: list[int]) -> set[str]:
     """/dev/shm names the processes `pids` map (unlinked ones left out)."""
     names = set()

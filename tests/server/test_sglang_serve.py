@@ -37,7 +37,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import WAIT_S, wait_until
-from tests.leftovers import Footprints, tree
+from tests.leftovers import Footprints, running, tree
 from tests.models import save_model
 from weightsync import SyncFailed, WeightSender
 from weightsync.serving.process import ChildProcess
@@ -301,18 +301,5 @@ def test_sigkill_takes_sglangs_processes_and_shared_memory_with_it(servers: tupl
     assert len(processes) >= 3, "the watchdog, SGLang's scheduler and detokenizer"
     os.kill(pid, signal.SIGKILL)  # the server alone: not its group, as the OOM killer does
     reference.process.process.wait(WAIT_S)
-    assert wait_until(lambda: not _running(processes), timeout=KILLED_GONE_S), _running(processes)
+    assert wait_until(lambda: not running(processes), timeout=KILLED_GONE_S), running(processes)
     assert wait_until(lambda: not footprints.left()[0], timeout=KILLED_GONE_S), footprints.left()
-
-
-def _running(pids: list[int]) -> list[int]:
-    import psutil
-
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive

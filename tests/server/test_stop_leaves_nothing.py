@@ -16,11 +16,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from tests.helpers import ENGINES, WAIT_S, wait_until
-from tests.leftovers import Footprints, tree
+from tests.leftovers import Footprints, running, tree
 from weightsync.serving.process import ChildProcess
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -51,17 +50,6 @@ def start_server(model: Path, engine: str) -> ChildProcess:
         return ChildProcess(serve_command(model, engine), env=os.environ | ENV)
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def running(pids: list[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
 
 
 def stop(server: ChildProcess, signum: int, footprints: Footprints) -> tuple[int, set[str], set[str]]:
