@@ -38,6 +38,7 @@ probe now and then. One answer in 50 may take up to this; the bug this guards ag
 
 
 def assert_answered_in_time(answers: list[tuple[float, int, str]]) -> None:
+    assert all(status for _, status, _ in answers), [state for _, status, state in answers if not status][:3]
     late = sorted(seconds for seconds, _, _ in answers if seconds >= ANSWER_S)
     assert len(late) <= len(answers) // 50 and all(s < STRAY_S for s in late), (
         f"{len(late)} of {len(answers)} answers took {ANSWER_S * 1e3:.0f} ms or more: "
@@ -49,7 +50,8 @@ START_S = 300.0
 
 
 class Prober:
-    """Probes GET /health every 20 ms on a thread; records each answer's state and latency."""
+    """Probes GET /health every 20 ms on a thread; records each answer's state and latency (a
+    probe that got no answer: status 0). Stops when its `with` block ends, however it ends."""
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -62,9 +64,19 @@ class Prober:
         with httpx.Client(timeout=5) as client:
             while not self._stop.is_set():
                 started = time.monotonic()
-                response = client.get(f"{self.url}/health")
-                self.answers.append((time.monotonic() - started, response.status_code, response.json()["state"]))
+                try:
+                    response = client.get(f"{self.url}/health")
+                    answer = (response.status_code, response.json()["state"])
+                except httpx.HTTPError as exc:
+                    answer = (0, f"no answer: {type(exc).__name__}")
+                self.answers.append((time.monotonic() - started, *answer))
                 time.sleep(0.02)
+
+    def __enter__(self) -> Prober:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> list[tuple[float, int, str]]:
         self._stop.set()
@@ -187,9 +199,9 @@ def test_serve_answers_within_100ms_from_the_moment_it_listens(tiny_models, engi
             return True
 
         assert wait_until(listening, timeout=START_S, interval=0.005)
-        prober = Prober(f"http://127.0.0.1:{port}")
-        assert wait_until(lambda: any(state == "waiting for weights" for _, _, state in prober.answers), START_S)
-        answers = prober.stop()
+        with Prober(f"http://127.0.0.1:{port}") as prober:
+            assert wait_until(lambda: any(state == "waiting for weights" for _, _, state in prober.answers), START_S)
+        answers = prober.answers
     finally:
         process.terminate()
         process.wait(WAIT_S)
@@ -214,11 +226,11 @@ def test_a_huge_prompt_is_refused_before_it_is_read_whole(tiny_models, observe) 
         process = psutil.Process(served.process.pid)
         assert post_prompt(served.url, "ab").status_code == 200
         before = process.memory_info().rss
-        prober = Prober(served.url)
-        started = time.monotonic()
-        refused = post_prompt(served.url, "a" * 10_000_000)
-        seconds = time.monotonic() - started
-        answers = prober.stop()
+        with Prober(served.url) as prober:
+            started = time.monotonic()
+            refused = post_prompt(served.url, "a" * 10_000_000)
+            seconds = time.monotonic() - started
+        answers = prober.answers
         grown = process.memory_info().rss - before
         assert refused.status_code == 413, refused.text[:300]
         message = refused.json()["error"]["message"]
@@ -237,9 +249,9 @@ def test_a_huge_prompt_is_refused_before_it_is_read_whole(tiny_models, observe) 
 def test_a_long_prompt_is_tokenised_off_the_event_loop(tiny_models) -> None:
     served = Served(tiny_models["qwen2"], "--load-format", "auto", "--log-level", "warning")
     try:
-        prober = Prober(served.url)
-        refused = post_prompt(served.url, "ab" * 400_000)  # under the 1 MiB bound, far over the context
-        answers = prober.stop()
+        with Prober(served.url) as prober:
+            refused = post_prompt(served.url, "ab" * 400_000)  # under the 1 MiB bound, far over the context
+        answers = prober.answers
     finally:
         served.close()
     assert refused.status_code == 400 and "exceed the engine's max_model_len 512" in refused.text, refused.text

@@ -5,6 +5,7 @@ sync stays exact."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -133,6 +134,7 @@ class Ranks:
 
 @pytest.mark.parametrize("transport", ["inproc", "shm", "tcp"])
 def test_an_underivable_tensor_goes_whole_is_named_once_and_the_sync_is_exact(transport: str, caplog) -> None:  # type: ignore[no-untyped-def]
+    caplog.set_level(logging.INFO, logger="weightsync")
     full = {meta.name: random_tensor(meta.dtype, meta.shape, seed) for seed, meta in enumerate(METAS)}
     workers = [Worker(rank, 2) for rank in range(2)]
     with (

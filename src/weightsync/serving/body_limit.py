@@ -8,10 +8,14 @@ most the bound.
 The default follows the model's context: `BODY_BYTES_PER_TOKEN` bytes per token of context (room
 for a batch of about 30 full-context prompts as token ids, or about 15 as text), and never less
 than `MIN_BODY_BYTES`.
+
+A refused body is read on and dropped (up to `DRAIN_BYTES` or `DRAIN_S`) before the 413 goes out:
+a client still sending would otherwise meet a reset connection and lose the 413 with it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -23,6 +27,10 @@ __all__ = ["BODY_BYTES_PER_TOKEN", "MIN_BODY_BYTES", "BodyLimit", "context_lengt
 
 BODY_BYTES_PER_TOKEN = 256
 MIN_BODY_BYTES = 1 << 20
+DRAIN_BYTES = 64 << 20
+"""The most of a refused body read and dropped, so that its sender reads the 413."""
+DRAIN_S = 5.0
+"""The longest a refused body is drained."""
 DEFAULT_CONTEXT = 32768
 """The context assumed for a config.json that names none."""
 
@@ -68,6 +76,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
+            await _drop_rest(scope, receive)
             await self._refuse(send, f"{int(declared)} bytes")
             return
         chunks: list[bytes] = []
@@ -79,6 +88,8 @@ class BodyLimit:
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
+                if message.get("more_body", False):
+                    await _drop_rest(scope, receive)
                 await self._refuse(send, f"more than {self.limit} bytes")
                 return
             chunks.append(message.get("body", b""))
@@ -94,6 +105,26 @@ class BodyLimit:
         headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body.encode()})
+
+
+async def _drop_rest(scope: Scope, receive: Any) -> None:
+    """Reads and drops what is left of a refused body, at most `DRAIN_BYTES` for at most
+    `DRAIN_S`. A client waiting for `100 Continue` has sent nothing and is not asked to."""
+    headers = dict(scope.get("headers") or ())
+    if headers.get(b"expect", b"").lower() == b"100-continue":
+        return
+    dropped = 0
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            while dropped < DRAIN_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                dropped += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+    except TimeoutError:
+        return
 
 
 def _replay(messages: list[Message], receive: Any) -> Any:
