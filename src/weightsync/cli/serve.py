@@ -169,6 +169,10 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
         max_lora_rank=args.max_lora_rank,
         lora_versions=args.lora_versions,
     )
+    if config.engine == "vllm":
+        from weightsync.serving.vllm.noise import quiet_vllm
+
+        quiet_vllm()  # before vLLM's first import: its dependencies' noise stays off the terminal
     adapter = engine_adapter(config.engine)  # a missing engine fails here, before the port is taken
     from weightsync.serving import watchdog
 
