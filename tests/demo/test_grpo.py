@@ -95,3 +95,44 @@ def test_a_lora_run_defaults_to_a_kl_penalty_and_a_falling_rate() -> None:
     full = demo_config(build_parser().parse_args(["demo"]), "hf")
     assert (full.kl_coef, full.final_lr_fraction, full.lora_rank, full.steps) == (0.0, 1.0, 0, 80)
     assert demo_config(build_parser().parse_args(["demo", "--lora", "--kl-coef", "0"]), "hf").kl_coef == 0.0
+
+
+def test_every_sample_of_a_demo_run_is_drawn_with_a_seed_of_its_own() -> None:
+    """Sample k of prompt i is drawn with the request's seed + i x group + k (Request.seed): no
+    two samples of a step, nor of two steps, nor of two runs' seeds, share one. Shared seeds
+    sampled a prompt with the same random numbers step after step: it explored no further."""
+    import random
+
+    from weightsync.demo.loop import DemoConfig, new_request
+
+    seeds = []
+    for run_seed in (0, 1):
+        config, rng = DemoConfig(seed=run_seed), random.Random(run_seed)
+        for step in range(40):
+            request = new_request(config, rng, step)
+            seeds += [request.seed + i * config.group + k for i in range(len(request.prompts)) for k in range(8)]
+    assert len(set(seeds)) == len(seeds) == 2 * 40 * 16 * 8
+
+
+def test_a_rollout_server_gets_one_request_per_prompt_seeded_for_that_prompt() -> None:
+    """The servers (as vLLM's) seed sample k of every prompt of a request with its seed + k: one
+    request for several prompts would sample them all with the same random numbers."""
+    import json
+
+    import httpx
+
+    from weightsync.demo.rollouts import Request, complete_one
+
+    bodies = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        choice = {"token_ids": [4], "logprobs": {"token_logprobs": [-0.1]}, "weight_versions": [], "weight_version": 3}
+        return httpx.Response(200, json={"choices": [choice] * body["n"]})
+
+    request = Request([[3, 13], [5, 13]], group=4, max_tokens=4, temperature=1.0, seed=1000)
+    with httpx.Client(transport=httpx.MockTransport(answer), base_url="http://server") as client:
+        samples = complete_one(client, request, 1, [5, 13])
+    assert [(b["prompt"], b["n"], b["seed"]) for b in bodies] == [([[5, 13]], 4, 1000 + 1 * 4)]
+    assert [(s.prompt_index, s.prompt_ids, s.weight_version) for s in samples] == [(1, [5, 13], 3)] * 4

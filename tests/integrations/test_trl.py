@@ -37,6 +37,7 @@ from weightsync.integrations.trl import (  # noqa: E402
     WeightsyncTransfer,
     group_prompts,
     log_weight_versions,
+    request_seed,
 )
 from weightsync.module_source import ModuleSource  # noqa: E402
 from weightsync.serving.client import RolloutClient  # noqa: E402
@@ -303,6 +304,21 @@ def test_identical_prompts_in_a_row_make_one_request_each_run() -> None:
         (3, 2, task.encode("2=")),
         (5, 1, task.encode("1=")),
     ]
+
+
+def test_every_completion_of_a_run_is_drawn_with_a_seed_of_its_own() -> None:
+    """A server draws completion k of a request with its seed + k: no two completions of a batch,
+    nor of two steps, may share a seed (shared seeds sample prompts with the same random numbers)."""
+    prompts = [p for digit in range(8) for p in [task.prompt_text(digit)] * 8]
+    groups = group_prompts(prompts, [task.encode(p) for p in prompts])
+    seeds = [
+        request_seed(0, step, group) + k  # type: ignore[operator]
+        for step in range(50)
+        for group in groups
+        for k in range(group.size)
+    ]
+    assert len(set(seeds)) == len(seeds) == 50 * len(prompts)
+    assert request_seed(None, 3, groups[0]) is None
 
 
 @pytest.mark.slow

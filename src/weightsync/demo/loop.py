@@ -94,6 +94,10 @@ LORA_ALPHA_PER_RANK = 2
 """lora_alpha = 2 x rank, PEFT's and vLLM's usual scale."""
 
 
+STEPS_PER_SEED = 1_000_000
+"""Runs of different `seed`s draw their samples' seeds from ranges this many steps apart."""
+
+
 OnStep = Callable[[dict[str, Any], torch.nn.Module, Rollouts], None]
 
 
@@ -230,7 +234,9 @@ def save(model: Any, config: DemoConfig) -> None:
 def new_request(config: DemoConfig, rng: random.Random, step: int) -> Request:
     digits = task.sample_digits(rng, config.prompts_per_step)
     prompts = [task.encode(task.prompt_text(d)) for d in digits]
-    seed = config.seed * 1000 + step
+    # Every sample of the run its own seed (Request.seed): seeds that steps shared would sample
+    # a prompt with the same random numbers step after step, and it would explore no further.
+    seed = (config.seed * STEPS_PER_SEED + step) * config.prompts_per_step * config.group
     adapter = ADAPTER if config.lora_rank else None
     return Request(prompts, config.group, task.ANSWER_LENGTH, temperature=1.0, seed=seed, adapter=adapter)
 

@@ -60,6 +60,8 @@ class Request:
     max_tokens: int
     temperature: float
     seed: int
+    """Sample k of prompt i is drawn with seed + i x group + k: each sample of a request has a seed
+    of its own (`new_request` keeps those of different steps apart too)."""
     adapter: str | None = None
     """The LoRA adapter to generate with, by name (its newest version), or None for the base."""
 
@@ -194,29 +196,16 @@ class _Server:
         self.client = httpx.Client(base_url=self.url, timeout=self.timeout, headers=headers)
 
     def complete(self, request: Request, prompts: list[tuple[int, list[int]]]) -> list[Sample]:
-        if self.client is None:
+        """`request.group` samples of each of `prompts` ((index, token ids) pairs), one request
+        per prompt, all at once. One request for several prompts would not do: the servers (as
+        vLLM's) seed sample k of every prompt of a request with its seed + k, so its prompts
+        would all be sampled with the same random numbers."""
+        client = self.client
+        if client is None:
             raise ResourceError(f"rollout server {self.index} has not started")
-        body = {
-            "prompt": [p for _, p in prompts],
-            "n": request.group,
-            "max_tokens": request.max_tokens,
-            "temperature": request.temperature,
-            "seed": request.seed + prompts[0][0] * request.group,
-            "logprobs": 0,
-            "return_token_ids": True,  # vLLM's server lists token ids only when asked; weightsync's hf server always does
-        }
-        if request.adapter is not None:
-            body["model"] = request.adapter  # the adapter's newest version, for the whole request
-        response = self.client.post("/v1/completions", json=body)
-        response.raise_for_status()
-        choices = response.json()["choices"]
-        samples = []
-        for position, choice in enumerate(choices):
-            index, prompt = prompts[position // request.group]
-            logprobs = choice["logprobs"]["token_logprobs"]
-            version = min((span["version"] for span in choice["weight_versions"]), default=choice["weight_version"])
-            samples.append(Sample(index, prompt, choice["token_ids"], logprobs, version))
-        return samples
+        with ThreadPoolExecutor(len(prompts), thread_name_prefix="weightsync-demo-request") as pool:
+            per_prompt = list(pool.map(lambda pair: complete_one(client, request, *pair), prompts))
+        return [sample for samples in per_prompt for sample in samples]
 
     def alive(self) -> bool:
         return self.child.alive()
@@ -228,6 +217,29 @@ class _Server:
         if self.client is not None:
             self.client.close()
         self.child.close()
+
+
+def complete_one(client: httpx.Client, request: Request, index: int, prompt: list[int]) -> list[Sample]:
+    """`request.group` samples of prompt `index` from the server `client` talks to."""
+    body = {
+        "prompt": [prompt],
+        "n": request.group,
+        "max_tokens": request.max_tokens,
+        "temperature": request.temperature,
+        "seed": request.seed + index * request.group,  # sample k: + k (Request.seed)
+        "logprobs": 0,
+        "return_token_ids": True,  # vLLM's server lists token ids only when asked; weightsync's hf server always does
+    }
+    if request.adapter is not None:
+        body["model"] = request.adapter  # the adapter's newest version, for the whole request
+    response = client.post("/v1/completions", json=body)
+    response.raise_for_status()
+    samples = []
+    for choice in response.json()["choices"]:
+        logprobs = choice["logprobs"]["token_logprobs"]
+        version = min((span["version"] for span in choice["weight_versions"]), default=choice["weight_version"])
+        samples.append(Sample(index, prompt, choice["token_ids"], logprobs, version))
+    return samples
 
 
 class ServerFleet:

@@ -112,6 +112,21 @@ class _Group:
     prompt_ids: list[int]
 
 
+BATCH_SEEDS = 10_007
+"""Seeds each generation batch may use: batches of more completions than this share none less
+often than not (a batch of TRL's is far smaller)."""
+
+
+def request_seed(seed: int | None, step: int, group: _Group) -> int | None:
+    """The seed of `group`'s request at `step`, from TRL's `seed` (None: unseeded). A server
+    draws completion k of a request with its seed + k (vLLM does too), so the request starts at
+    the group's place in the batch: every completion of a batch has a seed of its own, and each
+    step's seeds lie apart from every other step's."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + step) * BATCH_SEEDS + group.start
+
+
 class WeightsyncRollout:
     """A `rollout_func` for TRL's `GRPOTrainer` that generates on weightsync rollout servers.
 
@@ -173,9 +188,10 @@ class WeightsyncRollout:
         prompt_ids = [tokenize(trainer.processing_class, prompt) for prompt in prompts]
         groups = group_prompts(prompts, prompt_ids)
         fields = sampling_fields(trainer.args)
-        base_seed = None if trainer.args.seed is None else (trainer.args.seed * 1_000_003 + step) * 10_007
+        seeds = [request_seed(trainer.args.seed, step, group) for group in groups]
         jobs = [
-            self._pool.submit(self._complete, index, group, fields, base_seed) for index, group in enumerate(groups)
+            self._pool.submit(self._complete, index, group, fields, seed)
+            for index, (group, seed) in enumerate(zip(groups, seeds, strict=True))
         ]
         results = [job.result(timeout=self.servers.timeout * 2) for job in jobs]
         completion_ids: list[list[int]] = []
@@ -226,7 +242,7 @@ class WeightsyncRollout:
         self._model = {"model": adapter.name}
         return self.servers.push(tensors, version, adapter=adapter)
 
-    def _complete(self, index: int, group: _Group, fields: dict[str, Any], base_seed: int | None) -> list[Any]:
+    def _complete(self, index: int, group: _Group, fields: dict[str, Any], seed_value: int | None) -> list[Any]:
         """`group.size` completions of one prompt, from one server (round robin); a server that
         fails is left out and the request goes to the next."""
         while True:
@@ -234,7 +250,7 @@ class WeightsyncRollout:
             if not live:
                 raise ResourceError("every rollout server is down")
             client = live[index % len(live)]
-            seed = {} if base_seed is None else {"seed": base_seed + index}
+            seed = {} if seed_value is None else {"seed": seed_value}
             try:
                 body = client.completions(group.prompt_ids, n=group.size, logprobs=0, **seed, **fields, **self._model)
             except ServerError as exc:
