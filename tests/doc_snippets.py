@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -155,12 +154,6 @@ def shell_script(block: Snippet, replace: Mapping[str, str]) -> str:
             line = re.sub(rf"(?<![\w/.]){re.escape(word)}(?!\w)", value, line)
         script.append(line)
     return "\n".join(script)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_shell(script: str, cwd: Path, path: Path, timeout: float) -> subprocess.CompletedProcess[str]:

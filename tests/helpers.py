@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -266,3 +267,10 @@ def tensor_sets(draw: st.DrawFn, max_tensors: int = 6) -> dict[str, torch.Tensor
         base = random_tensor(draw(st.sampled_from(DTYPES)), draw(shapes), seed=draw(st.integers(0, 2**31)) + index)
         out[name] = non_contiguous(base, draw(layouts))
     return out
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

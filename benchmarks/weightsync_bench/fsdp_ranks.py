@@ -15,9 +15,12 @@ Then it pushes `--versions` times:
 
 A dense model goes as its parameters (vLLM's own `ModuleSource` with `--vllm-source`, else
 weightsync's), a mixture-of-experts one in its checkpoint's names (`HFCheckpointSource`).
-Rank r writes OUT/rank{r}.json: per push, whether it committed, its seconds, the bytes each
-worker was sent by this rank, the tensors sent whole, and how much this process's peak RSS grew
-during it (`PeakRss`); and the bytes of the shard this rank holds.
+Rank r writes OUT/rank{r}.json: per push, whether it committed (or what it raised), its
+seconds, the bytes each worker was sent by this rank, the tensors sent whole, and how much this
+process's peak RSS grew during it (`PeakRss`); and the bytes of the shard this rank holds.
+
+`--rank1-dies` (a fault, with `--vllm`): rank 1's process exits while it pushes the last
+version, after vLLM's update window opened (it has written its file first).
 """
 
 from __future__ import annotations
@@ -47,17 +50,26 @@ def main() -> None:
     parser.add_argument("--first-version", type=int, default=1)
     parser.add_argument("--bucket-bytes", type=int, default=96 << 10)
     parser.add_argument("--vllm-source", action="store_true", help="vLLM's own ModuleSource (dense)")
+    parser.add_argument("--rank1-dies", action="store_true", help="rank 1 exits while it pushes the last version")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = sharded_model(args.model)
-    source = trainer_source(model, sharded=args.mode == "sharded", vllm_source=args.vllm_source)
-    pushes = push_to_vllm(args, source) if args.vllm else push_to(args, source)
     shard = sum(p.to_local().nbytes for p in model.parameters())  # type: ignore[attr-defined]
-    Path(args.out, f"rank{rank}.json").write_text(json.dumps({"pushes": pushes, "shard_bytes": shard}))
-    dist.barrier()
-    dist.destroy_process_group()
+    source = trainer_source(model, sharded=args.mode == "sharded", vllm_source=args.vllm_source)
+    pushes: list[dict[str, Any]] = []
+
+    def write() -> None:
+        Path(args.out, f"rank{rank}.json").write_text(json.dumps({"pushes": pushes, "shard_bytes": shard}))
+
+    if args.rank1_dies and rank == 1:
+        dies_while_sending(source, push=args.versions, write=write)
+    pushes += push_to_vllm(args, source) if args.vllm else push_to(args, source)
+    write()
+    if all(push["ok"] for push in pushes):  # else a rank is gone: no one to meet
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def sharded_model(path: str) -> torch.nn.Module:
@@ -86,12 +98,43 @@ def trainer_source(model: Any, *, sharded: bool, vllm_source: bool) -> Any:
     return ModuleSource(model, sharded=sharded)
 
 
+def dies_while_sending(source: Any, push: int, write: Any) -> None:
+    """Make this process exit once `source` has given its second tensor of its `push`-th push
+    (`write` first): a trainer rank that crashes in the middle of a sharded push."""
+    from weightsync.source import WeightSource
+
+    assert isinstance(source, WeightSource) and hasattr(source, "held"), "a weightsync source that shards"
+    held, laid_out = source.held, source.layout
+    started = [0]  # pushes begun: each calls `layout` once, before it walks `held`
+
+    def layout() -> Any:
+        started[0] += 1
+        return laid_out()
+
+    def walked() -> Any:
+        for index, item in enumerate(held()):
+            if started[0] == push and index == 1:
+                write()
+                os._exit(0)
+            yield item
+
+    source.layout = layout  # type: ignore[method-assign]
+    source.held = walked  # type: ignore[method-assign]
+
+
 def measured(push: Any) -> dict[str, Any]:
-    """One push, timed, with this process's peak RSS growth over it."""
+    """One push, timed, with this process's peak RSS growth over it (or what it raised)."""
+    from weightsync.errors import one_line
+
     peak = PeakRss()
     peak.start()
     started = time.perf_counter()
-    report = push()
+    try:
+        report = push()
+    except Exception as exc:
+        peak.stop()
+        seconds = time.perf_counter() - started
+        return {"ok": False, "seconds": seconds, "error": f"{type(exc).__name__}: {one_line(exc)}"}
     seconds = time.perf_counter() - started
     added = peak.stop()
     if report is None:  # a rank that only walks the source (a full push's other ranks)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import free_port
 from weightsync.demo import task
 from weightsync.demo.loop import DemoConfig, run
 from weightsync.demo.report import event_marks, plot, title
@@ -71,12 +71,6 @@ def readme_exercise() -> list[str]:
     from tests.doc_snippets import snippet
 
     return snippet("README.md", "### Next: serve the policy you trained").text.strip().splitlines()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.slow

@@ -45,6 +45,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  #
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
 
 from tests.doc_snippets import snippet, write_program  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 from tests.models import save_model  # noqa: E402
 from weightsync import HFCheckpointSource, SenderOptions, SyncFailed, WeightSender  # noqa: E402
 from weightsync.digest import source_digest  # noqa: E402
@@ -94,7 +95,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Iterator[Served]:
     """Stock vLLM on dummy weights with the weightsync backend."""
     kind, tp = request.param
-    port = _free_port()
+    port = free_port()
     env, command = doc_server_command(checkpoints[kind], port)  # docs/integrations/vllm.md's, as written
     command += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp" if tp > 1 else "uni"]
     env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp > 1 else "auto"}
@@ -165,14 +166,6 @@ def test_the_readme_server_command_is_the_docs() -> None:
     `server` fixture runs as written."""
     readme = snippet("README.md", "## vLLM's own weight-transfer API")
     assert readme.text == snippet("docs/integrations/vllm.md", "## The lines that change").text
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_healthy(url: str, child: ChildProcess) -> None:

@@ -25,12 +25,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from tests.helpers import free_port  # noqa: E402
 from tests.integrations.test_vllm_backend import (  # noqa: E402
     PROMPTS,
     Served,
     _checksums,
     _engine,
-    _free_port,
     _greedy,
     _label,
     _Listed,
@@ -68,7 +68,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     kind = request.param
     checkpoint = tmp_path_factory.mktemp(kind)
     save_model(kind, checkpoint)
-    port = _free_port()
+    port = free_port()
     env, command = doc_server_command(checkpoint, port)
     command[command.index("--load-format") + 1] = "auto"
     command += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
@@ -138,3 +138,27 @@ def test_fsdp2_ranks_push_their_shards_into_vllm_tp2(server: FromDisk, transport
     finally:
         httpx.post(f"{url}/resume", timeout=30).raise_for_status()
     assert [_greedy(url, prompt) for prompt in PROMPTS] == server.greedy
+
+
+def test_a_trainer_rank_that_dies_mid_push_fails_the_push_at_once_and_leaves_vllm_updatable(
+    server: FromDisk, tmp_path: Path
+) -> None:
+    """Rank 1's process exits in the middle of the second sharded push, after vLLM's update
+    window opened. Rank 0's `send_weights` raises `CollectiveError` within seconds (not gloo's
+    30 minutes, not the push's timeout), labels nothing and leaves no worker inside the update:
+    the next push, from another trainer, lands and is labelled."""
+    url = server.served.url
+    target = ["--vllm", url, "--rank1-dies"]
+    httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+    try:
+        first, second = fsdp_ranks(target, server.served.checkpoint, "shm", tmp_path, versions=2)[0]
+        label = _label(url)
+        _full_push(server.served, version=3)
+        after = _checksums(url)
+    finally:
+        httpx.post(f"{url}/resume", timeout=30).raise_for_status()
+    assert first["ok"], first
+    assert not second["ok"] and str(second["error"]).startswith("CollectiveError: trainer rank 0 of 2"), second
+    assert float(second["seconds"]) < 60, second  # the push's own timeout is 120 s, gloo's default 30 min
+    assert label == "1", "the failed push labelled nothing"
+    assert _label(url) == "3" and after == server.checksums, "the next push landed whole"

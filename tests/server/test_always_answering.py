@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import WAIT_S, wait_until
+from tests.helpers import WAIT_S, free_port, wait_until
 from tests.server.test_cli import Served
 from weightsync.serving.background import bind
 from weightsync.serving.config import ServeConfig
@@ -161,12 +161,6 @@ def test_an_engine_that_fails_to_load_is_named_failed(slow_start) -> None:
         assert startup.error is not None and startup.server is None
     finally:
         del SlowHFEngine.fail  # type: ignore[attr-defined]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 ENGINES = [

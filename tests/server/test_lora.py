@@ -274,7 +274,8 @@ def test_the_docs_trainer_program_runs_as_written(tiny_models, tmp_path, server_
     """docs/lora.md's trainer ("## The trainer side"), a whole program, against a server started
     with the doc's own command ("## The server side"): the base once, then three adapter versions,
     each committed; requests naming the adapter are served by its newest version."""
-    from tests.doc_snippets import free_port, run_shell, shell_script, snippet, weightsync_on_path, write_program
+    from tests.doc_snippets import run_shell, shell_script, snippet, weightsync_on_path, write_program
+    from tests.helpers import free_port
 
     program = write_program("docs/lora.md", "## The trainer side", tmp_path / "train_lora.py")
     model_dir, port = tiny_models["qwen2"], free_port()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.doc_snippets import free_port, run_shell, shell_script, snippet, weightsync_on_path, write_program
+from tests.doc_snippets import run_shell, shell_script, snippet, weightsync_on_path, write_program
+from tests.helpers import free_port
 from tests.server.conftest import live_server
 from weightsync import SyncFailed
 

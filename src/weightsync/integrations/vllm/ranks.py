@@ -11,15 +11,20 @@ by every rank in `trainer_init`::
     update_weights returned?                 settle(ok): did every rank commit and vLLM land it?
     finish (label) or end the update    -->  wait(): every rank returns, or raises, alike
 
-No pickle: what is shared is bytes in a uint8 tensor.
+No pickle: what is shared is bytes in a uint8 tensor. Every agreement is bounded by the group's
+timeout: a rank that died, or that does not get there in time, makes it raise `CollectiveError`
+on the ranks that did, instead of waiting out torch.distributed's default of 30 minutes.
 """
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from weightsync.errors import ConfigError
+from weightsync.errors import CollectiveError, ConfigError, one_line
 
 __all__ = ["Ranks"]
 
@@ -27,34 +32,52 @@ __all__ = ["Ranks"]
 class Ranks:
     """The trainer's ranks (torch.distributed's default group must be up on every rank).
 
+    Args:
+        timeout: seconds each agreement may wait for the last rank to get there.
+
     Raises:
         ConfigError: torch.distributed is not initialised.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("a sharded push through vLLM's trainer API needs torch.distributed initialised")
-        self.group = dist.new_group(backend="gloo")
+        self.timeout = timeout
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
 
     def share(self, data: bytes) -> bytes:
         """Rank 0's `data`, on every rank (the others pass anything)."""
         size = torch.tensor([len(data) if self.rank == 0 else 0], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
+        self._together("share rank 0's bytes", lambda: dist.broadcast(size, src=0, group=self.group))
         buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.rank == 0 and data else None
         if buffer is None:
             buffer = torch.empty(int(size.item()), dtype=torch.uint8)
         if buffer.numel():
-            dist.broadcast(buffer, src=0, group=self.group)
+            self._together("share rank 0's bytes", lambda: dist.broadcast(buffer, src=0, group=self.group))
         return buffer.numpy().tobytes()
 
     def settle(self, ok: bool) -> bool:
         """Whether every rank says `ok`."""
         vote = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.group)
+        self._together("agree", lambda: dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.group))
         return bool(vote.item())
 
     def wait(self) -> None:
         """Until every rank got here."""
-        dist.barrier(group=self.group)
+        self._together("meet", lambda: dist.barrier(group=self.group))
+
+    def _together(self, what: str, collective: Callable[[], object]) -> None:
+        """Run `collective` on this rank.
+
+        Raises:
+            CollectiveError: another rank died, or did not get there within the timeout.
+        """
+        try:
+            collective()
+        except RuntimeError as exc:  # torch.distributed's errors, a gloo timeout among them
+            raise CollectiveError(
+                f"trainer rank {self.rank} of {self.world}: the ranks could not {what} (a rank died, or did not get "
+                f"there within {self.timeout:g} s): {one_line(exc)}"
+            ) from exc

@@ -61,7 +61,15 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSource
 
-from weightsync.errors import ConfigError, ConnectError, RemoteError, SyncFailed, WeightSyncError, one_line
+from weightsync.errors import (
+    CollectiveError,
+    ConfigError,
+    ConnectError,
+    RemoteError,
+    SyncFailed,
+    WeightSyncError,
+    one_line,
+)
 from weightsync.integrations.vllm.internals import module_of
 from weightsync.integrations.vllm.plugin import register
 from weightsync.integrations.vllm.ranks import Ranks
@@ -219,7 +227,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
     def _init_sharded(cls, init_info: WeightsyncTrainerInitInfo, client: VLLMWeightSyncClient, source: Any) -> Self:
         """Every rank: rank 0 finds the workers and shares their addresses; every rank gets a
         sender to all of them."""
-        ranks = Ranks()
+        ranks = Ranks(init_info.options.timeout + RPC_MARGIN_S)
         found: list[WorkerAddress] = []
         try:
             if init_info.is_sender:
@@ -277,6 +285,9 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             SyncFailed: some worker did not land the version, or refused this sender (then no
                 update window was opened); none was labelled, and no worker is left inside an
                 update.
+            CollectiveError: sharded, another trainer rank died or did not get to this push
+                within the timeout (+ 30 s); nothing was labelled, and no worker is left inside
+                an update.
         """
         source = _as_weightsync(self.source, sharded=self.ranks is not None)
         if self.sender is None:
@@ -333,6 +344,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             because = "; ".join(causes) or "another rank's sender was refused"
             raise SyncFailed(f"version {version} was not labelled: {because}", unpushed)
         pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-update")
+        landing = None
         try:
             landing, opening = self._open_update(pool, version)
             if not ranks.settle(opening is None):  # the window is open: every rank may push
@@ -340,18 +352,24 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 raise SyncFailed(f"version {version} was not labelled: vLLM's update did not open: {opening}", unopened)
             report, raised = _pushed(sender, source, version)
             landed = _error_of(landing, sender.options.timeout + RPC_MARGIN_S) if landing is not None else None
+            ok = ranks.settle(raised is None and report is not None and report.ok and landed is None)
+        except CollectiveError:  # a rank died or fell behind: no label, and vLLM is not left inside the update
+            if landing is not None:
+                _error_of(landing, sender.options.timeout + RPC_MARGIN_S)
+                self._end_failed_update()
+            raise
         finally:
             pool.shutdown(wait=False)  # never join a control-plane thread on the error path
-        ok = ranks.settle(raised is None and report is not None and report.ok and landed is None)
         if self.is_sender and ok:
             self.client.finish_weight_update(str(version))
         elif self.is_sender:
             self._end_failed_update()
+        if ok and report is not None:
+            self.version = version
         ranks.wait()  # labelled (or not) before any rank returns
         if raised is not None:
             raise raised
         if ok and report is not None:
-            self.version = version
             return report
         why = [outcome.cause() for outcome in report.failed] if report is not None else []
         why += [f"vLLM's update_weights: {one_line(landed)}"] if landed is not None else []
