@@ -101,9 +101,9 @@ def trainer_source(model: Any, *, sharded: bool, vllm_source: bool) -> Any:
 def dies_while_sending(source: Any, push: int, write: Any) -> None:
     """Make this process exit once `source` has given its second tensor of its `push`-th push
     (`write` first): a trainer rank that crashes in the middle of a sharded push."""
-    from weightsync.source import WeightSource
+    from weightsync.source import ShardedSource
 
-    assert isinstance(source, WeightSource) and hasattr(source, "held"), "a weightsync source that shards"
+    assert isinstance(source, ShardedSource), "a weightsync source that shards"
     held, laid_out = source.held, source.layout
     started = [0]  # pushes begun: each calls `layout` once, before it walks `held`
 
