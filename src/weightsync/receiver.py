@@ -272,6 +272,7 @@ class WeightReceiver:
 
     def _serve(self, link: Link) -> None:
         plane: ReceivePlane | None = None
+        part: int | None = None  # the part of a sharded sync this sender last offered
         try:
             message = self._handshake(link)
             if message is None:
@@ -279,6 +280,7 @@ class WeightReceiver:
             plane = self._new_plane(link, self._plane_options)
             while not self._closed.is_set():
                 if isinstance(message, Offer):
+                    part = message.part if message.plan.parts else None
                     self._sync(link, plane, message)
                 elif isinstance(message, Abort):  # the sender gave up on a version before offering it
                     self._given_up(message)
@@ -287,6 +289,8 @@ class WeightReceiver:
                     raise ProtocolError(f"unexpected {type(message).__name__} between syncs", transport=link.transport)
                 message = link.recv(None)
         except WeightSyncError as exc:
+            if isinstance(exc, PeerClosedError) and part is not None:
+                self._part_sender_gone(part, link.transport)
             if not self._closed.is_set() and not isinstance(exc, PeerClosedError):
                 log.warning("closing connection from sender: %s", exc)
         finally:
@@ -537,6 +541,20 @@ class WeightReceiver:
                 raise SinkError(f"version {commit.version} did not commit: {parts.error}") from parts.error
             return
         self.commit(landing, commit)  # its failure aborts the sync, which ends the parts too
+
+    def _part_sender_gone(self, part: int, transport: str) -> None:
+        """The sender of part `part` of the last sharded sync closed its connection between
+        syncs (its process died, say). If the sharded sync in progress still waits for that part
+        it will not come: abort the sync now, not at the timeout."""
+        with self._joining:
+            parts = self._parts
+            if parts is None or part in parts.joined or part >= len(parts.offer.plan.parts):
+                return
+            landing, version = parts.landing, parts.offer.version
+        gone = PeerClosedError(
+            f"the sender of part {part} closed its connection before it offered its part", transport=transport
+        )
+        self.abort(landing, gone.at(version=version))
 
     def _verified_content(self, landing: Landing, commit: Commit) -> str:
         if (commit.version, commit.plan_id) != (landing.version, landing.plan_id):

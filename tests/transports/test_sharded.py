@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import assert_bit_exact, random_tensor
+from tests.helpers import assert_bit_exact, random_tensor, wait_until
 from tests.models import save_model
 from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
 from weightsync.digest import source_digest
@@ -200,6 +201,40 @@ def test_a_part_that_never_comes_fails_the_sync_within_the_timeout() -> None:
             report = sender.push(RowShards(full, 0, 2), version=1)
         assert not report.ok and "parts [1] did not land" in report.outcomes[0].error
         assert receiver.version is None
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_rank_that_leaves_before_offering_its_part_fails_the_sync_at_once(transport: str) -> None:
+    """Rank 1's sender took part in version 1, then closes (its process died, say) while
+    version 2 waits for its part: the receiver aborts version 2 then, not at its timeout."""
+    full = model()
+    whole = {name: torch.zeros_like(t) for name, t in full.items()}
+    with WeightReceiver(whole, transport, timeout=30.0) as receiver:
+        senders = [WeightSender(receiver.address, timeout=30.0, bucket_bytes=256, raise_on_failure=False) for _ in "ab"]
+        try:
+            pushed = [
+                threading.Thread(target=senders[rank].push, args=(RowShards(full, rank, 2), 1)) for rank in (0, 1)
+            ]
+            for thread in pushed:
+                thread.start()
+            for thread in pushed:
+                thread.join(4 * TIMEOUT_S)
+            assert receiver.version == 1
+            reports: list[SyncReport] = []
+            rank0 = threading.Thread(target=lambda: reports.append(senders[0].push(RowShards(full, 0, 2), 2)))
+            started = time.monotonic()
+            rank0.start()
+            assert wait_until(lambda: receiver.state == "syncing", TIMEOUT_S)
+            senders[1].close()
+            rank0.join(4 * TIMEOUT_S)
+            seconds = time.monotonic() - started
+        finally:
+            for sender in senders:
+                sender.close()
+    (report,) = reports
+    assert not report.ok and "the sender of part 1 closed its connection" in report.outcomes[0].error, report
+    assert seconds < 10.0, f"{seconds:.1f} s: the receiver waited out its timeout (30 s)"
+    assert receiver.version == 1 or receiver.state == "dirty"
 
 
 def fsdp_ranks(
