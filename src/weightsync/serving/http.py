@@ -13,7 +13,7 @@ The middleware (`Face`), outermost, in this order:
 
     auth     `Authorization: Bearer <token>` on every path but /health and /ping when the server
              has a token (--allow-unauthenticated-generation opens /v1/* as well)
-    limit    a request body over --max-request-bytes gets a 413 before anything reads it
+    limit    a request body over --max-request-bytes gets a 413 before anything parses it
     gate     every POST that may run the model (all but tokenize, render, /pause, /resume...)
              waits up to --ready-timeout for the first committed, intact version, then gets a
              503 naming the state; once the engine is gone for good (a vLLM worker process
