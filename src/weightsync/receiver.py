@@ -180,7 +180,11 @@ class WeightReceiver:
         self._parts: _Parts | None = None
         """The sharded sync in progress, which the other parts' offers join."""
         self._joining = threading.Condition()
-        """Guards `_parts`; the parts waiting for the others to commit wait on it."""
+        """Guards `_parts` and `_parts_gone`; the parts waiting for the others to commit wait on it."""
+        self._parts_gone: set[int] = set()
+        """Parts whose sender closed its connection between syncs, no sender having connected since."""
+        self._senders_met = 0
+        """Handshakes so far: a sender that closes after another one connected may have been replaced."""
         self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
         self._spec = spec
@@ -277,11 +281,16 @@ class WeightReceiver:
             message = self._handshake(link)
             if message is None:
                 return
+            with self._joining:  # a sender came: any part may come again
+                self._parts_gone.clear()
+                self._senders_met += 1
+                met = self._senders_met
             plane = self._new_plane(link, self._plane_options)
             while not self._closed.is_set():
                 if isinstance(message, Offer):
                     part = message.part if message.plan.parts else None
                     self._sync(link, plane, message)
+                    met = self._senders_met  # as of this sender's last sync
                 elif isinstance(message, Abort):  # the sender gave up on a version before offering it
                     self._given_up(message)
                     return
@@ -290,7 +299,7 @@ class WeightReceiver:
                 message = link.recv(None)
         except WeightSyncError as exc:
             if isinstance(exc, PeerClosedError) and part is not None:
-                self._part_sender_gone(part, link.transport)
+                self._part_sender_gone(part, link.transport, met)
             if not self._closed.is_set() and not isinstance(exc, PeerClosedError):
                 log.warning("closing connection from sender: %s", exc)
         finally:
@@ -404,6 +413,15 @@ class WeightReceiver:
             return self._begin_sync(offer)
         with self._joining:
             parts = self._parts
+            gone = sorted(self._parts_gone - {offer.part})
+            self._parts_gone.discard(offer.part)
+            if (parts is None or not parts.takes(offer)) and gone:
+                left = PeerClosedError(
+                    f"the sender of part {gone[0]} closed its connection; version {offer.version} refused"
+                )
+                log.warning("push of version %d refused: %s", offer.version, left)
+                self._refuse(offer, left)
+                raise left
             if parts is None or not parts.takes(offer):
                 landing = self._begin_sync(offer)
                 self._parts = _Parts(offer, landing, {offer.part})
@@ -542,13 +560,19 @@ class WeightReceiver:
             return
         self.commit(landing, commit)  # its failure aborts the sync, which ends the parts too
 
-    def _part_sender_gone(self, part: int, transport: str) -> None:
+    def _part_sender_gone(self, part: int, transport: str, met: int) -> None:
         """The sender of part `part` of the last sharded sync closed its connection between
         syncs (its process died, say). If the sharded sync in progress still waits for that part
-        it will not come: abort the sync now, not at the timeout."""
+        it will not come: abort the sync now, not at the timeout. With none in progress, the
+        next one is refused, unless a sender connected after this one's last sync (`met`: the
+        handshakes then), which may send that part now, or connects first."""
         with self._joining:
             parts = self._parts
-            if parts is None or part in parts.joined or part >= len(parts.offer.plan.parts):
+            if parts is None:
+                if met == self._senders_met:  # no sender came since: the next sync would wait in vain
+                    self._parts_gone.add(part)
+                return
+            if part in parts.joined or part >= len(parts.offer.plan.parts):
                 return
             landing, version = parts.landing, parts.offer.version
         gone = PeerClosedError(

@@ -73,6 +73,11 @@ class Served:
         self.http = httpx.Client(base_url=url, timeout=WAIT_S * 3, headers={"authorization": f"Bearer {TOKEN}"})
         self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, timeout=WAIT_S * 3, max_retries=0)
 
+    def close(self) -> None:
+        """Its clients' connections (left to the garbage collector, they warn in a later test)."""
+        self.http.close()
+        self.openai.close()
+
     def push(self, tensors: dict[str, Any], version: int) -> Any:
         with WeightSender([self.address], timeout=WAIT_S, auth_token=TOKEN, raise_on_failure=False) as sender:
             return sender.push(tensors, version)
@@ -135,10 +140,13 @@ def servers(checkpoints: list[Path], tmp_path_factory: pytest.TempPathFactory) -
     ):
         dummy = _announced(dummy_process, checkpoints[0].name)
         reference = _announced(auto_process, checkpoints[1].name)
-        yield dummy, reference
+        try:
+            yield dummy, reference
+        finally:
+            dummy.close()
+            reference.close()
         running = [served for served in (dummy, reference) if served.process.alive()]
         for served in running:
-            served.http.close()
             served.process.process.terminate()
         for served in running:
             assert served.process.process.wait(WAIT_S * 3) == 0  # SIGTERM is how a server stops: exit 0

@@ -203,10 +203,12 @@ def test_a_part_that_never_comes_fails_the_sync_within_the_timeout() -> None:
         assert receiver.version is None
 
 
+@pytest.mark.parametrize("leaves", ["first", "during"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_rank_that_leaves_before_offering_its_part_fails_the_sync_at_once(transport: str) -> None:
-    """Rank 1's sender took part in version 1, then closes (its process died, say) while
-    version 2 waits for its part: the receiver aborts version 2 then, not at its timeout."""
+def test_a_rank_that_leaves_before_offering_its_part_fails_the_sync_at_once(transport: str, leaves: str) -> None:
+    """Rank 1's sender took part in version 1, then closes (its process died, say), before
+    rank 0 offers version 2 ("first") or while version 2 waits for its part ("during"): the
+    receiver refuses or aborts version 2 then, not at its timeout."""
     full = model()
     whole = {name: torch.zeros_like(t) for name, t in full.items()}
     with WeightReceiver(whole, transport, timeout=30.0) as receiver:
@@ -223,16 +225,20 @@ def test_a_rank_that_leaves_before_offering_its_part_fails_the_sync_at_once(tran
             reports: list[SyncReport] = []
             rank0 = threading.Thread(target=lambda: reports.append(senders[0].push(RowShards(full, 0, 2), 2)))
             started = time.monotonic()
+            if leaves == "first":
+                senders[1].close()
+                time.sleep(0.2)  # the receiver heard it
             rank0.start()
-            assert wait_until(lambda: receiver.state == "syncing", TIMEOUT_S)
-            senders[1].close()
+            if leaves == "during":
+                assert wait_until(lambda: receiver.state == "syncing", TIMEOUT_S)
+                senders[1].close()
             rank0.join(4 * TIMEOUT_S)
             seconds = time.monotonic() - started
         finally:
             for sender in senders:
                 sender.close()
     (report,) = reports
-    assert not report.ok and "the sender of part 1 closed its connection" in report.outcomes[0].error, report
+    assert not report.ok and "the sender of part 1 closed its connection" in report.outcomes[0].error, report.summary()
     assert seconds < 10.0, f"{seconds:.1f} s: the receiver waited out its timeout (30 s)"
     assert receiver.version == 1 or receiver.state == "dirty"
 
