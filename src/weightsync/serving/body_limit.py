@@ -74,9 +74,10 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        headers = dict(scope.get("headers") or ())
+        declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            await _drop_rest(scope, receive)
+            await _drop_rest(headers, receive)
             await self._refuse(send, f"{int(declared)} bytes")
             return
         chunks: list[bytes] = []
@@ -89,7 +90,7 @@ class BodyLimit:
             size += len(message.get("body", b""))
             if size > self.limit:
                 if message.get("more_body", False):
-                    await _drop_rest(scope, receive)
+                    await _drop_rest(headers, receive)
                 await self._refuse(send, f"more than {self.limit} bytes")
                 return
             chunks.append(message.get("body", b""))
@@ -107,10 +108,9 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body.encode()})
 
 
-async def _drop_rest(scope: Scope, receive: Any) -> None:
+async def _drop_rest(headers: dict[bytes, bytes], receive: Any) -> None:
     """Reads and drops what is left of a refused body, at most `DRAIN_BYTES` for at most
     `DRAIN_S`. A client waiting for `100 Continue` has sent nothing and is not asked to."""
-    headers = dict(scope.get("headers") or ())
     if headers.get(b"expect", b"").lower() == b"100-continue":
         return
     dropped = 0
