@@ -17,6 +17,7 @@ import torch
 from hypothesis import strategies as st
 
 from weightsync import WeightReceiver, WeightSender, WeightSink
+from weightsync.source import SourceLayout, TensorMeta, chunk_rows
 
 TRANSPORTS = ["inproc", "shm", "tcp", "collective", "nixl"]
 """Every transport; inproc first, as the reference. (cudaipc needs CUDA: tests add it with the
@@ -274,3 +275,27 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class RowShards:
+    """Rank `rank` of `world`: holds `torch.chunk`'s rows of every tensor of two or more
+    dimensions, and every smaller one whole (as FSDP2 shards a model with `Shard(0)`)."""
+
+    def __init__(self, full: dict[str, torch.Tensor], rank: int, world: int, fail_at: str = "") -> None:
+        self.full, self.rank, self.world, self.fail_at = full, rank, world, fail_at
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in self.full.items()]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.full.items())
+
+    def layout(self) -> SourceLayout:
+        rows = tuple(chunk_rows(t.shape[0], self.world) if t.dim() > 1 else None for t in self.full.values())
+        return SourceLayout(self.rank, self.world, rows)
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for (name, tensor), bounds in zip(self.full.items(), self.layout().rows, strict=True):
+            if name == self.fail_at:
+                raise RuntimeError(f"rank {self.rank} lost {name}")
+            yield name, tensor if bounds is None else tensor[bounds[self.rank] : bounds[self.rank + 1]]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal, TypeAlias
+from typing import Literal, TypeAlias, TypeVar
 
 import numpy as np
 import torch
@@ -76,9 +76,12 @@ def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
-def settled(value: str | Future[str]) -> str:
-    """A content digest, waiting (bounded) for one still being computed."""
-    return value if isinstance(value, str) else value.result(timeout=HASH_TIMEOUT_S)
+T = TypeVar("T")
+
+
+def settled(value: T | Future[T]) -> T:
+    """A hash (a content digest, a part's shares), waiting (bounded) for one still being computed."""
+    return value.result(timeout=HASH_TIMEOUT_S) if isinstance(value, Future) else value
 
 
 def _digest_later(specs: Sequence[TensorSpec], tensors: list[torch.Tensor]) -> Future[str]:

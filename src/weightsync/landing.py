@@ -38,9 +38,8 @@ from typing import Literal
 import numpy as np
 import psutil
 import torch
-import xxhash
 
-from weightsync.checksum import SyncHashes, Verify, content_digest, tensor_hashes
+from weightsync.checksum import SyncHashes, Verify, content_digest, tensor_hash, tensor_hashes
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ChecksumError, PlanError, SinkError
 from weightsync.hostmem import host_bytes
@@ -250,7 +249,7 @@ class Landing:
         for index, spec in enumerate(self.plan.tensors):
             dest = self._dest[index]
             if dest is not None and self.routes[index] in IN_PLACE:
-                landed = xxhash.xxh3_64_intdigest(byte_view(dest.cpu()).data)
+                landed = tensor_hash(byte_view(dest.cpu()))
             else:
                 landed = self._delivered.get(index, -1)
             if landed != expected[index]:
@@ -448,7 +447,7 @@ class Landing:
                 continue
             value = self._value(tensor)
             if self.verify == "full":
-                self._delivered[tensor] = xxhash.xxh3_64_intdigest(byte_view(value.contiguous()).data)
+                self._delivered[tensor] = tensor_hash(byte_view(value.contiguous()))
             if dest is not None:
                 self._touch(self.sink.traits.live_destinations)
                 dest.copy_(value)

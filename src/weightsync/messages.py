@@ -27,12 +27,13 @@ __all__ = [
     "Piece",
     "Plan",
     "Region",
+    "TensorShare",
     "TensorSpec",
     "Want",
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a chain
 of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5:
 `NixlTarget` and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the
@@ -44,7 +45,8 @@ between syncs tells a receiver a version will not come, naming its adapter if it
 cudaipc sends `Shared` before every offer, the tensors receivers copy straight from the sender's
 GPU memory, and its handles are `CudaHandle`s; 12: sharded sync: a receiver's `Welcome` names the box
 of each tensor it keeps (`wants`), a `TensorSpec` may be a box of its tensor (`region`), and a
-plan's buckets may come from several senders (`Plan.parts`, `Offer.part`))."""
+plan's buckets may come from several senders (`Plan.parts`, `Offer.part`); 13: tensor hashes are
+CRC32C, which compose, and the `Commit` of a part carries its sender's `TensorShare`s)."""
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -150,6 +152,19 @@ class Auth(Message, frozen=True):
     proof: str
 
 
+class TensorShare(msgspec.Struct, frozen=True, array_like=True):
+    """One sender's share of a tensor's hash in a sharded push (checksum.share): the CRC32C of
+    the bytes of tensor `name` it holds, shifted past the bytes after them; 0 where it holds none.
+    The XOR of every sender's share is the hash of the whole tensor."""
+
+    name: str
+    dtype: str
+    """The wire dtype, as the content digest names it."""
+    shape: tuple[int, ...]
+    """The whole tensor's shape."""
+    share: int
+
+
 class Adapter(msgspec.Struct, frozen=True):
     """A LoRA adapter: what a push of its tensors (PEFT's names, `...lora_A.weight` and
     `...lora_B.weight` of each target module) needs besides them to be served on a base model."""
@@ -199,7 +214,7 @@ class BucketReady(Message, frozen=True):
 
     index: int
     checksum: int = 0
-    """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
+    """The bucket's checksum (checksum.bucket_checksum) when the sync verifies buckets, else 0."""
     slot: int = -1
     """The ring slot that holds the bucket's bytes (shm, cudaipc: the sender's ring; nixl: the
     receiver's, for the pieces not written in place), or -1 where no ring carries them."""
@@ -220,7 +235,11 @@ class Commit(Message, frozen=True):
     content: str = ""
     """The version's content digest (checksum.content_digest) where the sync was verified, else ""."""
     tensors: tuple[int, ...] = ()
-    """With verify="full": xxh3-64 of every tensor's bytes, in plan order."""
+    """With verify="full": the hash of every tensor's bytes, in plan order."""
+    shares: tuple[TensorShare, ...] = ()
+    """A verified part of a sharded push from several senders: this sender's share of every
+    tensor's hash, in its source's order; the receiver combines every part's into the content
+    digest (`content` is "": no sender holds every tensor whole)."""
 
 
 class SyncTimes(msgspec.Struct, frozen=True):

@@ -34,11 +34,13 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeAlias
 
+import msgspec
+
 from weightsync.auth import TOKEN_ENV, check_bind, new_nonce, proof, proof_matches
-from weightsync.checksum import VERIFY_MODES, Verify, check_verify, stricter
+from weightsync.checksum import VERIFY_MODES, Verify, check_verify, combine_shares, stricter
 from weightsync.errors import (
     AuthError,
     ChecksumError,
@@ -66,6 +68,7 @@ from weightsync.messages import (
     Message,
     Offer,
     SyncTimes,
+    TensorShare,
     Welcome,
 )
 from weightsync.options import ReceiverOptions, build_options
@@ -93,6 +96,8 @@ class _Parts:
     landing: Landing
     joined: set[int]
     committed: set[int] = dataclasses.field(default_factory=set)
+    shares: dict[int, tuple[TensorShare, ...]] = dataclasses.field(default_factory=dict)
+    """Each committed part's shares of the tensors' hashes (a verified sync)."""
     ended: bool = False
     error: BaseException | None = None
 
@@ -104,6 +109,18 @@ class _Parts:
     @property
     def complete(self) -> bool:
         return len(self.committed) == len(self.offer.plan.parts)
+
+
+def _combined(shares: Mapping[int, tuple[TensorShare, ...]], version: int) -> str:
+    """The content digest of a sharded sync from every part's shares (checksum.combine_shares);
+    "" where no part carried any (the sync was not verified)."""
+    carried = [shares[part] for part in sorted(shares) if shares[part]]
+    if not carried:
+        return ""
+    if len(carried) < len(shares):
+        missing = sorted(part for part, held in shares.items() if not held)
+        raise ChecksumError(f"version {version}: the commits of parts {missing} carry no hashes, the others do")
+    return combine_shares(carried)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -185,6 +202,8 @@ class WeightReceiver:
         """Parts whose sender closed its connection between syncs, no sender having connected since."""
         self._senders_met = 0
         """Handshakes so far: a sender that closes after another one connected may have been replaced."""
+        self._senders_connected = 0
+        """Senders connected now (past their handshake): each part of a sharded sync comes over one."""
         self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
         self._spec = spec
@@ -277,8 +296,13 @@ class WeightReceiver:
     def _serve(self, link: Link) -> None:
         plane: ReceivePlane | None = None
         part: int | None = None  # the part of a sharded sync this sender last offered
+        met = -1  # handshakes as of this sender's last sync
+        welcome = None
         try:
-            message = self._handshake(link)
+            welcome = self._greet(link)
+            if welcome is None:
+                return
+            message = self._first_message(link, welcome)
             if message is None:
                 return
             with self._joining:  # a sender came: any part may come again
@@ -298,17 +322,17 @@ class WeightReceiver:
                     raise ProtocolError(f"unexpected {type(message).__name__} between syncs", transport=link.transport)
                 message = link.recv(None)
         except WeightSyncError as exc:
-            if isinstance(exc, PeerClosedError) and part is not None:
-                self._part_sender_gone(part, link.transport, met)
             if not self._closed.is_set() and not isinstance(exc, PeerClosedError):
                 log.warning("closing connection from sender: %s", exc)
         finally:
+            if welcome is not None:
+                self._sender_left(part, link.transport, met)
             if plane is not None:
                 plane.close()
 
-    def _handshake(self, link: Link) -> Message | None:
-        """Hello -> Welcome, then the sender's Auth where a token is required; returns the first
-        message after it (None when the sender is refused)."""
+    def _greet(self, link: Link) -> Welcome | None:
+        """Hello -> Welcome (None when the sender is refused); from then on the sender counts as
+        connected (`_sender_left` when its connection ends)."""
         hello = link.recv(self._timeout, HANDSHAKE_FRAME_BYTES)
         if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
             detail = f"expected Hello with protocol {PROTOCOL_VERSION}, got {hello!r}"[:500]
@@ -316,6 +340,13 @@ class WeightReceiver:
             return None
         welcome = self.welcome(hello.nonce)
         link.send(welcome, self._timeout)
+        with self._joining:
+            self._senders_connected += 1
+        return welcome
+
+    def _first_message(self, link: Link, welcome: Welcome) -> Message | None:
+        """The sender's Auth where a token is required; returns the first message after the
+        handshake (None when the sender is refused)."""
         # The sender goes on at once. Where a token is required, its next frame must be its
         # small Auth: bound it until it is checked.
         message = link.recv(self._timeout, HANDSHAKE_FRAME_BYTES if self.auth_required else MAX_FRAME_BYTES)
@@ -550,6 +581,7 @@ class WeightReceiver:
             if parts is None or parts.landing is not landing:
                 raise SinkError(f"version {commit.version}: the sync of this part ended already")
             parts.committed.add(part)
+            parts.shares[part] = commit.shares
             last = parts.complete
             if not last and not self._joining.wait_for(lambda: parts.ended, self._timeout):
                 missing = sorted(set(range(len(parts.offer.plan.parts))) - parts.committed)
@@ -558,27 +590,34 @@ class WeightReceiver:
             if parts.error is not None:
                 raise SinkError(f"version {commit.version} did not commit: {parts.error}") from parts.error
             return
+        commit = msgspec.structs.replace(commit, content=_combined(parts.shares, commit.version))
         self.commit(landing, commit)  # its failure aborts the sync, which ends the parts too
 
-    def _part_sender_gone(self, part: int, transport: str, met: int) -> None:
-        """The sender of part `part` of the last sharded sync closed its connection between
-        syncs (its process died, say). If the sharded sync in progress still waits for that part
-        it will not come: abort the sync now, not at the timeout. With none in progress, the
-        next one is refused, unless a sender connected after this one's last sync (`met`: the
-        handshakes then), which may send that part now, or connects first."""
+    def _sender_left(self, part: int | None, transport: str, met: int) -> None:
+        """A sender's connection ended between its syncs (its process died, say); `part`: the
+        part of a sharded sync it offered last, if any. Each part comes over a connection of its
+        own, so a sharded sync in progress that now misses more parts than there are connected
+        senders yet to offer one cannot complete: it aborts now, not at its timeout. With none
+        in progress, the next one is refused if the sender of a part of the last one left, unless
+        a sender connected after this one's last sync (`met`: the handshakes then), which may
+        send that part now, or connects first."""
         with self._joining:
+            self._senders_connected -= 1
             parts = self._parts
             if parts is None:
-                if met == self._senders_met:  # no sender came since: the next sync would wait in vain
+                if part is not None and met == self._senders_met:  # no sender came since: it would wait in vain
                     self._parts_gone.add(part)
                 return
-            if part in parts.joined or part >= len(parts.offer.plan.parts):
+            missing = sorted(set(range(len(parts.offer.plan.parts))) - parts.joined)
+            free = self._senders_connected - len(parts.joined)  # connected, and yet to offer a part of it
+            if len(missing) <= free:
                 return
             landing, version = parts.landing, parts.offer.version
-        gone = PeerClosedError(
-            f"the sender of part {part} closed its connection before it offered its part", transport=transport
-        )
-        self.abort(landing, gone.at(version=version))
+        if part in missing:
+            why = f"the sender of part {part} closed its connection before it offered its part"
+        else:
+            why = f"a sender closed its connection: parts {missing} of the sync cannot come from {free} other senders"
+        self.abort(landing, PeerClosedError(why, transport=transport).at(version=version))
 
     def _verified_content(self, landing: Landing, commit: Commit) -> str:
         if (commit.version, commit.plan_id) != (landing.version, landing.plan_id):

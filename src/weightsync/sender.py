@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
 from weightsync.delta import Baseline, Diff, Step, settled
-from weightsync.digest import source_digest
+from weightsync.digest import held_shares, source_digest
 from weightsync.errors import (
     ConfigError,
     NegotiationError,
@@ -36,7 +36,7 @@ from weightsync.errors import (
     WeightSyncError,
     one_line,
 )
-from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorSpec, Welcome
+from weightsync.messages import Abort, Adapter, Commit, Committed, Offer, Plan, TensorShare, TensorSpec, Welcome
 from weightsync.options import SenderOptions, build_options
 from weightsync.pack import BucketItem, bucket_items, part_items
 from weightsync.plan import PlanCache, build_plan, dense_nbytes, part_buckets, plan_id, tensor_nbytes, wire_specs
@@ -78,6 +78,9 @@ class Delivery:
     layout: SourceLayout | None = None
     """A sharded plan (its tensors boxes, or in parts): which rows this rank holds, so that it
     sends its part, cut from `source`'s held tensors; None: the whole plan, from `source`."""
+    shares: tuple[TensorShare, ...] | Future[tuple[TensorShare, ...]] = ()
+    """A verified push from several senders: this rank's shares of every tensor's hash
+    (digest.held_shares), possibly still being computed: the commit waits for them."""
     identity: str = ""
     """The plan's id where it was computed already."""
     own_plane: bool = False
@@ -431,7 +434,7 @@ class WeightSender:
         contents = []
         for route in routes:
             hashed = None if delivery.cut else hashes[route.name]  # no process hashes a whole tensor
-            commit, content = _commit_message(version, identity, verify, hashed, delivery.content)
+            commit, content = _commit_message(version, identity, verify, hashed, delivery.content, delivery.shares)
             replies, failed = route.channel.commit(commit, live(route))
             _at(version, None, failed)
             for address, reply in replies.items():
@@ -482,14 +485,20 @@ class WeightSender:
         return deliveries
 
     def _with_content(self, deliveries: list[Delivery], source: WeightSource, verify: Verify) -> list[Delivery]:
-        """A verified sharded push from one sender: the whole version's content digest, hashed
-        from the whole tensors it holds (no receiver gets them whole to hash); from several
-        senders, none (no process holds a whole tensor)."""
+        """A verified sharded push: from one sender, the whole version's content digest, hashed
+        from the whole tensors it holds (no receiver gets them whole to hash); from several,
+        this rank's shares of every tensor's hash (no process holds every tensor whole), which
+        the receivers combine into the same digest. Hashed beside the buckets' sending."""
         layout = deliveries[0].layout
-        if verify == "off" or layout is None or layout.world > 1:
+        if verify == "off" or layout is None:
             return deliveries
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
+        if layout.world > 1:
+            if not isinstance(source, ShardedSource):
+                raise ConfigError(f"a push from {layout.world} ranks needs a sharded source")
+            shares = self._hasher.submit(held_shares, source, layout, self.options.cast)
+            return [dataclasses.replace(delivery, shares=shares) for delivery in deliveries]
         content = self._hasher.submit(source_digest, source, self.options.cast)
         return [dataclasses.replace(delivery, content=content) for delivery in deliveries]
 
@@ -630,12 +639,22 @@ def _check_deadline(ends: float | None, version: int, index: int) -> None:
 
 
 def _commit_message(
-    version: int, identity: str, verify: Verify, hashes: SyncHashes | None, pending: str | Future[str]
+    version: int,
+    identity: str,
+    verify: Verify,
+    hashes: SyncHashes | None,
+    pending: str | Future[str],
+    shares: tuple[TensorShare, ...] | Future[tuple[TensorShare, ...]] = (),
 ) -> tuple[Commit, str]:
-    """The Commit for one transport's receivers, and the content digest it carries ("" unverified).
+    """The Commit for one transport's receivers, and the content digest it carries ("" unverified
+    or unknown here).
 
-    `content`: the version's content digest where the sender knows it whole (a delta push's
-    diff), whatever travelled; else it comes from the buckets' hashes, when they were hashed."""
+    `pending`: the version's content digest where the sender knows it whole (a delta push's
+    diff), whatever travelled; else it comes from the buckets' hashes, when they were hashed.
+    `shares`: a part's shares of the tensors' hashes, for its receivers to combine."""
+    held = settled(shares)
+    if held:
+        return Commit(version, identity, shares=held), ""
     content = settled(pending)
     if content:
         tensors = hashes.tensor_hashes() if verify == "full" and hashes is not None and hashes.complete else ()

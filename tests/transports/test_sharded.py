@@ -12,46 +12,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers import assert_bit_exact, random_tensor, wait_until
+from tests.helpers import RowShards, assert_bit_exact, random_tensor, wait_until
 from tests.models import save_model
 from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
 from weightsync.digest import source_digest
 from weightsync.messages import Want
-from weightsync.source import SourceLayout, TensorMeta, chunk_rows
 
 TRANSPORTS = ["inproc", "shm", "tcp"]
 TIMEOUT_S = 10.0
-
-
-class RowShards:
-    """Rank `rank` of `world`: holds `torch.chunk`'s rows of every tensor of two or more
-    dimensions, and every smaller one whole (as FSDP2 shards a model with `Shard(0)`)."""
-
-    def __init__(self, full: dict[str, torch.Tensor], rank: int, world: int, fail_at: str = "") -> None:
-        self.full, self.rank, self.world, self.fail_at = full, rank, world, fail_at
-
-    def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in self.full.items()]
-
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(self.full.items())
-
-    def layout(self) -> SourceLayout:
-        rows = tuple(chunk_rows(t.shape[0], self.world) if t.dim() > 1 else None for t in self.full.values())
-        return SourceLayout(self.rank, self.world, rows)
-
-    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for (name, tensor), bounds in zip(self.full.items(), self.layout().rows, strict=True):
-            if name == self.fail_at:
-                raise RuntimeError(f"rank {self.rank} lost {name}")
-            yield name, tensor if bounds is None else tensor[bounds[self.rank] : bounds[self.rank + 1]]
 
 
 class Keeps(TensorDictSink):
@@ -159,8 +133,10 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: s
         assert_bit_exact(loader.loaded[want.name], full[want.name][box(want)], want.name)
 
     digests = {report.content_digest for report in reports}
-    assert digests == ({source_digest(full)} if world == 1 else {""}), "one sender hashes the whole version"
-    assert all(receiver.content_digest == (source_digest(full) if world == 1 else "") for receiver in receivers)
+    assert digests == ({source_digest(full)} if world == 1 else {""}), "only a sole sender knows the digest"
+    assert [receiver.content_digest for receiver in receivers] == [source_digest(full)] * 3, (
+        "every receiver holds the digest of the whole version, whatever the layout"
+    )
     received = [sum(report.outcomes[i].wire_bytes for report in reports) for i in range(3)]
     boxes = [sum(t.nbytes for t in full.values()), 0, sum(t.nbytes for t in loader.loaded.values())]
     boxes[1] = sum(full[w.name][box(w)].nbytes for w in WORKER_0) + full["norm"].nbytes + full["experts"].nbytes
@@ -203,33 +179,40 @@ def test_a_part_that_never_comes_fails_the_sync_within_the_timeout() -> None:
         assert receiver.version is None
 
 
-@pytest.mark.parametrize("leaves", ["first", "during"])
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("leaves", ["before the offer", "during the sync", "before its first part"])
 def test_a_rank_that_leaves_before_offering_its_part_fails_the_sync_at_once(transport: str, leaves: str) -> None:
-    """Rank 1's sender took part in version 1, then closes (its process died, say), before
-    rank 0 offers version 2 ("first") or while version 2 waits for its part ("during"): the
-    receiver refuses or aborts version 2 then, not at its timeout."""
+    """Rank 1's sender closes (its process died, say) before it offers its part of rank 0's
+    push: having sent its part of version 1, before rank 0 offers version 2 or while version 2
+    waits for it; or having connected and never offered, while version 1 waits for it (no
+    connected sender is left to send part 1). The receiver refuses or aborts the sync then, not
+    at its timeout."""
     full = model()
     whole = {name: torch.zeros_like(t) for name, t in full.items()}
     with WeightReceiver(whole, transport, timeout=30.0) as receiver:
         senders = [WeightSender(receiver.address, timeout=30.0, bucket_bytes=256, raise_on_failure=False) for _ in "ab"]
         try:
-            pushed = [
-                threading.Thread(target=senders[rank].push, args=(RowShards(full, rank, 2), 1)) for rank in (0, 1)
-            ]
-            for thread in pushed:
-                thread.start()
-            for thread in pushed:
-                thread.join(4 * TIMEOUT_S)
-            assert receiver.version == 1
+            version = 1
+            if leaves == "before its first part":
+                assert senders[1].connect() == {}
+            else:
+                pushed = [
+                    threading.Thread(target=senders[rank].push, args=(RowShards(full, rank, 2), 1)) for rank in (0, 1)
+                ]
+                for thread in pushed:
+                    thread.start()
+                for thread in pushed:
+                    thread.join(4 * TIMEOUT_S)
+                assert receiver.version == 1
+                version = 2
             reports: list[SyncReport] = []
-            rank0 = threading.Thread(target=lambda: reports.append(senders[0].push(RowShards(full, 0, 2), 2)))
+            rank0 = threading.Thread(target=lambda: reports.append(senders[0].push(RowShards(full, 0, 2), version)))
             started = time.monotonic()
-            if leaves == "first":
+            if leaves == "before the offer":
                 senders[1].close()
                 time.sleep(0.2)  # the receiver heard it
             rank0.start()
-            if leaves == "during":
+            if leaves != "before the offer":
                 assert wait_until(lambda: receiver.state == "syncing", TIMEOUT_S)
                 senders[1].close()
             rank0.join(4 * TIMEOUT_S)
@@ -238,9 +221,10 @@ def test_a_rank_that_leaves_before_offering_its_part_fails_the_sync_at_once(tran
             for sender in senders:
                 sender.close()
     (report,) = reports
-    assert not report.ok and "the sender of part 1 closed its connection" in report.outcomes[0].error, report.summary()
+    why = "parts [1] of the sync cannot come from 0 other senders" if version == 1 else "the sender of part 1 closed"
+    assert not report.ok and why in report.outcomes[0].error, report.summary()
     assert seconds < 10.0, f"{seconds:.1f} s: the receiver waited out its timeout (30 s)"
-    assert receiver.version == 1 or receiver.state == "dirty"
+    assert receiver.version == (1 if version == 2 else None) or receiver.state == "dirty"
 
 
 def fsdp_ranks(
@@ -276,3 +260,4 @@ def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, tmp_path
     assert all(0 < bytes_ < sum(sent) for bytes_ in sent), "both ranks sent a part"
     for name, tensor in checkpoint.items():
         assert_bit_exact(landed[name], tensor, name)
+    assert receiver.content_digest == source_digest(checkpoint), "the digest of the checkpoint, pushed in parts"

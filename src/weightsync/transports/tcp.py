@@ -40,7 +40,7 @@ class BucketData(Message, frozen=True):
     index: int
     nbytes: int
     checksum: int = 0
-    """xxh3-64 of the bucket's bytes when the sync verifies buckets, else 0."""
+    """The bucket's checksum (checksum.bucket_checksum) when the sync verifies buckets, else 0."""
 
 
 class SocketSendPlane(SendPlane):
