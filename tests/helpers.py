@@ -11,12 +11,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import strategies as st
 
-from weightsync import WeightReceiver, WeightSender, WeightSink
+from weightsync import SyncReport, WeightReceiver, WeightSender, WeightSink
 from weightsync.source import SourceLayout, TensorMeta, chunk_rows
 
 TRANSPORTS = ["inproc", "shm", "tcp", "collective", "nixl"]
@@ -299,3 +300,28 @@ class RowShards:
             if name == self.fail_at:
                 raise RuntimeError(f"rank {self.rank} lost {name}")
             yield name, tensor if bounds is None else tensor[bounds[self.rank] : bounds[self.rank + 1]]
+
+
+def push_from_ranks(addresses: list[str], sources: list[Any], version: int, **options: Any) -> list[SyncReport]:
+    """Each source pushed by a `WeightSender(addresses, **options)` of its own, on a thread of
+    its own (as the ranks of a trainer do); the first error a push raised is raised here, once
+    every push ended."""
+    reports: list[SyncReport | None] = [None] * len(sources)
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            with WeightSender(addresses, **options) as sender:
+                reports[rank] = sender.push(sources[rank], version=version)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(sources))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(4 * float(options.get("timeout", WAIT_S)))
+    if errors:
+        raise errors[0]
+    assert all(report is not None for report in reports), "a rank's push did not end"
+    return [report for report in reports if report is not None]

@@ -36,10 +36,11 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import WAIT_S, wait_until
+from tests.helpers import WAIT_S, RowShards, push_from_ranks, wait_until
 from tests.leftovers import Footprints, running, tree
 from tests.models import save_model
 from weightsync import SyncFailed, WeightSender
+from weightsync.digest import source_digest
 from weightsync.serving.process import ChildProcess
 from weightsync_bench.sglang_server import sglang_venv
 
@@ -296,6 +297,23 @@ def test_under_load_every_response_is_the_checkpoint_its_version_names(
             checked += 1
     assert checked >= len(seen) // 2 and checked > 0
     assert dummy.version() == 8
+
+
+def test_two_trainer_ranks_push_their_rows_and_the_server_holds_the_whole_versions_digest(
+    dummy: Served, weights: list[dict[str, Any]], expected: list[list[int]]
+) -> None:
+    """A sharded push (each rank of a 2-rank trainer sends the rows it holds, neither gathers a
+    tensor) into SGLang's TP worker: the worker commits once both parts landed, serves what
+    SGLang serves from the checkpoint, and holds the content digest of the checkpoint pushed
+    whole."""
+    ranks = [RowShards(weights[1], rank, 2) for rank in range(2)]
+    reports = push_from_ranks([dummy.address], ranks, 9, timeout=WAIT_S * 3, auth_token=TOKEN, verify="bucket")
+    assert all(report.ok for report in reports), [report.summary() for report in reports]
+    assert all(0 < report.wire_bytes < sum(t.nbytes for t in weights[1].values()) for report in reports)
+    assert dummy.version() == 9
+    for prompt, tokens in zip(PROMPTS, expected, strict=True):
+        assert dummy.greedy(prompt)[0] == tokens
+    assert dummy.http.get("/weight_info").json()["content_digest"] == source_digest(weights[1])
 
 
 def test_sigkill_takes_sglangs_processes_and_shared_memory_with_it(servers: tuple[Served, Served]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests import helpers
 from tests.helpers import RowShards, assert_bit_exact, random_tensor, wait_until
 from tests.models import save_model
 from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
@@ -81,29 +82,9 @@ def box(want: Want) -> tuple[slice, ...]:
 
 
 def push_from_ranks(addresses: list[str], sources: list[object], version: int) -> list[SyncReport]:
-    """Each source pushed by a sender of its own, on a thread of its own (as ranks do); the
-    first error a push raised is raised here, once every push ended."""
-    reports: list[SyncReport | None] = [None] * len(sources)
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            with WeightSender(
-                addresses, timeout=TIMEOUT_S, bucket_bytes=256, verify="bucket", raise_on_failure=False
-            ) as s:
-                reports[rank] = s.push(sources[rank], version=version)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(sources))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(4 * TIMEOUT_S)
-    if errors:
-        raise errors[0]
-    assert all(report is not None for report in reports)
-    return [report for report in reports if report is not None]
+    return helpers.push_from_ranks(
+        addresses, sources, version, timeout=TIMEOUT_S, bucket_bytes=256, verify="bucket", raise_on_failure=False
+    )
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
