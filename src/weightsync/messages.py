@@ -46,7 +46,7 @@ cudaipc sends `Shared` before every offer, the tensors receivers copy straight f
 GPU memory, and its handles are `CudaHandle`s; 12: sharded sync: a receiver's `Welcome` names the box
 of each tensor it keeps (`wants`), a `TensorSpec` may be a box of its tensor (`region`), and a
 plan's buckets may come from several senders (`Plan.parts`, `Offer.part`); 13: tensor hashes are
-CRC32C, which compose, and the `Commit` of a part carries its sender's `TensorShare`s)."""
+CRC32C, which compose, and the `Commit` of a part carries its sender's `TensorShare`s, and `Committed` the content digest committed)."""
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -264,6 +264,9 @@ class Committed(Message, frozen=True):
     """Where the receiver's sync went."""
     content: str = ""
     """What a delta sync may now be based on here (as `Welcome.content`)."""
+    content_digest: str = ""
+    """The content digest of the version committed ("" unverified): for a sharded sync from
+    several senders, what the receiver combined from their shares, which none of them knows."""
 
 
 class Abort(Message, frozen=True):

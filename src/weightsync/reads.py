@@ -15,14 +15,17 @@ row-major strides, give a box (`narrow`, slicing, `chunk`, `select`, `t()`, a co
 more, never fewer, where the reads are not one box).
 
 A tensor whose reads cannot be named is None, and a sync sends it whole: a copy from a tensor
-computed out of it (`clone`, a cast, `cat`), a strided view that is no box, no copy at all (the
-loader kept the tensor itself), or a loader that raised on a tensor without storage.
+computed out of it (`clone`, a cast, `cat`), a strided view that is no box, a loader that kept
+the tensor (or a view of it) for later, or a loader that raised on a tensor without storage. A
+loader that returns having neither read nor kept it (an expert another expert-parallel rank
+holds, a layer of another pipeline stage) reads an empty box: the tensor is not sent at all.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,19 +46,25 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 def loader_reads(load: Callable[[str, torch.Tensor], object], metas: Sequence[TensorMeta]) -> dict[str, Box | None]:
     """The box of each tensor of `metas` that `load` reads (module docstring), or None where it
     cannot be named; `load` is called once per tensor, with a meta tensor of its shape and dtype."""
-    found: dict[str, Box | None] = {}
-    for meta in metas:
-        tensor = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-        watch = _Reads(meta.name, tensor)
-        try:
-            with torch.no_grad(), watch:
-                load(meta.name, tensor)
-        except Exception as exc:  # a loader that needs real values: the tensor goes whole
-            log.info("%s: its loader cannot run without data (%s: %s); sent whole", meta.name, type(exc).__name__, exc)
-            found[meta.name] = None
-            continue
-        found[meta.name] = watch.box()
-    return found
+    return {meta.name: _reads_of(load, meta) for meta in metas}
+
+
+def _reads_of(load: Callable[[str, torch.Tensor], object], meta: TensorMeta) -> Box | None:
+    """The box `load` reads of a meta tensor of `meta`'s shape (`loader_reads`)."""
+    tensor = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    alive = weakref.ref(tensor)
+    watch = _Reads(meta.name, tensor)
+    try:
+        with torch.no_grad(), watch:
+            load(meta.name, tensor)
+    except Exception as exc:  # a loader that needs real values: the tensor goes whole
+        log.info("%s: its loader cannot run without data (%s: %s); sent whole", meta.name, type(exc).__name__, exc)
+        return None
+    box = watch.box()
+    del watch, tensor
+    if alive() is not None:  # the loader holds it, or a view of it, and may read it later
+        return None
+    return box
 
 
 def view_box(view: torch.Tensor, shape: Sequence[int]) -> Box | None:
@@ -139,9 +148,13 @@ class _Reads(TorchDispatchMode):
         """Tensors computed out of `tensor` (not views of it): a copy from one names no box."""
 
     def box(self) -> Box | None:
-        """The bounding box of every read, or None when some read names no box (or none was seen)."""
-        if self.opaque or not self.boxes:
+        """The bounding box of every read, None when some read names no box, an empty box when
+        there was no read."""
+        if self.opaque:
             return None
+        if not self.boxes:
+            empty = (0,) * self.tensor.dim()
+            return empty, empty
         starts, stops = zip(*self.boxes, strict=True)
         return tuple(map(min, zip(*starts, strict=True))), tuple(map(max, zip(*stops, strict=True)))
 

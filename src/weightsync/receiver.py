@@ -98,6 +98,8 @@ class _Parts:
     committed: set[int] = dataclasses.field(default_factory=set)
     shares: dict[int, tuple[TensorShare, ...]] = dataclasses.field(default_factory=dict)
     """Each committed part's shares of the tensors' hashes (a verified sync)."""
+    content: str = ""
+    """The content digest the sync commits, combined from `shares` by the last part."""
     ended: bool = False
     error: BaseException | None = None
 
@@ -381,9 +383,9 @@ class WeightReceiver:
             commit = expect_on(link, Commit, self._timeout)
             committing = time.perf_counter()
             if offer.plan.parts:
-                self._commit_part(landing, commit, offer.part)
+                content = self._commit_part(landing, commit, offer.part)
             else:
-                self.commit(landing, commit)
+                content = self.commit(landing, commit)
             times = _times(landing, landing.sink, started, committing)
             self._set(times=times)
             base = self._base
@@ -397,7 +399,7 @@ class WeightReceiver:
                 with contextlib.suppress(WeightSyncError):
                     link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
             raise
-        link.send(Committed(offer.version, times, base), self._timeout)
+        link.send(Committed(offer.version, times, base, content), self._timeout)
 
     # --- the steps of a sync --------------------------------------------------------------------
 
@@ -554,8 +556,9 @@ class WeightReceiver:
                 sink.abort(offer.version, exc, intact=True)
             raise
 
-    def commit(self, landing: Landing, commit: Commit) -> None:
-        """Check what landed against the sender's commit, then commit it to the sink."""
+    def commit(self, landing: Landing, commit: Commit) -> str:
+        """Check what landed against the sender's commit, then commit it to the sink; the
+        content digest committed ("" unverified)."""
         try:
             content = self._verified_content(landing, commit)
             with sink_errors("commit"):  # like every other hook: the sink's error fails this sync cleanly
@@ -566,16 +569,17 @@ class WeightReceiver:
         if self._adapter(landing):
             self._set(last_error="")
             self._release()
-            return
+            return content
         self._base = content if landing.patchable else ""
         mode = "delta" if landing.delta else "full"
         self._set(state="ready", version=commit.version, content_digest=content, last_error="", mode=mode)
         self._release()
+        return content
 
-    def _commit_part(self, landing: Landing, commit: Commit, part: int) -> None:
+    def _commit_part(self, landing: Landing, commit: Commit, part: int) -> str:
         """Part `part` of a sharded sync landed and its sender asked to commit: the last part to
         get here commits the sync (`commit`); the others wait for it (bounded), and fail if it
-        did not commit."""
+        did not commit. Returns the content digest committed ("" unverified)."""
         with self._joining:
             parts = self._parts
             if parts is None or parts.landing is not landing:
@@ -589,9 +593,11 @@ class WeightReceiver:
         if not last:
             if parts.error is not None:
                 raise SinkError(f"version {commit.version} did not commit: {parts.error}") from parts.error
-            return
-        commit = msgspec.structs.replace(commit, content=_combined(parts.shares, commit.version))
-        self.commit(landing, commit)  # its failure aborts the sync, which ends the parts too
+            return parts.content
+        parts.content = _combined(parts.shares, commit.version)  # read by the other parts once it ended
+        return self.commit(
+            landing, msgspec.structs.replace(commit, content=parts.content)
+        )  # a failure ends the parts too
 
     def _sender_left(self, part: int | None, transport: str, met: int) -> None:
         """A sender's connection ended between its syncs (its process died, say); `part`: the

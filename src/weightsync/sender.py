@@ -441,7 +441,7 @@ class WeightSender:
                 route.channel.record(address, reply.content)
             committed |= replies
             failures |= failed
-            contents.append(content)
+            contents.append(content or _agreed(version, replies))
         failed_here = {a: e for a, e in failures.items() if a in delivery.addresses}
         return committed, failed_here, next((content for content in contents if content), "")
 
@@ -663,6 +663,17 @@ def _commit_message(
         return Commit(version, identity), ""
     content = hashes.content_digest()
     return Commit(version, identity, content, hashes.tensor_hashes() if verify == "full" else ()), content
+
+
+def _agreed(version: int, replies: Mapping[str, Committed]) -> str:
+    """The content digest the receivers committed, where the sender could not compute it (a part
+    of a sharded push from several senders): "" where none said one or they disagree (logged)."""
+    digests = {reply.content_digest for reply in replies.values()} - {""}
+    if len(digests) > 1:
+        log.error(
+            "version %d: the receivers committed %d different content digests: %s", version, len(digests), digests
+        )
+    return digests.pop() if len(digests) == 1 else ""
 
 
 def _outcome(

@@ -164,8 +164,13 @@ class _WindowSink(StreamSink):
 
     def loads(self, batch: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """What vLLM's loader is handed for `batch`: each tensor under the name it is fed, a
-        box inside a tensor of the checkpoint's shape; tied duplicates left out."""
-        return [(fed, padded(self.specs[name], tensor)) for name, tensor in batch if (fed := self.feed[name])]
+        box inside a tensor of the checkpoint's shape; tied duplicates, and the tensors its
+        loaders read nothing of (an expert another rank holds: an empty box), left out."""
+        return [
+            (fed, padded(self.specs[name], tensor))
+            for name, tensor in batch
+            if (fed := self.feed[name]) and not (self.specs[name].region is not None and tensor.numel() == 0)
+        ]
 
     def begin(self, plan: Plan, version: int) -> None:
         self._pending = None
