@@ -50,7 +50,8 @@ from weightsync.sizing import (
     negotiate_bucket_bytes,
 )
 from weightsync.source import ShardedSource, SourceLayout, TensorMeta, WeightSource, as_source, held_tensors
-from weightsync.transports import check_address
+from weightsync.transports import check_address, get_transport
+from weightsync.transports import names as transport_names
 from weightsync.transports.base import Failures, PlaneOptions, SendPlane
 from weightsync.transports.control import SenderChannel
 from weightsync.transports.links import opener
@@ -460,7 +461,8 @@ class WeightSender:
         if layout is not None and layout.world > 1:
             unfit = sorted({route.name for route in self._routes if not route.takes_parts})
             if unfit:
-                raise ConfigError(f"a push from {layout.world} ranks runs over shm, tcp or inproc, not {unfit}")
+                fit = [spec.name for spec in map(get_transport, transport_names()) if spec.takes_parts]
+                raise ConfigError(f"a push from {layout.world} ranks runs over {', '.join(fit)}, not {unfit}")
         reachable = [address for address in self._addresses if address in welcomes and address not in failures]
         wants = {address: welcomes[address].wants for address in reachable}
         groups, refused = cuts(specs, wants)

@@ -105,7 +105,7 @@ def _full_push(server: Served, version: int, plus: float = 0.0) -> None:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 def test_fsdp2_ranks_push_their_shards_into_vllm_tp2(server: FromDisk, transport: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 

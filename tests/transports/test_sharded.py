@@ -25,7 +25,7 @@ from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender,
 from weightsync.digest import source_digest
 from weightsync.messages import Want
 
-TRANSPORTS = ["inproc", "shm", "tcp"]
+TRANSPORTS = ["inproc", "shm", "tcp", "collective"]
 TIMEOUT_S = 10.0
 
 
@@ -124,7 +124,7 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: s
     assert reports[0].whole_tensors == ("experts", "norm"), "worker 0 named neither: sent whole, and said"
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 def test_a_failed_part_aborts_the_sync_on_every_receiver_and_the_next_push_lands(transport: str) -> None:
     first, second = model(0), model(10)
     whole = {name: torch.zeros_like(t) for name, t in first.items()}
@@ -159,7 +159,7 @@ def test_a_part_that_never_comes_fails_the_sync_within_the_timeout() -> None:
         assert receiver.version is None
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 @pytest.mark.parametrize("leaves", ["before the offer", "during the sync", "before its first part"])
 def test_a_rank_that_leaves_before_offering_its_part_fails_the_sync_at_once(transport: str, leaves: str) -> None:
     """Rank 1's sender closes (its process died, say) before it offers its part of rank 0's
@@ -221,8 +221,9 @@ def fsdp_ranks(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "collective"])
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
-def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, tmp_path: Path) -> None:
+def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, transport: str, tmp_path: Path) -> None:
     """A real FSDP2 trainer (2 ranks, gloo): every rank's `WeightSender` pushes its rows of a
     dense model (`ModuleSource(sharded=True)`) or of a mixture of experts in its checkpoint's
     names (`HFCheckpointSource(sharded=True)`: each expert whole from the rank holding it)."""
@@ -231,8 +232,8 @@ def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, tmp_path
     save_model(kind, tmp_path / "model")
     checkpoint = load_file(tmp_path / "model" / "model.safetensors")
     landed = {name: torch.zeros_like(tensor) for name, tensor in checkpoint.items()}
-    with WeightReceiver(landed, "tcp", timeout=60) as receiver:
-        ranks = fsdp_ranks(["--to", receiver.address], tmp_path / "model", "tcp", tmp_path)
+    with WeightReceiver(landed, transport, timeout=60) as receiver:
+        ranks = fsdp_ranks(["--to", receiver.address], tmp_path / "model", transport, tmp_path)
         assert receiver.version == 1
     assert all(push["ok"] for rank in ranks for push in rank)
     sent = [push["wire_bytes"][receiver.address] for rank in ranks for push in rank]

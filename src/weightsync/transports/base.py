@@ -233,7 +233,8 @@ class TransportSpec:
     the memory budget split over the slots): 64 MiB, beyond which a copy is no faster."""
     takes_parts: bool = False
     """Whether it carries the plans of a sharded sync with several senders (`Plan.parts`): its
-    planes count buckets per sync, not from 0 (shm, tcp, inproc)."""
+    planes count buckets per sync, not from 0, and each sender's connection has a plane of its
+    own (shm, tcp, inproc, collective: a group per sender)."""
     check: Callable[[str], None] = lambda role: None
     """Raises ConfigError when this process cannot use the transport as `role` ("sender" or
     "receiver"): no CUDA for cudaipc."""

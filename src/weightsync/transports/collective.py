@@ -552,4 +552,5 @@ SPEC = TransportSpec(
     send_plane=ChainSendPlane,
     receive_plane=ChainReceivePlane,
     messages=(Group,),
+    takes_parts=True,
 )
