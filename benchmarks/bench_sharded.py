@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--size-gb", type=float, default=0.8)
     parser.add_argument("--vocab", type=int, default=32768, help="embedding rows (x 1536 x 4 bytes)")
     parser.add_argument("--bucket-mb", type=int, default=16)
-    parser.add_argument("--transport", default="shm", choices=["shm", "tcp"])
+    parser.add_argument("--transport", default="shm", choices=["shm", "tcp", "collective"])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1, help="full then sharded, this many times")
     parser.add_argument("--timeout", type=float, default=900.0)
