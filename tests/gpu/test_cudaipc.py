@@ -2,7 +2,7 @@
 
 CUDA IPC refuses to open a handle in the process that made it, so every receiver here is a child
 process. It reports the content digest of what it holds (`weightsync.digest.source_digest`, the
-same xxh3 a verified push carries), which must equal the source's.
+same digest a verified push carries), which must equal the source's.
 """
 
 from __future__ import annotations
