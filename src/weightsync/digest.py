@@ -23,6 +23,7 @@ from weightsync.errors import PlanError
 from weightsync.messages import TensorShare, TensorSpec
 from weightsync.pack import piece_bytes, write_piece
 from weightsync.plan import tensor_nbytes, wire_specs
+from weightsync.regions import held_range
 from weightsync.source import ShardedSource, SourceLayout, as_source
 
 __all__ = ["held_shares", "source_digest"]
@@ -48,20 +49,15 @@ def held_shares(
     specs = wire_specs(source.metas(), cast)
     shares = []
     for index, (spec, (name, tensor)) in enumerate(zip(specs, source.held(), strict=True)):
-        bounds, whole_nbytes = layout.rows[index], tensor_nbytes(spec)
-        if bounds is None:
-            held = _hash(spec, tensor, whole_nbytes) if layout.owner(index) == layout.rank else 0
-            shares.append(TensorShare(spec.name, spec.dtype, spec.shape, held))
-            continue
-        row_nbytes = whole_nbytes // spec.shape[0] if spec.shape and spec.shape[0] else 0
-        first, stop = bounds[layout.rank], bounds[layout.rank + 1]
-        nbytes = (stop - first) * row_nbytes
-        if tensor.numel() * dtype_from_name(spec.dtype).itemsize != nbytes:
-            raise PlanError(
-                f"{name}: this rank holds {tuple(tensor.shape)}, not rows [{first}, {stop}) of {spec.shape}"
-            )
-        held = _hash(spec, tensor, nbytes) if nbytes else 0
-        shares.append(TensorShare(spec.name, spec.dtype, spec.shape, share(held, whole_nbytes - stop * row_nbytes)))
+        bounds = layout.rows[index]
+        first, end = held_range(spec, bounds, layout.rank, layout.owner(index))
+        held = 0
+        if end > first:
+            if tensor.numel() * dtype_from_name(spec.dtype).itemsize != end - first:
+                rows = "the whole" if bounds is None else f"rows [{bounds[layout.rank]}, {bounds[layout.rank + 1]}) of"
+                raise PlanError(f"{name}: this rank holds {tuple(tensor.shape)}, not {rows} {spec.shape}")
+            held = _hash(spec, tensor, end - first)
+        shares.append(TensorShare(spec.name, spec.dtype, spec.shape, share(held, tensor_nbytes(spec) - end)))
     return tuple(shares)
 
 

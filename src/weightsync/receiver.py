@@ -602,8 +602,9 @@ class WeightReceiver:
     def _sender_left(self, part: int | None, transport: str, met: int) -> None:
         """A sender's connection ended between its syncs (its process died, say); `part`: the
         part of a sharded sync it offered last, if any. Each part comes over a connection of its
-        own, so a sharded sync in progress that now misses more parts than there are connected
-        senders yet to offer one cannot complete: it aborts now, not at its timeout. With none
+        own, so a sharded sync in progress that this departure leaves missing more parts than
+        there are connected senders yet to offer one cannot complete: it aborts now, not at its
+        timeout. With none
         in progress, the next one is refused if the sender of a part of the last one left, unless
         a sender connected after this one's last sync (`met`: the handshakes then), which may
         send that part now, or connects first."""
@@ -616,8 +617,8 @@ class WeightReceiver:
                 return
             missing = sorted(set(range(len(parts.offer.plan.parts))) - parts.joined)
             free = self._senders_connected - len(parts.joined)  # connected, and yet to offer a part of it
-            if len(missing) <= free:
-                return
+            if not free < len(missing) <= free + 1:  # enough senders are left, or were short already
+                return  # (the senders missing then may still connect: only this departure decides)
             landing, version = parts.landing, parts.offer.version
         if part in missing:
             why = f"the sender of part {part} closed its connection before it offered its part"

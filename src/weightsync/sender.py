@@ -497,8 +497,7 @@ class WeightSender:
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
         if layout.world > 1:
-            if not isinstance(source, ShardedSource):
-                raise ConfigError(f"a push from {layout.world} ranks needs a sharded source")
+            assert isinstance(source, ShardedSource)  # only a sharded source gives a layout of several ranks
             shares = self._hasher.submit(held_shares, source, layout, self.options.cast)
             return [dataclasses.replace(delivery, shares=shares) for delivery in deliveries]
         content = self._hasher.submit(source_digest, source, self.options.cast)
