@@ -182,3 +182,13 @@ def test_serve_offers_every_serving_transport(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--transport", "inproc"])
     assert "invalid choice: 'inproc'" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_reads_the_steps_it_recorded(tmp_path: Path) -> None:
+    """steps.jsonl as an interrupted run leaves it: whole lines, then one cut short."""
+    from weightsync.cli.demo import read_steps
+
+    path = tmp_path / "steps.jsonl"
+    assert read_steps(path) == []
+    path.write_text('{"step": 0}\n{"step": 1}\n{"ste')
+    assert read_steps(path) == [{"step": 0}, {"step": 1}]

@@ -6,6 +6,7 @@ reaches the whole group, which hid the bug: servers outlived a demo sent SIGTERM
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -98,6 +99,9 @@ def test_killing_the_demo_alone_leaves_no_server(tmp_path, signum, observe) -> N
         assert stderr.strip().splitlines()[-1:] == [
             "weightsync demo: " + ("terminated" if signum == signal.SIGTERM else "interrupted")
         ], stderr
+        summary = json.loads((tmp_path / "summary.json").read_text())  # the steps done, plotted and summed up
+        assert summary["interrupted"] is True and summary["steps"] >= 1, summary
+        assert (tmp_path / "reward_and_sync.png").stat().st_size > 0
     observe(f"{signum.name}: both servers gone {seconds:.1f} s after the signal; demo exit status {demo.returncode}")
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from weightsync.cli.args import DefaultsFormatter, at_least, positive_seconds
 from weightsync.errors import ConfigError
@@ -176,7 +177,6 @@ def demo_config(args: argparse.Namespace, engine: str) -> DemoConfig:
 
 def run(args: argparse.Namespace) -> int:
     from weightsync.demo.loop import run as run_loop
-    from weightsync.demo.report import plot, summary
 
     engine = choose_engine(args.engine, args.mode)
     config = demo_config(args, engine)
@@ -192,21 +192,55 @@ def run(args: argparse.Namespace) -> int:
         )
     show_progress()
     started = time.perf_counter()
-    records = run_loop(config)
+    try:
+        records = run_loop(config)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C or SIGTERM: the steps done get their plot and summary
+        done = read_steps(args.out / "steps.jsonl")
+        if done:
+            write_report(args, done, time.perf_counter() - started, served_by, interrupted=True)
+        raise
+    write_report(args, records, time.perf_counter() - started, served_by)
+    print(f"  trained policy: {args.out / 'policy'} (serve it, push it, check it: see README, 'Next')")
+    return 0
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    """The steps a run recorded (steps.jsonl, one object a line; a line cut short by the
+    interruption is left out)."""
+    records = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line))
+    return records
+
+
+def write_report(
+    args: argparse.Namespace,
+    records: list[dict[str, Any]],
+    seconds: float,
+    served_by: str,
+    *,
+    interrupted: bool = False,
+) -> None:
+    """The plot, summary.json and the summary's lines on stdout, for the steps in `records`."""
+    from weightsync.demo.report import plot, summary
+
     plot(records, args.out / "reward_and_sync.png", engine=served_by, mode=args.mode)
-    result = summary(records) | {"seconds": time.perf_counter() - started, "mode": args.mode, "engine": served_by}
+    result = summary(records) | {"seconds": seconds, "mode": args.mode, "engine": served_by}
+    result["interrupted"] = interrupted
     (args.out / "summary.json").write_text(json.dumps(result, indent=1))
+    ended = f"interrupted after {result['steps']} steps" if interrupted else f"{result['steps']} steps"
     print(
-        f"weightsync demo ({args.mode}, {served_by} engine): {result['steps']} steps in {result['seconds']:.0f} s; "
+        f"weightsync demo ({args.mode}, {served_by} engine): {ended} in {result['seconds']:.0f} s; "
         f"reward {result['reward_first_10pct']:.2f} (first 10% of steps) -> {result['reward_last_10pct']:.2f} "
         f"(last 10%); {result['syncs']} syncs of the {result['pushes']}, mean {result['mean_sync_seconds'] * 1e3:.1f} "
         f"ms, median {result['median_sync_bytes'] / 1024:.1f} KiB pushed ({result['median_sync_fraction']:.1%} of the "
         f"model's bytes), {result['median_wire_bytes'] / 1024:.1f} KiB on the wire; "
         f"max version lag {result['max_version_lag']}, "
-        f"{result['dropped_stale']} samples dropped as stale"
+        f"{result['dropped_stale']} samples dropped as stale",
+        flush=True,
     )
     for event in result["events"]:
         print(f"  {event}")
-    print(f"  run directory: {args.out} (steps.jsonl, reward_and_sync.png, summary.json)")
-    print(f"  trained policy: {args.out / 'policy'} (serve it, push it, check it: see README, 'Next')")
-    return 0
+    print(f"  run directory: {args.out} (steps.jsonl, reward_and_sync.png, summary.json)", flush=True)
