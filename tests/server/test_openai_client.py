@@ -8,9 +8,11 @@ is one more param of `engine`, with its skip marks).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -216,6 +218,32 @@ def test_requests_before_the_first_sync_get_a_503(tiny_models, engine, stream) -
         with pytest.raises(openai.APIStatusError) as raised:
             client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, stream=stream)
         error_of(raised, 503, "ServiceUnavailableError")
+
+
+def test_the_client_with_its_default_retries_reports_the_gate_after_two_retry_afters(tiny_models, engine) -> None:
+    """Every 503 of the gate carries Retry-After, which the official client waits out between its
+    default two retries: it reports after 3 waits at the gate and 2 Retry-Afters, no more."""
+    from weightsync.serving.error_body import RETRY_AFTER_S
+
+    gate_s = 0.2
+    with live_server(tiny_models["qwen2"], engine=engine, ready_timeout=gate_s) as server:
+        raw = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "ab"}, timeout=WAIT_S)
+        assert raw.status_code == 503 and raw.headers["retry-after"] == str(RETRY_AFTER_S), raw.headers
+        assert "push weights first" in raw.json()["error"]["message"] and raw.json()["state"] == "waiting for weights"
+        tries: list[float] = []
+        hooks = {"request": [lambda request: tries.append(time.monotonic())]}
+        with (
+            httpx.Client(event_hooks=hooks) as http,
+            openai.OpenAI(  # max_retries: its default, 2
+                base_url=f"{server.url}/v1", api_key="unused", http_client=http
+            ) as client,
+        ):
+            with pytest.raises(openai.APIStatusError) as raised:
+                client.completions.create(model=MODEL, prompt="ab", max_tokens=2)
+    assert raised.value.status_code == 503 and len(tries) == 3, tries
+    # each retry waited Retry-After (its own backoff would be 0.5 s, then 1 s)
+    assert all(later - earlier >= RETRY_AFTER_S for earlier, later in itertools.pairwise(tries)), tries
+    assert ServeConfig.__dataclass_fields__["ready_timeout"].default * 3 + 2 * RETRY_AFTER_S < 35
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -48,7 +48,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     serve.add_argument("--receiver-host", default="127.0.0.1", help="tcp receiver interface")
     serve.add_argument("--receiver-port", type=port, default=0, help="tcp receiver port (default any)")
     serve.add_argument("--sync-mode", choices=("wait", "abort", "keep"), default="wait", help="pause mode for syncs")
-    serve.add_argument("--ready-timeout", type=seconds, default=30.0, help="seconds a request waits for weights")
+    serve.add_argument(
+        "--ready-timeout",
+        type=seconds,
+        default=8.0,
+        help="seconds a request waits for weights before its 503 (which carries Retry-After)",
+    )
     serve.add_argument("--drain-timeout", type=seconds, default=60.0, help="seconds a sync waits for the loop")
     serve.add_argument("--sync-timeout", type=seconds, default=60.0, help="receiver timeout inside a sync")
     serve.add_argument(

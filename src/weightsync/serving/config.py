@@ -91,7 +91,7 @@ class ServeConfig:
     transport: str = "shm"
     receiver: ReceiverOptions = dataclasses.field(default_factory=ReceiverOptions)
     sync_mode: PauseMode = "wait"
-    ready_timeout: float = 30.0
+    ready_timeout: float = 8.0
     drain_timeout: float = 60.0
     served_model_name: str | None = None
     auth_token: str | None = None
