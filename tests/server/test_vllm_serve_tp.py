@@ -31,7 +31,7 @@ from tests.helpers import WAIT_S, wait_until
 from tests.leftovers import Footprints
 from tests.models import save_model
 from tests.server.checks import _Gated
-from weightsync import WeightSender
+from weightsync import WeightSender, cli
 from weightsync.digest import source_digest
 from weightsync.serving.process import ChildProcess
 
@@ -117,7 +117,7 @@ def _generate(model_dir: Path) -> list[int]:
 
 @pytest.mark.parametrize(("kind", "transport"), [("qwen2", "shm"), ("qwen2", "tcp"), ("qwen3_moe", "shm")])
 def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_generates(
-    tiny_models: dict[str, Path], tmp_path: Path, kind: str, transport: str
+    tiny_models: dict[str, Path], tmp_path: Path, kind: str, transport: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model_dir = tiny_models.get(kind) or tmp_path / kind
     if kind not in tiny_models:
@@ -135,6 +135,12 @@ def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_gener
                 assert served.http.get("/weight_info").json()["content_digest"] == source_digest(weights)
         answer = served.greedy().json()
         assert answer["weight_version"] == 2 and answer["choices"][0]["token_ids"] == expected
+        if (kind, transport) == ("qwen2", "shm"):  # the CLI says one line per server, not one per worker
+            capsys.readouterr()
+            assert cli.main(["push", "--model", str(model_dir), "--to", served.url, "--timeout", str(WAIT_S)]) == 0
+            out = capsys.readouterr().out.strip().splitlines()
+            assert out[0] == f"{served.url}: committed version 3" and len(out) == 2, out
+            assert out[1].startswith("version 3: committed on 1 of 1 servers"), out
 
 
 @pytest.mark.fault(

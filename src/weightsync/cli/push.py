@@ -101,18 +101,28 @@ def run(args: argparse.Namespace) -> int:
         version = choose_version(args.version, served_versions(infos, adapter), args.allow_older_version)
         report = group.push(tensors, version, adapter=adapter)
     urls = {address: url for url, info in infos.items() for address in info["addresses"]}
-    for outcome in report.failed:
-        why = in_flags(one_line(outcome.error))
-        print(f"weightsync push: {urls[outcome.address]}: {outcome.kind}: {why}", file=sys.stderr)
+    for url, reasons in failures_by_server(report, urls).items():
+        print(f"weightsync push: {url}: {'; '.join(reasons)}", file=sys.stderr)
     if args.json:
         outcomes = outcomes_json(report, urls, unreachable)
         print(json.dumps(report_json(report) | {"ok": report.ok and not unreachable, "outcomes": outcomes}))
     else:
-        for outcome in report.outcomes:
-            if outcome.committed:
-                print(f"{urls[outcome.address]}: committed version {report.version}")
+        failed = {urls[outcome.address] for outcome in report.failed}
+        for url in dict.fromkeys(urls[outcome.address] for outcome in report.outcomes):
+            if url not in failed:  # every worker of the server committed
+                print(f"{url}: committed version {report.version}")
         print(summary(report, urls, len(infos) + len(unreachable), adapter))
     return 0 if report.ok and not unreachable else FAILED
+
+
+def failures_by_server(report: SyncReport, urls: dict[str, str]) -> dict[str, list[str]]:
+    """Each server that did not commit, with its workers' reasons, each said once (a server's
+    tensor-parallel workers mostly fail for the same reason)."""
+    reasons: dict[str, dict[str, None]] = {}
+    for outcome in report.failed:
+        why = f"{outcome.kind}: {in_flags(one_line(outcome.error))}"
+        reasons.setdefault(urls[outcome.address], {})[why] = None
+    return {url: list(said) for url, said in reasons.items()}
 
 
 def in_flags(message: str) -> str:
