@@ -8,10 +8,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 logs="$(mktemp -d)"
+basetemp="$(mktemp -d)" # pytest -n 2's (below)
 side=""
 cleanup() {
     if [[ -n "$side" ]]; then kill -TERM -- "-$side" 2>/dev/null || true; fi # its process group
-    rm -rf "$logs"
+    rm -rf "$logs" "$basetemp"
 }
 trap cleanup EXIT
 
@@ -66,7 +67,9 @@ if [[ $# -eq 0 ]]; then
     # (tests/conftest.py: real engines and servers, checks of the whole host) one at a time.
     # Both run; the first's failures fail the run once the second has run too.
     failed=0
-    .venv/bin/pytest -q --durations=25 -n 2 -m "not alone" || failed=$?
+    # --basetemp: a short folder, so that a worker's tmp_path (which adds popen-gwN/) stays as
+    # short as a one-process run's (a Unix socket's path has at most 107 bytes).
+    .venv/bin/pytest -q --durations=25 -n 2 -m "not alone" --basetemp="$basetemp" || failed=$?
     .venv/bin/pytest -q --durations=25 -m alone
     [[ $failed -eq 0 ]] || exit "$failed"
 else
