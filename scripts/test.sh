@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv, lint, type-check, then run the test suite. Extra arguments go to pytest (which
-# then runs once, on one core, with them).
+# Set up .venv, lint, type-check, then run the test suite. Extra arguments go to pytest.
 #
 # Each set-up step prints one line (its own output goes to a log, printed whole if it fails, and
 # the run stops). SGLang's venv (.venv-sglang) shares nothing with .venv, so it is built side by
@@ -8,11 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 logs="$(mktemp -d)"
-basetemp="$(mktemp -d)" # pytest -n 2's (below)
 side=""
 cleanup() {
     if [[ -n "$side" ]]; then kill -TERM -- "-$side" 2>/dev/null || true; fi # its process group
-    rm -rf "$logs" "$basetemp"
+    rm -rf "$logs"
 }
 trap cleanup EXIT
 
@@ -53,28 +51,15 @@ if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
 fi
 step ruff .venv/bin/ruff check .
 step ruff-format .venv/bin/ruff format --check .
-step mypy .venv/bin/mypy # [tool.mypy] in pyproject.toml: the package, strict on the core
+step mypy .venv/bin/mypy  # [tool.mypy] in pyproject.toml: the package, strict on the core
 if [[ -n "$side" ]]; then
     status=0
     wait "$side" || status=$?
     side=""
     [[ $status -eq 0 ]] || exit "$status"
 fi
-export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}" # NIXL's UCX stays on loopback
-# --durations: the slowest tests, to keep the run short.
-if [[ $# -eq 0 ]]; then
-    # The whole suite: the tests that start no engine on both cores, then those marked `alone`
-    # (tests/conftest.py: real engines and servers, checks of the whole host) one at a time.
-    # Both run; the first's failures fail the run once the second has run too.
-    failed=0
-    # --basetemp: a short folder, so that a worker's tmp_path (which adds popen-gwN/) stays as
-    # short as a one-process run's (a Unix socket's path has at most 107 bytes).
-    .venv/bin/pytest -q --durations=25 -n 2 -m "not alone" --basetemp="$basetemp" || failed=$?
-    .venv/bin/pytest -q --durations=25 -m alone
-    [[ $failed -eq 0 ]] || exit "$failed"
-else
-    .venv/bin/pytest -q --durations=25 "$@"
-fi
+export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"  # NIXL's UCX stays on loopback
+.venv/bin/pytest -q --durations=25 "$@"  # the slowest tests, to keep the run short
 # The nixl tests again over UCX's tcp transport, the path a host pair without RDMA takes (the run
 # above used UCX's default, shared memory). Exit status 5: the arguments selected no nixl test.
 if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then

@@ -1,13 +1,11 @@
 """Fixtures every test shares: the transport parameter, and checks that no test leaves shared
 memory or weightsync threads behind. Tests marked `gpu` are skipped where torch sees no CUDA, and
-cases of a transport whose optional package is not installed (nixl) are skipped too. Tests that
-must run one at a time are marked `alone`."""
+cases of a transport whose optional package is not installed (nixl) are skipped too."""
 
 from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 
 import psutil
 import pytest
@@ -126,23 +124,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 GPU_ONLY = "GPU only: torch sees no CUDA device on this host"
 
-ALONE_FOLDERS = {"server", "integrations", "demo", "fleet"}
-"""Folders of tests/ whose tests start real engines and servers, and check what the whole host
-holds once they stop: marked `alone` (so is every `slow` test), they run one at a time."""
 
-
-def _alone(item: pytest.Item) -> bool:
-    tests = Path(__file__).parent
-    folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
-    return folder in ALONE_FOLDERS or item.get_closest_marker("slow") is not None
-
-
-@pytest.hookimpl(tryfirst=True)  # before `-m` selects: it may select by `alone`
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     cuda = None
     for item in items:
-        if _alone(item):
-            item.add_marker(pytest.mark.alone)
         if item.get_closest_marker("gpu") is not None:
             cuda = torch.cuda.is_available() if cuda is None else cuda
             if not cuda:
