@@ -20,7 +20,8 @@ version; the whole version's digest where no receiver gets a whole tensor; a ran
 push from several) is a `digest.Pending`, computed while the buckets go out.
 
 The planner keeps what its decision reuses from push to push: the plans and their ids, the delta
-baseline, and which tensors it said last were sent whole.
+baseline, and which tensors it said last were sent whole; it says once why a transport is sent
+every push whole (`delta=True` over shared memory) or a source's tensors whole.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from weightsync.regions import cuts, part_plan, sent_whole
 from weightsync.source import ShardedSource, SourceLayout, TensorMeta, WeightSource, as_source, held_tensors
 from weightsync.transports import get_transport
 from weightsync.transports import names as transport_names
+from weightsync.transports.base import TransportSpec
 
 __all__ = ["Delivery", "DeliveryPlanner", "Outgoing", "Part", "Planned", "Whole", "agreed_digest"]
 
@@ -130,8 +132,8 @@ class Whole:
     digest: Pending[str] = NO_DIGEST
     """The version's content digest where the sender computes it whole (a delta push: what
     travelled is not the version), whatever the buckets' hashes say."""
-    part = 0
-    own_plane = False
+    part: ClassVar[int] = 0
+    own_plane: ClassVar[bool] = False
 
     @property
     def sent_bytes(self) -> int:
@@ -169,7 +171,7 @@ class Part:
     digest: Pending[str] = NO_DIGEST
     shares: Pending[tuple[TensorShare, ...]] = NO_SHARES
     mode: ClassVar[Mode] = "full"
-    delta_base = ""
+    delta_base: ClassVar[str] = ""
 
     @property
     def part(self) -> int:
@@ -252,15 +254,17 @@ class DeliveryPlanner:
 
     Args:
         options: the sender's (cast, verify, delta).
-        patchable: the receivers whose transport takes patches (`delta`).
-        unfit_for_parts: the sender's transports that cannot carry a plan from several ranks.
+        transports: the transport of each receiver, by address.
     """
 
-    def __init__(self, options: SenderOptions, patchable: frozenset[str], unfit_for_parts: Sequence[str]) -> None:
+    def __init__(self, options: SenderOptions, transports: Mapping[str, TransportSpec]) -> None:
         self._cast = options.cast
         self._verify = options.verify
-        self._patchable = patchable
-        self._unfit_for_parts = sorted(unfit_for_parts)
+        patching = {spec.name for spec in transports.values() if _patches(spec, options)}
+        self._patchable = frozenset(address for address, spec in transports.items() if spec.name in patching)
+        """The receivers whose transport takes patches (`delta`)."""
+        self._unfit_for_parts = sorted({spec.name for spec in transports.values() if not spec.takes_parts})
+        """The transports that cannot carry a plan from several ranks."""
         self._plans = PlanCache()
         self._cut_plans: dict[tuple[Any, ...], tuple[Plan, str]] = {}
         """Sharded plans and their ids, by what they were built from."""
@@ -426,8 +430,23 @@ def _fit_for_parts() -> list[str]:
     return [spec.name for spec in map(get_transport, transport_names()) if spec.takes_parts]
 
 
+def _patches(spec: TransportSpec, options: SenderOptions) -> bool:
+    """Whether the receivers of `spec` that hold the previous push get only what changed; with
+    delta=True and a transport it does not patch, said why, once per transport and process (a
+    group of servers rebuilds its sender whenever a server joins)."""
+    patches = options.delta == "all" or (options.delta is True and spec.networked)
+    if options.delta is True and not patches and spec.name not in _SAID:
+        _SAID.add(spec.name)
+        log.warning(
+            "delta=True sends every push whole to %s receivers: a diff pays only over a network transport "
+            '(tcp, collective, nixl); delta="all" diffs over every transport (docs/delta.md)',
+            spec.name,
+        )
+    return patches
+
+
 _SAID: set[str] = set()
-"""What this process said once already."""
+"""What this process said once already: the transports `_patches` named, "walked once"."""
 
 
 def _say_walked_once() -> None:

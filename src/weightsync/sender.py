@@ -29,7 +29,6 @@ from weightsync.deliveries import Delivery, DeliveryPlanner, Outgoing, Planned, 
 from weightsync.errors import (
     ConfigError,
     NegotiationError,
-    RemoteError,
     SyncFailed,
     TransferTimeout,
     TransportError,
@@ -150,9 +149,7 @@ class WeightSender:
         except BaseException:
             self.close()
             raise
-        patchable = frozenset(address for address in addresses if _patches(specs[address], options))
-        unfit = {spec.name for spec in specs.values() if not spec.takes_parts}
-        self._planner = DeliveryPlanner(options, patchable, tuple(unfit))
+        self._planner = DeliveryPlanner(options, specs)
 
     @property
     def addresses(self) -> list[str]:
@@ -200,7 +197,8 @@ class WeightSender:
         try:  # until the offer, receivers wait for one: a failure tells them it will not come
             outgoing = self._planner.outgoing(tensors, adapter)
             welcomes, failures = self._connect()
-            bucket_bytes = self._agree_bucket_bytes(outgoing, welcomes, failures)
+            bucket_bytes, unfit = self._agree_bucket_bytes(outgoing, welcomes, failures)
+            failures |= unfit
             self._turn_away(version, failures, adapter)
             live = {a: welcomes[a] for a in self._addresses if a in welcomes and a not in failures}
             planned = self._planner.plan_deliveries(outgoing, bucket_bytes, live)
@@ -225,11 +223,19 @@ class WeightSender:
         failures: Failures,
         adapter: Adapter | None,
     ) -> list[Delivered]:
-        """Every delivery of `planned`: side by side, or one after the other; a delivery that
-        raises tells the receivers of the later ones (offered nothing yet) that none will come."""
+        """Every delivery of `planned`: side by side, each on a thread of its own (the first error
+        any raised, once every one ended), or one after the other, where a delivery that raises
+        tells the receivers of the later ones (offered nothing yet) that none will come."""
         deliveries, verify = planned.deliveries, planned.verify
         if planned.side_by_side:
-            return self._deliver_side_by_side(deliveries, version, verify, ends, welcomes, failures)
+            with ThreadPoolExecutor(len(deliveries), thread_name_prefix="weightsync-delivery") as pool:
+                args = (version, verify, ends, welcomes, failures, None)
+                running = [pool.submit(self._deliver, delivery, *args) for delivery in deliveries]
+                errors = [future.exception() for future in running]
+            for error in errors:
+                if error is not None:
+                    raise error
+            return [future.result() for future in running]
         delivered = []
         for index, delivery in enumerate(deliveries):
             try:
@@ -299,28 +305,6 @@ class WeightSender:
         failed_here = {a: e for a, e in failures.items() if a in delivery.addresses}
         return Delivered(delivery, committed, failed_here, next((digest for digest in digests if digest), ""))
 
-    def _deliver_side_by_side(
-        self,
-        deliveries: Sequence[Delivery],
-        version: int,
-        verify: Verify,
-        ends: float | None,
-        welcomes: Mapping[str, Welcome],
-        failures: Failures,
-    ) -> list[Delivered]:
-        """`_deliver` each of `deliveries` on a thread of its own (each through its own data
-        plane); the first error any raised, once every one ended."""
-        with ThreadPoolExecutor(len(deliveries), thread_name_prefix="weightsync-delivery") as pool:
-            running = [
-                pool.submit(self._deliver, delivery, version, verify, ends, welcomes, failures, None)
-                for delivery in deliveries
-            ]
-            errors = [future.exception() for future in running]
-        for error in errors:
-            if error is not None:
-                raise error
-        return [future.result() for future in running]
-
     def _report(
         self,
         version: int,
@@ -344,7 +328,7 @@ class WeightSender:
             bucket_bytes=bucket_bytes,
             seconds=time.perf_counter() - started,
             outcomes=tuple(
-                _outcome(a, failures, committed.get(a), by_address.get(a), fraction) for a in self._addresses
+                _outcome(a, failures.get(a), committed.get(a), by_address.get(a), fraction) for a in self._addresses
             ),
             content_digest=next((done.digest for done in delivered if done.digest), ""),
             wire_bytes=sum(delivery.sent_bytes for delivery in planned.deliveries if delivery.addresses),
@@ -374,8 +358,11 @@ class WeightSender:
             failures |= failed
         return welcomes, failures
 
-    def _agree_bucket_bytes(self, outgoing: Outgoing, welcomes: Mapping[str, Welcome], failures: Failures) -> int:
-        """Negotiate one bucket size; receivers that cannot afford the minimum are failed."""
+    def _agree_bucket_bytes(
+        self, outgoing: Outgoing, welcomes: Mapping[str, Welcome], failures: Failures
+    ) -> tuple[int, Failures]:
+        """Negotiate one bucket size; returns it, and the receivers that cannot afford the
+        minimum (why)."""
         options = self.options
         proposed = options.proposed_bucket_bytes or auto_bucket_bytes(
             outgoing.largest_tensor_bytes,
@@ -389,14 +376,18 @@ class WeightSender:
         # The sender's own minimum bounds its proposal too: "auto" sized from small tensors
         # must not propose less than it then requires.
         proposed = max(proposed, ALIGN_BYTES, align_up(options.min_bucket_bytes))
-        for address, welcome in welcomes.items():
-            if address not in failures and welcome.max_bucket_bytes < options.min_bucket_bytes:
-                failures[address] = NegotiationError(
-                    f"receiver {address} accepts buckets of at most {welcome.max_bucket_bytes} bytes, "
-                    f"the sender requires at least {options.min_bucket_bytes}"
-                )
-        limits = {a: w.max_bucket_bytes for a, w in welcomes.items() if a not in failures}
-        return negotiate_bucket_bytes(proposed, limits, options.min_bucket_bytes) if limits else proposed
+        unfit: Failures = {
+            address: NegotiationError(
+                f"receiver {address} accepts buckets of at most {welcome.max_bucket_bytes} bytes, "
+                f"the sender requires at least {options.min_bucket_bytes}"
+            )
+            for address, welcome in welcomes.items()
+            if address not in failures and welcome.max_bucket_bytes < options.min_bucket_bytes
+        }
+        limits = {a: w.max_bucket_bytes for a, w in welcomes.items() if a not in failures and a not in unfit}
+        if not limits:
+            return proposed, unfit
+        return negotiate_bucket_bytes(proposed, limits, options.min_bucket_bytes), unfit
 
     def close(self) -> None:
         """Close connections and release transfer buffers (shared-memory rings)."""
@@ -434,14 +425,6 @@ def _carrier(spec: TransportSpec, addresses: tuple[str, ...], options: SenderOpt
     return Carrier(spec.name, spec.has_wire, addresses, channel, new_plane(), spec.largest_auto_bucket_bytes, new_plane)
 
 
-def _patches(spec: TransportSpec, options: SenderOptions) -> bool:
-    """Whether the receivers of `spec` that hold the previous push get only what changed."""
-    patches = options.delta == "all" or (options.delta is True and spec.networked)
-    if options.delta is True and not patches:
-        _say_whole_once(spec.name)
-    return patches
-
-
 def _at(version: int, bucket: int | None, failures: Failures) -> Failures:
     """`failures`, each transport error saying where it happened (unless its raiser did)."""
     for error in failures.values():
@@ -456,34 +439,12 @@ def _check_deadline(ends: float | None, version: int, index: int) -> None:
 
 
 def _outcome(
-    address: str, failures: Failures, reply: Committed | None, delivery: Delivery | None, changed_fraction: float
+    address: str, error: WeightSyncError | None, reply: Committed | None, delivery: Delivery | None, fraction: float
 ) -> ReceiverOutcome:
     mode, wire_bytes = (delivery.mode, delivery.sent_bytes) if delivery is not None else ("full", 0)
-    error: WeightSyncError | None = failures.get(address)
     if error is None and reply is not None:
         return ReceiverOutcome(
-            address, True, times=reply.times, mode=mode, wire_bytes=wire_bytes, changed_fraction=changed_fraction
+            address, True, times=reply.times, mode=mode, wire_bytes=wire_bytes, changed_fraction=fraction
         )
-    if error is None:
-        error = WeightSyncError("the receiver neither committed nor failed")
-    kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
-    return ReceiverOutcome(
-        address, False, kind, str(error), mode=mode, wire_bytes=wire_bytes, changed_fraction=changed_fraction
-    )
-
-
-_SAID_WHOLE: set[str] = set()
-"""Transports `_say_whole_once` has named in this process."""
-
-
-def _say_whole_once(transport: str) -> None:
-    """delta=True to a receiver it does not patch: say why, once per transport and process (a
-    group of servers rebuilds its sender whenever a server joins)."""
-    if transport in _SAID_WHOLE:
-        return
-    _SAID_WHOLE.add(transport)
-    log.warning(
-        "delta=True sends every push whole to %s receivers: a diff pays only over a network transport "
-        '(tcp, collective, nixl); delta="all" diffs over every transport (docs/delta.md)',
-        transport,
-    )
+    error = error or WeightSyncError("the receiver neither committed nor failed")
+    return ReceiverOutcome.failed_with(address, error, mode=mode, wire_bytes=wire_bytes, changed_fraction=fraction)

@@ -461,11 +461,11 @@ def test_delta_true_to_a_receiver_it_does_not_patch_says_why_once(monkeypatch, c
     every push goes whole, and the sender says so, one line, once per transport."""
     import logging
 
-    import weightsync.sender
+    import weightsync.deliveries
 
-    monkeypatch.setattr(weightsync.sender, "_SAID_WHOLE", set())
+    monkeypatch.setattr(weightsync.deliveries, "_SAID", set())
     weights = {"w": torch.zeros(64)}
-    with caplog.at_level(logging.WARNING, logger="weightsync.sender"):
+    with caplog.at_level(logging.WARNING, logger="weightsync.deliveries"):
         for version in (1, 2):  # two senders, as a server group rebuilds its own
             with WeightReceiver({"w": torch.zeros(64)}, transport="inproc").start() as receiver:
                 with WeightSender([receiver.address], delta=True) as sender:
