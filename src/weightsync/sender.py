@@ -140,7 +140,6 @@ class WeightSender:
             raise ConfigError(f"need one or more distinct receiver addresses, got {addresses!r}")
         specs = {address: check_address(address) for address in addresses}
         self.options = options = build_options(SenderOptions, options, kwargs)
-        self._timeout = options.timeout
         self._addresses = addresses
         self._carriers: list[Carrier] = []
         try:
