@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, TypeAlias
 
 import torch
 
@@ -63,63 +63,20 @@ MAX_CUT_PLANS = 16
 """Sharded plans a planner keeps (one per distinct group of receivers and bucket size)."""
 
 
-class Delivery(Protocol):
-    """One plan and the receivers it goes to, as `WeightSender._deliver` moves it."""
-
-    @property
-    def mode(self) -> Mode:
-        """What its receivers get: "full" (every tensor, or their boxes) or "delta" (a patch)."""
-        ...
-
-    @property
-    def plan(self) -> Plan: ...
-
-    @property
-    def identity(self) -> str:
-        """The plan's id (`Offer.plan_id`)."""
-        ...
-
-    @property
-    def addresses(self) -> frozenset[str]: ...
-
-    @property
-    def delta_base(self) -> str:
-        """For a patch: the content digest of the version it applies to (`Offer.delta_base`)."""
-        ...
-
-    @property
-    def part(self) -> int:
-        """The part of the plan this sender carries (`Offer.part`)."""
-        ...
-
-    @property
-    def own_plane(self) -> bool:
-        """Goes out beside other deliveries, through a data plane of its own."""
-        ...
-
-    @property
-    def sent_bytes(self) -> int:
-        """The payload bytes this sender sends each of its receivers."""
-        ...
-
-    def items(self) -> Iterator[tuple[int, list[BucketItem]]]:
-        """Each bucket this sender sends, with the source tensors its pieces are cut from."""
-        ...
-
-    def held(self) -> list[torch.Tensor]:
-        """The source's tensors in plan order, for a data plane that reads them in place
-        (`SendPlane.reads_held`), where the source holds them for the whole push; else []."""
-        ...
-
-    def commit(self, version: int, verify: Verify, hashes: SyncHashes | None) -> tuple[Commit, str]:
-        """The Commit for the receivers of one transport, whose buckets' hashes are `hashes`
-        (None: not hashed), and the content digest it carries ("" unverified or unknown here)."""
-        ...
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class Whole:
-    """A plan of whole tensors (or patches of them), cut from `source`, to `addresses`."""
+    """A plan of whole tensors (or patches of them), cut from `source`, to `addresses`.
+
+    Both kinds of delivery answer the same: `mode` (what the receivers get: "full", every tensor
+    or their boxes, or "delta", a patch), `plan` and its id `identity`, `addresses`, `delta_base`
+    and `part` (as the `Offer` names them), `own_plane` (goes out beside other deliveries,
+    through a data plane of its own), `sent_bytes` (the payload bytes each receiver is sent),
+    `items` (each bucket this sender sends, with the source tensors its pieces are cut from),
+    `held` (the source's tensors, for a data plane that reads them in place, where the source
+    holds them for the whole push; else []) and `commit` (the Commit for the receivers of one
+    transport, whose buckets' hashes are `hashes`, None where not hashed, and the content digest
+    it carries, "" unverified or unknown here).
+    """
 
     mode: Mode
     plan: Plan
@@ -195,6 +152,10 @@ class Part:
             return Commit(version, self.identity, shares=shares), ""
         digest = self.digest.get()
         return Commit(version, self.identity, digest), digest
+
+
+Delivery: TypeAlias = Whole | Part
+"""One plan and the receivers it goes to, as `WeightSender._deliver` moves it."""
 
 
 def agreed_digest(version: int, replies: Mapping[str, Committed]) -> str:
