@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal, TypeAlias, TypeVar
+from typing import Literal, TypeAlias
 
 import numpy as np
 import torch
 
-from weightsync.checksum import HASH_TIMEOUT_S, content_digest, tensor_hashes
+from weightsync.checksum import content_digest, tensor_hashes
+from weightsync.digest import Pending
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import PlanError
 from weightsync.messages import TensorSpec
@@ -44,7 +44,6 @@ __all__ = [
     "Baseline",
     "Diff",
     "Step",
-    "settled",
 ]
 
 DENSE_FRACTION = 0.5
@@ -76,23 +75,11 @@ def _update(new: torch.Tensor, old: torch.Tensor) -> np.ndarray:
     return np.concatenate(found) if found else np.empty(0, dtype=np.int64)
 
 
-T = TypeVar("T")
-
-
-def settled(value: T | Future[T]) -> T:
-    """A hash (a content digest, a part's shares), waiting (bounded) for one still being computed."""
-    return value.result(timeout=HASH_TIMEOUT_S) if isinstance(value, Future) else value
-
-
-def _digest_later(specs: Sequence[TensorSpec], tensors: list[torch.Tensor]) -> Future[str]:
+def _digest_later(specs: Sequence[TensorSpec], tensors: list[torch.Tensor]) -> Pending[str]:
     """The content digest of `tensors`, computed on a thread of its own: the whole-model hash
     then runs while the push's offer and buckets go out (its commit is the first to need it).
     The tensors (the baseline) stay unchanged until the next diff, which waits for it."""
-    hashing = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
-    try:
-        return hashing.submit(lambda: content_digest(specs, tensor_hashes([byte_view(t) for t in tensors])))
-    finally:
-        hashing.shutdown(wait=False)  # the thread ends once the digest is done
+    return Pending.later(lambda: content_digest(specs, tensor_hashes([byte_view(t) for t in tensors])))
 
 
 def _check_yielded(spec: TensorSpec, name: str, tensor: torch.Tensor) -> None:
@@ -118,9 +105,9 @@ class Diff:
 
     base: str
     """The content digest of the previous baseline (what a delta receiver must hold), or ""."""
-    pending_content: str | Future[str]
-    """The content digest of the new version (every tensor whole, as sent), or its computation
-    under way: `content` waits for it."""
+    pending_content: Pending[str]
+    """The content digest of the new version (every tensor whole, as sent), computed while the
+    push's buckets go out: `content` waits for it."""
     specs: tuple[TensorSpec, ...]
     """The patch plan's tensors (encodings and counts)."""
     payloads: tuple[torch.Tensor, ...]
@@ -132,7 +119,7 @@ class Diff:
 
     @property
     def content(self) -> str:
-        return settled(self.pending_content)
+        return self.pending_content.get()
 
     @property
     def patch_bytes(self) -> int:
@@ -153,7 +140,7 @@ class Diff:
 
 
 Step: TypeAlias = Literal["diff", "refresh", "plain"]
-"""What a push does (`WeightSender._next_step`):
+"""What a push does (`deliveries.DeliveryPlanner`):
 
     diff     diff against the baseline: receivers that may take a patch and hold the baseline
              get the patch, the others the full version (verified)
@@ -212,7 +199,7 @@ class Baseline:
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self._content: str | Future[str] = ""
+        self._content: Pending[str] = Pending.now("")
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._indices = np.empty(0, dtype=np.int32)
         self._values = np.empty(0, dtype=np.uint8)
@@ -221,7 +208,7 @@ class Baseline:
     @property
     def content(self) -> str:
         """The content digest of the version it holds, or "" before the first push."""
-        return settled(self._content)
+        return self._content.get()
 
     def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
@@ -242,7 +229,7 @@ class Baseline:
         same_layout = [spec.name for spec in specs] == list(self.tensors) and all(map(self._holds, specs))
         held = self.content  # waits for the last push's digest: it reads what this overwrites
         base = held if same_layout and compare else ""
-        self._content = ""  # until the new version is whole
+        self._content = Pending.now("")  # until the new version is whole
         if not same_layout:
             self.tensors = {}
         full_bytes = sum(dense_nbytes(spec) for spec in specs)

@@ -6,27 +6,61 @@ the order the tensors were pushed in, nor on how the push cut them into buckets.
 `source_digest` computes the same digest from the trainer's tensors or a checkpoint on disk,
 without sending a byte, so that what a server holds can be checked against what should be there
 (`weightsync digest`). `held_shares` is one trainer rank's part of it in a sharded push: what it
-computes from the rows it holds, which the receivers combine with the other ranks'.
+computes from the rows it holds, which the receivers combine with the other ranks'. A push that
+needs one of these beside its buckets computes it on a thread of its own while they go out: a
+`Pending` hash, which the commit waits for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
-from weightsync.checksum import content_digest, share, tensor_hash
+from weightsync.checksum import HASH_TIMEOUT_S, content_digest, share, tensor_hash
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
 from weightsync.messages import TensorShare, TensorSpec
 from weightsync.pack import piece_bytes, write_piece
 from weightsync.plan import tensor_nbytes, wire_specs
 from weightsync.regions import held_range
-from weightsync.source import ShardedSource, SourceLayout, as_source
+from weightsync.source import ShardedSource, SourceLayout, WeightSource, as_source
 
-__all__ = ["held_shares", "source_digest"]
+__all__ = ["Pending", "held_shares", "rank_tensors", "source_digest"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pending(Generic[T]):
+    """A hash known now, or being computed on a thread of its own (the whole-model hash runs
+    while a push's offer and buckets go out); `get` waits for it, bounded."""
+
+    future: Future[T]
+
+    @staticmethod
+    def now(value: T) -> Pending[T]:
+        """`value`, known already."""
+        future: Future[T] = Future()
+        future.set_result(value)
+        return Pending(future)
+
+    @staticmethod
+    def later(compute: Callable[[], T]) -> Pending[T]:
+        """`compute()`, started now on a thread that ends with it."""
+        hashing = ThreadPoolExecutor(1, thread_name_prefix="weightsync-digest")
+        try:
+            return Pending(hashing.submit(compute))
+        finally:
+            hashing.shutdown(wait=False)
+
+    def get(self) -> T:
+        """The value, once computed (its error, if computing it failed)."""
+        return self.future.result(timeout=HASH_TIMEOUT_S)
 
 
 def source_digest(tensors: Any, cast: torch.dtype | Mapping[str, torch.dtype] | None = None) -> str:
@@ -40,15 +74,21 @@ def source_digest(tensors: Any, cast: torch.dtype | Mapping[str, torch.dtype] | 
     return content_digest(specs, digests)
 
 
+def rank_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor as this rank holds it: a sharded source's `held`, any other's tensors (one
+    rank holds them whole)."""
+    return source.held() if isinstance(source, ShardedSource) else source.tensors()
+
+
 def held_shares(
-    source: ShardedSource, layout: SourceLayout, cast: torch.dtype | Mapping[str, torch.dtype] | None = None
+    source: WeightSource, layout: SourceLayout, cast: torch.dtype | Mapping[str, torch.dtype] | None = None
 ) -> tuple[TensorShare, ...]:
     """This rank's share of every tensor's hash in a sharded push (checksum.share): its rows of
     a tensor split by rows, a whole tensor it sends, nothing of the others. Reads only what the
     rank holds; the receivers combine every rank's shares into the version's content digest."""
     specs = wire_specs(source.metas(), cast)
     shares = []
-    for index, (spec, (name, tensor)) in enumerate(zip(specs, source.held(), strict=True)):
+    for index, (spec, (name, tensor)) in enumerate(zip(specs, rank_tensors(source), strict=True)):
         bounds = layout.rows[index]
         first, end = held_range(spec, bounds, layout.rank, layout.owner(index))
         held = 0

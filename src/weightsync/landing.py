@@ -109,7 +109,7 @@ class Landing:
         plan_id: the plan's id, as offered.
         verify: this sync's verification ("off", "bucket" or "full").
         staging: the receiver's reusable staging space.
-        delta: the plan patches the version the destinations hold (`Offer.base`): encoded
+        delta: the plan patches the version the destinations hold (`Offer.delta_base`): encoded
             tensors are staged and applied in place (`delta.apply_patch`) when complete.
     """
 

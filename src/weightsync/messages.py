@@ -33,7 +33,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a chain
 of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5:
 `NixlTarget` and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the
@@ -46,7 +46,10 @@ cudaipc sends `Shared` before every offer, the tensors receivers copy straight f
 GPU memory, and its handles are `CudaHandle`s; 12: sharded sync: a receiver's `Welcome` names the box
 of each tensor it keeps (`wants`), a `TensorSpec` may be a box of its tensor (`region`), and a
 plan's buckets may come from several senders (`Plan.parts`, `Offer.part`); 13: tensor hashes are
-CRC32C, which compose, and the `Commit` of a part carries its sender's `TensorShare`s, and `Committed` the content digest committed)."""
+CRC32C, which compose, and the `Commit` of a part carries its sender's `TensorShare`s, and
+`Committed` the content digest committed; 14: the content a patch applies to is `delta_base`
+wherever it travels (`Welcome`, `Offer`, `Committed`), and a `Commit`'s version digest is
+`content_digest`, as in `Committed`)."""
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -138,7 +141,7 @@ class Welcome(Message, frozen=True):
     """The receiver's challenge, answered by the sender's `Auth` when the receiver has a token."""
     proof: str = ""
     """HMAC of the sender's nonce under the shared token, or "" when the receiver has none."""
-    content: str = ""
+    delta_base: str = ""
     """The content digest of what it holds, where a patch (a delta sync) can be applied to it,
     else "" (never verified, dirty, or a sink without destinations to patch)."""
     wants: tuple[Want, ...] = ()
@@ -188,9 +191,9 @@ class Offer(Message, frozen=True):
     """The plan's id (`plan.plan_id`: a hash of it), named again by the `Commit`."""
     verify: str = "off"
     """With "bucket", every bucket carries a checksum that the receiver checks."""
-    base: str = ""
+    delta_base: str = ""
     """For a delta sync: the content digest of the version the plan's patches apply to, which
-    the receiver must hold; "" for a full sync."""
+    the receiver must hold (its `Welcome.delta_base`); "" for a full sync."""
     adapter: Adapter | None = None
     """The plan is version `version` of this LoRA adapter, served on top of the base weights,
     which it leaves as they are; None: the plan is the base weights."""
@@ -232,14 +235,14 @@ class Commit(Message, frozen=True):
     version: int
     plan_id: str
     """The id of the plan committed (`Offer.plan_id`)."""
-    content: str = ""
+    content_digest: str = ""
     """The version's content digest (checksum.content_digest) where the sync was verified, else ""."""
     tensors: tuple[int, ...] = ()
     """With verify="full": the hash of every tensor's bytes, in plan order."""
     shares: tuple[TensorShare, ...] = ()
     """A verified part of a sharded push from several senders: this sender's share of every
     tensor's hash, in its source's order; the receiver combines every part's into the content
-    digest (`content` is "": no sender holds every tensor whole)."""
+    digest (`content_digest` is "": no sender holds every tensor whole)."""
 
 
 class SyncTimes(msgspec.Struct, frozen=True):
@@ -262,8 +265,8 @@ class Committed(Message, frozen=True):
     version: int
     times: SyncTimes = msgspec.field(default_factory=SyncTimes)
     """Where the receiver's sync went."""
-    content: str = ""
-    """What a delta sync may now be based on here (as `Welcome.content`)."""
+    delta_base: str = ""
+    """What a delta sync may now be based on here (as `Welcome.delta_base`)."""
     content_digest: str = ""
     """The content digest of the version committed ("" unverified): for a sharded sync from
     several senders, what the receiver combined from their shares, which none of them knows."""

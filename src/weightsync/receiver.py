@@ -529,18 +529,18 @@ class WeightReceiver:
             self._checked_plan = offer.plan_id
         if not 0 <= offer.part < max(1, len(offer.plan.parts)):
             raise PlanError(f"the offer carries part {offer.part} of a plan in {len(offer.plan.parts)} parts")
-        if offer.plan.parts and (offer.base or offer.adapter is not None):
+        if offer.plan.parts and (offer.delta_base or offer.adapter is not None):
             raise PlanError("a plan in parts carries neither a patch nor an adapter")
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
-        if offer.base and offer.base != self._base:
+        if offer.delta_base and offer.delta_base != self._base:
             raise NegotiationError(
-                f"version {offer.version} is a patch onto content {offer.base}; this receiver holds "
+                f"version {offer.version} is a patch onto content {offer.delta_base}; this receiver holds "
                 f"{self._base or 'no version a patch can be applied to'}"
             )
         sink = self._sink
         if offer.adapter is not None:
-            if offer.base:
+            if offer.delta_base:
                 raise PlanError(f"adapter {offer.adapter.name!r} version {offer.version} cannot travel as a patch")
             with sink_errors("adapter_sink"):
                 sink = self._sink.adapter_sink(offer.adapter)
@@ -549,7 +549,7 @@ class WeightReceiver:
         try:
             verify = check_verify(offer.verify)
             return Landing(
-                offer.plan, sink, offer.version, offer.plan_id, verify, self._staging, delta=bool(offer.base)
+                offer.plan, sink, offer.version, offer.plan_id, verify, self._staging, delta=bool(offer.delta_base)
             )
         except BaseException as exc:  # the sink began: it must hear that the sync is off
             with contextlib.suppress(Exception):
@@ -596,7 +596,7 @@ class WeightReceiver:
             return parts.content
         parts.content = _combined(parts.shares, commit.version)  # read by the other parts once it ended
         return self.commit(
-            landing, msgspec.structs.replace(commit, content=parts.content)
+            landing, msgspec.structs.replace(commit, content_digest=parts.content)
         )  # a failure ends the parts too
 
     def _sender_left(self, part: int | None, transport: str, met: int) -> None:
@@ -629,7 +629,7 @@ class WeightReceiver:
     def _verified_content(self, landing: Landing, commit: Commit) -> str:
         if (commit.version, commit.plan_id) != (landing.version, landing.plan_id):
             raise PlanError(f"commit of version {commit.version} does not match the sync of version {landing.version}")
-        if not commit.content:
+        if not commit.content_digest:
             return ""
         if landing.cut:
             # boxes of tensors, or parts of them from several senders: no whole tensor lands
@@ -637,7 +637,7 @@ class WeightReceiver:
             # checksum; the digest is the sender's, of the whole version it pushed.
             if self._wire and not landing.hashes.complete:
                 raise ChecksumError(f"commit of version {commit.version} has a content digest, the buckets had none")
-            return commit.content
+            return commit.content_digest
         if landing.hashes.complete and not landing.delta:
             content = landing.hashes.content_digest()
         else:
@@ -649,7 +649,7 @@ class WeightReceiver:
             if found is None:
                 return ""  # in process, into a loader: nothing crossed a wire, nothing to hash
             content = found
-        if content != commit.content:
+        if content != commit.content_digest:
             raise ChecksumError(f"version {commit.version}: content digest differs from the sender's")
         if landing.verify == "full" and not landing.delta:  # a patch was checked whole, above
             landing.check_tensors(commit.tensors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from weightsync.errors import one_line
+from weightsync.errors import RemoteError, WeightSyncError, one_line
 from weightsync.messages import SyncTimes
 
 __all__ = ["ReceiverOutcome", "SyncReport", "moved"]
@@ -43,6 +43,20 @@ class ReceiverOutcome:
     changed_fraction: float = 1.0
     """The fraction of elements whose wire bits changed since the sender's previous push (1.0
     without a previous push or with `delta` off)."""
+
+    @classmethod
+    def failed_with(
+        cls,
+        address: str,
+        error: WeightSyncError,
+        mode: str = "full",
+        wire_bytes: int = 0,
+        changed_fraction: float = 1.0,
+    ) -> ReceiverOutcome:
+        """A receiver that did not commit because of `error` (the receiver's own error kind,
+        where it reported one)."""
+        kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
+        return cls(address, False, kind, str(error), None, mode, wire_bytes, changed_fraction)
 
     @property
     def refused(self) -> bool:

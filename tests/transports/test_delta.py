@@ -170,7 +170,7 @@ def test_a_receiver_at_the_wrong_base_gets_the_full_version(transport: str, obse
         assert [o.mode for o in report.outcomes] == ["delta", "full"]
         assert good.version == lagging.version == 2
         with pytest.raises(NegotiationError, match="patch onto content"):
-            lagging.begin(Offer(3, report_plan(trainer), plan_id(report_plan(trainer)), "bucket", base="0" * 32))
+            lagging.begin(Offer(3, report_plan(trainer), plan_id(report_plan(trainer)), "bucket", delta_base="0" * 32))
         observe(
             "the receiver at version 0 got the full version 2 alongside a delta; a patch onto another base: NegotiationError"
         )
@@ -213,7 +213,7 @@ def test_a_flipped_byte_in_a_patch_fails_and_the_next_push_is_full(transport, mo
         report = sender.push(trainer.state(), 2)
         (failure,) = report.failed
         assert failure.kind == "ChecksumError" and "of version 2" in failure.error and failure.mode == "delta"
-        assert receiver.version != 2 and receiver.welcome().content == ""
+        assert receiver.version != 2 and receiver.welcome().delta_base == ""
         after = (receiver.state, receiver.version)
         trainer.step()
         report = sender.push(trainer.state(), 3)
@@ -282,7 +282,7 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
     dest = zeros_like_sent(trainer)
     with receiving(dest, transport, timeout=60) as receiver, Child(STALLING_SENDER, receiver.address) as child:
         child.expect("PUSHED")
-        assert receiver.version == 1 and receiver.welcome().content != ""
+        assert receiver.version == 1 and receiver.welcome().delta_base != ""
         child.expect("STALLED")
         assert wait_until(lambda: receiver.state == "syncing")
         child.kill()
@@ -292,7 +292,7 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
         assert receiver.version != 2 and "version 2" in receiver.last_error
         after = (receiver.state, receiver.version)
         if receiver.state == "dirty":
-            assert receiver.welcome().content == ""
+            assert receiver.welcome().delta_base == ""
         for _ in range(3):
             trainer.step()
         with sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender:
@@ -350,7 +350,7 @@ def test_a_loader_sink_always_gets_the_full_version() -> None:
             trainer.step()
             report = sender.push(trainer.state(), version)
             assert report.ok and report.outcomes[0].mode == "full"
-            assert receiver.content_digest == report.content_digest and receiver.welcome().content == ""
+            assert receiver.content_digest == report.content_digest and receiver.welcome().delta_base == ""
     assert_all_bit_exact(received, trainer.as_sent())
 
 
@@ -461,11 +461,11 @@ def test_delta_true_to_a_receiver_it_does_not_patch_says_why_once(monkeypatch, c
     every push goes whole, and the sender says so, one line, once per transport."""
     import logging
 
-    import weightsync.sender
+    import weightsync.deliveries
 
-    monkeypatch.setattr(weightsync.sender, "_SAID_WHOLE", set())
+    monkeypatch.setattr(weightsync.deliveries, "_SAID", set())
     weights = {"w": torch.zeros(64)}
-    with caplog.at_level(logging.WARNING, logger="weightsync.sender"):
+    with caplog.at_level(logging.WARNING, logger="weightsync.deliveries"):
         for version in (1, 2):  # two senders, as a server group rebuilds its own
             with WeightReceiver({"w": torch.zeros(64)}, transport="inproc").start() as receiver:
                 with WeightSender([receiver.address], delta=True) as sender:

@@ -242,11 +242,11 @@ class SenderChannel:
             self.drop(address)
 
     def record(self, address: str, content: str) -> None:
-        """What `address` holds now that it committed (`Committed.content`): what its Welcome
+        """What `address` holds now that it committed (`Committed.delta_base`): what its Welcome
         would say if it connected again."""
         welcome = self._welcomes.get(address)
         if welcome is not None:
-            self._welcomes[address] = msgspec.structs.replace(welcome, content=content)
+            self._welcomes[address] = msgspec.structs.replace(welcome, delta_base=content)
 
     def _check_version(self, reply: Accept | Committed, version: int) -> None:
         if reply.version != version:
