@@ -137,16 +137,10 @@ class Placement:
 
     def actor_options(self) -> dict[str, Any]:
         """Ray's `.options()` for a server actor."""
-        return {
-            "num_cpus": self.num_cpus,
-            "num_gpus": self.num_gpus,
-            "resources": dict(self.resources),
-            "scheduling_strategy": self.scheduling_strategy,
-            "max_restarts": self.max_restarts,
-            # While Ray restarts a server, calls to it wait for the new process instead of
-            # failing, so a restarting server is re-learned, not dropped.
-            "max_task_retries": -1 if self.max_restarts else 0,
-        }
+        options = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        # While Ray restarts a server, calls to it wait for the new process instead of failing,
+        # so a restarting server is re-learned, not dropped.
+        return options | {"resources": dict(self.resources), "max_task_retries": -1 if self.max_restarts else 0}
 
 
 class RolloutFleet:

@@ -17,11 +17,9 @@ A staged tensor, or one bound for a device, lands through a ring of slots the re
 plain tensor into an in-place destination costs one copy end to end: the write.
 
 Agents: one per send plane and one per receiving connection, made on first use with NIXL's
-progress thread off (it busy-spins a core) and reused across syncs; each side drives progress
-while it waits, every wait bounded by the sync's timeout. What a receiving agent exposes never
-changes: NIXL refuses to update the keys of memory a peer has loaded, so when the memory to
-expose changes (a new bucket size, a destination replaced), the receiver makes a new agent and
-the sender loads that one instead. Registered memory is released on every path.
+progress thread off (it busy-spins a core) and reused across syncs (a receiver that exposes new
+memory makes a new agent, which the sender then loads); each side drives progress while it
+waits, every wait bounded by the sync's timeout. Registered memory is released on every path.
 
 This file is the sending side and the transport's `SPEC`; the receiving side, with the two
 messages it speaks (`NixlTarget`, `NixlWrites`), is nixl_receive.py.
