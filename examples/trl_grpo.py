@@ -34,6 +34,7 @@ from weightsync.demo.rollouts import ServerFleet
 from weightsync.digest import source_digest
 from weightsync.integrations.trl import WeightsyncRollout, log_weight_versions
 from weightsync.module_source import ModuleSource
+from weightsync.options import SenderOptions
 from weightsync.serving.client import RolloutClient
 
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         urls = [server.url for server in fleet]
         print(f"trl_grpo: {len(urls)} {args.engine} servers up in {time.monotonic() - started:.0f} s", flush=True)
-        with WeightsyncRollout(urls, timeout=args.timeout) as rollout:
+        with WeightsyncRollout(urls, sender=SenderOptions(timeout=args.timeout, verify="bucket")) as rollout:
             trainer = GRPOTrainer(
                 model=model,
                 reward_funcs=log_weight_versions(reward),

@@ -15,10 +15,12 @@ from tests.helpers import WAIT_S, wait_until
 from tests.models import save_model
 from weightsync import SyncFailed, WeightSyncError
 from weightsync.serving.client import RolloutClient, ServerError
+from weightsync.serving.config import ServeConfig
 
 ray = pytest.importorskip("ray")
 fleet_module = pytest.importorskip("weightsync.cluster.ray_fleet")
 RolloutFleet = fleet_module.RolloutFleet
+Placement = fleet_module.Placement
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +78,7 @@ def assert_serves(urls: list[str], model: torch.nn.Module, version: int, token: 
 @pytest.mark.parametrize("transport", ["collective", "tcp"])
 def test_fleet_pushes_survives_a_dead_server_and_takes_a_new_one(cluster, policy, transport):
     model, path = policy
-    with RolloutFleet(path, 2, transport=transport, timeout=60, serve={"ready_timeout": 0.5}) as fleet:
+    with RolloutFleet(ServeConfig(model=str(path), transport=transport, ready_timeout=0.5), 2, timeout=60) as fleet:
         assert len(fleet.servers()) == 2 and fleet.ready_urls() == [], "dummy weights: nobody is ready"
         with RolloutClient(fleet.servers()[0].url, timeout=WAIT_S) as client, pytest.raises(ServerError) as gated:
             client.completions([5, 6], max_tokens=2, temperature=0)
@@ -120,7 +122,7 @@ def test_catch_up_from_a_source_that_moved_on_is_refused(cluster, policy):
     environment); pushes prove it, and HTTP calls without it are refused."""
     model, path = policy
     token = "fleet-token-" + "x" * 16
-    with RolloutFleet(path, 1, timeout=60, auth_token=token) as fleet:
+    with RolloutFleet(ServeConfig(model=str(path), transport="tcp", auth_token=token), 1, timeout=60) as fleet:
         step(model, seed=10)
         assert fleet.push(model.state_dict(), 10).ok
         with RolloutClient(fleet.ready_urls()[0], timeout=WAIT_S) as anonymous, pytest.raises(ServerError) as refused:
@@ -144,7 +146,8 @@ def test_catch_up_from_a_source_that_moved_on_is_refused(cluster, policy):
 
 def test_a_server_ray_restarts_rejoins_on_the_next_push(cluster, policy):
     model, path = policy
-    with RolloutFleet(path, 1, timeout=60, max_restarts=1) as fleet:
+    serve = ServeConfig(model=str(path), transport="tcp")
+    with RolloutFleet(serve, 1, placement=Placement(max_restarts=1), timeout=60) as fleet:
         step(model, seed=20)
         assert fleet.push(model.state_dict(), 20).ok
         (before,) = fleet.servers()
@@ -169,8 +172,8 @@ def test_a_server_ray_restarts_rejoins_on_the_next_push(cluster, policy):
 def test_fleet_refuses_in_process_transport_and_a_missing_ray(cluster, policy, monkeypatch):
     from weightsync import ConfigError
 
-    with pytest.raises(ConfigError, match="other processes"):
-        RolloutFleet(policy[1], 1, transport="inproc")
+    with pytest.raises(ConfigError, match="transport must be one of .*; got 'inproc'"):  # its servers' own check
+        RolloutFleet(ServeConfig(model=str(policy[1]), transport="inproc"), 1)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     with pytest.raises(ConfigError, match="ray.init"):
-        RolloutFleet(policy[1], 1)
+        RolloutFleet(ServeConfig(model=str(policy[1])), 1)

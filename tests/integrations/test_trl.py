@@ -40,10 +40,12 @@ from weightsync.integrations.trl import (  # noqa: E402
     request_seed,
 )
 from weightsync.module_source import ModuleSource  # noqa: E402
+from weightsync.options import SenderOptions  # noqa: E402
 from weightsync.serving.client import RolloutClient  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0
+SENDER = SenderOptions(timeout=TIMEOUT_S, verify="bucket")
 
 
 # --- The guard: TRL's experimental API as this module relies on it --------------------------------
@@ -186,7 +188,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 def connected(server):  # type: ignore[no-untyped-def]
     """A `WeightsyncTransfer` past `init_weight_transfer`, a client of the same server, the policy."""
     url, model = server
-    transfer = WeightsyncTransfer([url], timeout=TIMEOUT_S)
+    transfer = WeightsyncTransfer([url], sender=SENDER)
     transfer.init_weight_transfer()
     try:
         with RolloutClient(url, timeout=TIMEOUT_S) as client:
@@ -329,7 +331,7 @@ def test_a_server_that_dies_is_left_out_and_the_rollouts_go_on(tmp_path: Path, c
     fleet = ServerFleet(policy_dir, 2, "hf", TIMEOUT_S, restart=False)
     try:
         urls = [server.url for server in fleet]
-        with WeightsyncRollout(urls, timeout=TIMEOUT_S) as rollout:
+        with WeightsyncRollout(urls, sender=SENDER) as rollout:
             first = rollout(prompts, stand_in_trainer(model, policy_dir, step=0))
             assert first["weight_version"] == [0] * len(prompts)
             assert [len(ids) for ids in first["prompt_ids"]] == [2] * len(prompts)
@@ -360,7 +362,7 @@ def test_completions_older_than_the_bound_are_kept_out_of_the_loss(server, tmp_p
     prompts = [task.prompt_text(4)] * 3
     with RolloutClient(url, timeout=TIMEOUT_S) as client:
         pushed = (client.weight_info()["version"] or 0) + 1
-    with WeightsyncRollout([url], max_staleness=1, timeout=TIMEOUT_S) as rollout:
+    with WeightsyncRollout([url], max_staleness=1, sender=SENDER) as rollout:
         fresh = rollout(prompts, stand_in_trainer(model, policy_dir, step=pushed))
         assert fresh["weight_version"] == [pushed] * 3 and "env_mask" not in fresh
         rollout.version = pushed + 1  # as if pushed: the server still serves `pushed`, one behind
@@ -386,7 +388,7 @@ def test_a_peft_model_is_pushed_as_its_adapter_and_generated_from_by_name(tmp_pa
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     prompts = [task.prompt_text(5)] * 4
     with live_server(policy_dir, engine="hf", max_lora_rank=8) as server:
-        with WeightsyncRollout([server.url], timeout=TIMEOUT_S, adapter_name="grpo") as rollout:
+        with WeightsyncRollout([server.url], sender=SENDER, adapter_name="grpo") as rollout:
             for step in (0, 1):
                 with torch.no_grad():
                     for name, param in model.named_parameters():

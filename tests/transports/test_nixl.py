@@ -55,7 +55,7 @@ def test_without_nixl_the_other_transports_work():
 @pytest.fixture
 def agents(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The roles of the NIXL agents made during the test, in order."""
-    from weightsync.transports import nixl
+    from weightsync.transports import nixl, nixl_receive
 
     made: list[str] = []
 
@@ -64,7 +64,8 @@ def agents(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             made.append(role)
             super().__init__(role)
 
-    monkeypatch.setattr(nixl, "NixlAgent", Counted)
+    for side in (nixl, nixl_receive):
+        monkeypatch.setattr(side, "NixlAgent", Counted)
     return made
 
 

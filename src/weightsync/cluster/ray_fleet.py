@@ -11,6 +11,9 @@ pushed to as one `ServerGroup` (serving/client.py), which learns their receivers
 on dummy weights and are ready only once they hold the fleet's version: the next `push`
 brings them there, or `catch_up` does at once when the trainer still holds that version.
 
+What the servers run is one `ServeConfig`, what the trainer pushes with one `SenderOptions`, and
+where Ray puts each server one `Placement`: the fleet takes them as they are.
+
 Needs `pip install -e '.[ray]'` (from a weightsync checkout); Ray is imported only when a fleet is built.
 """
 
@@ -23,15 +26,13 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from weightsync.auth import resolve_token
-from weightsync.checksum import check_verify
 from weightsync.errors import ConfigError, ResourceError, SyncFailed, WeightSyncError, one_line
-from weightsync.options import ReceiverOptions, SenderOptions
+from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
 from weightsync.serving.client import ServerGroup
-from weightsync.transports import get_transport
+from weightsync.serving.config import ServeConfig
 
-__all__ = ["FleetReport", "RolloutFleet", "ServerActor", "ServerInfo"]
+__all__ = ["FleetReport", "Placement", "RolloutFleet", "ServerActor", "ServerInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +44,20 @@ class ServerActor:
     """One rollout server in a Ray actor's process (the class Ray instantiates remotely).
 
     Args:
-        serve: `ServeConfig` fields (model, engine, transport, receiver, ...). Its `host` is
-            this actor's listening address, its receiver's too; "node" means the node's IP.
+        serve: what the server runs. Its `host` is this actor's listening address, its
+            receiver's too; "node" means the node's IP.
     """
 
-    def __init__(self, serve: dict[str, Any]) -> None:
+    def __init__(self, serve: ServeConfig) -> None:
         from weightsync.serving.background import BackgroundServer
-        from weightsync.serving.config import ServeConfig
 
-        serve = dict(serve)
-        if serve.get("host") == NODE_IP:
+        host = serve.host
+        if host == NODE_IP:
             import ray
 
-            serve["host"] = ray.util.get_node_ip_address()
-        receiver = serve.get("receiver") or ReceiverOptions()
-        serve["receiver"] = dataclasses.replace(receiver, host=serve.get("host", "127.0.0.1"))
-        self._server = BackgroundServer(ServeConfig(**serve))
+            host = ray.util.get_node_ip_address()
+        receiver = dataclasses.replace(serve.receiver, host=host)
+        self._server = BackgroundServer(dataclasses.replace(serve, host=host, receiver=receiver))
 
     def describe(self) -> dict[str, Any]:
         """Who this server is right now: its URLs, process and weight version."""
@@ -119,89 +118,72 @@ class FleetReport:
         return line
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Placement:
+    """What each server of a fleet reserves from Ray, and where Ray puts it.
+
+    Attributes:
+        num_cpus, num_gpus, resources: Ray's reservation per server (e.g. num_gpus=1 for one
+            server per GPU, or a custom per-node resource for one per node).
+        scheduling_strategy: Ray's placement for the actors ("SPREAD": across nodes).
+        max_restarts: how often Ray restarts a server that dies; a restarted one rejoins.
+    """
+
+    num_cpus: float = 1
+    num_gpus: float = 0
+    resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    scheduling_strategy: Any = "SPREAD"
+    max_restarts: int = 0
+
+    def actor_options(self) -> dict[str, Any]:
+        """Ray's `.options()` for a server actor."""
+        options = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        # While Ray restarts a server, calls to it wait for the new process instead of failing,
+        # so a restarting server is re-learned, not dropped.
+        return options | {"resources": dict(self.resources), "max_task_retries": -1 if self.max_restarts else 0}
+
+
 class RolloutFleet:
     """Start `num_servers` rollout servers as Ray actors and push weights to all of them.
 
     Args:
-        model: the model directory every server loads its config and tokenizer from (on every
-            node at this path).
+        serve: what every server runs. Its model directory must be at that path on every node
+            (and on the trainer's, where `serve` is checked); its transport "tcp" or
+            "collective" for a fleet across nodes ("shm" on one node only); its `host`
+            "127.0.0.1" (one node) or "node" (each server on its node's IP, which needs an auth
+            token: SECURITY.md). Its `auth_token` (resolved in the trainer's environment: actors
+            do not see it) is handed to each actor through Ray, and is the pushes' too.
         num_servers: servers to start now; `add` starts more later.
-        engine, transport, load_format, sync_mode, verify, staged: the servers' `ServeConfig`.
-            transport "tcp" or "collective" for a fleet across nodes; "shm" on one node only.
-        host: where each server listens: "127.0.0.1" (one node) or "node" (its node's IP, which
-            needs an auth token: SECURITY.md).
-        num_cpus, num_gpus, resources: what each server reserves from Ray (e.g. num_gpus=1 for
-            one server per GPU, or a custom per-node resource for one per node).
-        scheduling_strategy: Ray's placement for the actors ("SPREAD" by default: across nodes).
-        max_restarts: how often Ray restarts a server that dies; a restarted one rejoins.
-        auth_token: the shared secret of servers and pushes (default: the trainer's
-            $WEIGHTSYNC_AUTH_TOKEN), handed to each actor through Ray.
-        timeout: seconds for any wait: a server's start, a describe, a sync.
-        sender: further `WeightSender` options (bucket_bytes, cast, num_slots, ...); their
-            `auth_token` is the fleet's. With `raise_on_failure=False`, `push` and `catch_up`
-            return their report when a live server did not commit, instead of raising
-            `SyncFailed`.
-        serve: further `ServeConfig` fields.
+        sender: how the fleet pushes (default: verify "bucket", this `timeout`). With
+            `raise_on_failure=False`, `push` and `catch_up` return their report when a live
+            server did not commit, instead of raising `SyncFailed`.
+        placement: what each server reserves from Ray and where Ray puts it.
+        timeout: seconds the fleet waits for a server's start or a describe.
     """
 
     def __init__(
         self,
-        model: str | os.PathLike[str],
+        serve: ServeConfig,
         num_servers: int,
         *,
-        engine: str = "hf",
-        transport: str = "tcp",
-        load_format: str = "dummy",
-        sync_mode: str = "wait",
-        verify: str = "bucket",
-        staged: bool = False,
-        host: str = "127.0.0.1",
-        num_cpus: float = 1,
-        num_gpus: float = 0,
-        resources: Mapping[str, float] | None = None,
-        scheduling_strategy: Any = "SPREAD",
-        max_restarts: int = 0,
-        auth_token: str | None = None,
-        timeout: float = 120.0,
         sender: SenderOptions | None = None,
-        serve: Mapping[str, Any] | None = None,
+        placement: Placement | None = None,
+        timeout: float = 120.0,
     ) -> None:
         import ray
 
         if not ray.is_initialized():
             raise ConfigError("Ray is not initialised: call ray.init() (or ray.init(address=...)) first")
+        if not isinstance(serve, ServeConfig):
+            raise ConfigError(f"serve must be a ServeConfig, got {serve!r}")
         if not isinstance(num_servers, int) or num_servers < 0:
             raise ConfigError(f"num_servers must be a non-negative integer, got {num_servers!r}")
-        if not get_transport(transport).across_processes:
-            raise ConfigError(f"a fleet's servers live in other processes: transport {transport} cannot reach them")
-        # Resolved here: actors inherit the environment of their node's raylet, not the trainer's.
-        auth_token = resolve_token(auth_token)
-        self._serve = {
-            "model": str(model),
-            "engine": engine,
-            "transport": transport,
-            "load_format": load_format,
-            "sync_mode": sync_mode,
-            "receiver": ReceiverOptions(timeout=timeout, verify=check_verify(verify), auth_token=auth_token),
-            "staged": staged,
-            "host": host,
-            "auth_token": auth_token,
-            **(serve or {}),
-        }
-        self._actor_class = ray.remote(ServerActor).options(
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            resources=dict(resources or {}),
-            scheduling_strategy=scheduling_strategy,
-            max_restarts=max_restarts,
-            # While Ray restarts a server, calls to it wait for the new process instead of
-            # failing, so a restarting server is re-learned, not dropped.
-            max_task_retries=-1 if max_restarts else 0,
-        )
-        options = sender or SenderOptions(timeout=timeout, verify=check_verify(verify), auth_token=auth_token)
+        self._serve = serve
+        self._actor_class = ray.remote(ServerActor).options(**(placement or Placement()).actor_options())
+        options = sender or SenderOptions(timeout=timeout, verify="bucket")
         self._raise_on_failure = options.raise_on_failure
         # the fleet reads every report first (who committed, who died), then raises if asked to
-        self._group = ServerGroup(dataclasses.replace(options, raise_on_failure=False, auth_token=auth_token))
+        self._group = ServerGroup(dataclasses.replace(options, raise_on_failure=False, auth_token=serve.auth_token))
         self._timeout = timeout
         self._actors: dict[str, Any] = {}
         self._members: dict[str, ServerInfo] = {}

@@ -19,9 +19,10 @@ patching it, and this module fills both (tested with TRL 1.16.0, the `weightsync
   (`init_weight_transfer`, `pause`, `send_weights(iterator)`, `resume`, `destroy`) over the
   same servers.
 
-A push that does not commit on a server is never passed over: `WeightsyncRollout` stops
-generating on that server (a warning says why) and fails once none is left; `WeightsyncTransfer`
-raises `SyncFailed`.
+Both push with a `SenderOptions` (`sender=`; default: verified pushes, `verify="bucket"`). A
+push that does not commit on a server is never passed over: `WeightsyncRollout` stops generating
+on that server (a warning says why) and fails once none is left; `WeightsyncTransfer` raises
+`SyncFailed`.
 """
 
 from __future__ import annotations
@@ -35,11 +36,10 @@ from typing import Any
 
 import torch
 
-from weightsync.checksum import Verify
 from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed
 from weightsync.lora import adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
-from weightsync.options import DEFAULT_TIMEOUT_S, SenderOptions
+from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
 from weightsync.serving.client import ServerGroup
 from weightsync.source import StateDictSource
@@ -60,39 +60,29 @@ REQUIRED_KEYS = ("prompt_ids", "completion_ids", "logprobs")
 """What TRL requires of a rollout function's result; every other key goes to the reward functions."""
 
 
-def connect(
-    urls: Sequence[str],
-    *,
-    timeout: float = DEFAULT_TIMEOUT_S,
-    verify: Verify = "bucket",
-    cast: torch.dtype | None = None,
-    auth_token: str | None = None,
-    raise_on_failure: bool = True,
-) -> ServerGroup:
-    """The rollout servers at `urls` (`weightsync serve`) as one `ServerGroup`, once every one is
-    up (its engine loaded).
+def push_options(sender: SenderOptions | None, *, raise_on_failure: bool) -> SenderOptions:
+    """How a TRL door pushes: `sender` (default: `verify="bucket"`, which also leaves every server
+    with the content digest of what it holds: `weightsync digest`), with the door's own
+    `raise_on_failure`. Its `timeout` bounds any single wait (the start-up of all the servers, an
+    HTTP call, a step of a push)."""
+    return dataclasses.replace(sender or SenderOptions(verify="bucket"), raise_on_failure=raise_on_failure)
+
+
+def connect(urls: Sequence[str], sender: SenderOptions) -> ServerGroup:
+    """The rollout servers at `urls` (`weightsync serve`) as one `ServerGroup` that pushes with
+    `sender`, once every one is up (its engine loaded).
 
     Args:
         urls: the servers' base URLs.
-        timeout: seconds any single wait may last (the start-up of all, an HTTP call, a step
-            of a push).
-        verify: the pushes' checksums; "bucket" (the default) also leaves every server with the
-            content digest of what it holds (`weightsync digest`).
-        cast: send floating-point weights as this dtype (e.g. torch.bfloat16 to bf16 servers).
-        auth_token: the servers' shared token (default $WEIGHTSYNC_AUTH_TOKEN).
-        raise_on_failure: True (the default): `push` raises `SyncFailed` when a server did not
-            commit (once it has left `live`); False: `push` returns the report, and `live` says
-            which servers are left.
+        sender: how to push (`push_options`). With `raise_on_failure=False`, `push` returns the
+            report instead of raising `SyncFailed`, and `live` says which servers are left.
 
     Raises:
-        ServerError: a server that was not up within `timeout` (the first of them).
+        ServerError: a server that was not up within the timeout (the first of them).
     """
     if not urls:
         raise ConfigError("give at least one rollout server URL")
-    options = SenderOptions(
-        timeout=timeout, verify=verify, cast=cast, auth_token=auth_token, raise_on_failure=raise_on_failure
-    )
-    group = ServerGroup(options)
+    group = ServerGroup(sender)
     try:
         _, errors = group.join(urls)
         if errors:
@@ -151,7 +141,7 @@ class WeightsyncRollout:
         urls: the rollout servers' base URLs.
         max_staleness: versions a sample may lag the trainer's step and still train.
         adapter_name: the name a PEFT model's adapter is served under.
-        timeout, verify, cast, auth_token: as `connect`.
+        sender: how to push (`push_options`; the rollout's `raise_on_failure` is False).
     """
 
     def __init__(
@@ -160,10 +150,7 @@ class WeightsyncRollout:
         *,
         max_staleness: int = 0,
         adapter_name: str = "policy",
-        timeout: float = DEFAULT_TIMEOUT_S,
-        verify: Verify = "bucket",
-        cast: torch.dtype | None = None,
-        auth_token: str | None = None,
+        sender: SenderOptions | None = None,
     ) -> None:
         self.adapter_name = adapter_name
         self._model: dict[str, str] = {}
@@ -172,9 +159,7 @@ class WeightsyncRollout:
             raise ConfigError(f"max_staleness must be 0 or more, got {max_staleness}")
         self.max_staleness = max_staleness
         # a server that fails a push leaves `servers.live`; generation goes on with the others
-        self.servers = connect(
-            urls, timeout=timeout, verify=verify, cast=cast, auth_token=auth_token, raise_on_failure=False
-        )
+        self.servers = connect(urls, push_options(sender, raise_on_failure=False))
         self.version: int | None = None
         """The version last pushed (the trainer's `global_step` then)."""
         self.reports: list[SyncReport] = []
@@ -352,24 +337,15 @@ class WeightsyncTransfer:
         urls: the rollout servers' base URLs.
         pause_mode: what `pause` does to requests in flight: "wait" (let them finish), "abort",
             or "keep" (freeze them; they go on with the new weights).
-        timeout, verify, cast, auth_token: as `connect`.
+        sender: how to push (`push_options`; TRL's protocol raises: `raise_on_failure` True).
     """
 
-    def __init__(
-        self,
-        urls: Sequence[str],
-        *,
-        pause_mode: str = "keep",
-        timeout: float = DEFAULT_TIMEOUT_S,
-        verify: Verify = "bucket",
-        cast: torch.dtype | None = None,
-        auth_token: str | None = None,
-    ) -> None:
+    def __init__(self, urls: Sequence[str], *, pause_mode: str = "keep", sender: SenderOptions | None = None) -> None:
         if pause_mode not in ("wait", "abort", "keep"):
             raise ConfigError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
         self.urls = list(urls)
         self.pause_mode = pause_mode
-        self._options: dict[str, Any] = {"timeout": timeout, "verify": verify, "cast": cast, "auth_token": auth_token}
+        self._sender = push_options(sender, raise_on_failure=True)
         self.servers: ServerGroup | None = None
         self.version = 0
         """The version last sent (0: none yet)."""
@@ -378,7 +354,7 @@ class WeightsyncTransfer:
     def init_weight_transfer(self) -> None:
         """Wait for the servers and connect to their receivers."""
         if self.servers is None:
-            self.servers = connect(self.urls, **self._options)
+            self.servers = connect(self.urls, self._sender)
 
     def pause(self) -> None:
         for client in self._servers().clients:

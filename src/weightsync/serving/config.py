@@ -1,5 +1,5 @@
-"""What a rollout server runs, whatever its engine: `ServeConfig`, the engines there are, and the
-states a server reports (`Health`)."""
+"""What a rollout server runs, whatever its engine: `ServeConfig` (checked against the engines of
+engines.py), the states a server reports (`Health`), and the dtype a model's config names."""
 
 from __future__ import annotations
 
@@ -55,33 +55,37 @@ class Health:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
-    """What `weightsync serve` runs.
+    """What a rollout server runs: `weightsync serve`, a `BackgroundServer`, each `RolloutFleet` actor.
 
     Attributes:
         model: model directory (config.json, tokenizer; the checkpoint for load_format "auto").
-        engine: the engine's name in `ENGINES` ("hf" or "vllm").
+        engine: the engine's name in `ENGINES` ("hf", "vllm" or "sglang").
         load_format: "dummy" (serve nothing until the first sync) or "auto".
-        transport: the receiver's transport, "shm", "tcp", "collective" or "nixl".
+        transport: the receiver's transport, one that reaches another process
+            (`serving_transports()`: "shm", "tcp", "collective", "nixl", "cudaipc").
         receiver: how each worker's weight receiver listens and what it accepts (its interface
             and port for networked transports, its timeout: the bound on every wait inside a
             sync, the weakest verification it accepts, its bucket limit); its token is the
             server's `auth_token`.
-        sync_mode: how the engine loop pauses for a sync: "wait", "abort" or "keep".
-        ready_timeout: seconds a request waits for the first committed version before a 503.
-        drain_timeout: seconds a sync waits for the loop to park before it is refused.
+        sync_mode: how generation pauses for a sync: "wait", "abort" or "keep" (not sglang).
+        ready_timeout: seconds a request waits for a committed, intact version before a 503.
+        drain_timeout: seconds a sync waits for generation to pause before it is refused.
         served_model_name: the name /v1/models reports (default: the model dir's name).
         auth_token: the shared secret (default $WEIGHTSYNC_AUTH_TOKEN): pushes must prove it
-            (HMAC), HTTP control endpoints need `Authorization: Bearer <token>`. Required when
-            `host` or the receiver's host is not loopback.
-        allow_unauthenticated_generation: let /v1/completions and /v1/models through without it.
+            (HMAC), HTTP endpoints other than /health and /ping need `Authorization: Bearer
+            <token>`. Required when `host` or the receiver's host (networked transports) is not
+            loopback.
+        allow_unauthenticated_generation: let every /v1/ route through without the token.
         host: the HTTP interface (checked here; `weightsync serve` binds it).
         staged: land syncs in a standby copy of the weights, and make it live only at commit (hf:
-            a storage swap; vLLM: a reload from host memory); the engine serves during the transfer.
+            a storage swap; vllm and sglang: a load from host memory); the engine serves during
+            the transfer.
         max_request_bytes: the largest HTTP request body accepted, checked before it is parsed
             (None: 256 bytes per token of the model's context, at least 1 MiB).
         chat_template: a Jinja chat template file, used instead of the tokenizer's own (None:
             the tokenizer's; a server whose tokenizer has none says so at start-up).
-        max_lora_rank: serve LoRA adapters pushed to it, of rank up to this (0: refuse them).
+        max_lora_rank: serve LoRA adapters pushed to it, of rank up to this (0: refuse them;
+            hf and vllm only).
         lora_versions: versions of each adapter kept resident (hf: and any a request still runs on).
     """
 

@@ -8,7 +8,7 @@ and the base weights' as `base_version`.
 
 The versions come from the engine's own per-request record: its adapter wraps the engine call the
 OpenAI handlers make, and notes each output's versions in the `Recorder` of the HTTP request
-being served (`RECORDER`, a context variable `Versioned` sets) before the handler formats it
+being served (`RECORDER`, a context variable `WeightVersionMiddleware` sets) before the handler formats it
 (serving/vllm/versions.py, serving/sglang/versions.py).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from weightsync.serving.control import SyncControl
 
-__all__ = ["RECORDER", "Labeller", "Recorder", "Span", "Versioned"]
+__all__ = ["RECORDER", "Labeller", "Recorder", "Span", "WeightVersionMiddleware"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -61,19 +61,19 @@ RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("weig
 """The recorder of the HTTP request being served, None outside one."""
 
 
-VERSIONED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+LABELLED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Responses that carry weight_version."""
 
 
-class Versioned:
-    """Labels the responses of `VERSIONED_PATHS` with weight versions (module docstring)."""
+class WeightVersionMiddleware:
+    """ASGI middleware: labels the responses of `LABELLED_PATHS` with weight versions (module docstring)."""
 
     def __init__(self, app: ASGIApp, control: SyncControl) -> None:
         self.app = app
         self.control = control
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in VERSIONED_PATHS:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LABELLED_PATHS:
             await self.app(scope, receive, send)
             return
         recorder = Recorder()

@@ -188,7 +188,9 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob]
 
 
-class Versioned(BaseModel):
+class ChoiceVersions(BaseModel):
+    """The weight versions a response's choice carries (a base of `Choice` and `ChatChoice`)."""
+
     weight_version: int
     """The version that produced the choice's last token (the only one, unless a keep-mode sync
     landed while it was generated)."""
@@ -197,7 +199,7 @@ class Versioned(BaseModel):
     one span normally, none for a choice that ended before its first token."""
 
 
-class Choice(Versioned):
+class Choice(ChoiceVersions):
     index: int
     text: str
     token_ids: list[int]
@@ -210,7 +212,7 @@ class OutputMessage(BaseModel):
     content: str
 
 
-class ChatChoice(Versioned):
+class ChatChoice(ChoiceVersions):
     index: int
     message: OutputMessage
     token_ids: list[int]
@@ -255,14 +257,16 @@ class ChatCompletionResponse(Envelope):
 # --- streamed responses (server-sent events) ------------------------------------------------------
 
 
-class StreamVersioned(BaseModel):
+class StreamChoiceVersions(BaseModel):
+    """The weight versions a streamed chunk's choice carries."""
+
     weight_version: int
     """The version that produced this chunk's tokens."""
     weight_versions: list[WeightVersionSpan] | None = None
     """On a choice's last chunk only (the one with its finish_reason): the whole choice's spans."""
 
 
-class CompletionStreamChoice(StreamVersioned):
+class CompletionStreamChoice(StreamChoiceVersions):
     index: int
     text: str
     token_ids: list[int]
@@ -282,7 +286,7 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
 
-class ChatStreamChoice(StreamVersioned):
+class ChatStreamChoice(StreamChoiceVersions):
     index: int
     delta: ChatDelta
     token_ids: list[int]

@@ -45,7 +45,7 @@ from weightsync.serving.doorbell import Doorbell
 from weightsync.serving.error_body import error
 from weightsync.serving.foreground import Port, Ready, serve_engine, stopped_by_signals
 from weightsync.serving.http import Face, add_routes
-from weightsync.serving.labels import Versioned
+from weightsync.serving.labels import WeightVersionMiddleware
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.sglang.launch import build_engine, serve_app, sglang_args, warm_up
 from weightsync.serving.sglang.launch import preload as preload_sglang
@@ -376,7 +376,7 @@ async def _serve_engine(
             weight_bytes=workers[0].weight_bytes,
         )
         add_routes(app, control, served, metrics=metrics.render)
-        outer = Owned(Face.of(Versioned(app, control), control, config))  # refused whoever asks, whenever
+        outer = Owned(Face.of(WeightVersionMiddleware(app, control), control, config))  # refused whoever asks, whenever
         try:
             async with app.router.lifespan_context(app):
                 port.front.app = outer

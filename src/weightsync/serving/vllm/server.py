@@ -42,7 +42,7 @@ from weightsync.serving.control import Served, SyncControl
 from weightsync.serving.doorbell import Doorbell
 from weightsync.serving.foreground import Port, Ready, serve_engine
 from weightsync.serving.http import Face, add_routes
-from weightsync.serving.labels import Versioned
+from weightsync.serving.labels import WeightVersionMiddleware
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
@@ -262,7 +262,7 @@ async def _serve_engine(
         add_routes(app, control, served, metrics=None)  # vLLM's /metrics serves ours too (the bridge)
         # Wrapped around vLLM's app rather than added to it: vLLM's build_app already built its
         # middleware stack, and FastAPI refuses additions after that.
-        outer = Face.of(Versioned(app, control), control, config)
+        outer = Face.of(WeightVersionMiddleware(app, control), control, config)
         try:
             async with app.router.lifespan_context(app):
                 port.front.app = outer
