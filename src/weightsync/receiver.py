@@ -1,15 +1,15 @@
-"""The receiving end: listens from construction on, lands each sync into a sink, and commits a
-version only when every byte of it has arrived.
+"""The receiving end: once started, listens for senders, lands each sync into a sink, and
+commits a version only when every byte of it has arrived.
 
-The receive loop is the mirror of `WeightSender.push`, one per connected sender::
+One receive loop per connected sender; its `_sync` is the mirror of the sender's `_deliver`::
 
-    handshake   Hello -> Welcome (+ the sender's Auth)
+    handshake   Hello -> Welcome (+ the sender's Auth)        (control.welcome_sender, first_message)
     setup       the data plane takes what the sender sets up between syncs (a ring to map)
     sync        Offer -> begin (check the plan, sink.begin) -> Accept
                 (an Offer of a LoRA adapter lands in `sink.adapter_sink(adapter)` instead;
                 a refused Offer -> sink.refused -> Failed, and the sync never began;
                 an Abort instead of the Offer -> sink.refused, and the sender leaves)
-                for each bucket k: data_plane.receive(k, landing)
+                data_plane.begin(landing); for each bucket k: data_plane.receive(k, landing)
                 data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
                 any failure -> abort (sink.abort, told whether the served weights are intact)
 
@@ -356,14 +356,8 @@ class WeightReceiver:
         except BaseException as exc:
             # A refused plan is a failed sync too: say why (state and version stay as they were),
             # once: this is the receiving side's only line for it (a server adds none).
-            plan = offer.plan
-            log.warning(
-                "push of version %d refused (%d bytes, %d tensors): %s",
-                offer.version,
-                plan.total_bytes,
-                len(plan.tensors),
-                exc,
-            )
+            size = (offer.plan.total_bytes, len(offer.plan.tensors))
+            log.warning("push of version %d refused (%d bytes, %d tensors): %s", offer.version, *size, exc)
             self._set(last_error=f"sync of version {offer.version} failed: {exc}")
             self._refuse(offer, exc)
             self._busy.release()
@@ -383,23 +377,19 @@ class WeightReceiver:
         which = f"adapter {abort.adapter!r} version {abort.version}" if abort.adapter else f"version {abort.version}"
         log.warning("the sender gave up on %s before offering it: %s", which, abort.reason)
         self._set(last_error=f"sync of {which} failed: the sender gave up: {abort.reason}")
-        if abort.adapter:
-            return
-        try:
-            self._sink.refused(
-                abort.version, RemoteError(f"the sender gave up on version {abort.version}: {abort.reason}")
-            )
-        except Exception:  # the sink failing here must not hide the sender's reason
-            log.exception("sink.refused raised")
+        if not abort.adapter:
+            self._refused(abort.version, RemoteError(f"the sender gave up on version {abort.version}: {abort.reason}"))
 
     def _refuse(self, offer: Offer, error: BaseException) -> None:
         """Tell the sink that `offer` was refused before its sync began (a consumer waiting for
         its version stops waiting). An adapter's offer was never the base weights' sync."""
-        if offer.adapter is not None:
-            return
+        if offer.adapter is None:
+            self._refused(offer.version, error)
+
+    def _refused(self, version: int, error: BaseException) -> None:
         try:
-            self._sink.refused(offer.version, error)
-        except Exception:  # the sink failing here must not hide the refusal
+            self._sink.refused(version, error)
+        except Exception:  # the sink failing here must not hide why
             log.exception("sink.refused raised")
 
     def _landing_for(self, offer: Offer) -> Landing:
