@@ -7,8 +7,8 @@ methods, under its own lock; each answers with a value, and the receiver acts on
 The rule, one method a sentence:
 
 - `join`: the first part's offer begins a sync; each other part's offer of the same version,
-  plan and adapter joins it, once; with none in progress, an offer is `Refused` while the sender
-  of another part is gone.
+  plan and adapter joins it, once; an offer that would begin a sync is `Refused` while the
+  sender of another part is gone (a part that is offered is gone no more).
 - `commit`: a part that committed `Wait`s for the sync to end; the last part to commit gets
   `Complete`, with the content digest combined from every part's shares, and commits for all.
 - `leave`: a departure makes the sync in progress `Impossible` when it leaves fewer connected
