@@ -1,22 +1,23 @@
-"""The receiving end: listens from construction on, lands each sync into a sink, and commits a
-version only when every byte of it has arrived.
+"""The receiving end: once started, listens for senders, lands each sync into a sink, and
+commits a version only when every byte of it has arrived.
 
-The receive loop is the mirror of `WeightSender.push`, one per connected sender::
+One receive loop per connected sender; its `_sync` is the mirror of the sender's `_deliver`::
 
-    handshake   Hello -> Welcome (+ the sender's Auth)
+    handshake   Hello -> Welcome (+ the sender's Auth)        (control.welcome_sender, first_message)
     setup       the data plane takes what the sender sets up between syncs (a ring to map)
     sync        Offer -> begin (check the plan, sink.begin) -> Accept
                 (an Offer of a LoRA adapter lands in `sink.adapter_sink(adapter)` instead;
                 a refused Offer -> sink.refused -> Failed, and the sync never began;
                 an Abort instead of the Offer -> sink.refused, and the sender leaves)
-                for each bucket k: data_plane.receive(k, landing)
+                data_plane.begin(landing); for each bucket k: data_plane.receive(k, landing)
                 data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
                 any failure -> abort (sink.abort, told whether the served weights are intact)
 
 A sharded sync (a plan in parts, one per sender) is one sync fed by several connections: the
-first part's offer begins it, each other part's offer of the same plan joins it (`_Parts`), each
+first part's offer begins it, each other part's offer of the same plan joins it, each
 connection lands the buckets of its own part, and the sync commits once every part sent its
-Commit; a failure on any part aborts it for all.
+Commit; a failure on any part aborts it for all. `parts.Parts` decides all of that (and when a
+departed sender makes a sync impossible); the receiver acts on its answers.
 
 State machine (one sync at a time; `WeightReceiver` is its only owner)::
 
@@ -34,15 +35,14 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from weightsync.auth import TOKEN_ENV, check_bind, new_nonce, proof, proof_matches
-from weightsync.checksum import VERIFY_MODES, Verify, check_verify, combine_shares, stricter
+from weightsync.auth import check_bind
+from weightsync.checksum import VERIFY_MODES, Verify, check_verify, stricter
 from weightsync.errors import (
-    AuthError,
     ChecksumError,
     ConfigError,
     NegotiationError,
@@ -50,8 +50,6 @@ from weightsync.errors import (
     PlanError,
     ProtocolError,
     RemoteError,
-    SinkError,
-    TransferTimeout,
     TransportError,
     WeightSyncError,
 )
@@ -60,69 +58,27 @@ from weightsync.messages import (
     PROTOCOL_VERSION,
     Abort,
     Accept,
-    Auth,
     Commit,
     Committed,
     Failed,
-    Hello,
-    Message,
     Offer,
     SyncTimes,
-    TensorShare,
     Welcome,
 )
 from weightsync.options import ReceiverOptions, build_options
+from weightsync.parts import Parts, Refused, Sender, Wait
 from weightsync.plan import check_plan, part_buckets, plan_id
 from weightsync.sink import WeightSink, as_sink, sink_errors
 from weightsync.transports import get_transport
 from weightsync.transports.base import Link, Listener, PlaneOptions, ReceivePlane
-from weightsync.transports.control import expect_on
+from weightsync.transports.control import expect_on, first_message, welcome_sender
 from weightsync.transports.links import listener_for
-from weightsync.wire import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES
 
 __all__ = ["ReceiverState", "ReceiverStatus", "WeightReceiver"]
 
 log = logging.getLogger(__name__)
 
 ReceiverState: TypeAlias = Literal["empty", "syncing", "ready", "dirty"]
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Parts:
-    """A sync fed by several senders, one part of its plan each: which parts joined, which
-    committed, and how it ended (guarded by the receiver's `_joining` condition)."""
-
-    offer: Offer
-    landing: Landing
-    joined: set[int]
-    committed: set[int] = dataclasses.field(default_factory=set)
-    shares: dict[int, tuple[TensorShare, ...]] = dataclasses.field(default_factory=dict)
-    """Each committed part's shares of the tensors' hashes (a verified sync)."""
-    content: str = ""
-    """The content digest the sync commits, combined from `shares` by the last part."""
-    ended: bool = False
-    error: BaseException | None = None
-
-    def takes(self, offer: Offer) -> bool:
-        """Whether `offer` is another part of this sync."""
-        first = self.offer
-        return (offer.version, offer.plan_id, offer.adapter) == (first.version, first.plan_id, first.adapter)
-
-    @property
-    def complete(self) -> bool:
-        return len(self.committed) == len(self.offer.plan.parts)
-
-
-def _combined(shares: Mapping[int, tuple[TensorShare, ...]], version: int) -> str:
-    """The content digest of a sharded sync from every part's shares (checksum.combine_shares);
-    "" where no part carried any (the sync was not verified)."""
-    carried = [shares[part] for part in sorted(shares) if shares[part]]
-    if not carried:
-        return ""
-    if len(carried) < len(shares):
-        missing = sorted(part for part, held in shares.items() if not held)
-        raise ChecksumError(f"version {version}: the commits of parts {missing} carry no hashes, the others do")
-    return combine_shares(carried)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +96,9 @@ class ReceiverStatus:
     """Where the last committed sync's time went."""
     mode: Literal["full", "delta"] | None = None
     """How the last committed sync travelled: the full version, or a patch onto the previous one."""
+    delta_base: str = ""
+    """The content digest a patch may be applied to here: the last committed version's, when its
+    sync was verified and every tensor of it sits in a destination; "" once a sync begins."""
 
 
 class WeightReceiver:
@@ -181,9 +140,6 @@ class WeightReceiver:
         self._timeout = options.timeout
         self._new_plane = spec.receive_plane
         self._wire = spec.has_wire
-        self._base = ""
-        """The content digest a patch may be applied to here: the last committed version's, when
-        it was verified and every tensor of it sits in a destination; "" once a sync begins."""
         self._plane_options = PlaneOptions(timeout=self._timeout, max_bucket_bytes=self._max_bucket_bytes)
         self._id = secrets.token_hex(4)
         self._busy = threading.Lock()
@@ -196,16 +152,8 @@ class WeightReceiver:
         self._before_sync: ReceiverState = "empty"
         self._landing: Landing | None = None
         """The sync in progress (from `begin` to its commit or abort)."""
-        self._parts: _Parts | None = None
-        """The sharded sync in progress, which the other parts' offers join."""
-        self._joining = threading.Condition()
-        """Guards `_parts` and `_parts_gone`; the parts waiting for the others to commit wait on it."""
-        self._parts_gone: set[int] = set()
-        """Parts whose sender closed its connection between syncs, no sender having connected since."""
-        self._senders_met = 0
-        """Handshakes so far: a sender that closes after another one connected may have been replaced."""
-        self._senders_connected = 0
-        """Senders connected now (past their handshake): each part of a sharded sync comes over one."""
+        self._parts: Parts[Landing] = Parts(self._timeout)
+        """The sharded sync in progress, which the other parts' offers join, and its senders."""
         self._observers: list[Callable[[ReceiverStatus, ReceiverStatus], None]] = []
         self._closed = threading.Event()
         self._spec = spec
@@ -297,26 +245,23 @@ class WeightReceiver:
 
     def _serve(self, link: Link) -> None:
         plane: ReceivePlane | None = None
-        part: int | None = None  # the part of a sharded sync this sender last offered
-        met = -1  # handshakes as of this sender's last sync
-        welcome = None
+        sender: Sender | None = None  # as the joining of sharded syncs knows it, once welcomed
         try:
-            welcome = self._greet(link)
+            welcome = welcome_sender(link, self._holds, self._token, self._timeout)
             if welcome is None:
                 return
-            message = self._first_message(link, welcome)
-            if message is None:
+            sender = self._parts.connect()
+            message = first_message(link, welcome, self._token, self._timeout)
+            if isinstance(message, Abort) and message.version < 0:  # the sender refused our proof, and left
+                log.warning("closing connection from sender: %s", message.reason)
                 return
-            with self._joining:  # a sender came: any part may come again
-                self._parts_gone.clear()
-                self._senders_met += 1
-                met = self._senders_met
+            sender = self._parts.arrive(sender)
             plane = self._new_plane(link, self._plane_options)
             while not self._closed.is_set():
                 if isinstance(message, Offer):
-                    part = message.part if message.plan.parts else None
+                    sender = sender.offering(message)
                     self._sync(link, plane, message)
-                    met = self._senders_met  # as of this sender's last sync
+                    sender = self._parts.synced(sender)
                 elif isinstance(message, Abort):  # the sender gave up on a version before offering it
                     self._given_up(message)
                     return
@@ -327,46 +272,16 @@ class WeightReceiver:
             if not self._closed.is_set() and not isinstance(exc, PeerClosedError):
                 log.warning("closing connection from sender: %s", exc)
         finally:
-            if welcome is not None:
-                self._sender_left(part, link.transport, met)
+            if sender is not None:
+                self._left(sender, link.transport)
             if plane is not None:
                 plane.close()
 
-    def _greet(self, link: Link) -> Welcome | None:
-        """Hello -> Welcome (None when the sender is refused); from then on the sender counts as
-        connected (`_sender_left` when its connection ends)."""
-        hello = link.recv(self._timeout, HANDSHAKE_FRAME_BYTES)
-        if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
-            detail = f"expected Hello with protocol {PROTOCOL_VERSION}, got {hello!r}"[:500]
-            link.send(Failed(-1, "ProtocolError", detail), self._timeout)
-            return None
-        welcome = self.welcome(hello.nonce)
-        link.send(welcome, self._timeout)
-        with self._joining:
-            self._senders_connected += 1
-        return welcome
-
-    def _first_message(self, link: Link, welcome: Welcome) -> Message | None:
-        """The sender's Auth where a token is required; returns the first message after the
-        handshake (None when the sender is refused)."""
-        # The sender goes on at once. Where a token is required, its next frame must be its
-        # small Auth: bound it until it is checked.
-        message = link.recv(self._timeout, HANDSHAKE_FRAME_BYTES if self.auth_required else MAX_FRAME_BYTES)
-        if isinstance(message, Abort) and message.version < 0:  # the sender refused our proof, and left
-            log.warning("closing connection from sender: %s", message.reason)
-            return None
-        try:
-            if self.authenticate(welcome, message):
-                message = link.recv(None)  # that was the sender's Auth frame
-        except AuthError as exc:
-            link.send(Failed(-1, "AuthError", str(exc)), self._timeout)
-            raise
-        return message
-
     def _sync(self, link: Link, plane: ReceivePlane, offer: Offer) -> None:
+        """One plan from its sender, the mirror of `WeightSender._deliver`: offer, buckets, commit."""
         started = time.perf_counter()
         try:
-            landing = self.begin(offer)
+            landing = self._begin(offer)
         except WeightSyncError as exc:
             link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
             return
@@ -382,19 +297,16 @@ class WeightReceiver:
             bucket = None
             commit = expect_on(link, Commit, self._timeout)
             committing = time.perf_counter()
-            if offer.plan.parts:
-                content = self._commit_part(landing, commit, offer.part)
-            else:
-                content = self.commit(landing, commit)
+            content = self._commit(landing, commit, offer)
             times = _times(landing, landing.sink, started, committing)
             self._set(times=times)
-            base = self._base
+            base = self._status.delta_base
             if landing.arena_unused:  # its tensors are lent from the ring now: no need to keep it
                 self._staging.release_arena()
         except BaseException as exc:
             if isinstance(exc, TransportError):
                 exc.at(version=offer.version, bucket=bucket)
-            self.abort(landing, exc)
+            self._abort(landing, exc)
             if isinstance(exc, WeightSyncError) and not isinstance(exc, (PeerClosedError, RemoteError)):
                 with contextlib.suppress(WeightSyncError):
                     link.send(Failed(offer.version, type(exc).__name__, str(exc)), self._timeout)
@@ -403,86 +315,49 @@ class WeightReceiver:
 
     # --- the steps of a sync --------------------------------------------------------------------
 
-    @property
-    def auth_required(self) -> bool:
-        """True when senders must prove they hold this receiver's token."""
-        return self._token is not None
-
-    def welcome(self, sender_nonce: str = "") -> Welcome:
-        """Our Welcome, with a fresh challenge and, if we hold a token, our answer to the sender's."""
-        answer = proof(self._token, "receiver", sender_nonce) if self._token and sender_nonce else ""
-        base = self._base if self.state == "ready" else ""
-        wants = self._sink.wants()
+    def _holds(self) -> Welcome:
+        """What this receiver holds, as its Welcome says it (the handshake adds its challenge)."""
+        status = self._status
+        base = status.delta_base if status.state == "ready" else ""
         return Welcome(
             PROTOCOL_VERSION,
             self._id,
             self._max_bucket_bytes,
-            self.version,
+            status.version,
             self._verify,
-            new_nonce(),
-            answer,
+            "",
+            "",
             base,
-            wants,
+            self._sink.wants(),
         )
 
-    def authenticate(self, welcome: Welcome, message: Message) -> bool:
-        """Check the sender's first message after `welcome`. True if it was the sender's `Auth`
-        (consumed), False if it is an ordinary message; AuthError if we hold a token and the
-        sender did not prove it holds it too."""
-        if self._token is None:
-            return isinstance(message, Auth)
-        if not isinstance(message, Auth) or not proof_matches(self._token, "sender", welcome.nonce, message.proof):
-            raise AuthError(
-                "auth token refused: the sender did not prove it holds this receiver's auth token (it has none); "
-                f"give the sender the receiver's token (auth_token=, or ${TOKEN_ENV})"
-            )
-        return True
-
-    def begin(self, offer: Offer) -> Landing:
+    def _begin(self, offer: Offer) -> Landing:
         """Check an offered plan and start its sync; the landing site it will go to. A refused
         offer raises why, once the sink heard it (`WeightSink.refused`). The offer of a part of
-        the sharded sync in progress joins it."""
+        the sharded sync in progress joins it (`Parts.join`)."""
         if not offer.plan.parts:
-            return self._begin_sync(offer)
-        with self._joining:
-            parts = self._parts
-            gone = sorted(self._parts_gone - {offer.part})
-            self._parts_gone.discard(offer.part)
-            if (parts is None or not parts.takes(offer)) and gone:
-                left = PeerClosedError(
-                    f"the sender of part {gone[0]} closed its connection; version {offer.version} refused"
-                )
-                log.warning("push of version %d refused: %s", offer.version, left)
-                self._refuse(offer, left)
-                raise left
-            if parts is None or not parts.takes(offer):
-                landing = self._begin_sync(offer)
-                self._parts = _Parts(offer, landing, {offer.part})
-                return landing
-            if offer.part in parts.joined:
-                raise NegotiationError(f"part {offer.part} of version {offer.version} was offered twice")
-            parts.joined.add(offer.part)
-            return parts.landing
+            return self._start(offer)
+        joined = self._parts.join(offer, lambda: self._start(offer))
+        if isinstance(joined, Refused):
+            log.warning("push of version %d refused: %s", offer.version, joined.error)
+            self._refuse(offer, joined.error)
+            raise joined.error
+        return joined
 
-    def _begin_sync(self, offer: Offer) -> Landing:
+    def _start(self, offer: Offer) -> Landing:
+        """Begin the sync of `offer`, if no other is in progress."""
         if not self._busy.acquire(blocking=False):
             log.warning("push of version %d refused: busy with another sync", offer.version)
             busy = NegotiationError(f"receiver is busy with another sync; version {offer.version} refused")
             self._refuse(offer, busy)
             raise busy
         try:
-            landing = self._begin(offer)
+            landing = self._landing_for(offer)
         except BaseException as exc:
             # A refused plan is a failed sync too: say why (state and version stay as they were),
             # once: this is the receiving side's only line for it (a server adds none).
-            plan = offer.plan
-            log.warning(
-                "push of version %d refused (%d bytes, %d tensors): %s",
-                offer.version,
-                plan.total_bytes,
-                len(plan.tensors),
-                exc,
-            )
+            size = (offer.plan.total_bytes, len(offer.plan.tensors))
+            log.warning("push of version %d refused (%d bytes, %d tensors): %s", offer.version, *size, exc)
             self._set(last_error=f"sync of version {offer.version} failed: {exc}")
             self._refuse(offer, exc)
             self._busy.release()
@@ -490,8 +365,8 @@ class WeightReceiver:
         self._landing = landing
         if offer.adapter is None:  # an adapter sync leaves the base weights, and so the state, as they are
             self._before_sync = self._status.state
-            self._base = ""  # every sync writes destinations: nothing to patch until it commits
-            self._set(state="syncing")
+            # every sync writes destinations: nothing to patch until it commits
+            self._set(state="syncing", delta_base="")
         return landing
 
     def _given_up(self, abort: Abort) -> None:
@@ -502,26 +377,23 @@ class WeightReceiver:
         which = f"adapter {abort.adapter!r} version {abort.version}" if abort.adapter else f"version {abort.version}"
         log.warning("the sender gave up on %s before offering it: %s", which, abort.reason)
         self._set(last_error=f"sync of {which} failed: the sender gave up: {abort.reason}")
-        if abort.adapter:
-            return
-        try:
-            self._sink.refused(
-                abort.version, RemoteError(f"the sender gave up on version {abort.version}: {abort.reason}")
-            )
-        except Exception:  # the sink failing here must not hide the sender's reason
-            log.exception("sink.refused raised")
+        if not abort.adapter:
+            self._refused(abort.version, RemoteError(f"the sender gave up on version {abort.version}: {abort.reason}"))
 
     def _refuse(self, offer: Offer, error: BaseException) -> None:
         """Tell the sink that `offer` was refused before its sync began (a consumer waiting for
         its version stops waiting). An adapter's offer was never the base weights' sync."""
-        if offer.adapter is not None:
-            return
+        if offer.adapter is None:
+            self._refused(offer.version, error)
+
+    def _refused(self, version: int, error: BaseException) -> None:
         try:
-            self._sink.refused(offer.version, error)
-        except Exception:  # the sink failing here must not hide the refusal
+            self._sink.refused(version, error)
+        except Exception:  # the sink failing here must not hide why
             log.exception("sink.refused raised")
 
-    def _begin(self, offer: Offer) -> Landing:
+    def _landing_for(self, offer: Offer) -> Landing:
+        """The landing site of `offer`, once its plan passed every check and the sink began."""
         if plan_id(offer.plan) != offer.plan_id:
             raise PlanError("the offer's plan_id does not match its plan")
         if offer.plan_id != self._checked_plan:  # a trainer offers the same plan every step
@@ -533,10 +405,10 @@ class WeightReceiver:
             raise PlanError("a plan in parts carries neither a patch nor an adapter")
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
-        if offer.delta_base and offer.delta_base != self._base:
+        if offer.delta_base and offer.delta_base != self._status.delta_base:
             raise NegotiationError(
                 f"version {offer.version} is a patch onto content {offer.delta_base}; this receiver holds "
-                f"{self._base or 'no version a patch can be applied to'}"
+                f"{self._status.delta_base or 'no version a patch can be applied to'}"
             )
         sink = self._sink
         if offer.adapter is not None:
@@ -556,9 +428,15 @@ class WeightReceiver:
                 sink.abort(offer.version, exc, intact=True)
             raise
 
-    def commit(self, landing: Landing, commit: Commit) -> str:
+    def _commit(self, landing: Landing, commit: Commit, offer: Offer) -> str:
         """Check what landed against the sender's commit, then commit it to the sink; the
-        content digest committed ("" unverified)."""
+        content digest committed ("" unverified). A part of a sharded sync commits once every
+        part did: the last part commits the sync for all, the others wait for it (`Parts.commit`)."""
+        if offer.plan.parts:
+            answer = self._parts.commit(landing, offer.part, commit.shares, commit.version)
+            if isinstance(answer, Wait):
+                return self._parts.wait(answer)
+            commit = msgspec.structs.replace(commit, content_digest=answer.digest)
         try:
             content = self._verified_content(landing, commit)
             with sink_errors("commit"):  # like every other hook: the sink's error fails this sync cleanly
@@ -568,63 +446,22 @@ class WeightReceiver:
             raise
         if self._adapter(landing):
             self._set(last_error="")
-            self._release()
-            return content
-        self._base = content if landing.patchable else ""
-        mode = "delta" if landing.delta else "full"
-        self._set(state="ready", version=commit.version, content_digest=content, last_error="", mode=mode)
+        else:
+            mode = "delta" if landing.delta else "full"
+            base = content if landing.patchable else ""
+            self._set(
+                state="ready", version=commit.version, content_digest=content, last_error="", mode=mode, delta_base=base
+            )
         self._release()
         return content
 
-    def _commit_part(self, landing: Landing, commit: Commit, part: int) -> str:
-        """Part `part` of a sharded sync landed and its sender asked to commit: the last part to
-        get here commits the sync (`commit`); the others wait for it (bounded), and fail if it
-        did not commit. Returns the content digest committed ("" unverified)."""
-        with self._joining:
-            parts = self._parts
-            if parts is None or parts.landing is not landing:
-                raise SinkError(f"version {commit.version}: the sync of this part ended already")
-            parts.committed.add(part)
-            parts.shares[part] = commit.shares
-            last = parts.complete
-            if not last and not self._joining.wait_for(lambda: parts.ended, self._timeout):
-                missing = sorted(set(range(len(parts.offer.plan.parts))) - parts.committed)
-                raise TransferTimeout(f"version {commit.version}: parts {missing} did not land in time")
-        if not last:
-            if parts.error is not None:
-                raise SinkError(f"version {commit.version} did not commit: {parts.error}") from parts.error
-            return parts.content
-        parts.content = _combined(parts.shares, commit.version)  # read by the other parts once it ended
-        return self.commit(
-            landing, msgspec.structs.replace(commit, content_digest=parts.content)
-        )  # a failure ends the parts too
-
-    def _sender_left(self, part: int | None, transport: str, met: int) -> None:
-        """A sender's connection ended between its syncs (its process died, say); `part`: the
-        part of a sharded sync it offered last, if any. Each part comes over a connection of its
-        own, so a sharded sync in progress that this departure leaves missing more parts than
-        there are connected senders yet to offer one cannot complete: it aborts now, not at its
-        timeout. With none
-        in progress, the next one is refused if the sender of a part of the last one left, unless
-        a sender connected after this one's last sync (`met`: the handshakes then), which may
-        send that part now, or connects first."""
-        with self._joining:
-            self._senders_connected -= 1
-            parts = self._parts
-            if parts is None:
-                if part is not None and met == self._senders_met:  # no sender came since: it would wait in vain
-                    self._parts_gone.add(part)
-                return
-            missing = sorted(set(range(len(parts.offer.plan.parts))) - parts.joined)
-            free = self._senders_connected - len(parts.joined)  # connected, and yet to offer a part of it
-            if not free < len(missing) <= free + 1:  # enough senders are left, or were short already
-                return  # (the senders missing then may still connect: only this departure decides)
-            landing, version = parts.landing, parts.offer.version
-        if part in missing:
-            why = f"the sender of part {part} closed its connection before it offered its part"
-        else:
-            why = f"a sender closed its connection: parts {missing} of the sync cannot come from {free} other senders"
-        self.abort(landing, PeerClosedError(why, transport=transport).at(version=version))
+    def _left(self, sender: Sender, transport: str) -> None:
+        """A sender's connection ended between its syncs (its process died, say): a sharded sync
+        that this leaves too few senders to complete aborts now, not at its timeout (`Parts.leave`)."""
+        impossible = self._parts.leave(sender)
+        if impossible is not None:
+            error = PeerClosedError(impossible.reason, transport=transport).at(version=impossible.version)
+            self._abort(impossible.sync, error)
 
     def _verified_content(self, landing: Landing, commit: Commit) -> str:
         if (commit.version, commit.plan_id) != (landing.version, landing.plan_id):
@@ -655,7 +492,7 @@ class WeightReceiver:
             landing.check_tensors(commit.tensors)
         return content
 
-    def abort(self, landing: Landing, error: BaseException) -> None:
+    def _abort(self, landing: Landing, error: BaseException) -> None:
         """The sync of `landing` failed with `error` (nothing happens if it ended already)."""
         if landing is self._landing:
             self._finish_abort(landing, error)
@@ -663,14 +500,11 @@ class WeightReceiver:
     def _release(self, error: BaseException | None = None) -> None:
         """The sync in progress ended (with `error`, if it failed): the parts waiting for it
         hear how, and another sync may begin."""
-        with self._joining:
-            parts, self._parts = self._parts, None
-            if parts is not None:
-                parts.ended, parts.error = True, error
-            if error is not None and self._landing is not None:
-                self._landing.fail(error)  # the other parts' threads stop landing
-            self._landing = None
-            self._joining.notify_all()
+        landing, self._landing = self._landing, None
+        if landing is not None:
+            if error is not None:
+                landing.fail(error)  # the other parts' threads stop landing
+            self._parts.end(landing, error)
         self._busy.release()
 
     def _finish_abort(self, landing: Landing, error: BaseException) -> None:

@@ -13,10 +13,11 @@ import torch
 
 from tests.helpers import assert_all_bit_exact, receiving, sending, wait_until
 from tests.test_failures import Child
+from tests.unit.test_wire import RawPeer
 from weightsync import NegotiationError, TensorDictSink, WeightReceiver, WeightSender
 from weightsync.delta import Baseline
 from weightsync.landing import Landing
-from weightsync.messages import Offer
+from weightsync.messages import Failed, Offer
 from weightsync.patch import apply_patch
 from weightsync.plan import build_plan, plan_id, wire_specs
 from weightsync.source import as_source
@@ -169,8 +170,15 @@ def test_a_receiver_at_the_wrong_base_gets_the_full_version(transport: str, obse
         assert report.ok, report.failed
         assert [o.mode for o in report.outcomes] == ["delta", "full"]
         assert good.version == lagging.version == 2
-        with pytest.raises(NegotiationError, match="patch onto content"):
-            lagging.begin(Offer(3, report_plan(trainer), plan_id(report_plan(trainer)), "bucket", delta_base="0" * 32))
+        peer = RawPeer(lagging.address)
+        try:
+            peer.hello()
+            peer.send(Offer(3, report_plan(trainer), plan_id(report_plan(trainer)), "bucket", delta_base="0" * 32))
+            refused = peer.recv()
+        finally:
+            peer.close()
+        assert isinstance(refused, Failed) and refused.kind == NegotiationError.__name__
+        assert "patch onto content" in refused.message
         observe(
             "the receiver at version 0 got the full version 2 alongside a delta; a patch onto another base: NegotiationError"
         )
@@ -213,7 +221,7 @@ def test_a_flipped_byte_in_a_patch_fails_and_the_next_push_is_full(transport, mo
         report = sender.push(trainer.state(), 2)
         (failure,) = report.failed
         assert failure.kind == "ChecksumError" and "of version 2" in failure.error and failure.mode == "delta"
-        assert receiver.version != 2 and receiver.welcome().delta_base == ""
+        assert receiver.version != 2 and receiver.status.delta_base == ""
         after = (receiver.state, receiver.version)
         trainer.step()
         report = sender.push(trainer.state(), 3)
@@ -282,7 +290,7 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
     dest = zeros_like_sent(trainer)
     with receiving(dest, transport, timeout=60) as receiver, Child(STALLING_SENDER, receiver.address) as child:
         child.expect("PUSHED")
-        assert receiver.version == 1 and receiver.welcome().delta_base != ""
+        assert receiver.version == 1 and receiver.status.delta_base != ""
         child.expect("STALLED")
         assert wait_until(lambda: receiver.state == "syncing")
         child.kill()
@@ -292,7 +300,7 @@ def test_sender_killed_mid_delta(transport: str, observe) -> None:  # type: igno
         assert receiver.version != 2 and "version 2" in receiver.last_error
         after = (receiver.state, receiver.version)
         if receiver.state == "dirty":
-            assert receiver.welcome().delta_base == ""
+            assert receiver.status.delta_base == ""
         for _ in range(3):
             trainer.step()
         with sending(receiver.address, cast=torch.bfloat16, delta="all", bucket_bytes=BUCKET) as sender:
@@ -350,7 +358,7 @@ def test_a_loader_sink_always_gets_the_full_version() -> None:
             trainer.step()
             report = sender.push(trainer.state(), version)
             assert report.ok and report.outcomes[0].mode == "full"
-            assert receiver.content_digest == report.content_digest and receiver.welcome().delta_base == ""
+            assert receiver.content_digest == report.content_digest and receiver.status.delta_base == ""
     assert_all_bit_exact(received, trainer.as_sent())
 
 

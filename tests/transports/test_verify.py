@@ -16,9 +16,10 @@ import torch
 
 from tests.helpers import assert_all_bit_exact, random_tensor, receiving
 from tests.peer_process import sending
+from tests.unit.test_wire import RawPeer
 from weightsync import ConfigError, NegotiationError, WeightReceiver
 from weightsync.landing import Landing
-from weightsync.messages import Offer, TensorSpec
+from weightsync.messages import Failed, Offer, TensorSpec
 from weightsync.plan import build_plan, plan_id
 
 BUCKET = 4096
@@ -131,9 +132,16 @@ def test_bad_modes_are_refused() -> None:
 
 def test_an_offer_weaker_than_the_receiver_requires_is_refused() -> None:
     plan = build_plan([TensorSpec("w", "float32", (4,), "float32")], 64)
-    with receiving({"w": torch.zeros(4)}, "inproc", verify="bucket") as receiver:
-        with pytest.raises(NegotiationError, match="requires verify='bucket'"):
-            receiver.begin(Offer(1, plan, plan_id(plan), "off"))
+    with receiving({"w": torch.zeros(4)}, "tcp", verify="bucket") as receiver:
+        peer = RawPeer(receiver.address)  # a real sender never offers less than the Welcome asks
+        try:
+            peer.hello()
+            peer.send(Offer(1, plan, plan_id(plan), "off"))
+            refused = peer.recv()
+        finally:
+            peer.close()
+        assert isinstance(refused, Failed) and refused.kind == NegotiationError.__name__
+        assert "requires verify='bucket'" in refused.message
         assert receiver.state == "empty"
 
 

@@ -3,8 +3,9 @@
 `SenderChannel` is the sender's end for the receivers of one transport: it connects (Hello,
 Welcome, Auth), offers, commits and aborts, each step returning what happened per receiver. Replies
 are read by a thread per link into an inbox, so the sender waits on several receivers with one
-deadline. `next_message` and `expect_on` are the receiver's reads, shared by the receive loop and
-the data planes.
+deadline. `welcome_sender` and `first_message` are the receiver's end of the handshake;
+`next_message` and `expect_on` are the receiver's reads, shared by the receive loop and the data
+planes.
 """
 
 from __future__ import annotations
@@ -45,8 +46,9 @@ from weightsync.messages import (
     Welcome,
 )
 from weightsync.transports.base import Failures, Link
+from weightsync.wire import HANDSHAKE_FRAME_BYTES, MAX_FRAME_BYTES
 
-__all__ = ["SenderChannel", "expect_on", "next_message"]
+__all__ = ["SenderChannel", "expect_on", "first_message", "next_message", "welcome_sender"]
 
 log = logging.getLogger(__name__)
 
@@ -371,3 +373,56 @@ def expect_on(link: Link, kind: type[M], timeout: float, what: str = "") -> M:
             transport=link.transport,
         )
     return message
+
+
+# --- the receiver's end of the handshake ----------------------------------------------------------
+
+
+def welcome_sender(link: Link, holds: Callable[[], Welcome], token: str | None, timeout: float) -> Welcome | None:
+    """The sender's Hello, answered by the Welcome of what the receiver `holds()`, with a fresh
+    challenge and, where the receiver has a `token`, its proof; None when the sender is refused
+    (a Hello of another protocol)."""
+    hello = link.recv(timeout, HANDSHAKE_FRAME_BYTES)
+    if not isinstance(hello, Hello) or hello.protocol != PROTOCOL_VERSION:
+        detail = f"expected Hello with protocol {PROTOCOL_VERSION}, got {hello!r}"[:500]
+        link.send(Failed(-1, "ProtocolError", detail), timeout)
+        return None
+    answer = proof(token, "receiver", hello.nonce) if token and hello.nonce else ""
+    welcome = msgspec.structs.replace(holds(), nonce=new_nonce(), proof=answer)
+    link.send(welcome, timeout)
+    return welcome
+
+
+def first_message(link: Link, welcome: Welcome, token: str | None, timeout: float) -> Message:
+    """The sender's first message after `welcome`, past its Auth where `token` requires one (an
+    `Abort` of version -1: the sender refused our proof, and left).
+
+    Raises:
+        AuthError: the receiver holds a token and the sender did not prove it holds it too (the
+            sender heard why).
+    """
+    # The sender goes on at once. Where a token is required, its next frame must be its small
+    # Auth: bound it until it is checked.
+    message = link.recv(timeout, MAX_FRAME_BYTES if token is None else HANDSHAKE_FRAME_BYTES)
+    if isinstance(message, Abort) and message.version < 0:
+        return message
+    try:
+        if _authenticated(welcome, message, token):
+            message = link.recv(None)  # that was the sender's Auth frame
+    except AuthError as exc:
+        link.send(Failed(-1, "AuthError", str(exc)), timeout)
+        raise
+    return message
+
+
+def _authenticated(welcome: Welcome, message: Message, token: str | None) -> bool:
+    """True if `message` is the sender's `Auth` (consumed), False if it is an ordinary message;
+    AuthError if the receiver holds a token and the sender did not prove it holds it too."""
+    if token is None:
+        return isinstance(message, Auth)
+    if not isinstance(message, Auth) or not proof_matches(token, "sender", welcome.nonce, message.proof):
+        raise AuthError(
+            "auth token refused: the sender did not prove it holds this receiver's auth token (it has none); "
+            f"give the sender the receiver's token (auth_token=, or ${TOKEN_ENV})"
+        )
+    return True
