@@ -67,3 +67,41 @@ def test_vllm_staged_server_serves_during_the_transfer_and_survives_a_failed_syn
     model_dir = tiny_models["qwen2"]
     with live_server(model_dir, engine="vllm", staged=True) as server:
         check_staged(server, load_file(str(model_dir / "model.safetensors")))
+
+
+@pytest.mark.skipif(
+    not torch.cpu._is_amx_tile_supported(),
+    reason="this host's CPU has no AMX: the SIGILL that weightsync's vLLM plugin prevents cannot happen here",
+)
+def test_a_bfloat16_model_serves_where_the_cpu_has_amx(tiny_models, tmp_path) -> None:
+    """vLLM's CPU kernels take their AMX path for bfloat16; a worker process that never asked
+    the kernel for AMX tiles died of SIGILL at the warm-up's one-token prompt. The plugin asks
+    in every vLLM process (`init_amx`)."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "qwen2-bf16"
+    shutil.copytree(tiny_models["qwen2"], model_dir)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    save_file(
+        {name: tensor.to(torch.bfloat16) for name, tensor in weights.items()}, str(model_dir / "model.safetensors")
+    )
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}))
+    with live_server(model_dir, engine="vllm", load_format="auto") as served:
+        for prompt in PROMPTS:
+            answer = greedy(served, prompt)
+            assert answer["weight_version"] == 0 and answer["choices"][0]["token_ids"], answer
+
+
+def test_the_plugin_asks_for_amx_tiles_only_where_the_cpu_has_them(monkeypatch) -> None:
+    from weightsync.integrations.vllm import plugin
+
+    asked: list[bool] = []
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(True) or True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert plugin.init_amx() is False and asked == []
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert plugin.init_amx() is True and asked == [True]
