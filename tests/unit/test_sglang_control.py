@@ -1,6 +1,6 @@
 """The SGLang backend's control messages and landings, without SGLang: what the trainer writes
 into SGLang's update call decodes in a worker as exactly the message sent, anything else is
-refused, and each worker's `Landing` travels back through the trainer's store."""
+refused, and each worker's `LandResult` travels back through the trainer's store."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from weightsync.integrations.sglang.control import (
     CONTROL_NAME,
     Connect,
     Land,
-    Landing,
+    LandResult,
     connect_store,
     decode,
     payload,
-    read_landings,
-    write_landing,
+    read_results,
+    write_result,
 )
 from weightsync.integrations.vllm.rendezvous import open_store
 
@@ -67,15 +67,15 @@ def test_anything_but_one_control_message_is_refused(named: list[tuple[str, torc
 def test_landings_travel_back_through_the_store() -> None:
     store, where = open_store("127.0.0.1", 10)
     worker = connect_store(where, 10)
-    write_landing(worker, "s1", Landing(rank=1, version=3, landed=False, touched=True, error="boom"))
-    write_landing(worker, "s1", Landing(rank=0, version=3, landed=True, touched=True))
-    landings = read_landings(store, "s1", 3, [0, 1], timeout=10)
+    write_result(worker, "s1", LandResult(rank=1, version=3, landed=False, touched=True, error="boom"))
+    write_result(worker, "s1", LandResult(rank=0, version=3, landed=True, touched=True))
+    landings = read_results(store, "s1", 3, [0, 1], timeout=10)
     assert [(landing.rank, landing.landed, landing.touched) for landing in landings] == [
         (0, True, True),
         (1, False, True),
     ]
     with pytest.raises(TransferTimeout):
-        read_landings(store, "s1", 3, [0, 1], timeout=0.2)  # read once: a version's landings are consumed
+        read_results(store, "s1", 3, [0, 1], timeout=0.2)  # read once: a version's landings are consumed
     store.set("s1/landing/4/0", '{"rank": 1, "version": 4, "landed": true, "touched": true}')
     with pytest.raises(ProtocolError, match="rank 1"):
-        read_landings(store, "s1", 4, [0], timeout=10)
+        read_results(store, "s1", 4, [0], timeout=10)
