@@ -206,7 +206,7 @@ def run_round(
     """
     lead, pausing = agreement.leads, isinstance(window, Pausing)
     _connect(sender, source, version, agreement, walk_unpushed)
-    if lead and pausing:
+    if lead and isinstance(window, Pausing):
         window.pause()
     opened = _raised(window.start, version) if lead else None
     if not agreement.settle(opened is None):
@@ -299,8 +299,8 @@ def _end(window: UpdateWindow, version: int, outcome: Outcome, lead: bool, pausi
             raise
         outcome = decide(["changed"], [f"the engine refused the label: {one_line(exc)}"])
         window.finish(version, outcome)
-    if pausing and outcome.ready:
-        window.resume()  # type: ignore[attr-defined]
+    if pausing and outcome.ready and isinstance(window, Pausing):
+        window.resume()
     return outcome
 
 
