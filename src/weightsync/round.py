@@ -209,7 +209,12 @@ def run_round(
     if lead and isinstance(window, Pausing):
         window.pause()
     opened = _raised(window.start, version) if lead else None
-    if not agreement.settle(opened is None):
+    try:
+        together = agreement.settle(opened is None)
+    except CollectiveError as exc:  # a rank is gone before any push: the window ends, nothing changed
+        _end(window, version, decide(["intact"], [one_line(exc)], was_ready=window.ready), lead, pausing)
+        raise
+    if not together:
         why = (
             f"the update window did not open: {one_line(opened)}"
             if opened

@@ -218,6 +218,16 @@ def test_a_trainer_rank_that_dies_mid_round_labels_nothing(fleet: Fleet) -> None
     _assert_never_paused_or_mislabelled(window)
 
 
+def test_a_trainer_rank_that_dies_as_the_window_opens_ends_it_and_changes_nothing(fleet: Fleet) -> None:
+    window = Window(2)
+    _round(fleet, window, 1, 1.0)
+    with pytest.raises(CollectiveError, match="a rank died"):
+        _round(fleet, window, 2, 2.0, agreement=Ranks(dies_at=1))
+    assert window.calls[-3:] == ["start", "finish:keep", "resume"] and window.label == "1"
+    assert torch.equal(fleet.held[1]["a"], torch.full((64,), 1.0))
+    _assert_never_paused_or_mislabelled(window)
+
+
 def test_a_timeout_of_the_update_call_ends_the_round_promptly_and_labels_nothing(fleet: Fleet) -> None:
     window = Window(2)
     window.update_gate = threading.Event()  # the engine's update call never answers
