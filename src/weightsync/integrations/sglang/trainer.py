@@ -18,26 +18,22 @@ stock SGLang server over weightsync's transports.
                                                     worker starts a receiver and announces it
     collect(store)                                  one address per TP rank, or ConnectError
 
-One round of `push(tensors, version)`, every phase at its call site::
+Each `push(tensors, version)` is one round of `weightsync.round.run_round` (its phases at its
+call site there; the same round as vLLM's trainer API) through `SGLangWindow`::
 
-    sender.connect()                                a worker that refuses the sender fails the
-                                                    round before anything is paused
-    pause_generation(mode)
-    begin_weight_update
+    pause_generation(mode); begin_weight_update
     update_weights_from_tensor(Land(version))  ||   every TP worker lands the version from its
     sender.push(tensors, version)                   receiver through SGLang's load_weights
-    end_weight_update
-    read every worker's LandResult from the store
+    end_weight_update; every worker's LandResult from the store
     update_weight_version(version)                  only when every worker landed it whole
-    continue_generation
-    check /model_info's weight_version
+    continue_generation; check /model_info's weight_version
 
-A round that fails raises (`SyncFailed` for a push some worker did not land, `ServerError` for
-an SGLang route that failed) and labels nothing. The workers land a push only once it arrived
-whole (worker.py), so a failed transfer leaves the previous version serving, labelled as it
-was, and generation continues. If a worker's `load_weights` itself failed part way (its
-`LandResult` says the model was touched), the weights are mixed: generation stays paused (SGLang
-serves nothing rather than a mix) and the error says so; the next good push resumes it.
+A failed round follows the one rule of docs/failure-semantics.md and raises `SyncFailed`. The
+workers land a push only once it arrived whole (worker.py), so a failed transfer leaves the
+previous version serving, labelled as it was, and generation continues. If a worker's
+`load_weights` itself failed part way (its `LandResult` says the model was touched), no worker
+said how it went, or SGLang refused the label, SGLang is not ready: it reports the weight
+version `NOT_READY` and generation stays paused until a push lands.
 """
 
 from __future__ import annotations
@@ -169,12 +165,13 @@ class SGLangEngine:
 
         Raises:
             ConfigError: `version` is not an integer above the last one labelled.
-            SyncFailed: the push failed (the source raised, a worker refused it or did not land
-                it whole); nothing was labelled. The message says whether the previous weights
-                serve (generation goes on), or generation stays paused (a worker's weights are
-                mixed, or no worker said how it went); `.report` is the push's report, or None
-                when the push itself raised.
-            ServerError: an SGLang route failed; nothing was labelled.
+            SyncFailed: a worker refused the sender, or the round failed (the source raised, a
+                worker refused the push or did not land it whole, an SGLang route failed inside
+                the window); nothing was labelled. The message says whether the previous weights
+                serve (generation goes on) or SGLang is not ready (module docstring); `.report`
+                is the push's report, or None when the push itself raised.
+            ServerError: pausing generation failed (nothing was opened).
+            Whatever the source's index raised (nothing was paused).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigError(f"version must be a non-negative integer, got {version!r}")
