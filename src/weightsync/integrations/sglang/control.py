@@ -134,9 +134,9 @@ def decode(named_tensors: list[tuple[str, torch.Tensor]]) -> Control:
         raise ProtocolError(f"{CONTROL_NAME!r} is not a weightsync control message: {exc}") from exc
 
 
-def write_result(store: dist.Store, session: str, landing: LandResult) -> None:
-    """Leave `landing` in the trainer's store (the worker's side)."""
-    store.set(f"{session}/landing/{landing.version}/{landing.rank}", msgspec.json.encode(landing).decode())
+def write_result(store: dist.Store, session: str, result: LandResult) -> None:
+    """Leave `result` in the trainer's store (the worker's side)."""
+    store.set(f"{session}/landing/{result.version}/{result.rank}", msgspec.json.encode(result).decode())
 
 
 def read_results(store: dist.Store, session: str, version: int, ranks: list[int], timeout: float) -> list[LandResult]:
@@ -150,18 +150,18 @@ def read_results(store: dist.Store, session: str, version: int, ranks: list[int]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:  # torch raises DistStoreError, a RuntimeError
-        raise TransferTimeout(f"no landing of version {version} from every SGLang worker: {exc}") from exc
-    landings = []
+        raise TransferTimeout(f"no result of version {version} from every SGLang worker: {exc}") from exc
+    results = []
     for rank, key in zip(ranks, keys, strict=True):
         try:
-            landing = _RESULT.decode(store.get(key))
+            result = _RESULT.decode(store.get(key))
         except msgspec.DecodeError as exc:
-            raise ProtocolError(f"{key} is not a weightsync landing: {exc}") from exc
-        if landing.rank != rank or landing.version != version:
-            raise ProtocolError(f"{key} holds the landing of rank {landing.rank}, version {landing.version}")
-        landings.append(landing)
+            raise ProtocolError(f"{key} is not a weightsync LandResult: {exc}") from exc
+        if result.rank != rank or result.version != version:
+            raise ProtocolError(f"{key} holds the result of rank {result.rank}, version {result.version}")
+        results.append(result)
         store.delete_key(key)
-    return landings
+    return results
 
 
 def connect_store(rendezvous: str, timeout: float) -> dist.TCPStore:
