@@ -204,7 +204,7 @@ def run_round(
         CollectiveError: another rank died or fell behind; the window was decided all the same.
         Whatever the source's index raised (nothing was opened).
     """
-    lead, pausing = agreement.leads, isinstance(window, Pausing)
+    lead = agreement.leads
     _connect(sender, source, version, agreement, walk_unpushed)
     if lead and isinstance(window, Pausing):
         window.pause()
@@ -212,7 +212,7 @@ def run_round(
     try:
         together = agreement.settle(opened is None)
     except CollectiveError as exc:  # a rank is gone before any push: the window ends, nothing changed
-        _end(window, version, decide(["intact"], [one_line(exc)], was_ready=window.ready), lead, pausing)
+        _end(window, version, decide(["intact"], [one_line(exc)], was_ready=window.ready), lead)
         raise
     if not together:
         why = (
@@ -221,7 +221,7 @@ def run_round(
             else "the leading rank's window did not open"
         )
         outcome = decide(["intact"], [why], was_ready=window.ready) if lead else Outcome("keep", why)
-        outcome = _end(window, version, outcome, lead, pausing)
+        outcome = _end(window, version, outcome, lead)
         raise _unlabelled(version, outcome, not_pushed(version, sender.addresses, {}), lead)
     report, problems = _push_beside(sender, source, version, window if lead else None, wait_s, deadline)
     states, found = window.states(report) if lead else ([], [])
@@ -238,7 +238,7 @@ def run_round(
         outcome = decide(states, problems, was_ready=window.ready)
     else:
         outcome = Outcome("label") if not problems else Outcome("keep", "; ".join(problems))
-    outcome = _end(window, version, outcome, lead, pausing)
+    outcome = _end(window, version, outcome, lead)
     if lost is not None:
         raise lost
     agreement.wait()  # decided before any rank returns
@@ -292,7 +292,7 @@ def _push_beside(
     return report, problems
 
 
-def _end(window: UpdateWindow, version: int, outcome: Outcome, lead: bool, pausing: bool) -> Outcome:
+def _end(window: UpdateWindow, version: int, outcome: Outcome, lead: bool) -> Outcome:
     """The leading rank ends the window with `outcome` (a label the engine refused: not ready,
     the version landed under no label); generation resumes unless not ready."""
     if not lead:
@@ -304,7 +304,7 @@ def _end(window: UpdateWindow, version: int, outcome: Outcome, lead: bool, pausi
             raise
         outcome = decide(["changed"], [f"the engine refused the label: {one_line(exc)}"])
         window.finish(version, outcome)
-    if pausing and outcome.ready and isinstance(window, Pausing):
+    if outcome.ready and isinstance(window, Pausing):
         window.resume()
     return outcome
 
