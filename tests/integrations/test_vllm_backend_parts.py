@@ -263,3 +263,66 @@ def test_a_worker_that_refuses_the_sender_fails_the_round_before_any_window_open
         ]
         assert engine.version == 0 and worker.version is None
         engine.shutdown()
+
+
+def test_vllms_window_says_not_ready_by_its_label_and_pauses_only_what_it_owns() -> None:
+    """`VLLMWindow` (the one rule on vLLM's trainer API): not ready is the weight version
+    `not-ready` and, through an HTTP client's server, vLLM's own `/pause`, resumed by the next
+    label; a pause its caller holds stays the caller's."""
+    pytest.importorskip("vllm")
+    import http.server
+    import json
+    import threading
+
+    from weightsync.integrations.vllm.trainer import VLLMWindow
+    from weightsync.round import NOT_READY, Outcome
+
+    routes: list[str] = []
+    paused = {"now": False}
+
+    class Routes(http.server.BaseHTTPRequestHandler):
+        def _answer(self) -> None:
+            routes.append(self.path)
+            if self.path.startswith("/pause"):
+                paused["now"] = True
+            elif self.path == "/resume":
+                paused["now"] = False
+            body = json.dumps({"is_paused": paused["now"]} if self.path == "/is_paused" else {"status": "ok"})
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    class Client:
+        def __init__(self, base_url: str) -> None:
+            self.base_url = base_url
+            self.labels: list[str | None] = []
+
+        def finish_weight_update(self, weight_version: str | None = None) -> None:
+            self.labels.append(weight_version)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Routes)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = Client(f"http://127.0.0.1:{server.server_address[1]}")
+        window = VLLMWindow(client, 2)  # type: ignore[arg-type]
+        window.finish(1, Outcome("keep", "refused"))
+        assert client.labels == [None] and window.ready and routes == []
+        window.finish(2, Outcome("not-ready", "a mix"))
+        assert client.labels[-1] == NOT_READY and not window.ready
+        assert routes == ["/is_paused", "/pause?mode=abort"] and paused["now"]
+        window.finish(3, Outcome("label"))
+        assert client.labels[-1] == "3" and window.ready and routes[-1] == "/resume" and not paused["now"]
+
+        paused["now"] = True  # the caller pauses around its rounds: the window leaves that pause alone
+        routes.clear()
+        window.finish(4, Outcome("not-ready", "a mix"))
+        window.finish(5, Outcome("label"))
+        assert routes == ["/is_paused"] and paused["now"] and client.labels[-2:] == [NOT_READY, "5"]
+    finally:
+        server.shutdown()
+        server.server_close()

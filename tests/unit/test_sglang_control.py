@@ -1,6 +1,6 @@
 """The SGLang backend's control messages and landings, without SGLang: what the trainer writes
 into SGLang's update call decodes in a worker as exactly the message sent, anything else is
-refused, and each worker's `Landing` travels back through the trainer's store."""
+refused, and each worker's `LandResult` travels back through the trainer's store."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from weightsync.integrations.sglang.control import (
     CONTROL_NAME,
     Connect,
     Land,
-    Landing,
+    LandResult,
     connect_store,
     decode,
     payload,
-    read_landings,
-    write_landing,
+    read_results,
+    write_result,
 )
 from weightsync.integrations.vllm.rendezvous import open_store
 
@@ -67,15 +67,53 @@ def test_anything_but_one_control_message_is_refused(named: list[tuple[str, torc
 def test_landings_travel_back_through_the_store() -> None:
     store, where = open_store("127.0.0.1", 10)
     worker = connect_store(where, 10)
-    write_landing(worker, "s1", Landing(rank=1, version=3, landed=False, touched=True, error="boom"))
-    write_landing(worker, "s1", Landing(rank=0, version=3, landed=True, touched=True))
-    landings = read_landings(store, "s1", 3, [0, 1], timeout=10)
+    write_result(worker, "s1", LandResult(rank=1, version=3, landed=False, touched=True, error="boom"))
+    write_result(worker, "s1", LandResult(rank=0, version=3, landed=True, touched=True))
+    landings = read_results(store, "s1", 3, [0, 1], timeout=10)
     assert [(landing.rank, landing.landed, landing.touched) for landing in landings] == [
         (0, True, True),
         (1, False, True),
     ]
     with pytest.raises(TransferTimeout):
-        read_landings(store, "s1", 3, [0, 1], timeout=0.2)  # read once: a version's landings are consumed
+        read_results(store, "s1", 3, [0, 1], timeout=0.2)  # read once: a version's landings are consumed
     store.set("s1/landing/4/0", '{"rank": 1, "version": 4, "landed": true, "touched": true}')
     with pytest.raises(ProtocolError, match="rank 1"):
-        read_landings(store, "s1", 4, [0], timeout=10)
+        read_results(store, "s1", 4, [0], timeout=10)
+
+
+def test_sglangs_window_reads_each_workers_result_and_says_not_ready_by_its_label() -> None:
+    """`SGLangWindow` (the one rule on SGLang): a worker whose result says it landed is landed,
+    one that touched the model and failed is changed, one that did not is intact; not ready is the weight version `not-ready` (generation stays paused)."""
+    from types import SimpleNamespace
+
+    from weightsync.integrations.sglang.trainer import SGLangWindow
+    from weightsync.round import NOT_READY, Outcome
+
+    class Client:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def __getattr__(self, name: str) -> object:
+            return lambda *args, **kwargs: self.calls.append(f"{name}{list(args)}")
+
+        def weight_version(self) -> str:
+            return "7"
+
+    store, where = open_store("127.0.0.1", 10)
+    worker = connect_store(where, 10)
+    client = Client()
+    workers = [SimpleNamespace(rank=0), SimpleNamespace(rank=1), SimpleNamespace(rank=2)]
+    engine = SimpleNamespace(client=client, _store=store, _session="s1", workers=workers, deadline=5.0)
+    engine._check_label = lambda version: None
+    window = SGLangWindow(engine, True)  # type: ignore[arg-type]
+    window.start(7)
+    write_result(worker, "s1", LandResult(rank=0, version=7, landed=True, touched=True))
+    write_result(worker, "s1", LandResult(rank=1, version=7, landed=False, touched=True, error="load failed"))
+    write_result(worker, "s1", LandResult(rank=2, version=7, landed=False, touched=False, error="timed out"))
+    states, why = window.states(None)
+    assert states == ["landed", "changed", "intact"]
+    assert why == ["TP rank 1: load failed", "TP rank 2: timed out"]
+    window.finish(7, Outcome("not-ready", "a mix"))
+    assert client.calls[-1] == f"label[{NOT_READY!r}]" and not window.ready
+    window.finish(8, Outcome("label"))
+    assert client.calls[-1] == "label['8']" and window.ready

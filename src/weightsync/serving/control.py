@@ -27,11 +27,11 @@ the engine once no request runs on it.
 
 One window per version, opened once for every worker: pause generation in the sync mode (bounded
 by the drain timeout: a sync that cannot park is refused, nothing paused), then the engine's
-`start_weight_update` and `update_weights`. It is decided once every worker's outcome is in (or
-the wait for one times out, or the engine dies): the engine's `finish_weight_update`, labelled
-with the version only when every worker committed it. Then generation resumes, or, when some
-worker's weights changed and another's did not, the server stays paused and answers 503 "dirty"
-until the next good sync: no response from a mix.
+`start_weight_update` and `update_weights`. It is decided, by the one rule of every round (`weightsync.round.decide`,
+docs/failure-semantics.md), once every worker's outcome is in (or the wait for one times out, or
+the engine dies): the engine's `finish_weight_update` labels the version only when every worker
+committed it; generation resumes when no worker's weights changed; otherwise the server stays
+paused and answers 503 "dirty" until the next good sync: no response from a mix.
 
 The control lives on one asyncio event loop (`loop`); `call` runs one of its coroutines from any
 other loop, and its read-only views (`health`, `state`, `weight_info`) may be read from any thread.
@@ -53,6 +53,7 @@ import msgspec
 from weightsync.errors import SinkError
 from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
 from weightsync.report import moved
+from weightsync.round import Outcome, WorkerState, decide
 from weightsync.serving.config import Health, PauseMode
 from weightsync.serving.events import (
     AdapterFailed,
@@ -66,82 +67,14 @@ from weightsync.serving.events import (
     VersionLanded,
 )
 from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.stats import Served, SyncStats
 
-__all__ = ["Engine", "Served", "SyncControl", "SyncStats"]
+__all__ = ["Engine", "Served", "SyncControl"]
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1.0
 """How often a window's wait for the engine's update call looks whether the engine died."""
-
-
-@dataclasses.dataclass(slots=True)
-class SyncStats:
-    """The last sync as the server saw it (GET /weight_info)."""
-
-    version: int | None = None
-    total_bytes: int = 0
-    bucket_bytes: int = 0
-    """The bucket size the push agreed on: what `weightsync digest` needs to recompute its digest."""
-    seconds: float = 0.0
-    ok: bool | None = None
-    error: str = ""
-    num_committed: int = 0
-    num_failed: int = 0
-
-    @property
-    def gbps(self) -> float:
-        return self.total_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def next(self, version: int, total_bytes: int, bucket_bytes: int, metrics: ServerMetrics) -> SyncStats:
-        """The stats of a sync of `version` beginning now; the counts carry over."""
-        metrics.sync_in_progress.set(1)
-        return SyncStats(
-            version, total_bytes, bucket_bytes, num_committed=self.num_committed, num_failed=self.num_failed
-        )
-
-    def committed(self, seconds: float, metrics: ServerMetrics) -> None:
-        self.seconds, self.ok = seconds, True
-        self.num_committed += 1
-        metrics.syncs.labels("committed").inc()
-        metrics.sync_seconds.observe(seconds)
-        metrics.sync_bytes.inc(self.total_bytes)
-        if self.version is not None:
-            metrics.version.set(self.version)
-        metrics.sync_in_progress.set(0)
-
-    def failed(self, seconds: float, error: str, metrics: ServerMetrics) -> None:
-        self.seconds, self.ok, self.error = seconds, False, error
-        self.num_failed += 1
-        metrics.syncs.labels("failed").inc()
-        metrics.sync_in_progress.set(0)
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "version": self.version,
-            "bytes": self.total_bytes,
-            "bucket_bytes": self.bucket_bytes,
-            "seconds": round(self.seconds, 6),
-            "gbps": round(self.gbps, 3),
-            "ok": self.ok,
-            "error": self.error,
-            "num_committed": self.num_committed,
-            "num_failed": self.num_failed,
-        }
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Served:
-    """What a server serves, fixed once its receivers are up (the static half of /weight_info)."""
-
-    engine: str
-    """The engine's name in `weightsync serve --engine`."""
-    model: str
-    transport: str
-    addresses: tuple[str, ...]
-    """Where a sender pushes: one receiver per worker."""
-    weight_bytes: int
-    """The bytes of the base weights each worker holds."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -474,16 +407,18 @@ class SyncControl:
             failed = [o for o in window.outcomes.values() if isinstance(o, VersionFailed)]
             if failed and not why:
                 why = "; ".join(f"worker {o.rank}: {o.error}" for o in sorted(failed, key=lambda o: o.rank))
-            if not why:
+            states = self._states(window, started)
+            outcome = decide(states, [why], was_ready=not self.dirty)
+            if outcome.verdict == "label":
                 why = await self._finish(window.version)
                 if not why:
                     self._committed(window.version)
                     return
+                outcome = decide(states, [why], was_ready=not self.dirty)
             elif started:
                 await self._finish(None)
-            changed = any(isinstance(o, VersionLanded) or not o.intact for o in window.outcomes.values())
-            unknown = started and len(window.outcomes) < self.workers
-            await self._failed(window.version, why, intact=not (changed or unknown))
+            why = outcome.why
+            await self._failed(window.version, outcome)
         except Exception as exc:  # never leave a worker's commit waiting on an undecided window
             why = why or f"the sync could not be decided: {exc}"
             log.exception("deciding version %d", window.version)
@@ -492,6 +427,20 @@ class SyncControl:
                 await self.resume("sync")
             if not window.decided.done():
                 window.decided.set_result(why)
+
+    def _states(self, window: _Window, started: bool) -> list[WorkerState]:
+        """Each worker's weights after the window (`weightsync.round.decide`): a worker that rang
+        no outcome is unknown once the reload may have begun, else intact."""
+        states: list[WorkerState] = []
+        for rank in range(self.workers):
+            outcome = window.outcomes.get(rank)
+            if outcome is None:
+                states.append("unknown" if started else "intact")
+            elif isinstance(outcome, VersionLanded):
+                states.append("landed")
+            else:
+                states.append("intact" if outcome.intact else "changed")
+        return states
 
     async def _wait_update(self, update: asyncio.Future[None]) -> str:
         """Wait for the engine's update call on every worker (each bounded by its receiver's timeouts);
@@ -541,10 +490,11 @@ class SyncControl:
             moved(self.stats.total_bytes, self.stats.seconds),
         )
 
-    async def _failed(self, version: int, error: str, *, intact: bool) -> None:
+    async def _failed(self, version: int, outcome: Outcome) -> None:
+        error = outcome.why
         self._counting = None
         self.stats.failed(time.perf_counter() - self._started, error, self.metrics)
-        if not intact or self.dirty:  # the live weights are no version we can name: serve nothing
+        if not outcome.ready:  # the live weights are no version we can name: serve nothing
             self.dirty = True
             self.version = None
             self.metrics.version.set(-1)

@@ -14,7 +14,7 @@ and the trainer pushes with one call per step::
     trainer.py     SGLangEngine: the whole round (pause, begin, push, end, label, continue)
     client.py      SGLang's HTTP routes, with timeouts
     control.py     the tiny control messages sent through update_weights_from_tensor, and
-                   each worker's Landing written back into the trainer's store
+                   each worker's LandResult written back into the trainer's store
     worker.py      load_weights: SGLang's custom loader; a WeightReceiver in every TP worker
 
 docs/integrations/sglang.md tells the whole story. Importing this package imports no SGLang;

@@ -8,7 +8,7 @@ there, only one tiny control message per call, as the bytes of a uint8 tensor na
     Connect   start this worker's receiver (a fresh one) and announce its address in the
               trainer's rendezvous store
     Land      land version N from the receiver into the model, then write how it went (a
-              `Landing`) into the same store
+              `LandResult`) into the same store
 
 SGLang's own request body is a pickle (of a list of (name, tensor) pairs, base64 per TP rank,
 read by SGLang's restricted unpickler); `payload` makes it from the control message alone, so
@@ -17,7 +17,7 @@ no weight byte and nothing of weightsync's own wire is ever pickled.
 The way back is the rendezvous store the trainer hosts (a torch.distributed TCPStore, loopback
 by default; values are msgspec JSON, decoded as exactly their type): SGLang's update call returns
 only success or failure, and a loader that raises takes SGLang's scheduler down with it, so each
-worker reports its `Landing` there and returns normally.
+worker reports its `LandResult` there and returns normally.
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ __all__ = [
     "Connect",
     "Control",
     "Land",
-    "Landing",
+    "LandResult",
     "connect_store",
     "decode",
     "payload",
-    "read_landings",
-    "write_landing",
+    "read_results",
+    "write_result",
 ]
 
 CONTROL_NAME = "weightsync.control"
@@ -69,7 +69,7 @@ class Connect(msgspec.Struct, tag="connect", frozen=True, kw_only=True):
     bell: str = ""
     """`weightsync serve --engine sglang`'s doorbell socket: the server, not a trainer, runs each
     round (its worker rings the server's control as a push arrives, lands and commits); empty: a
-    trainer's `SGLangEngine` runs it, and reads every worker's `Landing` from its store."""
+    trainer's `SGLangEngine` runs it, and reads every worker's `LandResult` from its store."""
     staged: bool = False
     """(with `bell`) land each push in host memory first; generation pauses only for the load."""
     drain_timeout: float = 60.0
@@ -91,7 +91,7 @@ Control: TypeAlias = Connect | Land
 _DECODER = msgspec.json.Decoder(Control)
 
 
-class Landing(msgspec.Struct, frozen=True, kw_only=True):
+class LandResult(msgspec.Struct, frozen=True, kw_only=True):
     """How one TP worker's `Land` went, as it writes it into the trainer's store."""
 
     rank: int
@@ -103,7 +103,7 @@ class Landing(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
 
 
-_LANDING = msgspec.json.Decoder(Landing)
+_RESULT = msgspec.json.Decoder(LandResult)
 
 
 def payload(message: Control, num_ranks: int) -> list[str]:
@@ -134,34 +134,34 @@ def decode(named_tensors: list[tuple[str, torch.Tensor]]) -> Control:
         raise ProtocolError(f"{CONTROL_NAME!r} is not a weightsync control message: {exc}") from exc
 
 
-def write_landing(store: dist.Store, session: str, landing: Landing) -> None:
-    """Leave `landing` in the trainer's store (the worker's side)."""
-    store.set(f"{session}/landing/{landing.version}/{landing.rank}", msgspec.json.encode(landing).decode())
+def write_result(store: dist.Store, session: str, result: LandResult) -> None:
+    """Leave `result` in the trainer's store (the worker's side)."""
+    store.set(f"{session}/landing/{result.version}/{result.rank}", msgspec.json.encode(result).decode())
 
 
-def read_landings(store: dist.Store, session: str, version: int, ranks: list[int], timeout: float) -> list[Landing]:
-    """Every worker's `Landing` of `version` (the trainer's side), waiting up to `timeout`.
+def read_results(store: dist.Store, session: str, version: int, ranks: list[int], timeout: float) -> list[LandResult]:
+    """Every worker's `LandResult` of `version` (the trainer's side), waiting up to `timeout`.
 
     Raises:
         TransferTimeout: some worker wrote none within `timeout`.
-        ProtocolError: a value is not a `Landing` of this version and rank.
+        ProtocolError: a value is not a `LandResult` of this version and rank.
     """
     keys = [f"{session}/landing/{version}/{rank}" for rank in ranks]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:  # torch raises DistStoreError, a RuntimeError
-        raise TransferTimeout(f"no landing of version {version} from every SGLang worker: {exc}") from exc
-    landings = []
+        raise TransferTimeout(f"no result of version {version} from every SGLang worker: {exc}") from exc
+    results = []
     for rank, key in zip(ranks, keys, strict=True):
         try:
-            landing = _LANDING.decode(store.get(key))
+            result = _RESULT.decode(store.get(key))
         except msgspec.DecodeError as exc:
-            raise ProtocolError(f"{key} is not a weightsync landing: {exc}") from exc
-        if landing.rank != rank or landing.version != version:
-            raise ProtocolError(f"{key} holds the landing of rank {landing.rank}, version {landing.version}")
-        landings.append(landing)
+            raise ProtocolError(f"{key} is not a weightsync LandResult: {exc}") from exc
+        if result.rank != rank or result.version != version:
+            raise ProtocolError(f"{key} holds the result of rank {result.rank}, version {result.version}")
+        results.append(result)
         store.delete_key(key)
-    return landings
+    return results
 
 
 def connect_store(rendezvous: str, timeout: float) -> dist.TCPStore:

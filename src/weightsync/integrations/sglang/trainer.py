@@ -18,45 +18,42 @@ stock SGLang server over weightsync's transports.
                                                     worker starts a receiver and announces it
     collect(store)                                  one address per TP rank, or ConnectError
 
-One round of `push(tensors, version)`, every phase at its call site::
+Each `push(tensors, version)` is one round of `weightsync.round.run_round` (its phases at its
+call site there; the same round as vLLM's trainer API) through `SGLangWindow`::
 
-    sender.connect()                                a worker that refuses the sender fails the
-                                                    round before anything is paused
-    pause_generation(mode)
-    begin_weight_update
+    pause_generation(mode); begin_weight_update
     update_weights_from_tensor(Land(version))  ||   every TP worker lands the version from its
     sender.push(tensors, version)                   receiver through SGLang's load_weights
-    end_weight_update
-    read every worker's Landing from the store
+    end_weight_update; every worker's LandResult from the store
     update_weight_version(version)                  only when every worker landed it whole
-    continue_generation
-    check /model_info's weight_version
+    continue_generation; check /model_info's weight_version
 
-A round that fails raises (`SyncFailed` for a push some worker did not land, `ServerError` for
-an SGLang route that failed) and labels nothing. The workers land a push only once it arrived
-whole (worker.py), so a failed transfer leaves the previous version serving, labelled as it
-was, and generation continues. If a worker's `load_weights` itself failed part way (its
-`Landing` says the model was touched), the weights are mixed: generation stays paused (SGLang
-serves nothing rather than a mix) and the error says so; the next good push resumes it.
+A failed round follows the one rule of docs/failure-semantics.md and raises `SyncFailed`. The
+workers land a push only once it arrived whole (worker.py), so a failed transfer leaves the
+previous version serving, labelled as it was, and generation continues. If a worker's
+`load_weights` itself failed part way (its `LandResult` says the model was touched), no worker
+said how it went, or SGLang refused the label, SGLang is not ready: it reports the weight
+version `NOT_READY` and generation stays paused until a push lands.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from weightsync.errors import ConfigError, ConnectError, ServerError, SyncFailed, WeightSyncError, one_line
+from weightsync.errors import ConfigError, ConnectError, ServerError, WeightSyncError, one_line
 from weightsync.integrations.sglang.client import PauseMode, SGLangClient
-from weightsync.integrations.sglang.control import Connect, Land, Landing, payload, read_landings
+from weightsync.integrations.sglang.control import Connect, Land, LandResult, payload, read_results
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
+from weightsync.round import NOT_READY, Outcome, WorkerState, run_round
 from weightsync.sender import WeightSender
+from weightsync.source import as_source
 
-__all__ = ["LOADER", "SGLangEngine"]
+__all__ = ["LOADER", "SGLangEngine", "SGLangWindow"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +115,9 @@ class SGLangEngine:
         """Every TP worker's receiver, as it announced itself (empty until `connect`)."""
         self.version: int | None = None
         """The last version this engine labelled in SGLang (None: none yet)."""
+        self.ready = True
+        """SGLang serves an intact version (False: a round left its weights mixed; generation
+        stays paused until a push lands)."""
         self._store: Any = None
         self._session = ""
         self._sender: WeightSender | None = None
@@ -165,12 +165,13 @@ class SGLangEngine:
 
         Raises:
             ConfigError: `version` is not an integer above the last one labelled.
-            SyncFailed: the push failed (the source raised, a worker refused it or did not land
-                it whole); nothing was labelled. The message says whether the previous weights
-                serve (generation goes on), or generation stays paused (a worker's weights are
-                mixed, or no worker said how it went); `.report` is the push's report, or None
-                when the push itself raised.
-            ServerError: an SGLang route failed; nothing was labelled.
+            SyncFailed: a worker refused the sender, or the round failed (the source raised, a
+                worker refused the push or did not land it whole, an SGLang route failed inside
+                the window); nothing was labelled. The message says whether the previous weights
+                serve (generation goes on) or SGLang is not ready (module docstring); `.report`
+                is the push's report, or None when the push itself raised.
+            ServerError: pausing generation failed (nothing was opened).
+            Whatever the source's index raised (nothing was paused).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigError(f"version must be a non-negative integer, got {version!r}")
@@ -179,72 +180,20 @@ class SGLangEngine:
         if self._sender is None:
             self.connect()
         sender = self._require()
-        refused = sender.connect()
-        if refused:
-            causes = "; ".join(f"{address}: {one_line(error)}" for address, error in refused.items())
-            raise ConnectError(f"version {version} not pushed: a TP worker's receiver refused the sender: {causes}")
-
-        self.client.pause(self.pause_mode)
+        window = SGLangWindow(self, self.ready)
         try:
-            report, landings, why = self._round(sender, tensors, version)
-        except BaseException:
-            self.client.resume()  # an SGLang route failed, or an interrupt: the caller sees why
-            raise
-        if report is not None:
-            why = [outcome.cause() for outcome in report.failed] + why
-        why += [f"TP rank {landing.rank}: {landing.error}" for landing in landings if not landing.landed]
-        if not why:
-            try:
-                self.client.label(str(version))
-            except ServerError as exc:  # new weights under the old label: serve nothing instead
-                raise ServerError(
-                    exc.status,
-                    f"version {version} landed but SGLang refused its label (generation stays paused): {exc}",
-                ) from exc
-            self.client.resume()
-            self._check_label(version)
-            self.version = version
-            assert report is not None
-            return report
-        unsure = [landing.rank for landing in landings if landing.touched and not landing.landed]
-        if landings and not unsure:
-            self.client.resume()
-            state = "the previous weights serve, labelled as before"
-        elif unsure:
-            state = f"the weights of TP rank(s) {unsure} are mixed: SGLang's generation stays paused until a push lands"
-        else:
-            state = "no worker said how it went: SGLang's generation stays paused until a push lands"
-        raise SyncFailed(f"version {version} was not labelled ({state}): " + "; ".join(why), report)
-
-    def _round(
-        self, sender: WeightSender, tensors: Any, version: int
-    ) -> tuple[SyncReport | None, list[Landing], list[str]]:
-        """Inside SGLang's update session, the update call and the push side by side; returns
-        the push's report (None if it raised), every worker's landing ([] if some worker wrote
-        none) and what else went wrong."""
-        why = []
-        report = None
-        land = Land(version=version, session=self._session, timeout=self.deadline)
-        self.client.begin_update()
-        pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-sglang-update")
-        try:
-            update = pool.submit(self._update, land, len(self.workers), flush_cache=self.pause_mode != "in_place")
-            try:
-                report = sender.push(tensors, version, deadline=self.deadline)
-            except Exception as exc:  # the workers heard that the sender gave up: they return
-                why.append(f"the push failed: {one_line(exc)}")
-            failed = _error_of(update, self.deadline + HTTP_MARGIN_S)
-            if failed is not None:
-                why.append(f"SGLang's update call: {one_line(failed)}")
+            report = run_round(
+                sender,
+                as_source(tensors),
+                version,
+                window,
+                wait_s=self.deadline + HTTP_MARGIN_S,
+                deadline=self.deadline,
+            )
         finally:
-            pool.shutdown(wait=False)  # never join a control-plane thread on the error path
-        self.client.end_update()
-        ranks = [worker.rank for worker in self.workers]
-        try:
-            landings = read_landings(self._store, self._session, version, ranks, HTTP_MARGIN_S)
-        except WeightSyncError as exc:
-            return report, [], [*why, one_line(exc)]
-        return report, landings, why
+            self.ready = window.ready
+        self.version = version
+        return report
 
     def _update(self, message: Connect | Land, num_ranks: int, *, flush_cache: bool) -> None:
         """One update call carrying `message` to every TP worker, in an update session of its
@@ -290,15 +239,67 @@ class SGLangEngine:
         self.close()
 
 
+class SGLangWindow:
+    """SGLang's update window for one round of `engine` (`weightsync.round.run_round`): generation
+    paused for the round, SGLang's update session, and the update call carrying `Land` beside the
+    push. Each TP worker lands a push only once it arrived whole and writes how it went (its
+    `LandResult`), so a failed transfer leaves its weights intact; a `load_weights` that failed
+    part way leaves them changed."""
+
+    def __init__(self, engine: SGLangEngine, ready: bool) -> None:
+        self.engine = engine
+        self.client = engine.client
+        self.ready = ready
+        self.version = 0
+        """The version this round lands (set as the window opens)."""
+
+    def pause(self) -> None:
+        self.client.pause(self.engine.pause_mode)
+
+    def resume(self) -> None:
+        self.client.resume()
+
+    def start(self, version: int) -> None:
+        self.version = version
+        self.client.begin_update()
+
+    def update(self, version: int) -> None:
+        engine = self.engine
+        land = Land(version=version, session=engine._session, timeout=engine.deadline)
+        engine._update(land, len(engine.workers), flush_cache=engine.pause_mode != "in_place")
+
+    def states(self, report: SyncReport | None) -> tuple[list[WorkerState], list[str]]:
+        """The update session ends, then every worker's `LandResult` (none: nobody knows)."""
+        engine = self.engine
+        ranks = [worker.rank for worker in engine.workers]
+        try:
+            self.client.end_update()
+            results = read_results(engine._store, engine._session, self.version, ranks, HTTP_MARGIN_S)
+        except WeightSyncError as exc:
+            return ["unknown"] * len(ranks), [one_line(exc)]
+        why = [f"TP rank {result.rank}: {result.error}" for result in results if not result.landed]
+        return [_state(result) for result in results], why
+
+    def finish(self, version: int, outcome: Outcome) -> None:
+        if outcome.verdict == "label":
+            self.client.label(str(version))
+            self.engine._check_label(version)
+            self.ready = True
+        elif not outcome.ready:
+            self.ready = False
+            try:  # generation stays paused: the label must not name a version it does not hold
+                self.client.label(NOT_READY)
+            except ServerError as exc:
+                log.warning("SGLang refused the not-ready label: %s", exc)
+
+
+def _state(result: LandResult) -> WorkerState:
+    if result.landed:
+        return "landed"
+    return "changed" if result.touched else "intact"
+
+
 def _new_session() -> str:
     import secrets
 
     return secrets.token_hex(8)
-
-
-def _error_of(future: Future[None], timeout: float) -> BaseException | None:
-    """What `future` raised (None: it returned), or a TimeoutError once `timeout` passed."""
-    try:
-        return future.exception(timeout=timeout)
-    except TimeoutError:
-        return TimeoutError(f"no answer within {timeout:g} s")

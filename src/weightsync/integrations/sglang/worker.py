@@ -14,7 +14,7 @@ trainer (`SGLangEngine`) sends one control message per call (control.py)::
               copy in host memory (StagedSink); once every byte arrived (and was verified),
               SGLang's own `model.load_weights` takes it a batch at a time on this thread (its
               loaders slice each TP shard, fuse q/k/v and gate/up); the worker then writes
-              its `Landing` into the trainer's store and returns
+              its `LandResult` into the trainer's store and returns
 
 Why staged: SGLang's `load_weights` writes into the served weights and cannot undo a half
 update, so a push that fails in transfer (the trainer died, a timeout, a bad checksum) must not
@@ -31,7 +31,7 @@ store (weightsync.serving.control decides the version, as for every engine).
 
 The loader never raises: an exception in a custom loader ends SGLang's scheduler process (and
 the server), and with TP > 1 the other workers would wait in SGLang's barrier. Every failure is
-logged, told to the trainer through the sender's report and the `Landing`, and the loader
+logged, told to the trainer through the sender's report and the `LandResult`, and the loader
 returns; SGLang's update call then succeeds, and the trainer labels no version.
 """
 
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from weightsync.errors import WeightSyncError, one_line
-from weightsync.integrations.sglang.control import Connect, Land, Landing, connect_store, decode, write_landing
+from weightsync.integrations.sglang.control import Connect, Land, LandResult, connect_store, decode, write_result
 from weightsync.integrations.vllm.layout import CheckpointLayout, check_plan_layout, checkpoint_layout
 from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.messages import Plan
@@ -88,7 +88,7 @@ class _Worker:
     stream: _LayoutStream
     receiver: WeightReceiver
 
-    def land(self, model: Any, version: int, timeout: float) -> Landing:
+    def land(self, model: Any, version: int, timeout: float) -> LandResult:
         """Land `version` into `model` (module docstring); how it went."""
         self.stream.timeout = timeout
         touched = False
@@ -99,9 +99,9 @@ class _Worker:
                     model.load_weights([(fed, tensor) for name, tensor in batch if (fed := self.stream.feed[name])])
         except Exception as exc:
             log.error("weightsync: version %d did not land on TP rank %d: %s", version, self.rank, one_line(exc))
-            return Landing(rank=self.rank, version=version, landed=False, touched=touched, error=one_line(exc))
+            return LandResult(rank=self.rank, version=version, landed=False, touched=touched, error=one_line(exc))
         log.info("weightsync: version %d landed on TP rank %d", version, self.rank)
-        return Landing(rank=self.rank, version=version, landed=True, touched=True)
+        return LandResult(rank=self.rank, version=version, landed=True, touched=True)
 
     def close(self) -> None:
         self.receiver.close()
@@ -146,7 +146,7 @@ def _land(model: Any, message: Land) -> None:
     if worker.store is None:  # under a server: the worker's sink told its control already
         return
     try:
-        write_landing(worker.store, worker.session, landing)
+        write_result(worker.store, worker.session, landing)
     except Exception as exc:  # the trainer then times out waiting for it, and labels nothing
         log.error("weightsync: could not tell the trainer how version %d went: %s", message.version, exc)
 

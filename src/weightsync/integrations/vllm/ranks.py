@@ -1,4 +1,5 @@
-"""The trainer's ranks agreeing on one sharded push through vLLM's trainer API.
+"""The trainer's ranks agreeing on one sharded push: the `weightsync.round.Agreement` of a
+sharded round (vLLM's trainer API).
 
 Every rank pushes its own part (weightsync's sharded sync), but only rank 0 talks to vLLM (the
 update window, the version label). The ranks agree over a gloo group of their own, made once
@@ -6,10 +7,11 @@ by every rank in `trainer_init`::
 
     rank 0                                   every rank
     rendezvous: the workers' addresses  -->  share(): the same addresses (msgspec JSON bytes)
-    start_weight_update                      settle(ok): did every rank connect? (all or none)
-    wait(): the window is open          -->  push its part
-    update_weights returned?                 settle(ok): did every rank commit and vLLM land it?
-    finish (label) or end the update    -->  wait(): every rank returns, or raises, alike
+                                             settle(ok): did every rank connect? (all or none)
+    start_weight_update                 -->  settle(ok): did the window open?
+    update_weights, beside its own push      push its part
+                                             settle(ok): did every rank commit and vLLM land it?
+    finish: label, keep or not ready    -->  wait(): every rank returns, or raises, alike
 
 No pickle: what is shared is bytes in a uint8 tensor. Every agreement is bounded by the group's
 timeout: a rank that died, or that does not get there in time, makes it raise `CollectiveError`
@@ -46,6 +48,8 @@ class Ranks:
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.leads = self.rank == 0
+        """Rank 0 drives the engine's window (`weightsync.round.Agreement`)."""
 
     def share(self, data: bytes) -> bytes:
         """Rank 0's `data`, on every rank (the others pass anything)."""

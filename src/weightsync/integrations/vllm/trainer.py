@@ -14,41 +14,29 @@ Code written against vLLM's own trainer API switches to weightsync by naming it:
     )
     engine.send_weights()          # after every optimizer step
 
-One round of `send_weights`, every phase at its call site::
-
-    sender.connect()                             every worker's receiver takes this sender
-    client.start_weight_update()                 every worker: vLLM's layerwise reload begins
-    client.update_weights({"version": v})  ||    every worker lands version v as it arrives
-    sender.push(source, v)                       one push to every worker's receiver
-    client.finish_weight_update(str(v))          every worker: reload ends; vLLM labels v
-
-The update call and the push run side by side (a worker's `update_weights` returns once its
-receiver has landed the sync, or at once when its receiver refused the push), and a version is
-labelled only when the push committed on every worker and every worker's update returned.
-Otherwise `send_weights` raises `SyncFailed` and no version is labelled. A worker that refuses
-the sender itself (another auth token, unreachable) fails the round before any window opens.
+Each `send_weights` is one round of `weightsync.round.run_round` (its phases at its call site
+there) through `VLLMWindow`: vLLM's `start_weight_update`, `update_weights({"version": v})`
+beside the push, and `finish_weight_update` labelling `v` only when every worker landed it. A
+failed round follows the one rule of docs/failure-semantics.md: where no worker's weights
+changed (a worker refused the sender or the plan) vLLM keeps serving its last version, labelled
+as before; otherwise it reports the weight version `NOT_READY` and, through an HTTP client,
+generation pauses until a round labels a version.
 
 Sharded (`WeightsyncTrainerInitInfo(rank=r, sharded=True)`, an FSDP2 trainer): every rank calls
 `trainer_init` and `send_weights` with its `ModuleSource`, and every rank pushes the rows it
 holds, straight to the workers that keep them (no rank gathers a tensor). Rank 0 still drives
-vLLM; the ranks agree at each step over a gloo group of their own (ranks.py), so that they all
-return, or all raise, and a version is labelled only when every rank's part committed on every
-worker::
-
-    rank 0: rendezvous; every rank: the workers' addresses, a sender to each
-    every rank: sender.connect()   (all connected, or every rank raises)
-    rank 0: client.start_weight_update(), then client.update_weights({"version": v}) ||
-    every rank: sender.push(its part of the source, v)
-    rank 0: client.finish_weight_update(str(v)) once every rank's push committed and vLLM's
-            update returned; else it ends the update, and every rank raises SyncFailed
+vLLM; the ranks agree at each step over a gloo group of their own (ranks.py, the round's
+`Agreement`), so that they all return, or all raise, and a version is labelled only when every
+rank's part committed on every worker. A solo trainer is the same round with an agreement of one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Self
 
 import msgspec
@@ -61,15 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSource
 
-from weightsync.errors import (
-    CollectiveError,
-    ConfigError,
-    ConnectError,
-    RemoteError,
-    SyncFailed,
-    WeightSyncError,
-    one_line,
-)
+from weightsync.errors import ConfigError, ConnectError, one_line
 from weightsync.integrations.vllm.internals import module_of
 from weightsync.integrations.vllm.plugin import register
 from weightsync.integrations.vllm.ranks import Ranks
@@ -77,11 +57,12 @@ from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.worker import WeightsyncInitInfo
 from weightsync.module_source import ModuleSource
 from weightsync.options import ReceiverOptions, SenderOptions
-from weightsync.report import ReceiverOutcome, SyncReport
+from weightsync.report import SyncReport
+from weightsync.round import NOT_READY, SOLO, Outcome, WorkerState, run_round, states_of
 from weightsync.sender import WeightSender
 from weightsync.source import ShardedSource, TensorMeta, WeightSource
 
-__all__ = ["VLLMSource", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
+__all__ = ["VLLMSource", "VLLMWindow", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +181,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         """The last version labelled in vLLM (0: none yet)."""
         self.ranks: Ranks | None = None
         """Sharded: the trainer's ranks, which every push is agreed with."""
+        self.window = VLLMWindow(client, len(self.workers))
+        """vLLM's update window, as every round drives it (rank 0's)."""
 
     @classmethod
     def trainer_init(
@@ -280,14 +263,13 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
 
         Raises:
             ConfigError: `version` is not larger than the last one.
-            Whatever the push raised before its offer (a bad cast, a source that fails): every
-                worker heard it at once and left the update; nothing was labelled.
+            Whatever the source's index (`metadata()`) raised: no window was opened.
             SyncFailed: some worker did not land the version, or refused this sender (then no
-                update window was opened); none was labelled, and no worker is left inside an
-                update.
+                update window was opened); none was labelled, no worker is left inside an
+                update, and the message says whether the previous version serves or vLLM is
+                not ready (module docstring).
             CollectiveError: sharded, another trainer rank died or did not get to this push
-                within the timeout (+ 30 s); nothing was labelled, and no worker is left inside
-                an update.
+                within the timeout (+ 30 s); rank 0 decided the window all the same.
         """
         source = _as_weightsync(self.source, sharded=self.ranks is not None)
         if self.sender is None:
@@ -297,104 +279,13 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         version = self.version + 1 if version is None else version
         if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
             raise ConfigError(f"version must be an integer above the last one ({self.version}), got {version!r}")
-        if self.ranks is not None:
-            return self._send_sharded(source, version, self.ranks, self.sender)
-
-        # A worker that refuses this sender (its token, its protocol) or cannot be reached would
-        # never see the push: its update call would wait out its timeout. Find out first, and
-        # open no window then.
-        refused = self.sender.connect()
-        if refused:
-            for _ in source.tensors():  # as the push would: the other ranks walk it (collectives)
-                pass
-            report = _not_pushed(version, self.sender.addresses, refused)
-            causes = [outcome.cause() for outcome in report.failed if outcome.address in refused]
-            raise SyncFailed(f"version {version} was not labelled: " + "; ".join(causes), report)
-
-        self.client.start_weight_update()
-        pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-update")
-        try:
-            landing = pool.submit(self.client.update_weights, {"version": version})
-            try:
-                report = self.sender.push(source, version)
-            except BaseException:  # the workers heard that the sender gave up: end the update
-                _error_of(landing, self.sender.options.timeout + RPC_MARGIN_S)
-                self._end_failed_update()
-                raise
-            landed = _error_of(landing, self.sender.options.timeout + RPC_MARGIN_S)
-        finally:
-            pool.shutdown(wait=False)  # never join a control-plane thread on the error path
-        if report.ok and landed is None:
-            self.client.finish_weight_update(str(version))
-            self.version = version
-            return report
-
-        self._end_failed_update()
-        why = [outcome.cause() for outcome in report.failed]
-        if landed is not None:
-            why.append(f"vLLM's update_weights: {one_line(landed)}")
-        raise SyncFailed(f"version {version} was not labelled: " + "; ".join(why), report)
-
-    def _send_sharded(self, source: WeightSource, version: int, ranks: Ranks, sender: WeightSender) -> SyncReport:
-        """One round of a sharded push (module docstring), on every rank."""
-        refused = sender.connect()
-        if not ranks.settle(not refused):  # every rank, or none, goes on
-            unpushed = _not_pushed(version, sender.addresses, refused)
-            causes = [outcome.cause() for outcome in unpushed.failed if outcome.address in refused]
-            because = "; ".join(causes) or "another rank's sender was refused"
-            raise SyncFailed(f"version {version} was not labelled: {because}", unpushed)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="weightsync-vllm-update")
-        landing = None
-        try:
-            landing, opening = self._open_update(pool, version)
-            if not ranks.settle(opening is None):  # the window is open: every rank may push
-                unopened = _not_pushed(version, sender.addresses, {})
-                raise SyncFailed(f"version {version} was not labelled: vLLM's update did not open: {opening}", unopened)
-            report, raised = _pushed(sender, source, version)
-            landed = _error_of(landing, sender.options.timeout + RPC_MARGIN_S) if landing is not None else None
-            ok = ranks.settle(raised is None and report is not None and report.ok and landed is None)
-        except CollectiveError:  # a rank died or fell behind: no label, and vLLM is not left inside the update
-            if landing is not None:
-                _error_of(landing, sender.options.timeout + RPC_MARGIN_S)
-                self._end_failed_update()
-            raise
-        finally:
-            pool.shutdown(wait=False)  # never join a control-plane thread on the error path
-        if self.is_sender and ok:
-            self.client.finish_weight_update(str(version))
-        elif self.is_sender:
-            self._end_failed_update()
-        if ok and report is not None:
-            self.version = version
-        ranks.wait()  # labelled (or not) before any rank returns
-        if raised is not None:
-            raise raised
-        if ok and report is not None:
-            return report
-        why = [outcome.cause() for outcome in report.failed] if report is not None else []
-        why += [f"vLLM's update_weights: {one_line(landed)}"] if landed is not None else []
-        raise SyncFailed(
-            f"version {version} was not labelled: " + ("; ".join(why) or "another rank's part failed"), report
+        agreement = self.ranks if self.ranks is not None else SOLO
+        wait_s = self.sender.options.timeout + RPC_MARGIN_S
+        report = run_round(
+            self.sender, source, version, self.window, agreement, wait_s=wait_s, walk_unpushed=agreement is SOLO
         )
-
-    def _open_update(self, pool: ThreadPoolExecutor, version: int) -> tuple[Any, str | None]:
-        """Rank 0: vLLM's update window opened, and its update call for `version` started on
-        `pool`; why it did not open (None: it did). The other ranks: nothing to open."""
-        if not self.is_sender:
-            return None, None
-        try:
-            self.client.start_weight_update()
-        except Exception as exc:
-            return None, one_line(exc)
-        return pool.submit(self.client.update_weights, {"version": version}), None
-
-    def _end_failed_update(self) -> None:
-        """End the update on every worker still inside it, so that the next round can start;
-        the weights are then no version vLLM can name (it keeps the last label)."""
-        try:
-            self.client.finish_weight_update()
-        except Exception as exc:  # a worker that failed already ended its own update
-            log.info("ending the failed update: %s", exc)
+        self.version = version
+        return report
 
     def shutdown(self) -> None:
         sender, self.sender = self.sender, None
@@ -402,20 +293,63 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
             sender.close()
 
 
-def _not_pushed(version: int, addresses: list[str], refused: dict[str, WeightSyncError]) -> SyncReport:
-    """The report of a push that never started: the workers in `refused` would not take this
-    sender (why), so no worker was sent anything."""
-    outcomes = []
-    for address in addresses:
-        error = refused.get(address)
-        if error is None:
-            outcomes.append(
-                ReceiverOutcome(address, False, "SyncFailed", "not pushed: another worker refused the sender")
-            )
-        else:
-            kind = error.kind if isinstance(error, RemoteError) and error.kind else type(error).__name__
-            outcomes.append(ReceiverOutcome(address, False, kind, str(error)))
-    return SyncReport(version, 0, 0, 0, 0, 0.0, tuple(outcomes))
+class VLLMWindow:
+    """vLLM's update window through its trainer client, for `weightsync.round.run_round`.
+
+    vLLM's workers land a push as it arrives (worker.py), so a worker that did not commit may
+    hold a mix: the round is then not ready. vLLM then reports the weight version `NOT_READY`
+    (`finish_weight_update`'s label, through any client), and, through an HTTP client, its
+    generation is paused (vLLM's `/pause`, abort) until a round labels a version, which resumes
+    it. A window that finds generation paused already (by its caller) leaves that pause to its
+    caller: vLLM has one switch.
+    """
+
+    def __init__(self, client: VLLMWeightSyncClient, num_workers: int) -> None:
+        self.client = client
+        self.num_workers = num_workers
+        self.ready = True
+        """vLLM serves an intact version (False: a round left its weights no version)."""
+        self._paused = False
+        """This window paused vLLM's generation (not ready): the next label resumes it."""
+
+    def start(self, version: int) -> None:
+        self.client.start_weight_update()
+
+    def update(self, version: int) -> None:
+        self.client.update_weights({"version": version})
+
+    def states(self, report: SyncReport | None) -> tuple[list[WorkerState], list[str]]:
+        return states_of(report, self.num_workers), []
+
+    def finish(self, version: int, outcome: Outcome) -> None:
+        if outcome.verdict == "label":
+            self.client.finish_weight_update(str(version))
+            self.ready = True
+            if self._paused:
+                self._paused = not self._route("resume")
+            return
+        try:  # a worker that failed ended its own reload already
+            self.client.finish_weight_update(None if outcome.ready else NOT_READY)
+        except Exception as exc:
+            log.info("ending the failed update: %s", one_line(exc))
+        if not outcome.ready:
+            self.ready = False
+            self._paused = self._paused or (not self._route("is_paused") and self._route("pause?mode=abort"))
+
+    def _route(self, path: str) -> bool:
+        """vLLM's own `/pause`, `/resume` or `/is_paused` (whether it is paused), through an HTTP
+        client's server; False for any other client, or when the call failed."""
+        base = getattr(self.client, "base_url", None)
+        if not isinstance(base, str):
+            return False
+        method = "GET" if path == "is_paused" else "POST"
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{base}/{path}", method=method), timeout=30) as reply:
+                body = json.loads(reply.read() or b"{}")
+        except (OSError, ValueError) as exc:
+            log.warning("vLLM's /%s failed: %s", path, exc)
+            return False
+        return bool(body.get("is_paused", True))
 
 
 def _sender(workers: list[WorkerAddress], options: SenderOptions) -> WeightSender:
@@ -424,26 +358,6 @@ def _sender(workers: list[WorkerAddress], options: SenderOptions) -> WeightSende
     return WeightSender(
         [worker.address for worker in workers], options=dataclasses.replace(options, raise_on_failure=False)
     )
-
-
-def _pushed(sender: WeightSender, source: WeightSource, version: int) -> tuple[SyncReport | None, BaseException | None]:
-    """`sender.push(source, version)`: its report, or what it raised (the other ranks must hear
-    of it before this one raises)."""
-    try:
-        return sender.push(source, version), None
-    except Exception as exc:
-        return None, exc
-
-
-def _error_of(future: Any, timeout: float) -> BaseException | None:
-    """The error `future` ended with, None if it succeeded, or a timeout error after `timeout`."""
-    try:
-        future.result(timeout=timeout)
-    except TimeoutError:
-        return TimeoutError(f"no answer within {timeout:g} s")
-    except Exception as exc:
-        return exc
-    return None
 
 
 register()  # a trainer process loads no vLLM plugins: taking these classes registers the backend
