@@ -105,3 +105,27 @@ def test_the_plugin_asks_for_amx_tiles_only_where_the_cpu_has_them(monkeypatch) 
     assert plugin.init_amx() is False and asked == []
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert plugin.init_amx() is True and asked == [True]
+
+
+def test_the_plugin_keeps_vllms_reload_warnings_of_layers_that_load_nothing_by_design() -> None:
+    """At every sync vLLM warns "Failed to load weights" for its rotary embeddings and a tied LM
+    head; any other layer's warning still reaches the log."""
+    import logging
+
+    from weightsync.integrations.vllm import plugin
+
+    plugin.quiet_reload()
+    plugin.quiet_reload()  # once is enough
+    logger = logging.getLogger(plugin.RELOAD_LOGGER)
+    assert logger.filters.count(plugin._loads_nothing_by_design) == 1
+
+    def shown(layer: str) -> bool:
+        record = logger.makeRecord(
+            logger.name, logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None
+        )
+        return logger.filter(record) is not False
+
+    assert not shown("RotaryEmbedding") and not shown("Llama3RotaryEmbedding") and not shown("ParallelLMHead")
+    assert shown("QKVParallelLinear") and shown("FusedMoE")
+    other = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, "%s: Delayed processing", ("X",), None)
+    assert logger.filter(other) is not False
