@@ -14,7 +14,7 @@ import torch
 from tests.helpers import WAIT_S, wait_until
 from tests.models import save_model
 from weightsync import SyncFailed, WeightSyncError
-from weightsync.serving.client import RolloutClient, ServerError
+from weightsync.client import RolloutClient, ServerError
 
 ray = pytest.importorskip("ray")
 fleet_module = pytest.importorskip("weightsync.cluster.ray_fleet")

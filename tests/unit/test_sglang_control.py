@@ -22,7 +22,7 @@ from weightsync.integrations.sglang.control import (
     read_landings,
     write_landing,
 )
-from weightsync.integrations.vllm.rendezvous import open_store
+from weightsync.workers.rendezvous import open_store
 
 
 def _as_sglang_reads(entry: str) -> list[tuple[str, torch.Tensor]]:

@@ -54,7 +54,8 @@ from weightsync.errors import SinkError
 from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
 from weightsync.report import moved
 from weightsync.serving.config import Health, PauseMode
-from weightsync.serving.events import (
+from weightsync.serving.metrics import ServerMetrics
+from weightsync.workers.events import (
     AdapterFailed,
     AdapterLanded,
     PushArrived,
@@ -65,7 +66,6 @@ from weightsync.serving.events import (
     VersionFailed,
     VersionLanded,
 )
-from weightsync.serving.metrics import ServerMetrics
 
 __all__ = ["Engine", "Served", "SyncControl", "SyncStats"]
 

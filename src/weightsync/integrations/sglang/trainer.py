@@ -51,10 +51,10 @@ from typing import Any
 from weightsync.errors import ConfigError, ConnectError, ServerError, SyncFailed, WeightSyncError, one_line
 from weightsync.integrations.sglang.client import PauseMode, SGLangClient
 from weightsync.integrations.sglang.control import Connect, Land, Landing, payload, read_landings
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
+from weightsync.workers.rendezvous import WorkerAddress, collect, open_store
 
 __all__ = ["LOADER", "SGLangEngine"]
 

@@ -47,15 +47,15 @@ import torch
 
 from weightsync.errors import WeightSyncError, one_line
 from weightsync.integrations.sglang.control import Connect, Land, Landing, connect_store, decode, write_landing
-from weightsync.integrations.vllm.layout import CheckpointLayout, check_plan_layout, checkpoint_layout
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
 from weightsync.messages import Plan
 from weightsync.options import ReceiverOptions
 from weightsync.receiver import WeightReceiver
-from weightsync.serving.doorbell import ring
-from weightsync.serving.sink import ControlledSink
 from weightsync.sink import StagedSink, WeightSink
 from weightsync.stream import StreamSink
+from weightsync.workers.doorbell import ring
+from weightsync.workers.layout import CheckpointLayout, check_plan_layout, checkpoint_layout
+from weightsync.workers.rendezvous import WorkerAddress, announce
+from weightsync.workers.sink import ControlledSink
 
 __all__ = ["load_weights"]
 

@@ -73,13 +73,13 @@ from weightsync.errors import (
 from weightsync.integrations.vllm.internals import module_of
 from weightsync.integrations.vllm.plugin import register
 from weightsync.integrations.vllm.ranks import Ranks
-from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.integrations.vllm.worker import WeightsyncInitInfo
 from weightsync.module_source import ModuleSource
 from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.report import ReceiverOutcome, SyncReport
 from weightsync.sender import WeightSender
 from weightsync.source import ShardedSource, TensorMeta, WeightSource
+from weightsync.workers.rendezvous import Rendezvous, WorkerAddress
 
 __all__ = ["VLLMSource", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
 

@@ -35,7 +35,7 @@ the reason, and the trainer labels no new version (`receive_weights` says why it
 
 Who opens the window: a trainer, through vLLM's API (`WeightsyncTrainerEngine`); or, under
 `weightsync serve --engine vllm`, the server itself. There the init info names the server's
-doorbell (`bell`), and each worker's sink (`weightsync.serving.sink.ControlledSink`) rings it as a push arrives: the API
+doorbell (`bell`), and each worker's sink (`weightsync.workers.sink.ControlledSink`) rings it as a push arrives: the API
 process pauses generation and opens the window on every worker, then answers; it labels the
 version only once every worker rang its commit, and refuses every worker's commit otherwise.
 """
@@ -66,7 +66,15 @@ from weightsync.integrations.vllm.internals import (
     reprocess_tied_layers,
     serve_loras_from_memory,
 )
-from weightsync.integrations.vllm.layout import (
+from weightsync.integrations.vllm.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
+from weightsync.lora import Adapter, check_lora
+from weightsync.messages import Plan, TensorSpec, Want
+from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
+from weightsync.receiver import WeightReceiver
+from weightsync.sink import StagedSink, WeightSink
+from weightsync.stream import StreamSink
+from weightsync.workers.doorbell import ring
+from weightsync.workers.layout import (
     CheckpointLayout,
     check_boxes,
     check_plan_layout,
@@ -74,16 +82,8 @@ from weightsync.integrations.vllm.layout import (
     kept_boxes,
     padded,
 )
-from weightsync.integrations.vllm.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
-from weightsync.lora import Adapter, check_lora
-from weightsync.messages import Plan, TensorSpec, Want
-from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
-from weightsync.receiver import WeightReceiver
-from weightsync.serving.doorbell import ring
-from weightsync.serving.sink import ControlledSink
-from weightsync.sink import StagedSink, WeightSink
-from weightsync.stream import StreamSink
+from weightsync.workers.rendezvous import WorkerAddress, announce
+from weightsync.workers.sink import ControlledSink
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -38,10 +38,8 @@ from typing import Any
 from weightsync.errors import ResourceError
 from weightsync.integrations.sglang.control import Connect, Land, payload
 from weightsync.integrations.sglang.trainer import LOADER
-from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
 from weightsync.serving.control import Served, SyncControl
-from weightsync.serving.doorbell import Doorbell
 from weightsync.serving.error_body import error
 from weightsync.serving.foreground import Port, Ready, serve_engine, stopped_by_signals
 from weightsync.serving.http import Face, add_routes
@@ -50,6 +48,8 @@ from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.sglang.launch import build_engine, serve_app, sglang_args, warm_up
 from weightsync.serving.sglang.launch import preload as preload_sglang
 from weightsync.serving.sglang.versions import record_versions
+from weightsync.workers.doorbell import Doorbell
+from weightsync.workers.rendezvous import Rendezvous, WorkerAddress
 
 __all__ = ["check", "preload", "serve"]
 

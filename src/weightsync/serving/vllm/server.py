@@ -36,10 +36,8 @@ from typing import Any
 
 from weightsync.errors import ResourceError
 from weightsync.integrations.vllm.internals import serve_lora
-from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
 from weightsync.serving.control import Served, SyncControl
-from weightsync.serving.doorbell import Doorbell
 from weightsync.serving.foreground import Port, Ready, serve_engine
 from weightsync.serving.http import Face, add_routes
 from weightsync.serving.labels import Versioned
@@ -48,6 +46,8 @@ from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
 from weightsync.serving.vllm.launch import preload as preload_vllm
 from weightsync.serving.vllm.versions import LoraUse, VersionedEngine
+from weightsync.workers.doorbell import Doorbell
+from weightsync.workers.rendezvous import Rendezvous, WorkerAddress
 
 __all__ = ["check", "preload", "serve"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from weightsync.errors import ProtocolError, SinkError
-from weightsync.serving.events import Reply, SyncEvent, event_name
+from weightsync.workers.events import Reply, SyncEvent, event_name
 
 __all__ = ["Doorbell", "ring"]
 

@@ -34,9 +34,9 @@ from weightsync.errors import PlanError, SinkError
 from weightsync.lora import Adapter, AdapterSink, check_name
 from weightsync.messages import Plan
 from weightsync.receiver import ReceiverStatus
-from weightsync.serving import events
 from weightsync.serving.control import SyncControl
 from weightsync.sink import WeightSink, WrappingSink
+from weightsync.workers import events
 
 __all__ = ["AdapterLanding", "Bell", "ControlledSink", "LocalBell", "LoraStore"]
 
