@@ -29,13 +29,13 @@ import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
 
+from weightsync.client import RolloutClient
 from weightsync.demo import task
 from weightsync.demo.rollouts import ServerFleet
 from weightsync.digest import source_digest
 from weightsync.integrations.trl import WeightsyncRollout, log_weight_versions
 from weightsync.module_source import ModuleSource
 from weightsync.options import SenderOptions
-from weightsync.serving.client import RolloutClient
 
 
 def main(argv: list[str] | None = None) -> int:

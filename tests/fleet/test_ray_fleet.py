@@ -14,7 +14,7 @@ import torch
 from tests.helpers import WAIT_S, wait_until
 from tests.models import save_model
 from weightsync import SyncFailed, WeightSyncError
-from weightsync.serving.client import RolloutClient, ServerError
+from weightsync.client import RolloutClient, ServerError
 from weightsync.serving.config import ServeConfig
 
 ray = pytest.importorskip("ray")

@@ -26,6 +26,7 @@ with warnings.catch_warnings():
     from trl.trainer.grpo_trainer import GRPOTrainer
 
 from weightsync.checkpoint import SafetensorsSource  # noqa: E402
+from weightsync.client import RolloutClient  # noqa: E402
 from weightsync.demo import task  # noqa: E402
 from weightsync.demo.rollouts import ServerFleet  # noqa: E402
 from weightsync.digest import source_digest  # noqa: E402
@@ -41,7 +42,6 @@ from weightsync.integrations.trl import (  # noqa: E402
 )
 from weightsync.module_source import ModuleSource  # noqa: E402
 from weightsync.options import SenderOptions  # noqa: E402
-from weightsync.serving.client import RolloutClient  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 60.0

@@ -20,9 +20,9 @@ from tests.helpers import assert_all_bit_exact
 from tests.models import model_config, save_model
 from weightsync import HFCheckpointSource, ModuleSource
 from weightsync.errors import ConnectError, PlanError, ProtocolError, ResourceError
-from weightsync.integrations.vllm.layout import check_plan_layout, checkpoint_layout
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce, collect, open_store
 from weightsync.plan import build_plan, wire_specs
+from weightsync.workers.layout import check_plan_layout, checkpoint_layout
+from weightsync.workers.rendezvous import WorkerAddress, announce, collect, open_store
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),

@@ -40,7 +40,7 @@ class LiveServer(BackgroundServer):
     """A BackgroundServer on 127.0.0.1 with a client for it."""
 
     def __init__(self, model: Path, port: int = 0, **options: object) -> None:
-        from weightsync.serving.client import RolloutClient
+        from weightsync.client import RolloutClient
         from weightsync.serving.config import ServeConfig
 
         config = ServeConfig(model=str(model), **options)  # type: ignore[arg-type]

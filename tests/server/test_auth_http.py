@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 
 from tests.server.conftest import live_server
 from weightsync import WeightSender
+from weightsync.client import RolloutClient, ServerError
 from weightsync.errors import ConfigError
 from weightsync.options import ReceiverOptions
-from weightsync.serving.client import RolloutClient, ServerError
 from weightsync.serving.config import ServeConfig
 
 TOKEN = "correct horse battery staple"

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from tests.helpers import WAIT_S
-from weightsync.serving.client import RolloutClient
+from weightsync.client import RolloutClient
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 

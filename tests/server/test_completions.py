@@ -6,7 +6,7 @@ import pytest
 
 from tests.server.checks import check_stop_strings, check_top_logprobs
 from tests.server.conftest import live_server
-from weightsync.serving.client import ServerError
+from weightsync.client import ServerError
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,7 @@ def test_a_push_started_while_the_server_starts_commits_once_it_is_up(tiny_model
     import subprocess
     import sys
 
-    from weightsync.serving.client import RolloutClient
+    from weightsync.client import RolloutClient
     from weightsync.serving.process import ChildProcess
 
     env = os.environ | {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}

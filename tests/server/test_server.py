@@ -13,8 +13,8 @@ from tests.models import MODEL_KINDS
 from tests.server.conftest import live_server
 from weightsync import WeightSender
 from weightsync.checkpoint import SafetensorsSource
+from weightsync.client import ServerError
 from weightsync.options import ReceiverOptions
-from weightsync.serving.client import ServerError
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
 

@@ -11,8 +11,8 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.server.conftest import live_server
+from weightsync.client import ServerGroup
 from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed
-from weightsync.serving.client import ServerGroup
 
 DEAD = "http://127.0.0.1:9"
 
@@ -66,8 +66,8 @@ def test_a_malformed_url_is_refused_before_any_server_is_asked() -> None:
 def test_wait_until_up_honours_its_whole_timeout_while_the_port_refuses_connections(tiny_models) -> None:
     """A server binds its port only after its imports (8-40 s on a busy host): refused connections
     are waited for as long as a 503 is, the whole timeout, not a shorter grace of their own."""
+    from weightsync.client import RolloutClient
     from weightsync.serving.background import bind
-    from weightsync.serving.client import RolloutClient
 
     with RolloutClient(DEAD) as client:
         started = time.monotonic()

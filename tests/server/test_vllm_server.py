@@ -11,7 +11,7 @@ from tests.server.checks import check_staged, check_stop_strings, check_top_logp
 from tests.server.conftest import live_server
 from tests.server.test_server import PROMPTS, greedy, push
 from weightsync.checkpoint import SafetensorsSource
-from weightsync.serving.client import ServerError
+from weightsync.client import ServerError
 
 pytest.importorskip("vllm")
 

@@ -378,13 +378,15 @@ def test_the_checker_names_the_chain_to_an_optional_stack(tmp_path, statement):
 LAYERS = (
     ("starters", ("weightsync.cli", "weightsync.demo", "weightsync.cluster", "weightsync.serving.background")),
     ("engine adapters", ("weightsync.serving.hf", "weightsync.serving.vllm", "weightsync.serving.sglang")),
-    ("integrations", ("weightsync.integrations",)),
     ("serving", ("weightsync.serving",)),
+    ("integrations", ("weightsync.integrations",)),
+    ("worker kit", ("weightsync.workers",)),
 )
-"""From the top down; a module in none of these is the core (the data path, its wire, its
-transports). A module may import its own layer and those below it, never one above: the serving
-package's shared control and HTTP face know no engine, an engine's weight-transfer backend
-(integrations/) knows no server adapter, and nothing but what starts a server imports one."""
+"""From the top down, one folder each (an engine adapter is a folder inside serving/); a module in
+none of these is the core (the data path, its wire, its transports, the trainer's client). A
+module may import its own layer and those below it, never one above: the worker kit knows no
+engine, an engine's backend (integrations/) knows no server, the serving package's shared
+control and HTTP face know no engine adapter, and nothing but what starts a server imports one."""
 
 
 DOORS = ("weightsync", "weightsync.__main__")
@@ -415,13 +417,22 @@ def test_no_module_imports_a_higher_layer():
     heights = {layer_of(name)[0] for name in module_names(PACKAGE)}
     assert heights == set(range(len(LAYERS) + 2)), heights
     edges = {(layer_of(edge.source)[1], layer_of(edge.target)[1]) for edge in import_edges(PACKAGE)}
-    assert {("engine adapters", "serving"), ("engine adapters", "integrations")} <= edges
+    assert {
+        ("engine adapters", "serving"),
+        ("engine adapters", "integrations"),
+        ("serving", "worker kit"),
+        ("integrations", "worker kit"),
+        ("worker kit", "core"),
+    } <= edges
 
 
 def test_the_layer_check_sees_an_upward_import():
     assert layer_of("weightsync.serving.control") < layer_of("weightsync.serving.vllm.server")
     assert layer_of("weightsync.integrations.vllm.worker") < layer_of("weightsync.serving.hf.app")
     assert layer_of("weightsync.sender") == (0, "core")
+    assert layer_of("weightsync.client") == (0, "core"), "the trainer's client sits beside the sender"
+    assert layer_of("weightsync.workers.start") < layer_of("weightsync.integrations.sglang.worker")
+    assert layer_of("weightsync.integrations.vllm.worker") < layer_of("weightsync.serving.control")
 
 
 def test_the_architecture_page_maps_every_module():

@@ -13,7 +13,6 @@ import torch
 from weightsync.errors import ProtocolError, TransferTimeout
 from weightsync.integrations.sglang.control import (
     CONTROL_NAME,
-    Connect,
     Land,
     LandResult,
     connect_store,
@@ -22,7 +21,8 @@ from weightsync.integrations.sglang.control import (
     read_results,
     write_result,
 )
-from weightsync.integrations.vllm.rendezvous import open_store
+from weightsync.workers.rendezvous import open_store
+from weightsync.workers.start import Start
 
 
 def _as_sglang_reads(entry: str) -> list[tuple[str, torch.Tensor]]:
@@ -34,11 +34,13 @@ def _as_sglang_reads(entry: str) -> list[tuple[str, torch.Tensor]]:
 @pytest.mark.parametrize(
     "message",
     [
-        Connect(rendezvous="127.0.0.1:1234", session="ab12", transport="tcp", port=5000, verify="bucket"),
+        Start(
+            rendezvous="127.0.0.1:1234", session="ab12", transport="tcp", receiver={"port": 5000, "verify": "bucket"}
+        ),
         Land(version=7, session="ab12", timeout=30.0),
     ],
 )
-def test_a_control_message_decodes_as_sent_on_every_rank(message: Connect | Land) -> None:
+def test_a_control_message_decodes_as_sent_on_every_rank(message: Start | Land) -> None:
     entries = payload(message, num_ranks=2)
     assert len(entries) == 2
     for entry in entries:

@@ -13,7 +13,8 @@ from weightsync.errors import SinkError
 from weightsync.lora import Adapter
 from weightsync.messages import SyncTimes
 from weightsync.serving.control import SyncControl
-from weightsync.serving.events import (
+from weightsync.serving.metrics import ServerMetrics
+from weightsync.workers.events import (
     AdapterFailed,
     AdapterLanded,
     PushArrived,
@@ -21,7 +22,6 @@ from weightsync.serving.events import (
     VersionFailed,
     VersionLanded,
 )
-from weightsync.serving.metrics import ServerMetrics
 
 
 class Engine:

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from weightsync.errors import SinkError
-from weightsync.serving.doorbell import MAX_FRAME_BYTES, Doorbell, ring
-from weightsync.serving.events import PushArrived, ReceiverChanged, SyncEvent, VersionFailed
+from weightsync.workers.doorbell import MAX_FRAME_BYTES, Doorbell, ring
+from weightsync.workers.events import PushArrived, ReceiverChanged, SyncEvent, VersionFailed
 
 
 @contextmanager

@@ -49,9 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace) -> int:
     from weightsync.checkpoint import SafetensorsSource
+    from weightsync.client import ServerGroup
     from weightsync.digest import source_digest
     from weightsync.dtypes import dtype_from_name
-    from weightsync.serving.client import ServerGroup
 
     if not args.to and not args.model:
         raise ConfigError("give --to URL ... (what servers hold), --model DIR (what a push would send), or both")

@@ -26,9 +26,9 @@ from weightsync.cli.errors import FAILED, describe
 from weightsync.errors import ConfigError, one_line
 
 if TYPE_CHECKING:
+    from weightsync.client import Waiting
     from weightsync.messages import Adapter
     from weightsync.report import SyncReport
-    from weightsync.serving.client import Waiting
 
 __all__ = ["CAST_DTYPES", "add_parser", "run", "waiting_line"]
 
@@ -79,9 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
+    from weightsync.client import ServerGroup
     from weightsync.dtypes import dtype_from_name
     from weightsync.options import SenderOptions
-    from weightsync.serving.client import ServerGroup
 
     cast = dtype_from_name(args.cast) if args.cast else None
     # the report is read here, server by server: every outcome is printed, then the exit status says

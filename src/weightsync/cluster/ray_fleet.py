@@ -7,7 +7,7 @@
 Each actor is a whole rollout server (engine, weight receiver, HTTP API) in its own process,
 placed by Ray. Before every push the fleet asks each actor who it is: one that died is dropped
 and reported; one that Ray restarted (a new process) counts as a new member. The members are
-pushed to as one `ServerGroup` (serving/client.py), which learns their receivers over HTTP. New members start
+pushed to as one `ServerGroup` (client.py), which learns their receivers over HTTP. New members start
 on dummy weights and are ready only once they hold the fleet's version: the next `push`
 brings them there, or `catch_up` does at once when the trainer still holds that version.
 
@@ -26,10 +26,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+from weightsync.client import ServerGroup
 from weightsync.errors import ConfigError, ResourceError, SyncFailed, WeightSyncError, one_line
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
-from weightsync.serving.client import ServerGroup
 from weightsync.serving.config import ServeConfig
 
 __all__ = ["FleetReport", "Placement", "RolloutFleet", "ServerActor", "ServerInfo"]

@@ -24,13 +24,13 @@ from typing import Any
 import httpx
 
 from weightsync.auth import resolve_token
+from weightsync.client import ServerGroup
 from weightsync.errors import ResourceError
 from weightsync.messages import Adapter
 from weightsync.options import Delta
 from weightsync.receiver import WeightReceiver
 from weightsync.report import SyncReport
 from weightsync.sender import WeightSender
-from weightsync.serving.client import ServerGroup
 from weightsync.serving.hf.base import SamplingParams
 from weightsync.serving.process import ChildProcess
 

@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
+from weightsync.client import ServerGroup
 from weightsync.errors import ConfigError, ResourceError, ServerError, SyncFailed
 from weightsync.lora import adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
-from weightsync.serving.client import ServerGroup
 from weightsync.source import StateDictSource
 
 __all__ = [

@@ -125,7 +125,7 @@ class BackgroundServer:
         """What GET /weight_info answers (version, state, addresses, digest, last sync)."""
         if self.server is not None:
             return self.server.weight_info()
-        from weightsync.serving.client import RolloutClient
+        from weightsync.client import RolloutClient
 
         client = RolloutClient(self.url, auth_token=self.config.auth_token)
         try:

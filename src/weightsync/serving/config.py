@@ -12,7 +12,6 @@ from weightsync.auth import check_bind, resolve_token
 from weightsync.errors import ConfigError
 from weightsync.options import ReceiverOptions
 from weightsync.serving.body_limit import default_max_request_bytes
-from weightsync.serving.engines import ENGINES
 from weightsync.transports import get_transport, serving_transports
 
 __all__ = [
@@ -108,6 +107,8 @@ class ServeConfig:
     lora_versions: int = 2
 
     def __post_init__(self) -> None:
+        from weightsync.serving.engines import ENGINES  # the registry's contract names this class
+
         object.__setattr__(self, "auth_token", resolve_token(self.auth_token))
         if not isinstance(self.receiver, ReceiverOptions):
             raise ConfigError(f"receiver must be a ReceiverOptions, got {self.receiver!r}")

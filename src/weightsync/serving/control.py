@@ -55,7 +55,9 @@ from weightsync.lora import Adapter, AdapterVersion, ServedAdapter
 from weightsync.report import moved
 from weightsync.round import Outcome, WorkerState, decide
 from weightsync.serving.config import Health, PauseMode
-from weightsync.serving.events import (
+from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.stats import Served, SyncStats
+from weightsync.workers.events import (
     AdapterFailed,
     AdapterLanded,
     PushArrived,
@@ -66,8 +68,6 @@ from weightsync.serving.events import (
     VersionFailed,
     VersionLanded,
 )
-from weightsync.serving.metrics import ServerMetrics
-from weightsync.serving.stats import Served, SyncStats
 
 __all__ = ["Engine", "Served", "SyncControl"]
 

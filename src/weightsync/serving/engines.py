@@ -1,33 +1,66 @@
-"""The engines a rollout server runs, each by its adapter: one line per engine. Plain data, cheap to
-import (the command's --help reads it); an engine's own packages are imported only when chosen."""
+"""The engines a rollout server runs, each by its adapter: one line per engine, and the contract
+every adapter's module keeps (`EngineAdapter`). Plain data, cheap to import (the command's --help
+reads it); an engine's own packages are imported only when chosen."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, cast
 
 from weightsync.errors import ConfigError
 
-__all__ = ["ENGINES", "EngineEntry", "engine_adapter", "require_engine"]
+if TYPE_CHECKING:
+    import asyncio
+    import socket
+
+    from weightsync.serving.config import ServeConfig
+    from weightsync.serving.foreground import Ready
+
+__all__ = ["ENGINES", "EngineAdapter", "EngineEntry", "engine_adapter", "require_engine"]
+
+
+class EngineAdapter(Protocol):
+    """What an engine's adapter module (serving/<engine>/) supplies: `weightsync serve` and
+    `BackgroundServer` run every engine through these three."""
+
+    def check(self, config: ServeConfig, extra_args: Sequence[str] = ()) -> None:
+        """Raise ConfigError for what the adapter cannot serve, before the port is taken."""
+
+    def preload(self, config: ServeConfig) -> None:
+        """Imports (and a heap freeze) before the port listens: the command only, not a server
+        on a thread."""
+
+    async def serve(
+        self,
+        config: ServeConfig,
+        sock: socket.socket,
+        *,
+        extra_args: Sequence[str] = (),
+        announce: Callable[[Ready], None] = lambda ready: None,
+        log_level: str = "info",
+        stop: asyncio.Event | None = None,
+        note: Callable[[], None] = lambda: None,
+        shutdown_timeout: float | None = None,
+    ) -> list[int]:
+        """Serve on `sock` until SIGTERM/SIGINT or `stop` is set (serving/foreground.py):
+        `announce(Ready)` once it serves; `note()` while the engine's processes start and stop
+        (serving/footprint.py); the engine's own shutdown gets `shutdown_timeout` seconds (None:
+        as long as it takes). Returns the signals caught.
+
+        Raises:
+            ConfigError: the engine refused the arguments.
+            ResourceError: the engine or its receivers could not start.
+        """
+        ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineEntry:
-    """One engine a server runs: its adapter's module (under serving/<engine>/), the package the
-    engine runs on (imported first, to fail early where it is missing), and how to install it.
-
-    The adapter's module supplies three entry points:
-
-        check(config, extra_args)   refuse what it cannot serve, before the port is taken
-        preload(config)             imports and a heap freeze before the port listens (the
-                                    command only, not a server on a thread)
-        serve(config, sock, *, extra_args, announce, log_level, stop, note, shutdown_timeout)
-                                    serve until SIGTERM/SIGINT or `stop` (serving/foreground.py);
-                                    `announce(Ready)` once it serves; `note()` while the engine's
-                                    processes start and stop (serving/footprint.py); returns the
-                                    signals caught
-    """
+    """One engine a server runs: its adapter's module (under serving/<engine>/, an
+    `EngineAdapter`), the package the engine runs on (imported first, to fail early where it is
+    missing), and how to install it."""
 
     adapter: str
     package: str
@@ -56,8 +89,9 @@ ENGINES: dict[str, EngineEntry] = {
 }
 """The engines `weightsync serve --engine` runs: "hf" in this process behind weightsync's own
 OpenAI subset, "vllm" as vLLM's own server with weightsync's backend in its workers, "sglang" as
-SGLang's own server with weightsync's loader in its workers. Adding an
-engine is one adapter module (serving/<engine>/) and one line here."""
+SGLang's own server with weightsync's loader in its workers. Adding an engine is one adapter
+module (serving/<engine>/: an engine with its own server and worker processes shares
+serving/own_server.py, and its workers the worker kit, weightsync.workers) and one line here."""
 
 
 def require_engine(name: str) -> None:
@@ -75,7 +109,7 @@ def require_engine(name: str) -> None:
         raise ConfigError(f"engine {name!r} is not available here ({exc}); {entry.install}") from exc
 
 
-def engine_adapter(name: str) -> Any:
+def engine_adapter(name: str) -> EngineAdapter:
     """Engine `name`'s adapter module (its `check`, `preload` and `serve`), once its engine's
     package imports here.
 
@@ -83,4 +117,4 @@ def engine_adapter(name: str) -> Any:
         ConfigError: the engine is unknown, or its package is missing here.
     """
     require_engine(name)
-    return importlib.import_module(ENGINES[name].adapter)
+    return cast("EngineAdapter", importlib.import_module(ENGINES[name].adapter))

@@ -5,8 +5,8 @@ in every TP worker with the named tensors the request carries. weightsync sends 
 there, only one tiny control message per call, as the bytes of a uint8 tensor named
 `weightsync.control` (msgspec JSON)::
 
-    Connect   start this worker's receiver (a fresh one) and announce its address in the
-              trainer's rendezvous store
+    Start     start this worker's receiver (a fresh one) and announce its address in the
+              trainer's rendezvous store (the worker kit's start message, every engine's)
     Land      land version N from the receiver into the model, then write how it went (a
               `LandResult`) into the same store
 
@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from weightsync.errors import ConnectError, ProtocolError, TransferTimeout
+from weightsync.workers.start import Start
 
 __all__ = [
     "CONTROL_NAME",
-    "Connect",
     "Control",
     "Land",
     "LandResult",
@@ -51,42 +51,17 @@ CONTROL_NAME = "weightsync.control"
 """The one tensor name a weightsync update call carries."""
 
 
-class Connect(msgspec.Struct, tag="connect", frozen=True, kw_only=True):
-    """Start this worker's receiver and announce it (`rendezvous.announce`)."""
-
-    rendezvous: str
-    """"HOST:PORT" of the trainer's store."""
-    session: str
-    """Names this trainer's keys in the store."""
-    transport: str = "shm"
-    host: str = "127.0.0.1"
-    """Where a networked receiver (tcp, collective, nixl) listens."""
-    port: int = 0
-    """The first worker's port (TP rank r listens on port + r); 0: any free port."""
-    verify: str = "off"
-    timeout: float = 60.0
-    """Seconds any single wait of the receiver may last."""
-    bell: str = ""
-    """`weightsync serve --engine sglang`'s doorbell socket: the server, not a trainer, runs each
-    round (its worker rings the server's control as a push arrives, lands and commits); empty: a
-    trainer's `SGLangEngine` runs it, and reads every worker's `LandResult` from its store."""
-    staged: bool = False
-    """(with `bell`) land each push in host memory first; generation pauses only for the load."""
-    drain_timeout: float = 60.0
-    """(with `bell`) seconds the server may take to pause generation for a push."""
-
-
 class Land(msgspec.Struct, tag="land", frozen=True, kw_only=True):
     """Land the push of `version` into the model through SGLang's own `load_weights`."""
 
     version: int
     session: str
-    """The `Connect` this push belongs to: a worker connected since by another trainer refuses it."""
+    """The `Start` this push belongs to: a worker started since by another trainer refuses it."""
     timeout: float
     """Seconds the worker waits for the push to reach it, and for each part of it after."""
 
 
-Control: TypeAlias = Connect | Land
+Control: TypeAlias = Start | Land
 
 _DECODER = msgspec.json.Decoder(Control)
 

@@ -14,7 +14,7 @@ stock SGLang server over weightsync's transports.
 
     end_weight_update                               only if a trainer that died left one open
     open_store(rendezvous_host)                     the trainer's store, for the engine's life
-    update_weights_from_tensor(Connect)             inside begin/end_weight_update: every TP
+    update_weights_from_tensor(Start)               inside begin/end_weight_update: every TP
                                                     worker starts a receiver and announces it
     collect(store)                                  one address per TP rank, or ConnectError
 
@@ -45,13 +45,14 @@ from typing import Any
 
 from weightsync.errors import ConfigError, ConnectError, ServerError, WeightSyncError, one_line
 from weightsync.integrations.sglang.client import PauseMode, SGLangClient
-from weightsync.integrations.sglang.control import Connect, Land, LandResult, payload, read_results
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, collect, open_store
-from weightsync.options import SenderOptions
+from weightsync.integrations.sglang.control import Land, LandResult, payload, read_results
+from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.report import SyncReport
 from weightsync.round import NOT_READY, Outcome, WorkerState, run_round
 from weightsync.sender import WeightSender
 from weightsync.source import as_source
+from weightsync.workers.rendezvous import WorkerAddress, collect, open_store
+from weightsync.workers.start import Start
 
 __all__ = ["LOADER", "SGLangEngine", "SGLangWindow"]
 
@@ -138,14 +139,16 @@ class SGLangEngine:
             log.warning("weightsync: ended an SGLang weight-update session left open")
         self._store, where = open_store(self.rendezvous_host, self.options.timeout)
         self._session = _new_session()
-        message = Connect(
+        message = Start(
             rendezvous=where,
             session=self._session,
             transport=self.transport,
-            host=self.receiver_host,
-            port=self.receiver_port,
-            verify=self.options.verify,
-            timeout=self.options.timeout,
+            receiver=ReceiverOptions(
+                host=self.receiver_host,
+                port=self.receiver_port,
+                verify=self.options.verify,
+                timeout=self.options.timeout,
+            ).without_token(),
         )
         self._update(message, num_ranks, flush_cache=False)
         workers = collect(self._store, self._session)
@@ -195,9 +198,9 @@ class SGLangEngine:
         self.version = version
         return report
 
-    def _update(self, message: Connect | Land, num_ranks: int, *, flush_cache: bool) -> None:
+    def _update(self, message: Start | Land, num_ranks: int, *, flush_cache: bool) -> None:
         """One update call carrying `message` to every TP worker, in an update session of its
-        own for `Connect`."""
+        own for `Start`."""
         timeout = self.deadline + HTTP_MARGIN_S
         body = payload(message, num_ranks)
         if isinstance(message, Land):

@@ -8,8 +8,9 @@ calls `load_weights(model, named_tensors)` inside every TP worker (its scheduler
 scheduler thread) for each `POST /update_weights_from_tensor` whose `load_format` names it. The
 trainer (`SGLangEngine`) sends one control message per call (control.py)::
 
-    Connect   this worker starts a fresh receiver over the trainer's transport (rank r listens
-              on port + r) and announces its address in the trainer's store (rendezvous.py)
+    Start     this worker starts a fresh receiver over the trainer's transport (rank r listens
+              on port + r) and announces its address in the trainer's store (the worker kit:
+              weightsync.workers.start)
     Land(N)   this worker lands version N: the receiver takes the whole push into a standby
               copy in host memory (StagedSink); once every byte arrived (and was verified),
               SGLang's own `model.load_weights` takes it a batch at a time on this thread (its
@@ -22,7 +23,7 @@ reach it. Why the plan is checked against the checkpoint's layout before any byt
 SGLang's loaders skip names they do not know and leave tensors nobody sent as they were, which
 would serve a mix without a word.
 
-Under `weightsync serve --engine sglang` the server is the trainer's counterpart: `Connect`
+Under `weightsync serve --engine sglang` the server is the trainer's counterpart: `Start`
 names its doorbell (`bell`), and the worker's sink is a `ControlledSink` around the same stream
 (staged or not, as the server says). A push then rings the server's control as it arrives; the
 control pauses generation, opens SGLang's update session and sends `Land`; the worker lands the
@@ -38,7 +39,6 @@ returns; SGLang's update call then succeeds, and the trainer labels no version.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 from typing import Any
@@ -46,16 +46,13 @@ from typing import Any
 import torch
 
 from weightsync.errors import WeightSyncError, one_line
-from weightsync.integrations.sglang.control import Connect, Land, LandResult, connect_store, decode, write_result
-from weightsync.integrations.vllm.layout import CheckpointLayout, check_plan_layout, checkpoint_layout
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
+from weightsync.integrations.sglang.control import Land, LandResult, connect_store, decode, write_result
 from weightsync.messages import Plan
-from weightsync.options import ReceiverOptions
 from weightsync.receiver import WeightReceiver
-from weightsync.serving.doorbell import ring
-from weightsync.serving.sink import ControlledSink
 from weightsync.sink import StagedSink, WeightSink
 from weightsync.stream import StreamSink
+from weightsync.workers.layout import CheckpointLayout, check_plan_layout, checkpoint_layout
+from weightsync.workers.start import Start, start_receiver
 
 __all__ = ["load_weights"]
 
@@ -78,7 +75,7 @@ class _LayoutStream(StreamSink):
 
 @dataclasses.dataclass
 class _Worker:
-    """This TP worker's receiver, from one `Connect` to the next."""
+    """This TP worker's receiver, from one `Start` to the next."""
 
     rank: int
     session: str
@@ -109,7 +106,7 @@ class _Worker:
 
 _worker: _Worker | None = None
 _sinks: tuple[_LayoutStream, StagedSink] | None = None
-"""Kept from the first `Connect` on: a trainer that connects again (or another) reuses the
+"""Kept from the first `Start` on: a trainer that connects again (or another) reuses the
 standby copy rather than fault in a fresh one."""
 _lock = threading.Lock()
 
@@ -124,7 +121,7 @@ def load_weights(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> N
         log.error("weightsync's loader: %s", exc)
         return
     with _lock:
-        if isinstance(message, Connect):
+        if isinstance(message, Start):
             previous, _worker = _worker, None
             if previous is not None:
                 previous.close()
@@ -151,41 +148,19 @@ def _land(model: Any, message: Land) -> None:
         log.error("weightsync: could not tell the trainer how version %d went: %s", message.version, exc)
 
 
-def _connect(model: torch.nn.Module, message: Connect) -> _Worker:
+def _connect(model: torch.nn.Module, message: Start) -> _Worker:
     """Start this worker's receiver and announce it in the trainer's store."""
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
     global _sinks
     rank = int(get_parallel().tp_rank)
+    timeout = message.options(rank).timeout
     if _sinks is None:
         layout = checkpoint_layout(get_server_args().model_path, next(model.parameters()).dtype)
-        stream = _LayoutStream(layout, timeout=message.timeout)
+        stream = _LayoutStream(layout, timeout=timeout)
         _sinks = stream, StagedSink(stream)
     stream, staged = _sinks
-    options = ReceiverOptions(
-        host=message.host,
-        port=message.port + rank if message.port else 0,
-        timeout=message.timeout,
-        verify=message.verify,  # type: ignore[arg-type]  # checked by ReceiverOptions
-    )
-    sink: WeightSink = staged
-    if message.bell:
-        sink = ControlledSink(
-            staged if message.staged else stream,
-            functools.partial(ring, message.bell),
-            rank=rank,
-            drain_timeout=message.drain_timeout,
-            timeout=options.timeout,
-        )
-    receiver = WeightReceiver(sink, message.transport, options=options).start()
-    if isinstance(sink, ControlledSink):
-        receiver.watch(sink.observe)
-    try:
-        store = None if message.bell else connect_store(message.rendezvous, options.timeout)
-        me = WorkerAddress(address=receiver.address, rank=rank, weight_bytes=stream.layout.total_bytes)
-        announce(message.rendezvous, message.session, me, timeout=options.timeout)
-    except BaseException:
-        receiver.close()
-        raise
-    log.info("weightsync: receiver of TP rank %d at %s", rank, receiver.address)
+    store = None if message.bell else connect_store(message.rendezvous, timeout)
+    inner: WeightSink = staged if message.staged or not message.bell else stream  # a trainer's push lands staged
+    receiver = start_receiver(message, inner, rank=rank, weight_bytes=stream.layout.total_bytes)
     return _Worker(rank=rank, session=message.session, store=store, stream=stream, receiver=receiver)

@@ -11,21 +11,18 @@ through the `vllm.general_plugins` entry point, which calls `register`. Then::
                    start / update / finish lifecycle through the model's own load_weights
     trainer.py     WeightsyncTrainerEngine: a WeightSender behind vLLM's trainer API;
                    VLLMSource: a weightsync WeightSource as vLLM's
-    rendezvous.py  how the trainer (or the server) learns every worker's receiver address
-    layout.py      the checkpoint layout a worker checks a push against
+    ranks.py       a sharded push's trainer ranks agreeing
+    internals.py   the one module that reads vLLM internals
+    (the worker kit, weightsync.workers: the start message, the receiver stack, the rendezvous,
+    the checkpoint layout a worker checks a push against)
 
 `weightsync serve --engine vllm` (and BackgroundServer, RolloutFleet with engine="vllm"): vLLM's
 own OpenAI server with this backend in every worker, and weightsync's parts on top:
 
-    server.py      assembly and lifecycle: the port, vLLM's app (build_app + init_app_state),
-                   the receivers (init_weight_transfer_engine), start-up 503s, SIGTERM
-    launch.py      vLLM's arguments (its own parser), preload, AsyncLLM, the warm-up
-    doorbell.py    a worker rings the API process as a push reaches it (Unix socket, JSON)
-    events.py      what a worker rings with: a closed set of typed messages
-    control.py     the API process's pauses, the update window across workers, the version
-    http.py        weightsync's routes and middleware (auth, gate, weight versions on responses)
-    versions.py    weight versions recorded per HTTP request as vLLM's outputs pass
-    internals.py   the one module that reads vLLM internals (streamed tokens' versions)
+    serving/vllm/  vLLM's args, AsyncLLM, its app, per-request weight versions; the body it
+                   shares with SGLang's adapter is serving/own_server.py
+    serving/       the control (pauses, the update window across workers, the version), the
+                   HTTP face; the worker kit's doorbell and events carry the workers' rings
 
 Importing this package imports no vLLM; its modules do.
 """

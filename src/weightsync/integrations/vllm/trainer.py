@@ -53,14 +53,15 @@ from weightsync.errors import ConfigError, ConnectError, one_line
 from weightsync.integrations.vllm.internals import module_of
 from weightsync.integrations.vllm.plugin import register
 from weightsync.integrations.vllm.ranks import Ranks
-from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
-from weightsync.integrations.vllm.worker import WeightsyncInitInfo
+from weightsync.integrations.vllm.worker import as_init_info
 from weightsync.module_source import ModuleSource
 from weightsync.options import ReceiverOptions, SenderOptions
 from weightsync.report import SyncReport
 from weightsync.round import NOT_READY, SOLO, Outcome, WorkerState, run_round, states_of
 from weightsync.sender import WeightSender
 from weightsync.source import ShardedSource, TensorMeta, WeightSource
+from weightsync.workers.rendezvous import Rendezvous, WorkerAddress
+from weightsync.workers.start import Start
 
 __all__ = ["VLLMSource", "VLLMWindow", "WeightsyncTrainerEngine", "WeightsyncTrainerInitInfo"]
 
@@ -242,7 +243,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         """
         options = init_info.options
         with Rendezvous(init_info.rendezvous_host, options.timeout) as rendezvous:
-            worker_info = WeightsyncInitInfo(
+            worker_info = Start(
                 rendezvous=rendezvous.where,
                 session=rendezvous.session,
                 transport=init_info.transport,
@@ -250,7 +251,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                     host=init_info.receiver_host, timeout=options.timeout, verify=options.verify
                 ).without_token(),
             )
-            client.init_weight_transfer_engine(dataclasses.asdict(worker_info))
+            client.init_weight_transfer_engine(as_init_info(worker_info))
             workers = rendezvous.collect()
         if not workers:
             raise ConnectError("no vLLM worker announced its receiver; is the server's backend 'weightsync'?")

@@ -4,8 +4,8 @@ vLLM builds one `WeightsyncWorkerEngine` per worker (every tensor-, pipeline- an
 rank) from `--weight-transfer-config '{"backend": "weightsync"}'`, and drives it with its own
 weight-update lifecycle::
 
-    init_transfer_engine(info)   start this worker's receiver; tell the trainer its address
-                                 (rendezvous.announce)
+    init_transfer_engine(info)   start this worker's receiver from the kit's start message
+                                 (weightsync.workers.start); tell the trainer its address
     start_weight_update()        vLLM's layerwise reload begins; the receiver accepts one sync;
                                  until the reload ends, what one layer frees the next reuses
                                  (integrations/vllm/malloc.py)
@@ -18,7 +18,7 @@ weight-update lifecycle::
     shutdown()                   close the receiver
 
 Sharded sync: when it starts, each worker finds the box of every checkpoint tensor its loaders
-keep (`layout.kept_boxes`: a dry run of `load_weights` on tensors without storage) and its
+keep (`workers.layout.kept_boxes`: a dry run of `load_weights` on tensors without storage) and its
 receiver names them to every sender (`Welcome.wants`), so a tensor-parallel worker is sent only
 its boxes, by every trainer rank that holds some of them.
 
@@ -34,16 +34,16 @@ layerwise reload here, so that the model stays whole; the sender's report names 
 the reason, and the trainer labels no new version (`receive_weights` says why it does not raise).
 
 Who opens the window: a trainer, through vLLM's API (`WeightsyncTrainerEngine`); or, under
-`weightsync serve --engine vllm`, the server itself. There the init info names the server's
-doorbell (`bell`), and each worker's sink (`weightsync.serving.sink.ControlledSink`) rings it as a push arrives: the API
-process pauses generation and opens the window on every worker, then answers; it labels the
-version only once every worker rang its commit, and refuses every worker's commit otherwise.
+`weightsync serve --engine vllm`, the server itself. There the start message names the server's
+doorbell (`bell`), and each worker's sink (`weightsync.workers.sink.ControlledSink`) rings it as
+a push arrives: the API process pauses generation and opens the window on every worker, then
+answers; it labels the version only once every worker rang its commit, and refuses every
+worker's commit otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -61,12 +61,19 @@ from weightsync.integrations.vllm.internals import (
     MEMORY_SCHEME,
     LoraMemory,
     ReloadBuffers,
+    checkpoint_format_on_meta,
     cpu_experts_to_prepack,
     prepack_cpu_experts,
     reprocess_tied_layers,
     serve_loras_from_memory,
 )
-from weightsync.integrations.vllm.layout import (
+from weightsync.integrations.vllm.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
+from weightsync.lora import Adapter, check_lora
+from weightsync.messages import Plan, TensorSpec, Want
+from weightsync.receiver import WeightReceiver
+from weightsync.sink import StagedSink, WeightSink
+from weightsync.stream import StreamSink
+from weightsync.workers.layout import (
     CheckpointLayout,
     check_boxes,
     check_plan_layout,
@@ -74,50 +81,28 @@ from weightsync.integrations.vllm.layout import (
     kept_boxes,
     padded,
 )
-from weightsync.integrations.vllm.malloc import release_freed_memory, return_large_frees_to_os, reuse_freed_memory
-from weightsync.integrations.vllm.rendezvous import WorkerAddress, announce
-from weightsync.lora import Adapter, check_lora
-from weightsync.messages import Plan, TensorSpec, Want
-from weightsync.options import DEFAULT_TIMEOUT_S, ReceiverOptions
-from weightsync.receiver import WeightReceiver
-from weightsync.serving.doorbell import ring
-from weightsync.serving.sink import ControlledSink
-from weightsync.sink import StagedSink, WeightSink
-from weightsync.stream import StreamSink
+from weightsync.workers.start import Start, start_receiver
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = ["WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncWorkerEngine"]
+__all__ = ["WeightsyncInitInfo", "WeightsyncUpdateInfo", "WeightsyncWorkerEngine", "as_init_info"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class WeightsyncInitInfo(WeightTransferInitInfo):
-    """What the trainer sends every worker once (`init_weight_transfer_engine`), as JSON.
+    """What every worker gets once (`init_weight_transfer_engine`): the kit's start message."""
 
-    No secret travels here: a worker takes the shared token from its own $WEIGHTSYNC_AUTH_TOKEN.
-    """
+    start: dict[str, Any]
+    """A `weightsync.workers.start.Start` as JSON (no secret travels in it)."""
 
-    rendezvous: str
-    """"HOST:PORT" of the trainer's rendezvous store, where each worker leaves its address."""
-    session: str
-    """Names this trainer's keys in the store."""
-    transport: str = "shm"
-    receiver: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Every worker's `ReceiverOptions`, as JSON, without the token (`without_token`): a
-    networked receiver (tcp, collective, nixl) listens on its host, worker r on its port + r
-    (0: any free port)."""
-    bell: str = ""
-    """`weightsync serve`'s doorbell socket: the server, not a trainer, opens the update window."""
-    staged: bool = False
-    """(with `bell`) land each sync in host memory first; generation pauses only for the reload."""
-    drain_timeout: float = DEFAULT_TIMEOUT_S
-    """(with `bell`) seconds the server may take to pause generation for a sync."""
-    lora_versions: int = 0
-    """(with `bell`) versions of each LoRA adapter held in memory; 0: adapters are refused."""
+
+def as_init_info(start: Start) -> dict[str, Any]:
+    """vLLM's `init_info` for backend "weightsync" that carries `start` to every worker."""
+    return dataclasses.asdict(WeightsyncInitInfo(start=start.to_json()))
 
 
 @dataclasses.dataclass
@@ -295,45 +280,30 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
     def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
         self.shutdown()  # a trainer that starts again gets a fresh receiver
         return_large_frees_to_os()  # each reload frees a model's worth of layer temporaries
+        start = Start.from_json(init_info.start)
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
-        options = ReceiverOptions(**init_info.receiver)
-        options = dataclasses.replace(options, port=options.port + rank if options.port else 0)
         layout = checkpoint_layout(self.model_config.model, self.model_config.dtype)
-        served = bool(init_info.bell)
-        self._sink = _WindowSink(layout, timeout=options.timeout, deferred=served, kept=self._kept(layout))
-        sink: WeightSink = self._sink
-        if served:
-            inner = StagedSink(self._sink) if init_info.staged else self._sink
-            loras = None
-            if init_info.lora_versions:
-                memory = LoraMemory(self.model)
-                serve_loras_from_memory(memory)
-                loras = _LoraVersions(memory, layout, served_model_names(self.model_config))
-            sink = ControlledSink(
-                inner,
-                functools.partial(ring, init_info.bell),
-                rank=rank,
-                drain_timeout=init_info.drain_timeout,
-                timeout=options.timeout,
-                loras=loras,
-            )
-        self._receiver = WeightReceiver(sink, init_info.transport, options=options).start()
-        if isinstance(sink, ControlledSink):
-            self._receiver.watch(sink.observe)
-        me = WorkerAddress(address=self._receiver.address, rank=rank, weight_bytes=layout.total_bytes)
+        timeout = start.options(rank).timeout
+        self._sink = _WindowSink(layout, timeout=timeout, deferred=bool(start.bell), kept=self._kept(layout))
+        inner: WeightSink = StagedSink(self._sink) if start.staged else self._sink
+        loras = None
+        if start.bell and start.lora_versions:
+            memory = LoraMemory(self.model)
+            serve_loras_from_memory(memory)
+            loras = _LoraVersions(memory, layout, served_model_names(self.model_config))
         try:
-            announce(init_info.rendezvous, init_info.session, me, timeout=options.timeout)
+            self._receiver = start_receiver(start, inner, rank=rank, weight_bytes=layout.total_bytes, loras=loras)
         except BaseException:
             self.shutdown()
             raise
-        log.info("weightsync receiver of worker %d at %s", me.rank, me.address)
 
     def _kept(self, layout: CheckpointLayout) -> tuple[Want, ...]:
         """The box of each tensor this worker keeps (`kept_boxes`); none (every tensor whole)
         where the dry run fails."""
         try:
-            kept = kept_boxes(self.model, layout)
+            with checkpoint_format_on_meta(self.model):
+                kept = kept_boxes(lambda name, tensor: self.model.load_weights([(name, tensor)]), layout)
         except Exception as exc:  # a model whose loaders cannot be dry-run: sent whole, as before
             log.warning(
                 "this worker takes whole tensors: its loaders could not be dry-run (%s: %s)", type(exc).__name__, exc

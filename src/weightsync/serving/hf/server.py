@@ -32,8 +32,8 @@ from weightsync.serving.hf.base import SamplingParams, StepEngine
 from weightsync.serving.hf.loop import EngineLoop
 from weightsync.serving.hf.lora import LoraServing
 from weightsync.serving.metrics import ServerMetrics
-from weightsync.serving.sink import ControlledSink, LocalBell
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
+from weightsync.workers.sink import ControlledSink, LocalBell
 
 __all__ = ["FAILED_STEPS_UNHEALTHY", "HeldAdapters", "LoopEngine", "RolloutServer", "build_engine", "warm_up"]
 
@@ -106,7 +106,7 @@ class LoopEngine:
 
 class HeldAdapters:
     """The LoRA adapter versions this server landed, held until the control has the engine take
-    them (`serving.sink.LoraStore`).
+    them (`workers.sink.LoraStore`).
 
     Args:
         lora: the engine's PEFT adapters.

@@ -1,6 +1,7 @@
 """`weightsync serve --engine sglang`: SGLang's own server, with weightsync's parts on top.
 
-How it is put together (the vLLM adapter's shape, with SGLang's doors):
+How it is put together (the vLLM adapter's shape, with SGLang's doors; what the two share is
+own_server.py):
 
 1. SGLang's arguments are parsed by SGLang's own `prepare_server_args` (launch.py), from
    weightsync's flags plus anything given with --engine-args: every `sglang serve` option
@@ -11,7 +12,7 @@ How it is put together (the vLLM adapter's shape, with SGLang's doors):
 3. The app is SGLang's own FastAPI app, set up as SGLang's `launch_server` sets it up: every
    route, handler, chat template and sampling parameter is SGLang's own code.
 4. Every TP worker runs weightsync's receiver, started through SGLang's custom-loader door
-   (`update_weights_from_tensor` carrying a `Connect` control message); the workers tell this
+   (`update_weights_from_tensor` carrying the worker kit's `Start` message); the workers tell this
    process their addresses through a rendezvous store it hosts for that call, and ring its
    doorbell as a push reaches them: this process then runs the round on every worker through
    the sync control (control.py): SGLang's `pause_generation`, `begin_weight_update`, a `Land`
@@ -29,27 +30,22 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, MutableMapping, Sequence
 from typing import Any
 
-from weightsync.errors import ResourceError
-from weightsync.integrations.sglang.control import Connect, Land, payload
+from weightsync.integrations.sglang.control import Land, payload
 from weightsync.integrations.sglang.trainer import LOADER
-from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
-from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
-from weightsync.serving.control import Served, SyncControl
-from weightsync.serving.doorbell import Doorbell
+from weightsync.serving import own_server
+from weightsync.serving.config import PauseMode, ServeConfig
 from weightsync.serving.error_body import error
-from weightsync.serving.foreground import Port, Ready, serve_engine, stopped_by_signals
-from weightsync.serving.http import Face, add_routes
-from weightsync.serving.labels import WeightVersionMiddleware
+from weightsync.serving.foreground import Port, Ready, stopped_by_signals
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.sglang.launch import build_engine, serve_app, sglang_args, warm_up
 from weightsync.serving.sglang.launch import preload as preload_sglang
 from weightsync.serving.sglang.versions import record_versions
+from weightsync.workers.start import Start
 
 __all__ = ["check", "preload", "serve"]
 
@@ -59,9 +55,6 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[..., Awaitable[None]]
 
 log = logging.getLogger(__name__)
-
-RPC_TIMEOUT_S = 120.0
-"""Seconds a start-up call into SGLang's workers may take."""
 
 DRAIN_POLL_S = 0.05
 """How often a "wait" pause checks whether the requests it waits for have finished."""
@@ -113,15 +106,15 @@ class Owned:
 
 
 class _Engine:
-    """SGLang's tokenizer manager as the sync control calls it (`control.Engine`)."""
+    """SGLang's tokenizer manager as the server calls it (`own_server.WorkerEngine`)."""
 
     name = "SGLang"
 
     def __init__(self, manager: Any, tp_size: int, timeout: float) -> None:
         self.manager = manager
         self.session = ""
-        """The rendezvous session the workers' receivers were started in (`_start_receivers`)."""
-        self.tp_size = tp_size
+        """The rendezvous session the workers' receivers were started in (`start_workers`)."""
+        self.num_workers = tp_size
         self.timeout = timeout
         self.died = ""
         """Why SGLang's engine is gone for good ("" while it runs): one of its processes failed."""
@@ -206,22 +199,26 @@ class _Engine:
     async def remove_lora(self, lora_id: int) -> None:
         raise NotImplementedError("weightsync serve --engine sglang serves no LoRA adapters")
 
-    async def connect(self, message: Connect) -> None:
-        """Every TP worker starts its receiver (`Connect` through the loader door), in an update
+    async def start_workers(self, start: Start) -> None:
+        """Every TP worker starts its receiver (`Start` through the loader door), in an update
         session of its own."""
         from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
 
+        self.session = start.session
         _succeeded(await self.manager.begin_weight_update(BeginWeightUpdateReqInput(selector="all")), "begin")
         try:
-            await self._load(message)
+            await self._load(start)
         finally:
             _succeeded(await self.manager.end_weight_update(EndWeightUpdateReqInput()), "end")
 
-    async def _load(self, message: Connect | Land) -> None:
+    async def stop_workers(self) -> None:
+        """Nothing to close here: SGLang's own shutdown ends its workers and their receivers."""
+
+    async def _load(self, message: Start | Land) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
 
         request = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=payload(message, self.tp_size), load_format=LOADER, flush_cache=True
+            serialized_named_tensors=payload(message, self.num_workers), load_format=LOADER, flush_cache=True
         )
         _succeeded(await self.manager.update_weights_from_tensor(request, None), "update_weights_from_tensor")
 
@@ -231,40 +228,6 @@ def _succeeded(answer: Any, call: str) -> None:
     success, message = answer[0], answer[1]
     if not success:
         raise RuntimeError(f"SGLang's {call} failed: {message}")
-
-
-async def _start_receivers(engine: _Engine, config: ServeConfig, bell: str) -> list[WorkerAddress]:
-    """Start weightsync's receiver in every SGLang TP worker and return their addresses, in rank
-    order.
-
-    Raises:
-        ResourceError: a worker's receiver did not start, or not every worker announced one.
-    """
-    options = config.receiver
-    with Rendezvous("127.0.0.1", RPC_TIMEOUT_S) as rendezvous:
-        engine.session = rendezvous.session
-        message = Connect(
-            rendezvous=rendezvous.where,
-            session=rendezvous.session,
-            transport=config.transport,
-            host=options.host,
-            port=options.port,
-            verify=options.verify,
-            timeout=options.timeout,
-            bell=bell,
-            staged=config.staged,
-            drain_timeout=config.drain_timeout,
-        )
-        try:
-            await asyncio.wait_for(engine.connect(message), RPC_TIMEOUT_S)
-            workers = sorted(rendezvous.collect(), key=lambda worker: worker.rank)
-        except Exception as exc:
-            raise ResourceError(f"weightsync's receivers did not start in SGLang's workers: {exc}") from exc
-    if len(workers) != engine.tp_size:
-        raise ResourceError(
-            f"{len(workers)} of SGLang's {engine.tp_size} workers started a receiver (the workers' log says why)"
-        )
-    return workers
 
 
 def check(config: ServeConfig, extra_args: Sequence[str] = ()) -> None:
@@ -277,31 +240,10 @@ def preload(config: ServeConfig) -> None:
     preload_sglang()
 
 
-async def serve(
-    config: ServeConfig,
-    sock: socket.socket,
-    *,
-    extra_args: Sequence[str] = (),
-    announce: Callable[[Ready], None] = lambda ready: None,
-    log_level: str = "info",
-    stop: asyncio.Event | None = None,
-    note: Callable[[], None] = lambda: None,
-    shutdown_timeout: float | None = None,
-) -> list[int]:
-    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(ready)` once ready (every
-    worker's receiver). Returns the signals that stopped it (none: `stop`).
-    `note()` is called while SGLang's processes start, once they serve, and before they stop
-    (`weightsync.serving.footprint.Footprint.note`). SGLang's own shutdown gets
-    `shutdown_timeout` seconds (None: as long as it takes).
-
-    Raises:
-        ConfigError: SGLang refused the arguments.
-        ResourceError: the engine or the receivers could not start.
-    """
+async def serve(config: ServeConfig, sock: socket.socket, *, extra_args: Sequence[str] = (), **how: Any) -> list[int]:
+    """The adapter's `serve` (engines.EngineAdapter: `how` holds its other keywords): SGLang's
+    own server, ready once every worker's receiver is."""
     args = sglang_args(config, int(sock.getsockname()[1]), extra_args)
-    if config.auth_token is not None:  # SGLang's workers inherit it: their receivers require it
-        os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
-    build = functools.partial(build_engine, args)
 
     async def run(engine: Any, port: Port, ready: Callable[[Ready], None]) -> None:
         sglang = _Engine(engine.tokenizer_manager, engine.server_args.tp_size, config.receiver.timeout)
@@ -310,19 +252,7 @@ async def serve(
         with _signals_kept(port, sglang):
             await _serve_engine(config, engine, sglang, port, ready)
 
-    loading = f"loading the sglang engine for {config.model}"
-    return await serve_engine(
-        "SGLang",
-        build,
-        run,
-        sock,
-        loading=loading,
-        announce=announce,
-        log_level=log_level,
-        stop=stop,
-        note=note,
-        shutdown_timeout=shutdown_timeout,
-    )
+    return await own_server.serve("SGLang", config, sock, functools.partial(build_engine, args), run, **how)
 
 
 @contextlib.contextmanager
@@ -349,45 +279,8 @@ async def _serve_engine(
     manager.generate_request = sglang.admit(manager.generate_request)
     record_versions(manager)
     app = serve_app(engine)
-
-    metrics = ServerMetrics()
-    initial = AUTO_VERSION if config.load_format == "auto" else None
-    if initial is not None:
-        await sglang.label(initial)
-    control = SyncControl(
-        sglang,
-        workers=sglang.tp_size,
-        mode=config.sync_mode,
-        drain_timeout=config.drain_timeout,
-        sync_timeout=config.receiver.timeout,
-        metrics=metrics,
-        version=initial,
-    )
-    bell = Doorbell(control.on_event, timeout=config.receiver.timeout)
-    await bell.start()
-    try:
-        workers = await _start_receivers(sglang, config, bell.path)
-        addresses = tuple(worker.address for worker in workers)
-        served = Served(
-            engine="sglang",
-            model=config.model_name,
-            transport=config.transport,
-            addresses=addresses,
-            weight_bytes=workers[0].weight_bytes,
-        )
-        add_routes(app, control, served, metrics=metrics.render)
-        outer = Owned(Face.of(WeightVersionMiddleware(app, control), control, config))  # refused whoever asks, whenever
-        try:
-            async with app.router.lifespan_context(app):
-                port.front.app = outer
-                announce(Ready(addresses))
-                await port.serving
-        finally:
-            port.front.app = None
-            port.front.health = Health(False, "failed", "the server is stopping")
-            control.close()
-    finally:
-        await bell.close()
+    # SGLang's weight routes are refused whoever asks, whenever
+    await own_server.run(config, sglang, app, port, announce, metrics=ServerMetrics(), outer=Owned)
 
 
 def _died(engine: _Engine) -> None:

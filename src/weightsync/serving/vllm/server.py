@@ -1,6 +1,7 @@
 """`weightsync serve --engine vllm`: vLLM's own OpenAI server, with weightsync's parts on top.
 
-How it is put together, and why this way (docs/server.md has the longer account):
+How it is put together, and why this way (docs/server.md has the longer account; what this
+adapter shares with SGLang's is own_server.py):
 
 1. vLLM's arguments are parsed by vLLM's own `make_arg_parser` (engine.py), from weightsync's
    flags plus anything given with --engine-args: every `vllm serve` option works, with vLLM's
@@ -26,36 +27,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
-import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from weightsync.errors import ResourceError
 from weightsync.integrations.vllm.internals import serve_lora
-from weightsync.integrations.vllm.rendezvous import Rendezvous, WorkerAddress
-from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
-from weightsync.serving.control import Served, SyncControl
-from weightsync.serving.doorbell import Doorbell
-from weightsync.serving.foreground import Port, Ready, serve_engine
-from weightsync.serving.http import Face, add_routes
-from weightsync.serving.labels import WeightVersionMiddleware
+from weightsync.serving import own_server
+from weightsync.serving.config import PauseMode, ServeConfig
+from weightsync.serving.foreground import Port, Ready
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
 from weightsync.serving.vllm.launch import preload as preload_vllm
 from weightsync.serving.vllm.versions import LoraUse, VersionedEngine
+from weightsync.workers.start import Start
 
 __all__ = ["check", "preload", "serve"]
 
 log = logging.getLogger(__name__)
-
-RPC_TIMEOUT_S = 120.0
-"""Seconds a start-up or shut-down call into vLLM's workers may take."""
-
 
 STOP_RPC_S = 1.0
 """Seconds the workers get to close their receivers at a stop: a worker busy in a sync answers
@@ -73,7 +64,7 @@ class _MetricsBridge:
 
 
 class _Engine:
-    """vLLM's `AsyncLLM` as the sync control calls it (`control.Engine`); `models`: vLLM's
+    """vLLM's `AsyncLLM` as the server calls it (`own_server.WorkerEngine`); `models`: vLLM's
     `OpenAIServingModels`, which routes a request's model name to a LoRA adapter."""
 
     name = "vLLM"
@@ -81,6 +72,7 @@ class _Engine:
     def __init__(self, engine: Any, models: Any) -> None:
         self.engine = engine
         self.models = models
+        self.num_workers = int(engine.vllm_config.parallel_config.world_size)
 
     @property
     def errored(self) -> bool:
@@ -116,39 +108,20 @@ class _Engine:
     async def remove_lora(self, lora_id: int) -> None:
         await self.engine.remove_lora(lora_id)
 
+    async def label(self, version: int) -> None:
+        await self.engine.update_weight_version(str(version))
 
-async def _start_receivers(engine: Any, config: ServeConfig, bell: str) -> list[WorkerAddress]:
-    """Start weightsync's receiver in every vLLM worker (vLLM's `init_weight_transfer_engine`)
-    and return the workers' addresses, in rank order.
+    async def start_workers(self, start: Start) -> None:
+        """Every worker starts its receiver (vLLM's `init_weight_transfer_engine`)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    Raises:
-        ResourceError: a worker's receiver did not start, or not every worker announced one.
-    """
-    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        from weightsync.integrations.vllm.worker import as_init_info
 
-    from weightsync.integrations.vllm.worker import WeightsyncInitInfo
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=as_init_info(start)))
 
-    with Rendezvous("127.0.0.1", RPC_TIMEOUT_S) as rendezvous:
-        info = WeightsyncInitInfo(
-            rendezvous=rendezvous.where,
-            session=rendezvous.session,
-            transport=config.transport,
-            receiver=config.receiver.without_token(),
-            bell=bell,
-            staged=config.staged,
-            drain_timeout=config.drain_timeout,
-            lora_versions=config.lora_versions if config.max_lora_rank else 0,
-        )
-        try:
-            request = WeightTransferInitRequest(init_info=dataclasses.asdict(info))
-            await asyncio.wait_for(engine.init_weight_transfer_engine(request), RPC_TIMEOUT_S)
-            workers = sorted(rendezvous.collect(), key=lambda worker: worker.rank)
-        except Exception as exc:
-            raise ResourceError(f"weightsync's receivers did not start in vLLM's workers: {exc}") from exc
-    expected = engine.vllm_config.parallel_config.world_size
-    if len(workers) != expected:
-        raise ResourceError(f"{len(workers)} of vLLM's {expected} workers started a receiver")
-    return workers
+    async def stop_workers(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.engine.shutdown_weight_transfer_engine(), STOP_RPC_S)
 
 
 def check(config: ServeConfig, extra_args: Sequence[str] = ()) -> None:
@@ -161,53 +134,20 @@ def preload(config: ServeConfig) -> None:
     preload_vllm(config.model)
 
 
-async def serve(
-    config: ServeConfig,
-    sock: socket.socket,
-    *,
-    extra_args: Sequence[str] = (),
-    announce: Callable[[Ready], None] = lambda ready: None,
-    log_level: str = "info",
-    stop: asyncio.Event | None = None,
-    note: Callable[[], None] = lambda: None,
-    shutdown_timeout: float | None = None,
-) -> list[int]:
-    """Serve until SIGTERM/SIGINT (or `stop` is set); `announce(ready)` once ready (every
-    worker's receiver). Returns the signals that stopped it (none: `stop`).
-    `note()` is called while vLLM's processes start, once they serve, and before they stop: the
-    caller records what they made (`weightsync.serving.footprint.Footprint.note`). vLLM's own
-    shutdown gets `shutdown_timeout` seconds (None: as long as it takes); a caller that bounds
-    it ends what is left of vLLM's processes once `serve` returns.
-
-    Raises:
-        ConfigError: vLLM refused the arguments.
-        ResourceError: the engine or the receiver could not start.
-    """
+async def serve(config: ServeConfig, sock: socket.socket, *, extra_args: Sequence[str] = (), **how: Any) -> list[int]:
+    """The adapter's `serve` (engines.EngineAdapter: `how` holds its other keywords): vLLM's
+    own server, ready once every worker's receiver is. A caller that bounds `shutdown_timeout`
+    ends what is left of vLLM's processes once `serve` returns."""
     args = vllm_namespace(config, extra_args)
     if config.chat_template is None and not args.chat_template:
         tokenizer, _ = load_tokenizer(config.model)
         if tokenizer is not None and not tokenizer.chat_template:
             log.warning(NO_CHAT_TEMPLATE, config.model)
-    if config.auth_token is not None:  # vLLM's workers inherit it: their receivers require it
-        os.environ["WEIGHTSYNC_AUTH_TOKEN"] = config.auth_token
-    build = functools.partial(build_async_llm, args)
 
     async def run(engine: Any, port: Port, ready: Callable[[Ready], None]) -> None:
         await _serve_engine(config, args, engine, port, ready)
 
-    loading = f"loading the vllm engine for {config.model}"
-    return await serve_engine(
-        "vLLM",
-        build,
-        run,
-        sock,
-        loading=loading,
-        announce=announce,
-        log_level=log_level,
-        stop=stop,
-        note=note,
-        shutdown_timeout=shutdown_timeout,
-    )
+    return await own_server.serve("vLLM", config, sock, functools.partial(build_async_llm, args), run, **how)
 
 
 async def _serve_engine(
@@ -229,51 +169,12 @@ async def _serve_engine(
     await init_app_state(VersionedEngine(engine, loras), app.state, args, supported)
 
     metrics = ServerMetrics()
-    initial = AUTO_VERSION if config.load_format == "auto" else None
-    if initial is not None:
-        await engine.update_weight_version(str(initial))
-    control = SyncControl(
-        _Engine(engine, app.state.openai_serving_models),
-        workers=engine.vllm_config.parallel_config.world_size,
-        mode=config.sync_mode,
-        drain_timeout=config.drain_timeout,
-        sync_timeout=config.receiver.timeout,
-        metrics=metrics,
-        version=initial,
-        lora_versions=config.lora_versions if config.max_lora_rank else 0,
-        busy=loras.busy,
-    )
-    bell = Doorbell(control.on_event, timeout=config.receiver.timeout)
-    await bell.start()
     bridge = _MetricsBridge(metrics)
     registry = get_prometheus_registry()
     registry.register(bridge)
     try:
-        workers = await _start_receivers(engine, config, bell.path)
-        addresses = [worker.address for worker in workers]
-
-        served = Served(
-            engine="vllm",
-            model=config.model_name,
-            transport=config.transport,
-            addresses=tuple(addresses),
-            weight_bytes=workers[0].weight_bytes,
-        )
-        add_routes(app, control, served, metrics=None)  # vLLM's /metrics serves ours too (the bridge)
-        # Wrapped around vLLM's app rather than added to it: vLLM's build_app already built its
-        # middleware stack, and FastAPI refuses additions after that.
-        outer = Face.of(WeightVersionMiddleware(app, control), control, config)
-        try:
-            async with app.router.lifespan_context(app):
-                port.front.app = outer
-                announce(Ready(tuple(addresses)))
-                await port.serving
-        finally:
-            port.front.app = None
-            port.front.health = Health(False, "failed", "the server is stopping")
-            control.close()  # a sync in progress ends here: vLLM's engine goes next
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(engine.shutdown_weight_transfer_engine(), STOP_RPC_S)
+        vllm = _Engine(engine, app.state.openai_serving_models)
+        # vLLM's /metrics serves ours too (the bridge)
+        await own_server.run(config, vllm, app, port, announce, metrics=metrics, route=False, busy=loras.busy)
     finally:
         registry.unregister(bridge)
-        await bell.close()

@@ -2,9 +2,10 @@
 the same for every engine.
 
 Each worker's `ControlledSink` (sink.py) rings the control with one of these, naming its rank: in
-process (the transformers engine), or through the doorbell (doorbell.py: vLLM's workers, JSON on a
-Unix socket, msgspec tagged structs, so a message is a value with a schema, never a dict). The
-control (control.py) takes exactly these types and nothing else, and answers with a `Reply`. They
+process (the transformers engine), or through the doorbell (doorbell.py: the workers of vLLM and
+SGLang, JSON on a Unix socket, msgspec tagged structs, so a message is a value with a schema,
+never a dict). The
+control (serving/control.py) takes exactly these types and nothing else, and answers with a `Reply`. They
 are not the wire's messages (messages.py), which a sender and a receiver exchange.
 
     PushArrived      a push reached this worker and its plan fits the model; `park`: open the

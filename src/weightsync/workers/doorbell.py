@@ -1,9 +1,10 @@
-"""The doorbell: how vLLM's worker asks the API process to pause, commit or abort for a sync.
+"""The doorbell: how an engine's worker asks the API process to pause, commit or abort for a sync.
 
-The weight receiver lives in vLLM's worker (the weights are there), but pausing generation and
-labelling the weight version are the API process's calls (`AsyncLLM.pause_generation`,
-`update_weight_version`). So the worker rings: one `SyncEvent` (events.py) per connection over a
-Unix stream socket, one `Reply`, then the connection closes.
+The weight receiver lives in the engine's worker (the weights are there, in vLLM's workers or
+SGLang's TP workers), but pausing generation and labelling the weight version are the API
+process's calls (vLLM's `AsyncLLM.pause_generation`, SGLang's tokenizer manager). So the worker
+rings: one `SyncEvent` (events.py) per connection over a Unix stream socket, one `Reply`, then
+the connection closes.
 
     ring(path, PushArrived(version=3, park=True), timeout) -> None | raises SinkError
 
@@ -29,7 +30,7 @@ from typing import Any
 import msgspec
 
 from weightsync.errors import ProtocolError, SinkError
-from weightsync.serving.events import Reply, SyncEvent, event_name
+from weightsync.workers.events import Reply, SyncEvent, event_name
 
 __all__ = ["Doorbell", "ring"]
 

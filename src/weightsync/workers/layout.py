@@ -1,10 +1,10 @@
-"""What a vLLM worker's model expects a sync to carry: the Hugging Face checkpoint's tensors.
+"""What an engine worker's model expects a sync to carry: the Hugging Face checkpoint's tensors.
 
-vLLM does not keep weights in checkpoint layout (q/k/v become one `qkv_proj`, gate/up one
-`gate_up_proj`, the CPU backend repacks every linear layer), and neither does transformers 5
-(a mixture-of-experts layer stacks its experts), but vLLM's `load_weights` takes the
-checkpoint's names and layouts (one tensor per expert). A sync is checked against that layout
-before any byte moves:
+Engines do not keep weights in checkpoint layout (vLLM and SGLang fuse q/k/v into one
+`qkv_proj` and gate/up into one `gate_up_proj`, vLLM's CPU backend repacks every linear layer),
+and neither does transformers 5 (a mixture-of-experts layer stacks its experts), but an
+engine's `load_weights` takes the checkpoint's names and layouts (one tensor per expert). A sync
+is checked against that layout before any byte moves:
 
     checkpoint_layout        name -> (shape, dtype) of every tensor, and which names are tied
     check_plan_layout        PlanError naming every way a plan disagrees; else each tensor's feed name
@@ -12,15 +12,17 @@ before any byte moves:
 
 A tensor-parallel worker keeps a box of most tensors (rows of q/k/v, gate/up and the
 embeddings, columns of o and down, a slice of every expert, the whole of a replicated one).
-`kept_boxes` finds them by running the model's own `load_weights` once on tensors without
-storage (`weightsync.reads`), with its layers in checkpoint format on the meta device; the
-trainer is then sent only those boxes, and the worker hands each to the loader inside a tensor
-of the checkpoint's shape (`padded`), whose elements outside the box the loader never reads.
+`kept_boxes` finds them by running the engine's own loader once on tensors without storage
+(`weightsync.reads`; the engine puts its layers in checkpoint format on the meta device first);
+the trainer is then sent only those boxes, and the worker hands each to the loader inside a
+tensor of the checkpoint's shape (`padded`), whose elements outside the box the loader never
+reads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -28,7 +30,6 @@ import torch
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
 from weightsync.hf_checkpoint import checkpoint_metas
-from weightsync.integrations.vllm.internals import checkpoint_format_on_meta
 from weightsync.messages import Plan, TensorSpec, Want
 from weightsync.reads import loader_reads
 from weightsync.regions import region_view, whole_shape
@@ -45,7 +46,7 @@ class CheckpointLayout:
     Attributes:
         tensors: name -> (shape, dtype) of every tensor a sync must carry.
         ties: groups of names that are one tensor (e.g. tied `lm_head.weight` and
-            `model.embed_tokens.weight`); the first name of a group is the one vLLM loads.
+            `model.embed_tokens.weight`); the first name of a group is the one the engine loads.
     """
 
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -83,7 +84,7 @@ def checkpoint_layout(model_dir: str | Path, dtype: torch.dtype) -> CheckpointLa
     for names in groups.values():
         for tied in zip(*(checkpoint[name] for name in names), strict=True):
             if len(tied) > 1:
-                # vLLM loads a tied pair through the input embeddings and skips lm_head.
+                # An engine loads a tied pair through the input embeddings and skips lm_head.
                 ties.append(tuple(sorted((meta.name for meta in tied), key=lambda n: (n.startswith("lm_head."), n))))
     tensors = {meta.name: (meta.shape, meta.dtype) for entries in checkpoint.values() for meta in entries}
     return CheckpointLayout(tensors, tuple(ties))
@@ -91,7 +92,7 @@ def checkpoint_layout(model_dir: str | Path, dtype: torch.dtype) -> CheckpointLa
 
 def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | None]:
     """Raise PlanError naming every way `plan` disagrees with `layout`; otherwise return the
-    name each planned tensor is fed to vLLM under (None: a tied duplicate, not fed)."""
+    name each planned tensor is fed to the engine's loader under (None: a tied duplicate, not fed)."""
     problems = []
     kinds: set[tuple[str, str] | None] = set()
     for spec in plan.tensors:
@@ -130,15 +131,15 @@ def check_plan_layout(plan: Plan, layout: CheckpointLayout) -> dict[str, str | N
     return feed
 
 
-def kept_boxes(model: torch.nn.Module, layout: CheckpointLayout) -> tuple[Want, ...]:
+def kept_boxes(load: Callable[[str, torch.Tensor], object], layout: CheckpointLayout) -> tuple[Want, ...]:
     """The box of each checkpoint tensor that this worker's loaders keep (the module docstring),
     named under every name of a tied group; a tensor they cannot be traced for is not named (a
-    sync sends it whole)."""
+    sync sends it whole). `load(name, tensor)` runs the engine's loader on one tensor, its layers
+    in checkpoint format on the meta device (vLLM: `internals.checkpoint_format_on_meta`)."""
     aliases = {group[0]: group for group in layout.ties}
     skipped = {name for group in layout.ties for name in group[1:]}
     metas = [TensorMeta(name, shape, dtype) for name, (shape, dtype) in layout.tensors.items() if name not in skipped]
-    with checkpoint_format_on_meta(model):
-        reads = loader_reads(lambda name, tensor: model.load_weights([(name, tensor)]), metas)  # type: ignore[operator]
+    reads = loader_reads(load, metas)
     return tuple(
         Want(alias, *box) for name, box in reads.items() if box is not None for alias in aliases.get(name, (name,))
     )

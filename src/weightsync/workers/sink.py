@@ -1,5 +1,5 @@
 """The sink every worker of a rollout server lands syncs through: the engine's own sink, with the
-server's sync control rung around it (control.py), whatever the engine.
+server's sync control rung around it (serving/control.py), whatever the engine.
 
     begin    the engine's sink checks the plan (a refused plan rings nothing), then `PushArrived`; with
              `park` (a sync that writes the served weights) the control pauses generation and
@@ -16,8 +16,9 @@ the worker holds the adapter in memory (`LoraStore.hold`) and rings `AdapterLand
 has the engine take it once every worker holds it, and says which older versions the worker may
 drop.
 
-`Bell` is how a worker reaches its control: vLLM's workers ring the doorbell of the API process
-(doorbell.py), the transformers engine's receiver calls its control in process (`LocalBell`).
+`Bell` is how a worker reaches its control: the workers of vLLM and SGLang ring the doorbell of
+the API process (doorbell.py), the transformers engine's receiver calls its control in process
+(`LocalBell`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ from weightsync.errors import PlanError, SinkError
 from weightsync.lora import Adapter, AdapterSink, check_name
 from weightsync.messages import Plan
 from weightsync.receiver import ReceiverStatus
-from weightsync.serving import events
-from weightsync.serving.control import SyncControl
 from weightsync.sink import WeightSink, WrappingSink
+from weightsync.workers import events
 
 __all__ = ["AdapterLanding", "Bell", "ControlledSink", "LocalBell", "LoraStore"]
 
@@ -47,10 +47,19 @@ Bell = Callable[[events.SyncEvent, float], events.Reply]
 Raises SinkError when the control refused the event or did not answer."""
 
 
+class Control(Protocol):
+    """What a `LocalBell` rings: a server's sync control (serving/control.py), on its own loop."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    async def on_event(self, event: events.SyncEvent) -> events.Reply | None: ...
+
+
 class LocalBell:
     """A `Bell` for a control in this process, on its own event loop (the transformers engine)."""
 
-    def __init__(self, control: SyncControl) -> None:
+    def __init__(self, control: Control) -> None:
         self.control = control
 
     def __call__(self, event: events.SyncEvent, timeout: float) -> events.Reply:

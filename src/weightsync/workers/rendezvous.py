@@ -1,20 +1,22 @@
-"""How the trainer learns every vLLM worker's receiver address: a rendezvous store it hosts.
+"""How a trainer (or `weightsync serve`) learns every engine worker's receiver address: a
+rendezvous store it hosts.
 
-vLLM's weight-update calls carry information one way, trainer to workers, and return nothing;
-yet a weightsync sender connects to its receivers, so the trainer must learn where each worker
-listens, for any number of workers on any number of hosts. The trainer therefore hosts a
-torch.distributed `TCPStore` for the length of `trainer_init`::
+An engine's calls into its workers carry information one way, to the workers, and return
+nothing useful (vLLM's weight-update calls, SGLang's custom-loader door); yet a weightsync sender
+connects to its receivers, so the trainer must learn where each worker listens, for any number
+of workers on any number of hosts. The trainer therefore hosts a torch.distributed `TCPStore`
+while it starts the workers' receivers::
 
-    trainer   open_store()                      listen on HOST (127.0.0.1 unless told), any port
-    trainer   client.init_weight_transfer_engine({"rendezvous": "HOST:PORT", "session": ...})
+    trainer   Rendezvous(host) / open_store()   listen on HOST (127.0.0.1 unless told), any port
+    trainer   the engine's call with a `Start`  (start.py) naming "HOST:PORT" and a session
     worker    announce(...)                     one key per worker: its address, rank, bytes
-    trainer   collect(store, session)           every worker has announced once the init call
-                                                returned (vLLM runs it on every worker first)
+    trainer   collect(store, session)           every worker has announced once the call
+                                                returned (the engine runs it on every worker first)
 
 Why a store and not fixed addresses: the trainer does not know which host each worker runs on,
 nor its shm name, and a worker picks a free port itself. The store holds bytes only (no pickle):
 each value is a msgspec JSON `WorkerAddress`, decoded as exactly that type. It answers anyone who
-can reach it, so it listens on loopback by default and lives only during `trainer_init`; an
+can reach it, so it listens on loopback by default and lives only while the receivers start; an
 address planted by someone else still cannot take weights when a shared token is set, since the
 sender requires every receiver to prove it holds the token.
 """
@@ -35,14 +37,14 @@ __all__ = ["Rendezvous", "WorkerAddress", "announce", "collect", "open_store"]
 
 
 class WorkerAddress(msgspec.Struct, frozen=True, kw_only=True):
-    """One vLLM worker's receiver, as it announces itself."""
+    """One engine worker's receiver, as it announces itself."""
 
     address: str
     rank: int
-    """The worker's rank in its vLLM server, across its data parallel replicas (two servers
-    each have a rank 0)."""
+    """The worker's rank in its engine, across its data parallel replicas (two servers each have
+    a rank 0)."""
     weight_bytes: int
-    """Bytes of the weights a sync carries, in vLLM's dtype."""
+    """Bytes of the weights a sync carries, in the engine's dtype."""
 
 
 _WORKER = msgspec.json.Decoder(WorkerAddress)
