@@ -36,7 +36,9 @@ def test_every_option_with_a_default_shows_it(command: str) -> None:
 def test_defaults_read_as_they_would_be_typed() -> None:
     text = {name: parser.format_help() for name, parser in commands().items()}
     flat = {name: " ".join(help_text.split()) for name, help_text in text.items()}
-    assert "seconds a request waits for weights (default: 30)" in flat["serve"]
+    assert (
+        "seconds a request waits for weights before its 503 (which carries Retry-After) (default: 8)" in flat["serve"]
+    )
     assert "run the baselines (default: --baselines)" in flat["bench"]
     assert "seconds any wait may last (default: 60)" in flat["push"]
     assert "(default: None)" not in " ".join(flat.values())
