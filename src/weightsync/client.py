@@ -271,7 +271,7 @@ class ServerGroup:
                 return
             self.live.remove(client)
             self.failed[client.base_url] = why
-        log.warning("rollout server %s %s; it gets no more requests", client.base_url, why)
+        log.warning("rollout server %s %s; this group sends it nothing more until it joins again", client.base_url, why)
 
     def close(self) -> None:
         """Close the sender and every server's client; the servers themselves keep running."""
@@ -329,5 +329,5 @@ class ServerGroup:
         for client in servers:
             missed = [failed[a] for a in self._addresses[client.base_url] if a in failed]
             if missed:
-                why = "; ".join(f"{o.kind}: {one_line(o.error)}" for o in missed)
+                why = "; ".join(dict.fromkeys(f"{o.kind}: {one_line(o.error)}" for o in missed))  # each once
                 self.drop(client.base_url, f"did not commit version {report.version} ({why})")

@@ -1,13 +1,13 @@
 """One rollout server's sync control, whatever its engine: who holds generation paused, the
 update window across the engine's workers, which version it serves, whether the weights are dirty,
-and what /health and /weight_info say. Every engine adapter feeds it the same events (events.py)
+and what /health and /weight_info say. Every engine adapter feeds it the same events (workers/events.py)
 and supplies the small `Engine` protocol below; nothing else in a server decides any of this.
 
 An engine has one pause switch (`pause_generation` / `resume_generation`); the control has several
 owners of a pause (a user's POST /pause, a sync, dirty weights). Generation resumes when the last
 owner lets go; a sync never resumes what a user paused.
 
-Each worker's sink (sink.py: `ControlledSink`) rings the control as a push reaches it: vLLM's
+Each worker's sink (workers/sink.py: `ControlledSink`) rings the control as a push reaches it: vLLM's
 workers through the doorbell (a Unix socket), the transformers engine in process. `on_event`
 answers:
 

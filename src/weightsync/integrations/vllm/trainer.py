@@ -81,7 +81,7 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
         transport: how the bytes travel: "shm" (same host; one ring read by every worker),
             "tcp", "collective" or "nixl" (any host).
         rendezvous_host: where the trainer's rendezvous store listens while it learns the
-            workers' addresses (rendezvous.py); loopback by default, the trainer's reachable
+            workers' addresses (workers/rendezvous.py); loopback by default, the trainer's reachable
             address when the workers run on other hosts.
         receiver_host: where each worker's receiver listens (networked transports).
         options: the sender's options: bucket size, cast, verification, delta, timeout, token
