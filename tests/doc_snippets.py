@@ -69,6 +69,8 @@ SNIPPETS: dict[tuple[str, str, int], str] = {
     # docs/lora.md
     ("docs/lora.md", "# LoRA adapters: only the adapter, in memory, one version at a time", 0): DIAGRAM,
     ("docs/lora.md", "## The trainer side", 0): "tests/server/test_lora.py::test_the_docs_trainer_program_runs_as_written",
+    ("docs/lora.md", "### From the command line", 0):
+        "tests/server/test_lora.py::test_the_docs_cli_push_runs_as_written",
     ("docs/lora.md", "## The server side", 0): "tests/server/test_lora.py::test_the_docs_trainer_program_runs_as_written",
     ("docs/lora.md", "## The server side", 1): "tests/server/test_lora.py::test_the_docs_trainer_program_runs_as_written",
 }  # fmt: skip

@@ -20,6 +20,9 @@ from weightsync.errors import ServerError
 
 pytest.importorskip("peft")
 
+VLLM_LOG_LINE = re.compile(r"^(\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
+"""A line of vLLM's own log ("(EngineCore pid=796) INFO 12-02 01:00:48 [...]")."""
+
 PROMPT = [10, 20, 30, 40]
 
 
@@ -242,6 +245,25 @@ def test_weightsync_push_pushes_a_peft_adapter_folder_served_by_its_name(served,
     assert "rank 16" in err and "Traceback" not in err, err
 
 
+def test_the_docs_cli_push_runs_as_written(served, tmp_path) -> None:
+    """docs/lora.md's two commands, as written, on a PEFT folder at runs/adapter: the folder's name
+    serves the first, --adapter-name and --version the second."""
+    from tests.doc_snippets import run_shell, shell_script, snippet, weightsync_on_path
+
+    model_dir, server, _ = served
+    policy = peft_policy(model_dir, seed=5)
+    policy.save_pretrained(tmp_path / "runs" / "adapter")
+    script = shell_script(snippet("docs/lora.md", "### From the command line"), {"http://127.0.0.1:8000": server.url})
+    done = run_shell(script, cwd=tmp_path, path=weightsync_on_path(tmp_path / "bin"), timeout=300)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    said = [line for line in done.stdout.splitlines() if line.startswith("adapter ")]
+    assert said[0].startswith("adapter 'adapter' version 1: committed on 1 of 1 servers"), done.stdout
+    assert said[1].startswith("adapter 'reviewer' version 7: committed on 1 of 1 servers"), done.stdout
+    for name, version in (("adapter", 1), ("reviewer", 7)):
+        answer = server.client.completions(PROMPT, model=name, max_tokens=8, temperature=0)
+        assert answer["weight_version"] == version and answer["choices"][0]["token_ids"] == greedy(policy, PROMPT, 8)
+
+
 def test_an_adapter_serves_on_after_the_base_weights_change(served) -> None:
     """vLLM drops every adapter a worker holds when the base weights are replaced: the next
     request loads it again from weightsync's memory. (Last in the module: the base changes.)"""
@@ -289,6 +311,7 @@ def test_the_docs_trainer_program_runs_as_written(tiny_models, tmp_path, server_
     (bin_dir / "python").chmod(0o755)
     done = run_shell(script, cwd=tmp_path, path=bin_dir, timeout=600)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
-    lines = done.stdout.strip().splitlines()
+    # the program's lines: vLLM's server logs to the same stdout, its stop after the program's end
+    lines = [line for line in done.stdout.strip().splitlines() if not VLLM_LOG_LINE.match(line)]
     assert [line.split(" committed on ")[0] for line in lines[-4:-1]] == ["version 1", "version 2", "version 3"], lines
     assert lines[-1] == "policy 3", lines
