@@ -69,7 +69,7 @@ from weightsync.workers.events import (
     VersionLanded,
 )
 
-__all__ = ["Engine", "Served", "SyncControl"]
+__all__ = ["Engine", "SyncControl"]
 
 log = logging.getLogger(__name__)
 

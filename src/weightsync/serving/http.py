@@ -34,8 +34,9 @@ from fastapi.responses import JSONResponse, Response
 
 from weightsync.serving.body_limit import BodyLimit
 from weightsync.serving.config import PAUSE_MODES, Health, ServeConfig
-from weightsync.serving.control import Served, SyncControl
+from weightsync.serving.control import SyncControl
 from weightsync.serving.error_body import error
+from weightsync.serving.stats import Served
 
 __all__ = ["Face", "Starting", "add_routes", "gated", "health_response"]
 

@@ -24,11 +24,12 @@ from typing import Any, Protocol
 
 from weightsync.errors import ResourceError
 from weightsync.serving.config import AUTO_VERSION, Health, ServeConfig
-from weightsync.serving.control import Engine, Served, SyncControl
+from weightsync.serving.control import Engine, SyncControl
 from weightsync.serving.foreground import Port, Ready, serve_engine
 from weightsync.serving.http import Face, add_routes
 from weightsync.serving.labels import WeightVersionMiddleware
 from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.stats import Served
 from weightsync.workers.doorbell import Doorbell
 from weightsync.workers.rendezvous import Rendezvous, WorkerAddress
 from weightsync.workers.start import Start, token_inherited

@@ -26,12 +26,13 @@ from weightsync.lora import Adapter
 from weightsync.messages import Plan
 from weightsync.receiver import WeightReceiver
 from weightsync.serving.config import AUTO_VERSION, Health, PauseMode, ServeConfig
-from weightsync.serving.control import Served, SyncControl
+from weightsync.serving.control import SyncControl
 from weightsync.serving.engines import require_engine
 from weightsync.serving.hf.base import SamplingParams, StepEngine
 from weightsync.serving.hf.loop import EngineLoop
 from weightsync.serving.hf.lora import LoraServing
 from weightsync.serving.metrics import ServerMetrics
+from weightsync.serving.stats import Served
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.workers.sink import ControlledSink, LocalBell
 
