@@ -139,7 +139,7 @@ class SyncHashes:
                 self._tensor_hashes[piece.tensor] = piece_hash
                 continue
             running = self._chunked[piece.tensor] = tensor_hash(view, running)
-            if piece.tensor_offset + piece.nbytes == _nbytes(self.plan, piece.tensor):
+            if piece.tensor_offset + piece.nbytes == tensor_nbytes(self.plan.tensors[piece.tensor]):
                 self._tensor_hashes[piece.tensor] = running
         checksum = bucket_checksum(hashes)
         self.checksums.append(checksum)
@@ -157,10 +157,6 @@ class SyncHashes:
     def content_digest(self) -> str:
         """The content digest of the sync (once `complete`)."""
         return content_digest(self.plan.tensors, self.tensor_hashes())
-
-
-def _nbytes(plan: Plan, tensor: int) -> int:
-    return tensor_nbytes(plan.tensors[tensor])
 
 
 def share(part_hash: int, after_nbytes: int) -> int:

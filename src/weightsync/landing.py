@@ -87,7 +87,6 @@ class Staging:
 
     @property
     def nbytes(self) -> int:
-        """What it holds, in bytes."""
         return self._arena.numel() + self._receive.numel()
 
 
@@ -103,11 +102,7 @@ class Landing:
     Every tensor's route is decided once, here (`routes`); every later step reads it.
 
     Args:
-        plan: the accepted plan.
-        sink: where the sync goes.
-        version: the version being synced.
         plan_id: the plan's id, as offered.
-        verify: this sync's verification ("off", "bucket" or "full").
         staging: the receiver's reusable staging space.
         delta: the plan patches the version the destinations hold (`Offer.delta_base`): encoded
             tensors are staged and applied in place (`delta.apply_patch`) when complete.

@@ -343,11 +343,7 @@ class ChainSendPlane(SendPlane):
         views = [np.asarray(view) for view in pack_bucket(items, buffer.numpy())]
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
         message = BucketReady(index, checksum)
-
-        def announce(address: str, link: Link) -> None:
-            link.send(message, self.options.timeout)
-
-        failures = self.channel.each(live, announce)
+        failures = self.channel.each(live, lambda address, link: link.send(message, self.options.timeout))
         remaining = [address for address in live if address not in failures]
         if not remaining:
             return failures

@@ -268,8 +268,7 @@ class SenderChannel:
 
     def expect(self, address: str, kind: type[M], deadline: float) -> M:
         """The next message from `address`, which must be a `kind`; a `Failed` raises RemoteError."""
-        link = self._links[address]
-        message = self._inboxes[address].get(deadline, link)
+        message = self.reply(address, deadline)
         if not isinstance(message, kind):
             raise ProtocolError(
                 f"expected {getattr(kind, '__name__', 'a message')}, got {type(message).__name__}",
@@ -311,12 +310,10 @@ class SenderChannel:
         return error
 
     def closed(self, address: str, timeout: float) -> bool:
-        """Wait up to `timeout` for the receiver's link to close; whether it did."""
         inbox = self._inboxes.get(address)
         return inbox is not None and inbox.closed.wait(timeout)
 
     def reason(self, address: str) -> RemoteError | None:
-        """The failure the receiver reported before its link closed, if it sent one."""
         inbox = self._inboxes.get(address)
         return inbox.reason() if inbox is not None else None
 

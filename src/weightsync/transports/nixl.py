@@ -40,7 +40,7 @@ from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
 from weightsync.messages import BucketReady, Plan
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
-from weightsync.transports.base import Channel, Failures, Link, PlaneOptions, SendPlane, TransportSpec, fail_all
+from weightsync.transports.base import Channel, Failures, Link, PlaneOptions, SendPlane, TransportSpec
 from weightsync.transports.nixl_agent import (
     NixlAgent,
     Region,
@@ -193,7 +193,7 @@ class NixlSendPlane(SendPlane):
             if self._agent is None:
                 self._agent = NixlAgent("sender")  # before the offer: its start-up is not the receivers' wait
         except WeightSyncError as exc:
-            return fail_all(live, exc)
+            return dict.fromkeys(live, exc)
         self._forget_gone()
         self._release_stranded(0.0)
         previous, current = self._sources

@@ -107,13 +107,6 @@ class ShmRing:
         self.slots = regions[:num_slots]
         self.staging = regions[num_slots] if staging_bytes else np.empty(0, dtype=np.uint8)
 
-    def pin(self) -> None:
-        """Page-lock the slots, so that CUDA tensors are packed into them by DMA."""
-        self.pinned = hostpin.pin_all(self._regions())
-
-    def _regions(self) -> list[np.ndarray]:
-        return [*self.slots, self.staging] if self.staging.size else list(self.slots)
-
     def announcement(self) -> Message:
         """What tells a receiver how to map this ring."""
         num_slots = len(self.slots)
@@ -125,7 +118,7 @@ class ShmRing:
     ) -> list[np.ndarray]:
         """Pack `items` into slot `slot` (or the staging area); returns their bytes there (for checksums)."""
         if self.pinned is None and any(item.tensor.is_cuda for item in items):
-            self.pin()
+            self.pinned = hostpin.pin_all(_regions(self))  # CUDA tensors are then packed by DMA
         views = []
         for item in items:
             piece, start = item.piece, staged.get(item.piece.tensor)
@@ -163,7 +156,7 @@ class ShmRing:
     def close(self) -> None:
         self.unlink()
         if self.pinned:
-            hostpin.unpin_all(self._regions())
+            hostpin.unpin_all(_regions(self))
             self.pinned = None
         self.slots = []
         self.staging = np.empty(0, dtype=np.uint8)
@@ -184,16 +177,10 @@ class MappedRing:
         self.pinned: bool | None = None
         """Page-locked for CUDA: None until a bucket bound for a device arrives, then whether it worked."""
 
-    def _regions(self) -> list[np.ndarray]:
-        return [*self.slots, self.staging] if self.staging.size else list(self.slots)
-
-    def pin(self) -> None:
-        self.pinned = hostpin.pin_all(self._regions(), read_only=True)
-
     def read(self, slot: int, pieces: Sequence[Piece], landing: Landing, staged: Mapping[int, int]) -> None:
         """Land `pieces` out of slot `slot` (or the staging area)."""
         if self.pinned is None and any(landing.routes[piece.tensor] == "device" for piece in pieces):
-            self.pin()
+            self.pinned = hostpin.pin_all(_regions(self), read_only=True)
         out = self.slots[slot]
         for piece in pieces:
             start = staged.get(piece.tensor)
@@ -206,7 +193,7 @@ class MappedRing:
 
     def close(self) -> None:
         if self.pinned:
-            hostpin.unpin_all(self._regions())
+            hostpin.unpin_all(_regions(self))
         self.slots = []
         self.staging = np.empty(0, dtype=np.uint8)
         _unmap(self._maps)
@@ -232,6 +219,10 @@ def open_ring(message: Message, options: PlaneOptions) -> MappedRing | None:
     ring = MappedRing(slots, staging)
     reap_stale_segments()
     return ring
+
+
+def _regions(ring: ShmRing | MappedRing) -> list[np.ndarray]:
+    return [*ring.slots, ring.staging] if ring.staging.size else list(ring.slots)
 
 
 def _unmap(maps: list[mmap.mmap]) -> None:
