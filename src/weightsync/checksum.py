@@ -66,7 +66,6 @@ def check_verify(mode: object) -> Verify:
 
 
 def stricter(*modes: Verify) -> Verify:
-    """The strictest of `modes`."""
     return max(modes, key=VERIFY_MODES.index)
 
 

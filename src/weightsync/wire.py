@@ -23,10 +23,10 @@ from weightsync.messages import CORE_MESSAGES, Message
 __all__ = ["HANDSHAKE_FRAME_BYTES", "MAX_FRAME_BYTES", "Connection", "decode", "encode"]
 
 MAX_FRAME_BYTES = 64 << 20
+"""The largest control frame accepted: a plan for ~500k tensors. Payload bytes are not framed."""
 HANDSHAKE_FRAME_BYTES = 64 << 10
 """The bound on frames from a peer not yet authenticated (Hello, and Auth where a token is
 required): a stranger cannot make a receiver allocate more than this per connection."""
-"""The largest control frame accepted: a plan for ~500k tensors. Payload bytes are not framed."""
 
 STREAM_CHUNK_BYTES = 1 << 20
 """Raw bytes move through the socket in slices of this size: on loopback, 256 KiB-1 MiB slices ran
