@@ -124,10 +124,8 @@ class SyncHashes:
         self.checksums: list[int] = []
         num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
         self._chunked = {tensor: 0 for tensor, count in num_pieces.items() if count > 1}
-        self._tensor_hashes: list[int | None] = [None] * len(plan.tensors)
-        for tensor in range(len(plan.tensors)):
-            if tensor not in num_pieces:  # no bytes at all (an empty tensor): no piece goes by
-                self._tensor_hashes[tensor] = tensor_hash(np.empty(0, np.uint8))
+        empty = tensor_hash(np.empty(0, np.uint8))  # a tensor of no bytes at all: no piece goes by
+        self._tensor_hashes = [None if t in num_pieces else empty for t in range(len(plan.tensors))]
 
     def bucket(self, pieces: Sequence[Piece], views: Sequence[np.ndarray]) -> int:
         """Hash bucket `len(self.checksums)`'s bytes (`views`, one per piece); its checksum."""

@@ -97,9 +97,9 @@ class ReceiverOptions:
     def without_token(self) -> dict[str, Any]:
         """These options as JSON for another process, the token left out (each process takes
         its own from $WEIGHTSYNC_AUTH_TOKEN: no secret travels)."""
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        del fields["auth_token"]
-        return fields
+        return {
+            field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "auth_token"
+        }
 
     @property
     def bucket_limit(self) -> int:

@@ -127,11 +127,10 @@ class SenderChannel:
         """Each receiver's last `Accept.lends`."""
         self._acked: dict[str, int] = {}
         """The credit window: the last bucket of this sync each receiver acked (`BucketDone`)."""
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
-        self._old_pools: list[ThreadPoolExecutor] = []
-        """Pools outgrown while another delivery may still use them (a sharded push's
-        deliveries share this channel from several threads): shut down on close."""
+        self._pools: list[tuple[int, ThreadPoolExecutor]] = []
+        """The pools of parallel sends, by size, the largest last: one outgrown may still serve
+        another delivery (a sharded push's deliveries share this channel from several threads),
+        so each is shut down on close only."""
         self._pool_lock = threading.Lock()
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
 
@@ -335,19 +334,16 @@ class SenderChannel:
         for address in list(self._links):
             self.drop(address)
         with self._pool_lock:
-            pools = [*self._old_pools, *([self._pool] if self._pool is not None else [])]
-            self._pool, self._pool_size, self._old_pools = None, 0, []
-        for pool in pools:
+            pools, self._pools = self._pools, []
+        for _, pool in pools:
             pool.shutdown(wait=True)
 
     def _executor(self, size: int) -> ThreadPoolExecutor:
         with self._pool_lock:
-            if self._pool is None or self._pool_size < size:
-                if self._pool is not None:
-                    self._old_pools.append(self._pool)
-                self._pool = ThreadPoolExecutor(size, thread_name_prefix=f"weightsync-{self.scheme}-send")
-                self._pool_size = size
-            return self._pool
+            if not self._pools or self._pools[-1][0] < size:
+                pool = ThreadPoolExecutor(size, thread_name_prefix=f"weightsync-{self.scheme}-send")
+                self._pools.append((size, pool))
+            return self._pools[-1][1]
 
 
 # --- the receiver's reads -----------------------------------------------------------------------
