@@ -126,7 +126,6 @@ class WrappingSink(WeightSink):
     def __init__(self, inner: WeightSink) -> None:
         self.inner = inner
         self.traits = inner.traits
-        self.paused_s = 0.0
 
     def wrote_live(self) -> bool:
         return self.inner.wrote_live()

@@ -8,6 +8,7 @@ bytes are never framed: a message announces them (`BucketData.nbytes`) and they 
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -132,10 +133,8 @@ class Connection:
             return True
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
     def _call(self, timeout: float | None, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:

@@ -12,6 +12,7 @@ once, whatever carries it. A listener runs `serve(link)` on a thread of its own 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import secrets
 import socket
@@ -147,10 +148,8 @@ class SocketListener:
             self._threads.serve(serve, Connection(sock, self.scheme, self.messages))
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
         self._threads.close(self.timeout)
 

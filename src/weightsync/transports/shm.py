@@ -16,6 +16,7 @@ A segment created by a process that died before unlinking is reaped by the next 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -77,10 +78,8 @@ def reap_stale_segments() -> list[str]:
 
 def _unlink(names: list[str]) -> None:
     for name in names:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
 
 
 class ShmRing:
@@ -227,12 +226,10 @@ def _regions(ring: ShmRing | MappedRing) -> list[np.ndarray]:
 
 def _unmap(maps: list[mmap.mmap]) -> None:
     for region in maps:
-        try:
+        # A view of the slot may still be alive (held by the traceback of the error that ended
+        # a sync); the mapping goes when that view is collected. The names are unlinked.
+        with contextlib.suppress(BufferError):
             region.close()
-        except BufferError:
-            # A view of the slot is still alive (held by the traceback of the error that ended
-            # a sync); the mapping goes when that view is collected. The names are unlinked.
-            pass
 
 
 def _map_readonly(name: str, size: int) -> mmap.mmap:

@@ -94,7 +94,9 @@ class SocketSendPlane(SendPlane):
         """Pack the bucket chunk by chunk on this thread while another sends what is packed
         (`plain`: each piece's bytes where they need no packing)."""
         packed = _Packed(self.options.timeout)
-        sending = self._sending_thread.submit(self._send_bucket, index, items, live, 0, packed.chunks)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-tcp-send")
+        sending = self._thread.submit(self._send_bucket, index, items, live, 0, packed.chunks)
         try:
             for item, view in zip(items, plain, strict=True):
                 if view is not None:
@@ -108,12 +110,6 @@ class SocketSendPlane(SendPlane):
             raise
         packed.stop()
         return sending.result()
-
-    @property
-    def _sending_thread(self) -> ThreadPoolExecutor:
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-tcp-send")
-        return self._thread
 
     def close(self) -> None:
         if self._thread is not None:
