@@ -55,16 +55,7 @@ from weightsync.transports.nixl_agent import (
 from weightsync.transports.nixl_receive import COLLAPSE_SHARE, PROGRESS_S, NixlReceivePlane, NixlTarget, NixlWrites
 from weightsync.transports.ring import MAX_SLOTS
 
-__all__ = [
-    "NixlTarget",
-    "NixlWrites",
-    "SPEC",
-    "NixlAgent",
-    "NixlReceivePlane",
-    "NixlSendPlane",
-    "live_registrations",
-    "require_nixl",
-]
+__all__ = ["SPEC", "NixlSendPlane", "live_registrations"]
 
 log = logging.getLogger(__name__)
 
