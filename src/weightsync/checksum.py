@@ -81,7 +81,6 @@ def tensor_hash(view: np.ndarray, running: int = 0) -> int:
 
 
 def piece_hashes(views: Iterable[np.ndarray]) -> list[int]:
-    """The hash of each of `views` (uint8 arrays in host memory)."""
     return [tensor_hash(view) for view in views]
 
 

@@ -108,8 +108,6 @@ class SenderChannel:
 
     Args:
         scheme: the transport's name (for errors).
-        open_link: opens a link to an address, bounded by a timeout.
-        timeout: seconds any single wait may last.
         auth_token: the shared token receivers must prove, or None.
     """
 
