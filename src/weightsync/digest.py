@@ -92,13 +92,13 @@ def held_shares(
     for index, (spec, (name, tensor)) in enumerate(zip(specs, rank_tensors(source), strict=True)):
         box = layout.held[index][layout.rank]
         runs = held_runs(spec, box)
-        total, held, sent = tensor_nbytes(spec), 0, 0
         if runs and tensor.numel() * dtype_from_name(spec.dtype).itemsize != sum(n for _, n in runs):
             raise PlanError(f"{name}: this rank holds {tuple(tensor.shape)}, not {_said(box)} {spec.shape}")
+        held, end, sent = 0, 0, 0  # Horner: each run's hash shifted past the bytes up to the next run's end
         for first, nbytes in runs:
-            held ^= share(_hash(spec, tensor, nbytes, sent), total - first - nbytes)
-            sent += nbytes
-        shares.append(TensorShare(spec.name, spec.dtype, spec.shape, held))
+            held = share(held, first + nbytes - end) ^ _hash(spec, tensor, nbytes, sent)
+            end, sent = first + nbytes, sent + nbytes
+        shares.append(TensorShare(spec.name, spec.dtype, spec.shape, share(held, tensor_nbytes(spec) - end)))
     return tuple(shares)
 
 
