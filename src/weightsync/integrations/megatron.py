@@ -151,7 +151,7 @@ def _boxes(model: Any, name: str, param: torch.Tensor, vocab: int) -> list[tuple
     owner = model.get_submodule(name.rpartition(".")[0])
     group = getattr(owner, "tp_group", None)
     size, rank = (group.size(), group.rank()) if split and group is not None else (1, 0)
-    if split and (not 0 <= dim < param.dim() or stride not in (1, len(targets)) or (group is None and split)):
+    if split and (group is None or not 0 <= dim < param.dim() or stride not in (1, len(targets))):
         raise ConfigError(f"{name}: split on dim {dim} with stride {stride}, a layout weightsync does not know")
     if "linear_qkv" in key and len(targets) == 3:
         extents, views = _query_groups(model.config, param, size)
