@@ -48,13 +48,14 @@ def second_half(checkpoint: dict[str, torch.Tensor]) -> tuple[Want, ...]:
     return tuple(wants)
 
 
-def ranks(model: Path, out: Path, layout: tuple[int, int, int], *target: str) -> list[dict[str, Any]]:
+def ranks(model: Path, out: Path, layout: tuple[int, int, int], version: int, *target: str) -> list[dict[str, Any]]:
     """Two Megatron ranks (torchrun, gloo: `weightsync_bench.megatron_ranks`) at `layout` (TP, PP,
-    EP) push the checkpoint at `model` once to `target`; each rank's push, as it reported it."""
+    EP) push the checkpoint at `model` once, as `version`, to `target`; each rank's push, as it
+    reported it."""
     tp, pp, ep = layout
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
     command += ["weightsync_bench.megatron_ranks", "--model", str(model), "--out", str(out)]
-    command += ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), *target]
+    command += ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--version", str(version), *target]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     subprocess.run(command, check=True, timeout=600, cwd=out, env=env)
     return [json.loads((out / f"rank{rank}.json").read_text())["pushes"][0] for rank in range(2)]
@@ -106,7 +107,7 @@ def test_every_megatron_layout_lands_the_checkpoint(index: int, receivers: Any, 
         for tensor in tensors.values():
             tensor.zero_()
     version = index + 1
-    pushes = ranks(path, tmp_path, layout, "--to", *(receiver.address for receiver, _ in found))
+    pushes = ranks(path, tmp_path, layout, version, "--to", *(receiver.address for receiver, _ in found))
     assert all(push["ok"] for push in pushes), pushes
     (whole, landed), (kept, boxes) = found
     assert whole.version == kept.version == version

@@ -82,7 +82,7 @@ def test_megatron_layouts_push_their_shards_into_vllm(server: tuple[FromDisk, in
         httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
         try:
             _full_push(disk.served, version=version - 1, plus=1.0)  # other weights: the push must change them all
-            pushes = ranks(disk.served.checkpoint, out, layout, "--vllm", url)
+            pushes = ranks(disk.served.checkpoint, out, layout, version, "--vllm", url)
             sharded = vllm._checksums(url)
             _full_push(disk.served, version=version + 1)
             full = vllm._checksums(url)
@@ -100,7 +100,7 @@ def test_megatron_layouts_push_their_shards_into_vllm(server: tuple[FromDisk, in
     assert vllm._label(url) == str(10 * len(LAYOUTS) + 1)
     httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
     try:
-        ranks(disk.served.checkpoint, tmp_path, LAYOUTS[0], "--vllm", url, "--version", "100")
+        ranks(disk.served.checkpoint, tmp_path, LAYOUTS[0], 100, "--vllm", url)
     finally:
         httpx.post(f"{url}/resume", timeout=30).raise_for_status()
     assert [vllm._greedy(url, prompt) for prompt in vllm.PROMPTS] == disk.greedy
