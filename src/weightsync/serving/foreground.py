@@ -1,8 +1,8 @@
 """A rollout server's port served until it is stopped, the same way for every engine adapter.
 
     http_server(app, log_level)   uvicorn without its own signal handling
-    stopped_by_signals(http)      SIGTERM and SIGINT stop it gracefully; yields the signals caught
-    stop_on(event, http)          a `stop` event (a BackgroundServer's close) stops it too
+    stopped_by_signals(http, stop)  SIGTERM and SIGINT stop it gracefully, and so does `stop`
+                                  (a BackgroundServer's close); yields the signals caught
     Ready                         what an adapter's `serve` announces once it serves
     EngineThread                  an engine built, and later shut down, on a thread of its own
     serve_engine(...)             the whole of an adapter's `serve` for an engine in processes
@@ -38,7 +38,6 @@ __all__ = [
     "Ready",
     "http_server",
     "serve_engine",
-    "stop_on",
     "stopped_by_signals",
 ]
 
@@ -79,29 +78,32 @@ def http_server(app: Any, log_level: str) -> uvicorn.Server:
 
 
 @contextlib.contextmanager
-def stopped_by_signals(http: uvicorn.Server) -> Iterator[list[int]]:
-    """SIGTERM/SIGINT stop the server gracefully; yields the signals caught (none are installed
-    off the main thread: there the caller stops it, with `stop_on`)."""
+def stopped_by_signals(http: uvicorn.Server, stop: asyncio.Event | None = None) -> Iterator[list[int]]:
+    """SIGTERM/SIGINT stop the server gracefully, and so does `stop` once set; yields the signals
+    caught (none are installed off the main thread: there the caller stops it, with `stop`)."""
     loop = asyncio.get_running_loop()
     caught: list[int] = []
 
-    def stop(sig: int) -> None:
+    def on_signal(sig: int) -> None:
         caught.append(sig)
         http.should_exit = True
 
     installed = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: the caller stops us
-            loop.add_signal_handler(sig, stop, sig)
+            loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
+    watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
     try:
         yield caught
     finally:
+        if watch is not None:
+            watch.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)
 
 
-async def stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
+async def _stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
     await stop.wait()
     http.should_exit = True
 
@@ -224,9 +226,8 @@ async def serve_engine(
     """
     front = Starting()
     http = http_server(front, log_level)
-    with stopped_by_signals(http) as caught:
+    with stopped_by_signals(http, stop) as caught:
         port = Port(front, http, asyncio.create_task(http.serve(sockets=[sock])), caught)
-        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
         try:
             front.health = Health(False, "loading engine", loading)
             owner = EngineThread(name, build, NOTE_EVERY_S)
@@ -253,8 +254,6 @@ async def serve_engine(
             http.should_exit = True
             with contextlib.suppress(BaseException):
                 await port.serving
-            if watch is not None:
-                watch.cancel()
     return caught
 
 

@@ -26,7 +26,7 @@ from weightsync.errors import ResourceError
 from weightsync.serving.config import AUTO_VERSION, Health, ServeConfig
 from weightsync.serving.control import Engine, SyncControl
 from weightsync.serving.foreground import Port, Ready, serve_engine
-from weightsync.serving.http import Face, add_routes
+from weightsync.serving.http import ASGIApp, Face, add_routes
 from weightsync.serving.labels import WeightVersionMiddleware
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.stats import Served
@@ -38,8 +38,6 @@ __all__ = ["WorkerEngine", "run", "serve", "start_receivers"]
 
 RPC_TIMEOUT_S = 120.0
 """Seconds starting the workers' receivers may take."""
-
-ASGIApp = Callable[..., Awaitable[None]]
 
 
 class WorkerEngine(Engine, Protocol):

@@ -38,14 +38,12 @@ def build_model(model_dir: str | Path, load_format: LoadFormat = "dummy") -> Any
         raise ConfigError(f"{model_dir} has no config.json")
     if load_format == "auto":
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    elif load_format == "dummy":
+    else:
         config = AutoConfig.from_pretrained(model_dir)
         dtype = getattr(config, "dtype", None) or torch.float32
         with no_init_weights():  # torch.empty only: pages stay untouched until a sync writes them
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.tie_weights()  # from_config leaves ties to loading, which dummy skips
-    else:
-        raise ConfigError(f"load_format must be 'dummy' or 'auto', got {load_format!r}")
     return model.eval().requires_grad_(False)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from weightsync.errors import ConfigError
 from weightsync.serving.config import Health, ServeConfig
 from weightsync.serving.engines import require_engine
-from weightsync.serving.foreground import Ready, http_server, stop_on, stopped_by_signals
+from weightsync.serving.foreground import Ready, http_server, stopped_by_signals
 from weightsync.serving.hf.app import create_app
 from weightsync.serving.hf.server import RolloutServer
 from weightsync.serving.http import Starting
@@ -83,14 +83,11 @@ async def serve(
             return
         loop.call_soon_threadsafe(announce, Ready((server.receiver.address,), server))
 
-    with stopped_by_signals(http) as caught:
-        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
+    with stopped_by_signals(http, stop) as caught:
         try:
             startup.start(built)
             await http.serve(sockets=[sock])
         finally:
-            if watch is not None:
-                watch.cancel()
             startup.close()
     if startup.error is not None:
         raise startup.error

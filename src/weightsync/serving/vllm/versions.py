@@ -67,9 +67,7 @@ class LoraUse:
             left = self._running.pop(lora_id) - 1
             if left:
                 self._running[lora_id] = left
-            aclose = getattr(outputs, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await _aclose(outputs)
 
 
 async def follow(
@@ -84,9 +82,13 @@ async def follow(
                 _note(recorder, engine, output.request_id, ordinal * n, completion, counts, delta)
             yield output
     finally:  # a client gone or a handler failing: vLLM aborts the request when its generator closes
-        aclose = getattr(outputs, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await _aclose(outputs)
+
+
+async def _aclose(outputs: AsyncIterator[Any]) -> None:
+    aclose = getattr(outputs, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def _note(
