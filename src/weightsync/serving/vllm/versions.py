@@ -67,7 +67,9 @@ class LoraUse:
             left = self._running.pop(lora_id) - 1
             if left:
                 self._running[lora_id] = left
-            await _aclose(outputs)
+            aclose = getattr(outputs, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 async def follow(
@@ -82,13 +84,9 @@ async def follow(
                 _note(recorder, engine, output.request_id, ordinal * n, completion, counts, delta)
             yield output
     finally:  # a client gone or a handler failing: vLLM aborts the request when its generator closes
-        await _aclose(outputs)
-
-
-async def _aclose(outputs: AsyncIterator[Any]) -> None:
-    aclose = getattr(outputs, "aclose", None)
-    if aclose is not None:
-        await aclose()
+        aclose = getattr(outputs, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _note(
