@@ -152,7 +152,7 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
     from weightsync.serving.background import bind
     from weightsync.serving.config import ServeConfig
     from weightsync.serving.engines import engine_adapter
-    from weightsync.serving.foreground import Ready
+    from weightsync.serving.foreground import Ready, ServeOptions
 
     # every field of ServeConfig but the receiver's is the flag of its name
     flags = {
@@ -194,11 +194,13 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
             adapter.serve(
                 config,
                 sock,
-                extra_args=extra,
-                announce=announce,
-                log_level=args.log_level,
-                note=footprint.note,
-                shutdown_timeout=ENGINE_SHUTDOWN_S,  # then the footprint ends what is left of the engine
+                ServeOptions(
+                    extra,
+                    announce,
+                    args.log_level,
+                    note=footprint.note,
+                    shutdown_timeout=ENGINE_SHUTDOWN_S,  # then the footprint ends what is left of the engine
+                ),
             )
         )
     finally:

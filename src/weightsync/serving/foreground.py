@@ -4,6 +4,7 @@
     stopped_by_signals(http, stop)  SIGTERM and SIGINT stop it gracefully, and so does `stop`
                                   (a BackgroundServer's close); yields the signals caught
     Ready                         what an adapter's `serve` announces once it serves
+    ServeOptions                  how the caller runs an adapter's `serve`
     EngineThread                  an engine built, and later shut down, on a thread of its own
     serve_engine(...)             the whole of an adapter's `serve` for an engine in processes
                                   of its own (vLLM, SGLang): the port answers while the engine
@@ -23,12 +24,12 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
 
-from weightsync.serving.config import Health
+from weightsync.serving.config import Health, ServeConfig
 from weightsync.serving.http import Starting
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "EngineThread",
     "Port",
     "Ready",
+    "ServeOptions",
     "http_server",
     "serve_engine",
     "stopped_by_signals",
@@ -54,6 +56,22 @@ class Ready:
 
     addresses: tuple[str, ...]
     server: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How the caller runs an adapter's `serve` (engines.EngineAdapter): the engine's own
+    arguments; `announce(Ready)` once it serves; `stop`, once set, stops it as SIGTERM does;
+    `note()` while the engine's processes start and stop (serving/footprint.py); the seconds the
+    engine's own shutdown gets (None: as long as it takes; a caller that bounds it ends what is
+    left of the engine's processes, and need not wait for a build to stop)."""
+
+    extra_args: Sequence[str] = ()
+    announce: Callable[[Ready], None] = lambda ready: None
+    log_level: str = "info"
+    stop: asyncio.Event | None = None
+    note: Callable[[], None] = lambda: None
+    shutdown_timeout: float | None = None
 
 
 class _Server(uvicorn.Server):
@@ -202,22 +220,15 @@ class Port:
 
 async def serve_engine(
     name: str,
+    config: ServeConfig,
+    sock: Any,
     build: Callable[[], Any],
     run: Callable[[Any, Port, Callable[[Ready], None]], Awaitable[None]],
-    sock: Any,
-    *,
-    loading: str,
-    announce: Callable[[Ready], None],
-    log_level: str,
-    stop: asyncio.Event | None,
-    note: Callable[[], None],
-    shutdown_timeout: float | None,
+    options: ServeOptions,
 ) -> list[int]:
-    """Serve `sock` until SIGTERM/SIGINT (or `stop`): 503 "loading engine" (`loading` says why)
-    while `build()` makes the engine on its `EngineThread`, then `run(engine, port, ready)`
-    until the port stops, then the engine's own shutdown, given `shutdown_timeout` seconds (None:
-    as long as it takes; a caller that bounds it ends what is left of the engine's processes,
-    and need not wait for a build to stop). `note()` is called while the engine's processes
+    """Serve `sock` until SIGTERM/SIGINT (or `options.stop`): 503 "loading engine" while
+    `build()` makes engine `name` on its `EngineThread`, then `run(engine, port, ready)` until the
+    port stops, then the engine's own shutdown. `note()` is called while the engine's processes
     start, once they serve (`ready`, which also announces), and before they stop. Returns the
     signals caught.
 
@@ -225,19 +236,20 @@ async def serve_engine(
         Exception: the engine could not be built, or `run` failed.
     """
     front = Starting()
-    http = http_server(front, log_level)
-    with stopped_by_signals(http, stop) as caught:
+    http = http_server(front, options.log_level)
+    note = options.note
+    with stopped_by_signals(http, options.stop) as caught:
         port = Port(front, http, asyncio.create_task(http.serve(sockets=[sock])), caught)
         try:
-            front.health = Health(False, "loading engine", loading)
+            front.health = Health(False, "loading engine", f"loading the {config.engine} engine for {config.model}")
             owner = EngineThread(name, build, NOTE_EVERY_S)
-            engine = await owner.wait(note, port.serving if shutdown_timeout is not None else None)
+            engine = await owner.wait(note, port.serving if options.shutdown_timeout is not None else None)
             if engine is None:  # stopped while the engine loaded
                 return caught
 
             def ready(up: Ready) -> None:
                 note()  # every engine process is up: the most they map
-                announce(up)
+                options.announce(up)
 
             noting = asyncio.create_task(_note_every(note, NOTE_SERVING_S))
             try:
@@ -246,7 +258,7 @@ async def serve_engine(
             finally:
                 noting.cancel()
                 note()  # what the engine's processes map, before they go
-                owner.shutdown(shutdown_timeout)
+                owner.shutdown(options.shutdown_timeout)
         except BaseException as exc:
             front.health = Health(False, "failed", f"the server could not start: {exc}")
             raise
