@@ -136,7 +136,6 @@ class Placement:
     max_restarts: int = 0
 
     def actor_options(self) -> dict[str, Any]:
-        """Ray's `.options()` for a server actor."""
         options = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         # While Ray restarts a server, calls to it wait for the new process instead of failing,
         # so a restarting server is re-learned, not dropped.
@@ -272,8 +271,6 @@ class RolloutFleet:
             return self._checked(FleetReport(report, dropped | died, joined, addresses))
 
     def _checked(self, report: FleetReport) -> FleetReport:
-        """`report`, or SyncFailed carrying it when a live server did not commit (and the fleet
-        raises on failure)."""
         if self._raise_on_failure and not report.ok:
             live = [o for o in report.sync.outcomes if o.address not in report.dropped_addresses]
             raise SyncFailed(dataclasses.replace(report.sync, outcomes=tuple(live)).failure(), report)

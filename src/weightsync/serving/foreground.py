@@ -10,7 +10,7 @@
                                   of its own (vLLM, SGLang): the port answers while the engine
                                   builds, then the adapter's app, until stopped
 
-An engine adapter's `serve(config, sock, ...)` runs on an event loop until one of those stops it,
+An engine adapter's `serve(config, sock, options)` runs on an event loop until one of those stops it,
 and returns the signals caught: the command turns a SIGINT into the exit status of Ctrl-C (130),
 a SIGTERM, how a server is stopped, into 0.
 """
