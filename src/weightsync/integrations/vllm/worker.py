@@ -286,7 +286,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         layout = checkpoint_layout(self.model_config.model, self.model_config.dtype)
         timeout = start.options(rank).timeout
         self._sink = _WindowSink(layout, timeout=timeout, deferred=bool(start.bell), kept=self._kept(layout))
-        inner: WeightSink = StagedSink(self._sink) if start.staged else self._sink
+        inner: WeightSink = StagedSink(self._sink, whole=True) if start.staged else self._sink
         loras = None
         if start.bell and start.lora_versions:
             memory = LoraMemory(self.model)
