@@ -80,10 +80,36 @@ static void crc_table_init(void)
     }
 }
 
+/* A chunk of this many elements is diffed, then hashed while it is in cache. */
+#define HASH_CHUNK 4096
+
 #if HAVE_AVX2_BUILD
+/* crc32 has a latency of 3 cycles and a throughput of 1: three streams of STREAM bytes run at
+ * once, then join, each register shifted past the bytes after it (`shift`'s tables). */
+#define STREAM 2728
+static uint32_t shift_table[4][256];
+
+static uint32_t shift(uint32_t c)
+{
+    return shift_table[0][c & 0xff] ^ shift_table[1][(c >> 8) & 0xff] ^ shift_table[2][(c >> 16) & 0xff] ^
+           shift_table[3][c >> 24];
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n)
 {
     uint64_t c = crc;
+    for (; n >= 3 * STREAM; n -= 3 * STREAM, p += 3 * STREAM) {
+        uint64_t b = 0, d = 0, w0, w1, w2;
+        for (size_t k = 0; k < STREAM; k += 8) {
+            memcpy(&w0, p + k, 8);
+            memcpy(&w1, p + STREAM + k, 8);
+            memcpy(&w2, p + 2 * STREAM + k, 8);
+            c = _mm_crc32_u64(c, w0);
+            b = _mm_crc32_u64(b, w1);
+            d = _mm_crc32_u64(d, w2);
+        }
+        c = shift(shift((uint32_t)c) ^ (uint32_t)b) ^ (uint32_t)d;
+    }
     for (; n >= 8; n -= 8, p += 8) {
         uint64_t w;
         memcpy(&w, p, 8);
@@ -93,6 +119,20 @@ __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uin
     for (; n; n--)
         c32 = _mm_crc32_u8(c32, *p++);
     return c32;
+}
+#endif
+
+#if HAVE_AVX2_BUILD
+/* shift_table[k][v]: the register v << 8k carried past STREAM zero bytes (a linear map). */
+static void shift_table_init(void)
+{
+    for (int k = 0; k < 4; k++)
+        for (uint32_t v = 0; v < 256; v++) {
+            uint32_t c = v << (8 * k);
+            for (int z = 0; z < STREAM; z++)
+                c = crc_table[c & 0xff] ^ (c >> 8);
+            shift_table[k][v] = c;
+        }
 }
 #endif
 
@@ -173,7 +213,7 @@ __attribute__((target("avx2"))) static inline uint64_t equal_bits16(__m256i e0, 
 }
 
 __attribute__((target("avx2"))) static int64_t same16_avx2(const uint16_t *new, uint16_t *base, int32_t *idx,
-                                                             uint16_t *val, int64_t i, int64_t stop, uint32_t *crc)
+                                                             uint16_t *val, int64_t i, int64_t stop)
 {
     int64_t n = 0;
     for (; i + BLOCK <= stop; i += BLOCK) {
@@ -182,14 +222,12 @@ __attribute__((target("avx2"))) static int64_t same16_avx2(const uint16_t *new, 
             e[k] = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(new + i + 16 * k)),
                                       _mm256_loadu_si256((const __m256i *)(base + i + 16 * k)));
         n = emit16(~equal_bits16(e[0], e[1], e[2], e[3]), new + i, base, idx, val, i, n);
-        crc_update(crc, new + i, 2 * BLOCK);
     }
-    crc_update(crc, new + i, 2 * (size_t)(stop - i));
     return same16_scalar(new, base, idx, val, i, stop, n);
 }
 
 __attribute__((target("avx2"))) static int64_t same32_avx2(const uint32_t *new, uint32_t *base, int32_t *idx,
-                                                             uint32_t *val, int64_t i, int64_t stop, uint32_t *crc)
+                                                             uint32_t *val, int64_t i, int64_t stop)
 {
     int64_t n = 0;
     for (; i + BLOCK <= stop; i += BLOCK) {
@@ -205,9 +243,7 @@ __attribute__((target("avx2"))) static int64_t same32_avx2(const uint32_t *new, 
             idx[n] = (int32_t)(i + j);
             val[n++] = new[i + j];
         }
-        crc_update(crc, new + i, 4 * BLOCK);
     }
-    crc_update(crc, new + i, 4 * (size_t)(stop - i));
     return same32_scalar(new, base, idx, val, i, stop, n);
 }
 
@@ -223,7 +259,7 @@ __attribute__((target("avx2"))) static inline __m256i round8(__m256i u)
 }
 
 __attribute__((target("avx2"))) static int64_t cast_avx2(const uint32_t *src, uint16_t *base, int32_t *idx,
-                                                           uint16_t *val, int64_t i, int64_t stop, uint32_t *crc)
+                                                           uint16_t *val, int64_t i, int64_t stop)
 {
     int64_t n = 0;
     uint16_t lanes[BLOCK] __attribute__((aligned(32)));
@@ -237,50 +273,52 @@ __attribute__((target("avx2"))) static int64_t cast_avx2(const uint32_t *src, ui
             e[k] = _mm256_cmpeq_epi16(fresh, _mm256_loadu_si256((const __m256i *)(base + i + 16 * k)));
         }
         n = emit16(~equal_bits16(e[0], e[1], e[2], e[3]), lanes, base, idx, val, i, n);
-        crc_update(crc, lanes, sizeof lanes);
     }
-    n = cast_scalar(src, base, idx, val, i, stop, n);
-    crc_update(crc, base + i, 2 * (size_t)(stop - i));
-    return n;
+    return cast_scalar(src, base, idx, val, i, stop, n);
 }
 #endif
 
-/* One job: its range, its changes written from its own start in the outputs (each job's range
- * has room for all of its elements there). */
-static void *run_job(void *arg)
+/* The changes in [i, stop) of a job's range, written after the n it found before them. */
+static int64_t run_range(const job *j, int64_t i, int64_t stop, int64_t n)
 {
-    job *j = (job *)arg;
-    int32_t *idx = j->indices + j->start;
-    uint16_t *val16 = (uint16_t *)j->values + j->start;
-    uint32_t *val32 = (uint32_t *)j->values + j->start;
+    int32_t *idx = j->indices + j->start + n;
+    uint16_t *val16 = (uint16_t *)j->values + j->start + n;
+    uint32_t *val32 = (uint32_t *)j->values + j->start + n;
 #if HAVE_AVX2_BUILD
     if (use_avx2) {
         switch (j->kind) {
         case SAME16:
-            j->count = same16_avx2(j->src, j->base, idx, val16, j->start, j->stop, j->crc);
-            return NULL;
+            return same16_avx2(j->src, j->base, idx, val16, i, stop);
         case SAME32:
-            j->count = same32_avx2(j->src, j->base, idx, val32, j->start, j->stop, j->crc);
-            return NULL;
+            return same32_avx2(j->src, j->base, idx, val32, i, stop);
         case CAST_F32_BF16:
-            j->count = cast_avx2(j->src, j->base, idx, val16, j->start, j->stop, j->crc);
-            return NULL;
+            return cast_avx2(j->src, j->base, idx, val16, i, stop);
         }
     }
 #endif
     switch (j->kind) {
     case SAME16:
-        j->count = same16_scalar(j->src, j->base, idx, val16, j->start, j->stop, 0);
-        break;
+        return same16_scalar(j->src, j->base, idx, val16, i, stop, 0);
     case SAME32:
-        j->count = same32_scalar(j->src, j->base, idx, val32, j->start, j->stop, 0);
-        break;
-    case CAST_F32_BF16:
-        j->count = cast_scalar(j->src, j->base, idx, val16, j->start, j->stop, 0);
-        break;
+        return same32_scalar(j->src, j->base, idx, val32, i, stop, 0);
+    default:
+        return cast_scalar(j->src, j->base, idx, val16, i, stop, 0);
     }
+}
+
+/* One job: its range, its changes written from its own start in the outputs (each job's range
+ * has room for all of its elements there); hashing, a chunk at a time, while it is in cache. */
+static void *run_job(void *arg)
+{
+    job *j = (job *)arg;
     size_t wire = j->kind == SAME32 ? 4 : 2;
-    crc_update(j->crc, (char *)j->base + j->start * wire, wire * (size_t)(j->stop - j->start));
+    int64_t chunk = j->crc ? HASH_CHUNK : j->stop - j->start + 1;
+    j->count = 0;
+    for (int64_t i = j->start; i < j->stop; i += chunk) {
+        int64_t stop = i + chunk < j->stop ? i + chunk : j->stop;
+        j->count += run_range(j, i, stop, j->count);
+        crc_update(j->crc, (char *)j->base + i * wire, wire * (size_t)(stop - i));
+    }
     return NULL;
 }
 
@@ -593,8 +631,12 @@ static void *scatter_blocks(void *arg)
         else
             for (uint16_t k = 0; k < n; k++, off++, val += 4)
                 memcpy(base + 4 * (size_t)*off, val, 4);
-        int64_t first = (j->first_block + b) * PATCH_BLOCK, left = j->numel - first;
-        crc_update(j->crc, base, j->itemsize * (size_t)(left < PATCH_BLOCK ? left : PATCH_BLOCK));
+        if ((b + 1) % (HASH_CHUNK / PATCH_BLOCK) == 0 || b + 1 == j->blocks) { /* hash a chunk while in cache */
+            int64_t from = (j->first_block + b / (HASH_CHUNK / PATCH_BLOCK) * (HASH_CHUNK / PATCH_BLOCK)) * PATCH_BLOCK;
+            int64_t to = (j->first_block + b + 1) * PATCH_BLOCK < j->numel ? (j->first_block + b + 1) * PATCH_BLOCK
+                                                                            : j->numel;
+            crc_update(j->crc, j->dest + (size_t)from * j->itemsize, (size_t)(to - from) * j->itemsize);
+        }
     }
     return NULL;
 }
@@ -726,6 +768,9 @@ PyMODINIT_FUNC PyInit_deltadiff(void)
     if (m == NULL)
         return NULL;
     crc_table_init();
+#if HAVE_AVX2_BUILD
+    shift_table_init();
+#endif
     if (PyModule_AddIntConstant(m, "AVX2", use_avx2) < 0 || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0) {
         Py_DECREF(m);
         return NULL;
