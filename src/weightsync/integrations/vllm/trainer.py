@@ -250,6 +250,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 receiver=ReceiverOptions(
                     host=init_info.receiver_host, timeout=options.timeout, verify=options.verify
                 ).without_token(),
+                staged=bool(options.delta),  # a patch lands in a standby copy (docs/delta.md)
             )
             client.init_weight_transfer_engine(as_init_info(worker_info))
             workers = rendezvous.collect()
