@@ -143,19 +143,19 @@ def bucket_items(
 
 
 def part_items(
-    plan: Plan, layout: SourceLayout, held: Iterator[tuple[str, torch.Tensor]]
+    plan: Plan, layout: SourceLayout, held: Iterator[tuple[str, torch.Tensor]], boxed: bool = False
 ) -> Iterator[tuple[int, list[BucketItem]]]:
     """The buckets of this rank's part of `plan` (`layout.rank`), each piece with what it is cut
     from: the part of its box this rank holds, a view of `held`'s tensor (this rank's rows of
-    it, or the whole tensor), and its offset made relative to that view. `held` yields every
-    tensor of the plan in plan order, and is consumed lazily."""
+    it, or the whole tensor; `boxed`: the box itself, as read), and its offset made relative to
+    that view. `held` yields every tensor of the plan in plan order, and is consumed lazily."""
     current: tuple[int, torch.Tensor, int] | None = None
     walked = enumerate(held)
     for index in part_buckets(plan, layout.rank):
         items = []
         for piece in plan.buckets[index]:
             if current is None or current[0] != piece.tensor:
-                current = _held_cut(plan, layout, piece.tensor, walked)
+                current = _held_cut(plan, layout, piece.tensor, walked, boxed)
             _, cut, first = current
             moved = Piece(piece.tensor, piece.tensor_offset - first, piece.bucket_offset, piece.nbytes)
             items.append(BucketItem(moved, cut, _wire_dtype(plan.tensors[piece.tensor])))
@@ -163,7 +163,11 @@ def part_items(
 
 
 def _held_cut(
-    plan: Plan, layout: SourceLayout, tensor: int, walked: Iterator[tuple[int, tuple[str, torch.Tensor]]]
+    plan: Plan,
+    layout: SourceLayout,
+    tensor: int,
+    walked: Iterator[tuple[int, tuple[str, torch.Tensor]]],
+    boxed: bool,
 ) -> tuple[int, torch.Tensor, int]:
     """Tensor `tensor`'s part this rank holds, as a view of what `held` yields for it, and the
     byte of the tensor (or box) where that part starts."""
@@ -175,7 +179,7 @@ def _held_cut(
             break
         bounds = layout.rows[tensor]
         first, end = held_range(spec, bounds, layout.rank, layout.owner(tensor))
-        cut = _cut(spec, local, bounds[layout.rank] if bounds is not None else 0)
+        cut = local.detach() if boxed else _cut(spec, local, bounds[layout.rank] if bounds is not None else 0)
         if cut.numel() != (end - first) // _wire_dtype(spec).itemsize:
             raise PlanError(f"{name!r}: this rank holds {list(local.shape)}, which does not fit its layout")
         return tensor, (cut if cut.is_contiguous() else cut.contiguous()), first

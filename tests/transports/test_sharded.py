@@ -124,6 +124,38 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: s
     assert reports[0].whole_tensors == ("experts", "norm"), "worker 0 named neither: sent whole, and said"
 
 
+def test_a_checkpoint_sends_each_receiver_its_boxes_read_as_slices(tmp_path: Path, monkeypatch: Any) -> None:
+    """`weightsync push --model DIR` to a tensor-parallel server: each worker is sent its boxes,
+    read from the files as slices (no whole tensor read), and holds the digest of the whole."""
+    from safetensors.torch import save_file
+
+    from weightsync.checkpoint import SafetensorsSource
+
+    full = model()
+    save_file(full, str(tmp_path / "model.safetensors"))
+    kept = {name: torch.zeros_like(t) for name, t in full.items()}
+    loader = Loads(WORKER_1)
+    monkeypatch.setattr(SafetensorsSource, "tensors", lambda self: pytest.fail("a whole tensor was read"))
+    with (
+        WeightReceiver(Keeps(kept, WORKER_0), "tcp", timeout=TIMEOUT_S) as one,
+        WeightReceiver(loader, "tcp", timeout=TIMEOUT_S) as two,
+        WeightSender([one.address, two.address], timeout=TIMEOUT_S) as sender,
+    ):
+        report = sender.push(SafetensorsSource(tmp_path), 1)
+    for want in WORKER_0:
+        assert_bit_exact(kept[want.name][box(want)], full[want.name][box(want)], want.name)
+    for want in WORKER_1:
+        assert_bit_exact(loader.loaded[want.name], full[want.name][box(want)], want.name)
+    sent = [sum(full[w.name][box(w)].nbytes for w in WORKER_0) + full["norm"].nbytes + full["experts"].nbytes]
+    sent.append(sum(t.nbytes for t in loader.loaded.values()))
+    assert [outcome.wire_bytes for outcome in report.outcomes] == sent, "each receiver is sent its boxes"
+    monkeypatch.undo()
+    with WeightReceiver(Loads(WORKER_1), "tcp", timeout=TIMEOUT_S) as three:
+        with WeightSender([three.address], timeout=TIMEOUT_S, verify="bucket") as sender:
+            report = sender.push(SafetensorsSource(tmp_path), 1)
+        assert report.content_digest == three.content_digest == source_digest(full)
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 def test_a_failed_part_aborts_the_sync_on_every_receiver_and_the_next_push_lands(transport: str) -> None:
     first, second = model(0), model(10)
