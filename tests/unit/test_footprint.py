@@ -22,8 +22,9 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 # a socket in $TMPDIR. The child is still running at close: close must end it first.
 SERVER = textwrap.dedent(
     """
-    import json, subprocess, sys, time
+    import json, logging, subprocess, sys, time
     from weightsync.serving.footprint import Footprint
+    logging.basicConfig(level="INFO")
     CHILD = '''
     import os, socket, sys, tempfile, time
     from multiprocessing import shared_memory, resource_tracker
@@ -63,6 +64,7 @@ def test_close_ends_the_tree_and_removes_what_it_made_and_nothing_else(tmp_path:
         assert result["child"] is not None  # ended before anything was removed
         allreduce = "vllm_dist_" + "ab" * 16 + "-tp:0-[0-1]-cpushm_0"
         assert sorted(result["removed"]) == sorted([result["segment"], allreduce])
+        assert "removed 2 shared-memory segments the engine left: " in done.stderr, done.stderr  # any engine's
         assert not Path("/dev/shm", result["segment"]).exists() and not Path("/dev/shm", allreduce).exists()
         assert Path(result["folder"]).parent == tmp_path and not Path(result["folder"]).exists()
         assert list(tmp_path.iterdir()) == []

@@ -73,11 +73,14 @@ def test_error_answers_pass_unchanged() -> None:
     assert label([start, body], Recorder()) == [start, body]
 
 
-def test_sglang_s_unnamed_model_is_the_served_name_and_a_404_names_the_adapters() -> None:
+def test_sglang_s_unnamed_model_is_the_served_name_its_metadata_strings_and_a_404_names_the_adapters() -> None:
     start = {"type": "http.response.start", "status": 200, "headers": []}
-    body = json.dumps({"model": "default", "choices": [{"index": 0, "text": "a"}]}).encode()
+    spans = [{"version": "3", "start": 0, "end": 1}]  # SGLang's, in a field that OpenAI types as strings
+    metadata = {"weight_version": "3", "weight_versions": spans}
+    body = json.dumps({"model": "default", "metadata": metadata, "choices": [{"index": 0, "text": "a"}]}).encode()
     sent = label([start, {"type": "http.response.body", "body": body, "more_body": False}], Recorder())
-    assert json.loads(sent[1]["body"])["model"] == "tiny"
+    payload = json.loads(sent[1]["body"])
+    assert payload["model"] == "tiny" and payload["metadata"] == {"weight_version": "3"}, payload
     vllm_s = {"message": "The model `x` does not exist. Valid aliases: tiny.", "param": "model", "code": 404}
     body = json.dumps({"error": vllm_s}).encode()
     messages = [start | {"status": 404}, {"type": "http.response.body", "body": body, "more_body": False}]

@@ -126,7 +126,7 @@ class Footprint:
         else:
             os.environ["TMPDIR"] = variable
         if removed:
-            log.info("removed %d shared-memory segments vLLM left: %s", len(removed), ", ".join(removed))
+            log.info("removed %d shared-memory segments the engine left: %s", len(removed), ", ".join(removed))
         return removed
 
     def __enter__(self) -> Footprint:

@@ -6,7 +6,8 @@ streamed chunk, and per choice `weight_versions` spans [{"version", "start", "en
 output tokens once the choice ends. A request run on a LoRA adapter names the adapter's version,
 and the base weights' as `base_version`. Their `model` is the served model's name where the engine
 says "default" (SGLang, for a request that named none), and a 404 for an unknown model names the
-LoRA adapters served too (vLLM names only the base model).
+LoRA adapters served too (vLLM names only the base model). Their `metadata` keeps only strings, as
+OpenAI's type says (SGLang adds its own spans there, a list the `openai` client warns about).
 
 The versions come from the engine's own per-request record: its adapter wraps the engine call the
 OpenAI handlers make, and notes each output's versions in the `Recorder` of the HTTP request
@@ -143,6 +144,8 @@ class Labeller:
         payload["weight_version"] = newest
         if payload.get("model") == UNNAMED:
             payload["model"] = self.model
+        if isinstance(payload.get("metadata"), dict):
+            payload["metadata"] = {key: value for key, value in payload["metadata"].items() if isinstance(value, str)}
         for choice in payload.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
