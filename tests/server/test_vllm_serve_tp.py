@@ -69,11 +69,11 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, transport: str, *options: str) -> Iterator[Served]:
+def serving(model_dir: Path, transport: str, *options: str, log: Path | None = None) -> Iterator[Served]:
     command = [sys.executable, "-m", "weightsync", "serve", "--engine", "vllm", "--model", str(model_dir)]
     command += ["--port", "0", "--ready-timeout", "1", "--transport", transport, "--vllm-args", TP2, *options]
     footprints = Footprints()
-    process = ChildProcess(command, env=os.environ | ENV)
+    process = ChildProcess(command, env=os.environ | ENV, log_path=log)
     try:
         line = process.wait_for_line("weightsync serve:", START_S)
         assert line is not None, process.why_not_started("weightsync serve --engine vllm -tp 2", START_S)
@@ -124,7 +124,7 @@ def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_gener
         save_model(kind, model_dir)
     checkpoint = load_file(str(model_dir / "model.safetensors"))  # the MoE's: one tensor per expert
     expected = _generate(model_dir)
-    with serving(model_dir, transport) as served:
+    with serving(model_dir, transport, log=tmp_path / "server.log") as served:
         info = served.http.get("/weight_info").json()
         assert info["workers"] == 2 and len(served.addresses) == 2 and info["addresses"] == served.addresses
         assert served.greedy().status_code == 503  # nothing pushed yet
@@ -141,6 +141,12 @@ def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_gener
             out = capsys.readouterr().out.strip().splitlines()
             assert out[0] == f"{served.url}: committed version 3" and len(out) == 2, out
             assert out[1].startswith("version 3: committed on 1 of 1 servers"), out
+            sent = served.http.get("/weight_info").json()["last_sync"]["bytes"]
+            assert sent <= 0.6 * sum(t.nbytes for t in checkpoint.values()), "a worker gets its boxes, read as slices"
+    log = (tmp_path / "server.log").read_text()  # the server's stderr, its stop included
+    versions = [1, 2, 3] if (kind, transport) == ("qwen2", "shm") else [1, 2]
+    assert re.findall(r"sync of version (\d+) committed on 2 worker", log) == [str(v) for v in versions], log[-4000:]
+    assert "leaked shared_memory" not in log, log[-4000:]
 
 
 @pytest.mark.fault(
