@@ -66,7 +66,6 @@ def check_verify(mode: object) -> Verify:
 
 
 def stricter(*modes: Verify) -> Verify:
-    """The strictest of `modes`."""
     return max(modes, key=VERIFY_MODES.index)
 
 
@@ -82,7 +81,6 @@ def tensor_hash(view: np.ndarray, running: int = 0) -> int:
 
 
 def piece_hashes(views: Iterable[np.ndarray]) -> list[int]:
-    """The hash of each of `views` (uint8 arrays in host memory)."""
     return [tensor_hash(view) for view in views]
 
 
@@ -125,10 +123,8 @@ class SyncHashes:
         self.checksums: list[int] = []
         num_pieces = Counter(piece.tensor for bucket in plan.buckets for piece in bucket)
         self._chunked = {tensor: 0 for tensor, count in num_pieces.items() if count > 1}
-        self._tensor_hashes: list[int | None] = [None] * len(plan.tensors)
-        for tensor in range(len(plan.tensors)):
-            if tensor not in num_pieces:  # no bytes at all (an empty tensor): no piece goes by
-                self._tensor_hashes[tensor] = tensor_hash(np.empty(0, np.uint8))
+        empty = tensor_hash(np.empty(0, np.uint8))  # a tensor of no bytes at all: no piece goes by
+        self._tensor_hashes = [None if t in num_pieces else empty for t in range(len(plan.tensors))]
 
     def bucket(self, pieces: Sequence[Piece], views: Sequence[np.ndarray]) -> int:
         """Hash bucket `len(self.checksums)`'s bytes (`views`, one per piece); its checksum."""
@@ -139,7 +135,7 @@ class SyncHashes:
                 self._tensor_hashes[piece.tensor] = piece_hash
                 continue
             running = self._chunked[piece.tensor] = tensor_hash(view, running)
-            if piece.tensor_offset + piece.nbytes == _nbytes(self.plan, piece.tensor):
+            if piece.tensor_offset + piece.nbytes == tensor_nbytes(self.plan.tensors[piece.tensor]):
                 self._tensor_hashes[piece.tensor] = running
         checksum = bucket_checksum(hashes)
         self.checksums.append(checksum)
@@ -157,10 +153,6 @@ class SyncHashes:
     def content_digest(self) -> str:
         """The content digest of the sync (once `complete`)."""
         return content_digest(self.plan.tensors, self.tensor_hashes())
-
-
-def _nbytes(plan: Plan, tensor: int) -> int:
-    return tensor_nbytes(plan.tensors[tensor])
 
 
 def share(part_hash: int, after_nbytes: int) -> int:

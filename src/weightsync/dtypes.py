@@ -10,7 +10,7 @@ import torch
 
 from weightsync.errors import ConfigError, PlanError
 
-__all__ = ["dtype_from_name", "dtype_name", "itemsize"]
+__all__ = ["dtype_from_name", "dtype_name"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -47,8 +47,3 @@ def dtype_from_name(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise PlanError(f"unknown dtype {name!r} in plan; supported: {sorted(_DTYPES)}") from None
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of `dtype`."""
-    return dtype.itemsize

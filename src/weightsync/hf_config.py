@@ -10,7 +10,6 @@ from typing import Any, cast
 
 import torch
 
-from weightsync.dtypes import itemsize
 from weightsync.errors import ConfigError
 from weightsync.sizing import align_up
 
@@ -65,4 +64,4 @@ def min_bucket_bytes(hf_config: Any, dtype: torch.dtype | str | None = None) -> 
             raise ConfigError(f"unknown dtype {dtype!r}")
         dtype = cast(torch.dtype, getattr(torch, dtype))
     resolved = dtype or _config_dtype(config) or _config_dtype(hf_config) or torch.bfloat16
-    return align_up(vocab * hidden * itemsize(resolved))
+    return align_up(vocab * hidden * resolved.itemsize)

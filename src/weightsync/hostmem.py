@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 
 import torch
@@ -20,8 +21,6 @@ def host_bytes(nbytes: int) -> torch.Tensor:
     if nbytes < HUGE_PAGE_BYTES or _MADV_HUGEPAGE is None:
         return torch.empty(nbytes, dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
+    with contextlib.suppress(OSError):  # huge pages off ("never"): ordinary pages, still fresh memory
         region.madvise(_MADV_HUGEPAGE)
-    except OSError:  # huge pages off ("never"): ordinary pages, still fresh memory
-        pass
     return torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive

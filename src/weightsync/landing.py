@@ -87,7 +87,6 @@ class Staging:
 
     @property
     def nbytes(self) -> int:
-        """What it holds, in bytes."""
         return self._arena.numel() + self._receive.numel()
 
 
@@ -103,11 +102,7 @@ class Landing:
     Every tensor's route is decided once, here (`routes`); every later step reads it.
 
     Args:
-        plan: the accepted plan.
-        sink: where the sync goes.
-        version: the version being synced.
         plan_id: the plan's id, as offered.
-        verify: this sync's verification ("off", "bucket" or "full").
         staging: the receiver's reusable staging space.
         delta: the plan patches the version the destinations hold (`Offer.delta_base`): encoded
             tensors are staged and applied in place (`delta.apply_patch`) when complete.
@@ -302,23 +297,20 @@ class Landing:
         before reusing `data`."""
         with self._lock:
             self._check_live()
-            self._copy_in(piece, data, pinned, whole)
-
-    def _copy_in(self, piece: Piece, data: np.ndarray | torch.Tensor, pinned: bool, whole: np.ndarray | None) -> None:
-        started = time.perf_counter()
-        route = self.routes[piece.tensor]
-        if route == "lent" or (whole is not None and route == "arena"):
-            self._lent[piece.tensor] = data if whole is None else whole
-        elif isinstance(target := self._site(piece), np.ndarray):
-            if isinstance(data, np.ndarray):
-                copy_bytes(target, data)
+            started = time.perf_counter()
+            route = self.routes[piece.tensor]
+            if route == "lent" or (whole is not None and route == "arena"):
+                self._lent[piece.tensor] = data if whole is None else whole
+            elif isinstance(target := self._site(piece), np.ndarray):
+                if isinstance(data, np.ndarray):
+                    copy_bytes(target, data)
+                else:
+                    torch.from_numpy(target).copy_(data)
+            elif isinstance(data, torch.Tensor) or pinned:
+                target.copy_(data if isinstance(data, torch.Tensor) else readable_tensor(data))
             else:
-                torch.from_numpy(target).copy_(data)
-        elif isinstance(data, torch.Tensor) or pinned:
-            target.copy_(data if isinstance(data, torch.Tensor) else readable_tensor(data))
-        else:
-            self.read_in(piece, lambda out: copy_bytes(out, data))
-        self.landing_s += time.perf_counter() - started
+                self.read_in(piece, lambda out: copy_bytes(out, data))
+            self.landing_s += time.perf_counter() - started
 
     def read_in(self, piece: Piece, read: Callable[[np.ndarray], object]) -> None:
         """Have `read` write the piece's bytes into host memory (a socket's `recv_into`): its
@@ -326,21 +318,18 @@ class Landing:
         a bounce buffer of one bucket (pinned for CUDA: the copy to the device is a DMA)."""
         with self._lock:
             self._check_live()
-            self._read_in(piece, read)
-
-    def _read_in(self, piece: Piece, read: Callable[[np.ndarray], object]) -> None:
-        if self.routes[piece.tensor] == "lent":
-            received = self._staging.receive_buffer(self.plan.bucket_bytes)
-            self._lent[piece.tensor] = data = received[piece.bucket_offset : piece.bucket_offset + piece.nbytes]
-            read(data)
-        elif isinstance(target := self._site(piece), np.ndarray):
-            read(target)
-        else:
-            if self._bounce is None:
-                self._bounce = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, pin_memory=target.is_cuda)
-            bounce = self._bounce[: piece.nbytes]
-            read(bounce.numpy())
-            target.copy_(bounce)  # synchronous from pageable or pinned: the bounce buffer is free again
+            if self.routes[piece.tensor] == "lent":
+                received = self._staging.receive_buffer(self.plan.bucket_bytes)
+                self._lent[piece.tensor] = data = received[piece.bucket_offset : piece.bucket_offset + piece.nbytes]
+                read(data)
+            elif isinstance(target := self._site(piece), np.ndarray):
+                read(target)
+            else:
+                if self._bounce is None:
+                    self._bounce = torch.empty(self.plan.bucket_bytes, dtype=torch.uint8, pin_memory=target.is_cuda)
+                bounce = self._bounce[: piece.nbytes]
+                read(bounce.numpy())
+                target.copy_(bounce)  # synchronous from pageable or pinned: the bounce buffer is free again
 
     def adopt(self, tensor: int, value: torch.Tensor) -> None:
         """Take `value` (already in the wire dtype and shape) as tensor `tensor`'s content without
@@ -359,26 +348,23 @@ class Landing:
         before the sender may change the values."""
         with self._lock:
             self._check_live()
-            return self._copy_tensors(values)
-
-    def _copy_tensors(self, values: Sequence[tuple[int, torch.Tensor]]) -> set[torch.device]:
-        started = time.perf_counter()
-        dests: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        devices: set[torch.device] = set()
-        for tensor, value in values:
-            dest = self._dest[tensor]
-            if dest is not None and self.routes[tensor] in IN_PLACE and _batchable(dest, value):
-                dests.append(dest)
-                sources.append(value)
-            else:
-                devices |= self._copy_whole(tensor, value)
-        if dests:
-            self._touch(self.sink.traits.live_destinations)
-            torch._foreach_copy_(dests, sources)
-            devices |= {dest.device for dest in dests}
-        self.landing_s += time.perf_counter() - started
-        return {device for device in devices if device.type == "cuda"}
+            started = time.perf_counter()
+            dests: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            devices: set[torch.device] = set()
+            for tensor, value in values:
+                dest = self._dest[tensor]
+                if dest is not None and self.routes[tensor] in IN_PLACE and _batchable(dest, value):
+                    dests.append(dest)
+                    sources.append(value)
+                else:
+                    devices |= self._copy_whole(tensor, value)
+            if dests:
+                self._touch(self.sink.traits.live_destinations)
+                torch._foreach_copy_(dests, sources)
+                devices |= {dest.device for dest in dests}
+            self.landing_s += time.perf_counter() - started
+            return {device for device in devices if device.type == "cuda"}
 
     def _copy_whole(self, tensor: int, value: torch.Tensor) -> set[torch.device]:
         route, spec, dest = self.routes[tensor], self.plan.tensors[tensor], self._dest[tensor]
@@ -400,7 +386,24 @@ class Landing:
         deliver the tensors it completed to their destinations or the sink."""
         with self._lock:
             self._check_live()
-            self._finish_bucket(index, checksum)
+            if self.verify != "off" and checksum is not None:
+                started = time.perf_counter()
+                pieces = self.plan.buckets[index]
+                landed = self.hashes.bucket(pieces, [self._landed(piece) for piece in pieces])
+                self.landing_s += time.perf_counter() - started
+                if landed != checksum:
+                    raise ChecksumError(
+                        f"bucket {index} of version {self.version}: the bytes that landed hash to {landed:#018x}, "
+                        f"the sender's to {checksum:#018x}",
+                        version=self.version,
+                        bucket=index,
+                    )
+            completed = []
+            for piece in self.plan.buckets[index]:
+                self._remaining[piece.tensor] -= 1
+                if not self._remaining[piece.tensor]:
+                    completed.append(piece.tensor)
+            self._deliver(completed)
 
     def fail(self, error: BaseException) -> None:
         """The sync failed (on any part's thread): every verb raises from now on, so that the
@@ -410,26 +413,6 @@ class Landing:
     def _check_live(self) -> None:
         if self.failed is not None:
             raise SinkError(f"the sync of version {self.version} failed: {self.failed}") from self.failed
-
-    def _finish_bucket(self, index: int, checksum: int | None) -> None:
-        if self.verify != "off" and checksum is not None:
-            started = time.perf_counter()
-            pieces = self.plan.buckets[index]
-            landed = self.hashes.bucket(pieces, [self._landed(piece) for piece in pieces])
-            self.landing_s += time.perf_counter() - started
-            if landed != checksum:
-                raise ChecksumError(
-                    f"bucket {index} of version {self.version}: the bytes that landed hash to {landed:#018x}, "
-                    f"the sender's to {checksum:#018x}",
-                    version=self.version,
-                    bucket=index,
-                )
-        completed = []
-        for piece in self.plan.buckets[index]:
-            self._remaining[piece.tensor] -= 1
-            if not self._remaining[piece.tensor]:
-                completed.append(piece.tensor)
-        self._deliver(completed)
 
     # --- delivery -----------------------------------------------------------------------------
 

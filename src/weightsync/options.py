@@ -52,7 +52,7 @@ class SenderOptions:
     verified at least as "bucket", any other as `verify` says."""
 
     def __post_init__(self) -> None:
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
         if not any(self.delta is choice for choice in (False, True)) and self.delta != "all":
             raise ConfigError(f"delta must be True, False or 'all', got {self.delta!r}")
         if (
@@ -87,7 +87,7 @@ class ReceiverOptions:
     """The shared token; None takes $WEIGHTSYNC_AUTH_TOKEN (resolved once, here)."""
 
     def __post_init__(self) -> None:
-        _check_timeout(self.timeout)
+        check_timeout(self.timeout)
         _check_budget(self.memory_budget_bytes)
         parse_bucket_bytes(self.max_bucket_bytes, "max_bucket_bytes")
         object.__setattr__(self, "timeout", float(self.timeout))
@@ -97,9 +97,9 @@ class ReceiverOptions:
     def without_token(self) -> dict[str, Any]:
         """These options as JSON for another process, the token left out (each process takes
         its own from $WEIGHTSYNC_AUTH_TOKEN: no secret travels)."""
-        fields = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        del fields["auth_token"]
-        return fields
+        return {
+            field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name != "auth_token"
+        }
 
     @property
     def bucket_limit(self) -> int:
@@ -109,7 +109,7 @@ class ReceiverOptions:
         )
 
 
-def _check_timeout(timeout: object) -> None:
+def check_timeout(timeout: object) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
 

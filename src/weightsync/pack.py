@@ -33,9 +33,9 @@ try:
     from weightsync._native import streamcopy as _streamcopy
 
     _stream_copy: Callable[[np.ndarray, np.ndarray], None] | None = _streamcopy.copy
-    _streaming = bool(_streamcopy.STREAMING)
+    STREAMING_COPY = bool(_streamcopy.STREAMING)  # large copies stream (this CPU has AVX2)
 except ImportError:  # built without a C compiler: numpy's memcpy is the fallback
-    _stream_copy, _streaming = None, False
+    _stream_copy, STREAMING_COPY = None, False
 
 __all__ = [
     "STREAMING_COPY",
@@ -49,9 +49,6 @@ __all__ = [
     "piece_bytes",
     "write_piece",
 ]
-
-STREAMING_COPY = _streaming
-"""Whether `copy_bytes` streams large copies (the native routine was built and this CPU has AVX2)."""
 
 
 def copy_bytes(out: np.ndarray, source: np.ndarray) -> None:
@@ -77,14 +74,10 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def _is_plain(tensor: torch.Tensor, wire_dtype: torch.dtype) -> bool:
-    return tensor.device.type == "cpu" and tensor.dtype == wire_dtype and tensor.is_contiguous()
-
-
 def piece_bytes(tensor: torch.Tensor, wire_dtype: torch.dtype, offset: int, nbytes: int) -> np.ndarray | None:
     """The piece's bytes as a view of the source tensor, or None when they must be converted
     (cast, non-contiguous or non-CPU source) with `write_piece`."""
-    if not _is_plain(tensor, wire_dtype):
+    if tensor.device.type != "cpu" or tensor.dtype != wire_dtype or not tensor.is_contiguous():
         return None
     return byte_view(tensor)[offset : offset + nbytes]
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 import torch
 
-from weightsync.dtypes import dtype_from_name, dtype_name, itemsize
+from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import ConfigError, PlanError
 from weightsync.messages import Piece, Plan, TensorSpec
 from weightsync.sizing import ALIGN_BYTES, align_up
@@ -61,7 +61,7 @@ block's count of changes a uint16."""
 
 def dense_nbytes(spec: TensorSpec) -> int:
     """The tensor's own size: every element in the wire dtype."""
-    return math.prod(spec.shape) * itemsize(dtype_from_name(spec.dtype))
+    return math.prod(spec.shape) * dtype_from_name(spec.dtype).itemsize
 
 
 def bucket_spans(plan: Plan) -> dict[int, tuple[int, int]]:
@@ -101,7 +101,7 @@ def tensor_nbytes(spec: TensorSpec) -> int:
     """The bytes the plan carries for the tensor: all of it, or its patch."""
     if spec.encoding == "dense":
         return dense_nbytes(spec)
-    value_bytes = spec.count * itemsize(dtype_from_name(spec.dtype))
+    value_bytes = spec.count * dtype_from_name(spec.dtype).itemsize
     if spec.encoding == "sparse":
         return spec.count * INDEX_BYTES + value_bytes
     if spec.encoding == "blocks":
@@ -274,7 +274,7 @@ def _check_piece(plan: Plan, bucket_index: int, piece: Piece, size: int, bucket_
     if piece.bucket_offset < bucket_end or piece.bucket_offset + piece.nbytes > plan.bucket_bytes:
         raise PlanError(f"bucket {bucket_index}: piece {piece} overlaps or leaves the bucket")
     spec = plan.tensors[piece.tensor]
-    element = itemsize(dtype_from_name(spec.dtype)) if spec.encoding == "dense" else 1  # a patch: raw bytes
+    element = dtype_from_name(spec.dtype).itemsize if spec.encoding == "dense" else 1  # a patch: raw bytes
     if piece.tensor_offset % element or piece.nbytes % element:
         raise PlanError(f"bucket {bucket_index}: piece {piece} splits an element of {element} bytes")
     return piece.bucket_offset + piece.nbytes

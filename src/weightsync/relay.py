@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from weightsync.dtypes import dtype_from_name
-from weightsync.errors import ConfigError, RemoteError, SinkError, TransferTimeout, WeightSyncError
+from weightsync.errors import RemoteError, SinkError, TransferTimeout, WeightSyncError
 from weightsync.messages import Plan
 from weightsync.options import SenderOptions
 from weightsync.report import SyncReport
@@ -86,10 +86,9 @@ class RelaySink(WeightSink):
         timeout: float = 60.0,
         sender: SenderOptions | None = None,
     ) -> None:
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self._inner = as_sink(sink) if sink is not None else None
-        # a downstream receiver that fails is logged, not raised: this host's own sync goes on
+        # a downstream receiver that fails is logged, not raised: this host's own sync goes on;
+        # SenderOptions checks the timeout
         options = dataclasses.replace(sender or SenderOptions(), timeout=timeout, raise_on_failure=False)
         self._sender = WeightSender(addresses, options=options)
         self._timeout = float(timeout)

@@ -126,7 +126,6 @@ class WrappingSink(WeightSink):
     def __init__(self, inner: WeightSink) -> None:
         self.inner = inner
         self.traits = inner.traits
-        self.paused_s = 0.0
 
     def wrote_live(self) -> bool:
         return self.inner.wrote_live()
@@ -255,14 +254,11 @@ class StagedSink(WeightSink):
 def check_against(
     plan: Plan, tensors: Mapping[str, torch.Tensor], *, strict: bool, groups: Sequence[Sequence[str]] = ()
 ) -> None:
-    """Raise PlanError naming every tensor of `plan` that `tensors` lacks or disagrees with; when
-    every disagreement is the same dtype for another, the error leads with the fix.
-
-    `strict`: the plan must carry every tensor of `tensors`; `groups`: at least one name of each
-    group (names that share one tensor, such as tied embeddings)."""
+    """Raise PlanError (`mismatch`) naming every tensor of `plan` that `tensors` lacks or
+    disagrees with. `strict`: the plan must carry every tensor of `tensors`; `groups`: at least
+    one name of each group (names that share one tensor, such as tied embeddings)."""
     problems: list[str] = []
     kinds: set[tuple[str, str] | None] = set()
-    """(sent, expected) for a dtype-only disagreement; None for any other."""
     for spec in plan.tensors:
         target = tensors.get(spec.name)
         if target is None:
@@ -279,9 +275,8 @@ def check_against(
     missing += [" / ".join(repr(name) for name in group) for group in groups if not planned.intersection(group)]
     problems += [f"plan lacks {names}" for names in missing]
     kinds.update([None] if missing else [])
-    if not problems:
-        return
-    raise mismatch(problems, kinds, "the receiver's tensors")
+    if problems:
+        raise mismatch(problems, kinds, "the receiver's tensors")
 
 
 def mismatch(problems: Sequence[str], kinds: set[tuple[str, str] | None], what: str) -> PlanError:

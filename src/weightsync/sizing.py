@@ -22,14 +22,13 @@ __all__ = [
     "parse_bucket_bytes",
 ]
 
-MIB = 1 << 20
 ALIGN_BYTES = 64
 """Every tensor starts on a 64-byte boundary of its bucket, and bucket sizes are multiples of it."""
 
-DEFAULT_MEMORY_BUDGET_BYTES = 512 * MIB
+DEFAULT_MEMORY_BUDGET_BYTES = 512 << 20
 """What one side spends on buckets by default (all ring slots together)."""
 
-LARGEST_AUTO_BUCKET_BYTES = 64 * MIB
+LARGEST_AUTO_BUCKET_BYTES = 64 << 20
 """Auto sizing never goes above this: on the machines we measured, shared-memory pipelines with
 16-64 MiB buckets ran as fast or faster than with 256 MiB ones (a small ring stays in cache), and
 per-bucket messages already cost well under 1% of the copy time at this size."""

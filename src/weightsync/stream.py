@@ -51,7 +51,7 @@ import torch
 
 from weightsync.errors import ConfigError, PlanError, SinkError, TransferTimeout, WeightSyncError
 from weightsync.messages import Plan
-from weightsync.options import DEFAULT_TIMEOUT_S
+from weightsync.options import DEFAULT_TIMEOUT_S, check_timeout
 from weightsync.sink import SinkTraits, WeightSink
 
 __all__ = ["StreamSink", "TensorStream"]
@@ -90,8 +90,7 @@ class StreamSink(WeightSink):
     traits = SinkTraits(live_loads=True)
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_timeout(timeout)
         self.timeout = float(timeout)
         self._changed = threading.Condition()
         self._sync: _Sync | None = None

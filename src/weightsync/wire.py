@@ -8,6 +8,7 @@ bytes are never framed: a message announces them (`BucketData.nbytes`) and they 
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import struct
@@ -23,10 +24,10 @@ from weightsync.messages import CORE_MESSAGES, Message
 __all__ = ["HANDSHAKE_FRAME_BYTES", "MAX_FRAME_BYTES", "Connection", "decode", "encode"]
 
 MAX_FRAME_BYTES = 64 << 20
+"""The largest control frame accepted: a plan for ~500k tensors. Payload bytes are not framed."""
 HANDSHAKE_FRAME_BYTES = 64 << 10
 """The bound on frames from a peer not yet authenticated (Hello, and Auth where a token is
 required): a stranger cannot make a receiver allocate more than this per connection."""
-"""The largest control frame accepted: a plan for ~500k tensors. Payload bytes are not framed."""
 
 STREAM_CHUNK_BYTES = 1 << 20
 """Raw bytes move through the socket in slices of this size: on loopback, 256 KiB-1 MiB slices ran
@@ -132,10 +133,8 @@ class Connection:
             return True
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
     def _call(self, timeout: float | None, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:

@@ -44,7 +44,6 @@ REGISTRY: dict[str, str] = {
 
 
 def names() -> list[str]:
-    """Every transport's name, in registry order."""
     return list(REGISTRY)
 
 

@@ -91,31 +91,24 @@ class Channel(Protocol):
 
     def each(self, live: Sequence[str], action: Callable[[str, Link], None], *, parallel: bool = False) -> Failures:
         """Run `action` for every receiver in `live`; those whose action raised, with why."""
-        ...
 
     def expect(self, address: str, kind: type[M], deadline: float) -> M:
         """The receiver's next message, which must be a `kind`."""
-        ...
 
     def wait_acked(self, address: str, index: int, deadline: float) -> None:
         """Wait until the receiver acked bucket `index` of this sync (`BucketDone`)."""
-        ...
 
     def lends(self, address: str) -> bool:
         """Whether the receiver's last `Accept` asked for tensors larger than a bucket whole."""
-        ...
 
     def fail(self, address: str, exc: BaseException) -> WeightSyncError:
         """Drop the receiver after `exc`; the error to report (its own reason, if it sent one)."""
-        ...
 
     def closed(self, address: str, timeout: float) -> bool:
         """Wait up to `timeout` for the receiver's link to close; whether it did."""
-        ...
 
     def reason(self, address: str) -> WeightSyncError | None:
         """The failure the receiver reported before its link closed, if it sent one."""
-        ...
 
 
 class Listener(Protocol):
@@ -243,7 +236,3 @@ class TransportSpec:
     def networked(self) -> bool:
         """Whether a receiver listens on a network interface (and must guard it with a token)."""
         return self.link == "tcp"
-
-
-def fail_all(live: Sequence[str], error: WeightSyncError) -> Failures:
-    return dict.fromkeys(live, error)

@@ -343,11 +343,7 @@ class ChainSendPlane(SendPlane):
         views = [np.asarray(view) for view in pack_bucket(items, buffer.numpy())]
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
         message = BucketReady(index, checksum)
-
-        def announce(address: str, link: Link) -> None:
-            link.send(message, self.options.timeout)
-
-        failures = self.channel.each(live, announce)
+        failures = self.channel.each(live, lambda address, link: link.send(message, self.options.timeout))
         remaining = [address for address in live if address not in failures]
         if not remaining:
             return failures
@@ -432,27 +428,24 @@ class ChainReceivePlane(ReceivePlane):
 
     def receive(self, index: int, landing: Landing) -> None:
         try:
-            self._receive(index, landing)
+            member = self._member
+            if member is None:
+                raise ProtocolError("no process group was formed for this sync", transport="collective")
+            announced = next_message(self.link, self.options.timeout)
+            if not isinstance(announced, BucketReady) or announced.index != index:
+                raise ProtocolError(
+                    f"expected BucketReady for bucket {index}, got {announced!r}"[:200],
+                    transport="collective",
+                    version=landing.version,
+                    bucket=index,
+                )
+            posted = member.broadcast(self._buffers[index % 2][: _bucket_used(landing.plan, index)], index)
+            pending, self._pending = self._pending, (posted, announced.checksum)
+            if pending is not None:
+                self._land(pending, landing)
         except BaseException as exc:
             self._forget(exc)
             raise
-
-    def _receive(self, index: int, landing: Landing) -> None:
-        member = self._member
-        if member is None:
-            raise ProtocolError("no process group was formed for this sync", transport="collective")
-        announced = next_message(self.link, self.options.timeout)
-        if not isinstance(announced, BucketReady) or announced.index != index:
-            raise ProtocolError(
-                f"expected BucketReady for bucket {index}, got {announced!r}"[:200],
-                transport="collective",
-                version=landing.version,
-                bucket=index,
-            )
-        posted = member.broadcast(self._buffers[index % 2][: _bucket_used(landing.plan, index)], index)
-        pending, self._pending = self._pending, (posted, announced.checksum)
-        if pending is not None:
-            self._land(pending, landing)
 
     def finish(self, landing: Landing) -> None:
         pending, self._pending = self._pending, None

@@ -108,8 +108,6 @@ class SenderChannel:
 
     Args:
         scheme: the transport's name (for errors).
-        open_link: opens a link to an address, bounded by a timeout.
-        timeout: seconds any single wait may last.
         auth_token: the shared token receivers must prove, or None.
     """
 
@@ -127,11 +125,10 @@ class SenderChannel:
         """Each receiver's last `Accept.lends`."""
         self._acked: dict[str, int] = {}
         """The credit window: the last bucket of this sync each receiver acked (`BucketDone`)."""
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
-        self._old_pools: list[ThreadPoolExecutor] = []
-        """Pools outgrown while another delivery may still use them (a sharded push's
-        deliveries share this channel from several threads): shut down on close."""
+        self._pools: list[tuple[int, ThreadPoolExecutor]] = []
+        """The pools of parallel sends, by size, the largest last: one outgrown may still serve
+        another delivery (a sharded push's deliveries share this channel from several threads),
+        so each is shut down on close only."""
         self._pool_lock = threading.Lock()
         self.sender_id = f"{socket.gethostname()}:{id(self):x}"
 
@@ -268,8 +265,7 @@ class SenderChannel:
 
     def expect(self, address: str, kind: type[M], deadline: float) -> M:
         """The next message from `address`, which must be a `kind`; a `Failed` raises RemoteError."""
-        link = self._links[address]
-        message = self._inboxes[address].get(deadline, link)
+        message = self.reply(address, deadline)
         if not isinstance(message, kind):
             raise ProtocolError(
                 f"expected {getattr(kind, '__name__', 'a message')}, got {type(message).__name__}",
@@ -311,12 +307,10 @@ class SenderChannel:
         return error
 
     def closed(self, address: str, timeout: float) -> bool:
-        """Wait up to `timeout` for the receiver's link to close; whether it did."""
         inbox = self._inboxes.get(address)
         return inbox is not None and inbox.closed.wait(timeout)
 
     def reason(self, address: str) -> RemoteError | None:
-        """The failure the receiver reported before its link closed, if it sent one."""
         inbox = self._inboxes.get(address)
         return inbox.reason() if inbox is not None else None
 
@@ -338,19 +332,16 @@ class SenderChannel:
         for address in list(self._links):
             self.drop(address)
         with self._pool_lock:
-            pools = [*self._old_pools, *([self._pool] if self._pool is not None else [])]
-            self._pool, self._pool_size, self._old_pools = None, 0, []
-        for pool in pools:
+            pools, self._pools = self._pools, []
+        for _, pool in pools:
             pool.shutdown(wait=True)
 
     def _executor(self, size: int) -> ThreadPoolExecutor:
         with self._pool_lock:
-            if self._pool is None or self._pool_size < size:
-                if self._pool is not None:
-                    self._old_pools.append(self._pool)
-                self._pool = ThreadPoolExecutor(size, thread_name_prefix=f"weightsync-{self.scheme}-send")
-                self._pool_size = size
-            return self._pool
+            if not self._pools or self._pools[-1][0] < size:
+                pool = ThreadPoolExecutor(size, thread_name_prefix=f"weightsync-{self.scheme}-send")
+                self._pools.append((size, pool))
+            return self._pools[-1][1]
 
 
 # --- the receiver's reads -----------------------------------------------------------------------

@@ -261,11 +261,8 @@ class DeviceSendPlane(SendPlane):
         for device in {held[entry.tensor].device for entry in shared.tensors}:
             torch.cuda.synchronize(device)  # the source's last writes land before any receiver reads
         failures = self._ring.prepare(plan, live) if len(self._quiet) < len(plan.buckets) else {}
-
-        def send(address: str, link: Link) -> None:
-            link.send(shared, self.options.timeout)
-
-        return failures | self.channel.each([address for address in live if address not in failures], send)
+        ready = [address for address in live if address not in failures]
+        return failures | self.channel.each(ready, lambda address, link: link.send(shared, self.options.timeout))
 
     def begin(self, plan: Plan, accepted: Sequence[str]) -> Failures:
         return self._ring.begin(plan, accepted)
@@ -276,11 +273,7 @@ class DeviceSendPlane(SendPlane):
         if hashes is None:
             return {}  # the receivers read its tensors when the sync began
         message = BucketReady(index, hashes.bucket([item.piece for item in items], [read_back(i) for i in items]))
-
-        def notify(address: str, link: Link) -> None:
-            link.send(message, self.options.timeout)
-
-        return self.channel.each(live, notify)
+        return self.channel.each(live, lambda address, link: link.send(message, self.options.timeout))
 
     def finish(self, live: Sequence[str]) -> Failures:
         return self._ring.finish(live)

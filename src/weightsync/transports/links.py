@@ -12,6 +12,7 @@ once, whatever carries it. A listener runs `serve(link)` on a thread of its own 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import secrets
 import socket
@@ -134,7 +135,6 @@ class SocketListener:
         else:
             self.address = f"{scheme}://{f'[{name[0]}]' if ':' in name[0] else name[0]}:{name[1]}"
         self._threads = _Threads(scheme)
-        self._links: set[Connection] = set()
 
     def start(self, serve: Serve) -> None:
         self._threads.spawn(self._accept_loop, "accept", serve)
@@ -145,30 +145,13 @@ class SocketListener:
                 sock, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            conn = Connection(sock, self.scheme, self.messages)
-            with self._threads.lock:
-                self._links.add(conn)
-            self._threads.spawn(self._serve_one, "conn", serve, conn)
-
-    def _serve_one(self, serve: Serve, conn: Connection) -> None:
-        try:
-            serve(conn)
-        finally:
-            with self._threads.lock:
-                self._links.discard(conn)
-            conn.close()
+            self._threads.serve(serve, Connection(sock, self.scheme, self.messages))
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._sock.close()
-        with self._threads.lock:
-            links = list(self._links)
-        for link in links:
-            link.close()
-        self._threads.join(self.timeout)
+        self._threads.close(self.timeout)
 
 
 def _unix_listener(scheme: str) -> socket.socket:
@@ -192,23 +175,42 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
 
 
 class _Threads:
-    """The threads a listener started, joined (with a bound) when it closes."""
+    """The threads a listener started and the links they serve: the links closed and the
+    threads joined (with a bound) when it closes."""
 
     def __init__(self, scheme: str) -> None:
         self.scheme = scheme
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._links: set[Link] = set()
 
     def spawn(self, target: Callable[..., None], role: str, *args: object) -> None:
         thread = threading.Thread(target=target, args=args, daemon=True, name=f"weightsync-{self.scheme}-{role}")
-        with self.lock:
+        with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
-    def join(self, timeout: float) -> None:
-        """Wait for every thread (a sync in flight aborts, and tells its sink, before this returns)."""
-        with self.lock:
-            threads = list(self._threads)
+    def serve(self, serve: Serve, link: Link) -> None:
+        """Run `serve(link)` on a thread of its own, and close the link when it returns."""
+        with self._lock:
+            self._links.add(link)
+        self.spawn(self._serve_one, "conn", serve, link)
+
+    def _serve_one(self, serve: Serve, link: Link) -> None:
+        try:
+            serve(link)
+        finally:
+            with self._lock:
+                self._links.discard(link)
+            link.close()
+
+    def close(self, timeout: float) -> None:
+        """Close every link, and wait for every thread (a sync in flight aborts, and tells its
+        sink, before this returns)."""
+        with self._lock:
+            links, threads = list(self._links), list(self._threads)
+        for link in links:
+            link.close()
         deadline = time.monotonic() + timeout
         for thread in threads:
             if thread is not threading.current_thread():
@@ -313,7 +315,6 @@ class InprocListener:
         self.address = f"{scheme}://{secrets.token_hex(8)}"
         self._serve: Serve | None = None
         self._threads = _Threads(scheme)
-        self._links: list[QueueLink] = []
 
     def start(self, serve: Serve) -> None:
         self._serve = serve
@@ -323,25 +324,12 @@ class InprocListener:
         serve = self._serve
         if serve is None:
             raise ConnectError(f"receiver {self.address} is not listening", transport=self.scheme)
-        with self._threads.lock:
-            self._links.append(link)
-        self._threads.spawn(self._serve_one, "conn", serve, link)
-
-    @staticmethod
-    def _serve_one(serve: Serve, link: QueueLink) -> None:
-        try:
-            serve(link)
-        finally:
-            link.close()
+        self._threads.serve(serve, link)
 
     def close(self) -> None:
         _LISTENING.pop(self.address, None)
         self._serve = None
-        with self._threads.lock:
-            links, self._links = self._links, []
-        for link in links:
-            link.close()
-        self._threads.join(self.timeout)
+        self._threads.close(self.timeout)
 
 
 def connect_inproc(address: str, scheme: str, timeout: float) -> QueueLink:

@@ -40,7 +40,7 @@ from weightsync.checksum import SyncHashes
 from weightsync.errors import ProtocolError, TransferTimeout, TransportError, WeightSyncError
 from weightsync.messages import BucketReady, Plan
 from weightsync.pack import BucketItem, pack_bucket, piece_bytes
-from weightsync.transports.base import Channel, Failures, Link, PlaneOptions, SendPlane, TransportSpec, fail_all
+from weightsync.transports.base import Channel, Failures, Link, PlaneOptions, SendPlane, TransportSpec
 from weightsync.transports.nixl_agent import (
     NixlAgent,
     Region,
@@ -55,16 +55,7 @@ from weightsync.transports.nixl_agent import (
 from weightsync.transports.nixl_receive import COLLAPSE_SHARE, PROGRESS_S, NixlReceivePlane, NixlTarget, NixlWrites
 from weightsync.transports.ring import MAX_SLOTS
 
-__all__ = [
-    "NixlTarget",
-    "NixlWrites",
-    "SPEC",
-    "NixlAgent",
-    "NixlReceivePlane",
-    "NixlSendPlane",
-    "live_registrations",
-    "require_nixl",
-]
+__all__ = ["SPEC", "NixlSendPlane", "live_registrations"]
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +184,7 @@ class NixlSendPlane(SendPlane):
             if self._agent is None:
                 self._agent = NixlAgent("sender")  # before the offer: its start-up is not the receivers' wait
         except WeightSyncError as exc:
-            return fail_all(live, exc)
+            return dict.fromkeys(live, exc)
         self._forget_gone()
         self._release_stranded(0.0)
         previous, current = self._sources

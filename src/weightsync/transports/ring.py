@@ -67,7 +67,6 @@ class SendRing(Protocol):
 
     def announcement(self) -> Message:
         """What tells a receiver how to open this ring."""
-        ...
 
     def write(
         self, slot: int, items: Sequence[BucketItem], *, readback: bool, staged: Mapping[int, int]
@@ -75,11 +74,9 @@ class SendRing(Protocol):
         """Pack `items` into slot `slot`, those of the tensors in `staged` into the staging area
         instead (at the tensor's offset there, `staging_layout`), ready for other processes to
         read; with `readback`, returns their bytes in host memory (for checksums)."""
-        ...
 
     def unlink(self) -> None:
         """Remove the names others open the ring by; the slots stay usable."""
-        ...
 
     def close(self) -> None: ...
 
@@ -95,7 +92,6 @@ class ReceiveRing(Protocol):
     def read(self, slot: int, pieces: Sequence[Piece], landing: Landing, staged: Mapping[int, int]) -> None:
         """Land `pieces` out of slot `slot`, those of the tensors in `staged` out of the staging
         area (at the tensor's offset there); the slot may be overwritten once this returns."""
-        ...
 
     def close(self) -> None: ...
 
@@ -179,11 +175,8 @@ class RingSendPlane(SendPlane):
         views = ring.write(slot, items, readback=hashes is not None, staged=staged)
         checksum = hashes.bucket([item.piece for item in items], views) if hashes is not None else 0
         message = BucketReady(index, checksum, slot)
-
-        def notify(address: str, link: Link) -> None:
-            link.send(message, self.options.timeout)
-
-        return failures | self.channel.each([a for a in live if a not in failures], notify)
+        ready = [address for address in live if address not in failures]
+        return failures | self.channel.each(ready, lambda address, link: link.send(message, self.options.timeout))
 
     def abort(self) -> None:
         self._unlink()

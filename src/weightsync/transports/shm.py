@@ -16,6 +16,7 @@ A segment created by a process that died before unlinking is reaped by the next 
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -77,10 +78,8 @@ def reap_stale_segments() -> list[str]:
 
 def _unlink(names: list[str]) -> None:
     for name in names:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            pass
 
 
 class ShmRing:
@@ -107,13 +106,6 @@ class ShmRing:
         self.slots = regions[:num_slots]
         self.staging = regions[num_slots] if staging_bytes else np.empty(0, dtype=np.uint8)
 
-    def pin(self) -> None:
-        """Page-lock the slots, so that CUDA tensors are packed into them by DMA."""
-        self.pinned = hostpin.pin_all(self._regions())
-
-    def _regions(self) -> list[np.ndarray]:
-        return [*self.slots, self.staging] if self.staging.size else list(self.slots)
-
     def announcement(self) -> Message:
         """What tells a receiver how to map this ring."""
         num_slots = len(self.slots)
@@ -125,7 +117,7 @@ class ShmRing:
     ) -> list[np.ndarray]:
         """Pack `items` into slot `slot` (or the staging area); returns their bytes there (for checksums)."""
         if self.pinned is None and any(item.tensor.is_cuda for item in items):
-            self.pin()
+            self.pinned = hostpin.pin_all(_regions(self))  # CUDA tensors are then packed by DMA
         views = []
         for item in items:
             piece, start = item.piece, staged.get(item.piece.tensor)
@@ -163,7 +155,7 @@ class ShmRing:
     def close(self) -> None:
         self.unlink()
         if self.pinned:
-            hostpin.unpin_all(self._regions())
+            hostpin.unpin_all(_regions(self))
             self.pinned = None
         self.slots = []
         self.staging = np.empty(0, dtype=np.uint8)
@@ -184,16 +176,10 @@ class MappedRing:
         self.pinned: bool | None = None
         """Page-locked for CUDA: None until a bucket bound for a device arrives, then whether it worked."""
 
-    def _regions(self) -> list[np.ndarray]:
-        return [*self.slots, self.staging] if self.staging.size else list(self.slots)
-
-    def pin(self) -> None:
-        self.pinned = hostpin.pin_all(self._regions(), read_only=True)
-
     def read(self, slot: int, pieces: Sequence[Piece], landing: Landing, staged: Mapping[int, int]) -> None:
         """Land `pieces` out of slot `slot` (or the staging area)."""
         if self.pinned is None and any(landing.routes[piece.tensor] == "device" for piece in pieces):
-            self.pin()
+            self.pinned = hostpin.pin_all(_regions(self), read_only=True)
         out = self.slots[slot]
         for piece in pieces:
             start = staged.get(piece.tensor)
@@ -206,7 +192,7 @@ class MappedRing:
 
     def close(self) -> None:
         if self.pinned:
-            hostpin.unpin_all(self._regions())
+            hostpin.unpin_all(_regions(self))
         self.slots = []
         self.staging = np.empty(0, dtype=np.uint8)
         _unmap(self._maps)
@@ -234,14 +220,16 @@ def open_ring(message: Message, options: PlaneOptions) -> MappedRing | None:
     return ring
 
 
+def _regions(ring: ShmRing | MappedRing) -> list[np.ndarray]:
+    return [*ring.slots, ring.staging] if ring.staging.size else list(ring.slots)
+
+
 def _unmap(maps: list[mmap.mmap]) -> None:
     for region in maps:
-        try:
+        # A view of the slot may still be alive (held by the traceback of the error that ended
+        # a sync); the mapping goes when that view is collected. The names are unlinked.
+        with contextlib.suppress(BufferError):
             region.close()
-        except BufferError:
-            # A view of the slot is still alive (held by the traceback of the error that ended
-            # a sync); the mapping goes when that view is collected. The names are unlinked.
-            pass
 
 
 def _map_readonly(name: str, size: int) -> mmap.mmap:

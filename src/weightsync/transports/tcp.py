@@ -55,7 +55,9 @@ class SocketSendPlane(SendPlane):
         """Streams a bucket while this thread packs it (`_pack_while_sending`)."""
 
     def send(self, index: int, items: list[BucketItem], live: Sequence[str], hashes: SyncHashes | None) -> Failures:
-        plain = [self._view_of(item) for item in items]
+        plain = [
+            piece_bytes(item.tensor, item.wire_dtype, item.piece.tensor_offset, item.piece.nbytes) for item in items
+        ]
         if any(view is None for view in plain):
             self._reserve(items)
             if hashes is None:
@@ -92,7 +94,9 @@ class SocketSendPlane(SendPlane):
         """Pack the bucket chunk by chunk on this thread while another sends what is packed
         (`plain`: each piece's bytes where they need no packing)."""
         packed = _Packed(self.options.timeout)
-        sending = self._sending_thread.submit(self._send_bucket, index, items, live, 0, packed.chunks)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-tcp-send")
+        sending = self._thread.submit(self._send_bucket, index, items, live, 0, packed.chunks)
         try:
             for item, view in zip(items, plain, strict=True):
                 if view is not None:
@@ -107,20 +111,10 @@ class SocketSendPlane(SendPlane):
         packed.stop()
         return sending.result()
 
-    @property
-    def _sending_thread(self) -> ThreadPoolExecutor:
-        if self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsync-tcp-send")
-        return self._thread
-
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
-
-    def _view_of(self, item: BucketItem) -> np.ndarray | None:
-        piece = item.piece
-        return piece_bytes(item.tensor, item.wire_dtype, piece.tensor_offset, piece.nbytes)
 
     def _reserve(self, items: list[BucketItem]) -> None:
         """Scratch for every piece of `items` that must be packed, at its bucket offset."""
@@ -160,14 +154,11 @@ class _Packed:
             self._done, self._failed = True, failed
             self._ready.notify_all()
 
-    def _more(self, sent: int) -> bool:
-        return self._done or len(self._chunks) > sent
-
     def chunks(self) -> Iterator[np.ndarray]:
         sent = 0
         while True:
             with self._ready:
-                if not self._ready.wait_for(lambda: self._more(sent), self._timeout):  # noqa: B023
+                if not self._ready.wait_for(lambda: self._done or len(self._chunks) > sent, self._timeout):  # noqa: B023
                     raise TransferTimeout(f"packing gave nothing for {self._timeout:g} s")
                 if self._failed:
                     raise ProtocolError("the sender failed while packing this bucket")
