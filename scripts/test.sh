@@ -60,8 +60,11 @@ if [[ -n "$side" ]]; then
 fi
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"  # NIXL's UCX stays on loopback
 .venv/bin/pytest -q --durations=25 "$@"  # the slowest tests, to keep the run short
-# The nixl tests again over UCX's tcp transport, the path a host pair without RDMA takes (the run
-# above used UCX's default, shared memory). Exit status 5: the arguments selected no nixl test.
+# The transport's own nixl tests (contract, wire, faults) again over UCX's tcp transport, the path a
+# host pair without RDMA takes (the run above used UCX's default, shared memory); the engines' nixl
+# cases move weights through the same transport code, so they run once. Arguments replace the paths.
+# Exit status 5: the arguments selected no nixl test.
 if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
+    (($#)) || set -- tests/transports tests/unit/test_wire.py tests/test_failures.py
     UCX_TLS=tcp .venv/bin/pytest -q -k nixl "$@" || [[ $? -eq 5 ]]
 fi

@@ -42,12 +42,12 @@ def serve_command(model: Path, engine: str) -> list[str]:
     return [sys.executable, "-m", "weightsync", "serve", "--engine", engine, "--model", str(model), "--port", "0"]
 
 
-def start_server(model: Path, engine: str) -> ChildProcess:
+def start_server(model: Path, engine: str, log_path: Path | None = None) -> ChildProcess:
     """`weightsync serve` as a terminal starts it: SIGINT at its default, even where this run is a
     background job (which ignores SIGINT, and so would its children: Ctrl-C could not reach them)."""
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        return ChildProcess(serve_command(model, engine), env=os.environ | ENV)
+        return ChildProcess(serve_command(model, engine), env=os.environ | ENV, log_path=log_path)
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -65,15 +65,24 @@ def stop(server: ChildProcess, signum: int, footprints: Footprints) -> tuple[int
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["term", "int"])
-def test_a_stopped_server_leaves_nothing(tiny_models: dict[str, Path], engine: str, signum: int) -> None:
+def test_a_stopped_server_leaves_nothing(
+    tiny_models: dict[str, Path], engine: str, signum: int, tmp_path: Path
+) -> None:
+    """Ctrl-C is one line and status 130, SIGTERM a clean stop (status 0); neither a traceback."""
     footprints = Footprints()
-    server = start_server(tiny_models["qwen2"], engine)
+    server = start_server(tiny_models["qwen2"], engine, tmp_path / "stderr.log")
     try:
         assert server.wait_for_line(ANNOUNCEMENT, START_S), server.why_not_started("the server", START_S)
         status, shm, tmp = stop(server, signum, footprints)
     finally:
         server.close()
-    assert status == (0 if signum == signal.SIGTERM else 130)
+    stderr = (tmp_path / "stderr.log").read_text()
+    assert status == (0 if signum == signal.SIGTERM else 130), stderr
+    assert "Traceback" not in stderr and "weightsync serve: terminated" not in stderr, stderr
+    if signum == signal.SIGINT:  # vLLM's processes may log after it as they exit: weightsync's last line
+        last = "weightsync serve: interrupted"
+        ours = [line for line in stderr.strip().splitlines() if line.startswith("weightsync")]
+        assert ours[-1] == last and (engine == "vllm" or stderr.strip().splitlines()[-1] == last), stderr
     assert (shm, tmp) == (set(), set()), (footprints.shm, footprints.tmp)
     if engine == "vllm":  # it did make things: the check above had something to check
         assert footprints.shm and footprints.tmp, (footprints.shm, footprints.tmp)

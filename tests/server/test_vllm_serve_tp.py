@@ -105,6 +105,14 @@ def expected(model_dir: Path) -> list[int]:
     return _generate(model_dir)
 
 
+@pytest.fixture(scope="module")
+def qwen2_shm(model_dir: Path) -> Iterator[tuple[Served, contextlib.ExitStack]]:
+    """One qwen2 server over shm for the bit-exact test over shm and the killed-worker fault after
+    it, which ends it (closing the stack)."""
+    with contextlib.ExitStack() as stack:
+        yield stack.enter_context(serving(model_dir, "shm")), stack
+
+
 def _generate(model_dir: Path) -> list[int]:
     """transformers' greedy tokens for PROMPT from the checkpoint in `model_dir`."""
     from transformers import AutoModelForCausalLM
@@ -115,38 +123,51 @@ def _generate(model_dir: Path) -> list[int]:
     return out[0, len(PROMPT) :].tolist()
 
 
-@pytest.mark.parametrize(("kind", "transport"), [("qwen2", "shm"), ("qwen2", "tcp"), ("qwen3_moe", "shm")])
+def _lands_bit_exact(served: Served, model_dir: Path) -> None:
+    """Two pushes land on both workers, bit-exact, and it serves what transformers generates."""
+    checkpoint = load_file(str(model_dir / "model.safetensors"))  # the MoE's: one tensor per expert
+    expected = _generate(model_dir)
+    info = served.http.get("/weight_info").json()
+    assert info["workers"] == 2 and len(served.addresses) == 2 and info["addresses"] == served.addresses
+    assert served.greedy().status_code == 503  # nothing pushed yet
+    with WeightSender(served.addresses, timeout=WAIT_S, verify="bucket") as sender:
+        for version, weights in ((1, {n: t * 0.5 for n, t in checkpoint.items()}), (2, checkpoint)):
+            report = sender.push(weights, version)
+            assert report.ok, report.failed
+            assert served.http.get("/weight_info").json()["content_digest"] == source_digest(weights)
+    answer = served.greedy().json()
+    assert answer["weight_version"] == 2 and answer["choices"][0]["token_ids"] == expected
+
+
+@pytest.mark.parametrize(("kind", "transport"), [("qwen2", "tcp"), ("qwen3_moe", "shm")])
 def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_generates(
-    tiny_models: dict[str, Path], tmp_path: Path, kind: str, transport: str, capsys: pytest.CaptureFixture[str]
+    tiny_models: dict[str, Path], tmp_path: Path, kind: str, transport: str
 ) -> None:
     model_dir = tiny_models.get(kind) or tmp_path / kind
     if kind not in tiny_models:
         save_model(kind, model_dir)
-    checkpoint = load_file(str(model_dir / "model.safetensors"))  # the MoE's: one tensor per expert
-    expected = _generate(model_dir)
     with serving(model_dir, transport, log=tmp_path / "server.log") as served:
-        info = served.http.get("/weight_info").json()
-        assert info["workers"] == 2 and len(served.addresses) == 2 and info["addresses"] == served.addresses
-        assert served.greedy().status_code == 503  # nothing pushed yet
-        with WeightSender(served.addresses, timeout=WAIT_S, verify="bucket") as sender:
-            for version, weights in ((1, {n: t * 0.5 for n, t in checkpoint.items()}), (2, checkpoint)):
-                report = sender.push(weights, version)
-                assert report.ok, report.failed
-                assert served.http.get("/weight_info").json()["content_digest"] == source_digest(weights)
-        answer = served.greedy().json()
-        assert answer["weight_version"] == 2 and answer["choices"][0]["token_ids"] == expected
-        if (kind, transport) == ("qwen2", "shm"):  # the CLI says one line per server, not one per worker
-            capsys.readouterr()
-            assert cli.main(["push", "--model", str(model_dir), "--to", served.url, "--timeout", str(WAIT_S)]) == 0
-            out = capsys.readouterr().out.strip().splitlines()
-            assert out[0] == f"{served.url}: committed version 3" and len(out) == 2, out
-            assert out[1].startswith("version 3: committed on 1 of 1 servers"), out
-            sent = served.http.get("/weight_info").json()["last_sync"]["bytes"]
-            assert sent <= 0.6 * sum(t.nbytes for t in checkpoint.values()), "a worker gets its boxes, read as slices"
+        _lands_bit_exact(served, model_dir)
     log = (tmp_path / "server.log").read_text()  # the server's stderr, its stop included
-    versions = [1, 2, 3] if (kind, transport) == ("qwen2", "shm") else [1, 2]
-    assert re.findall(r"sync of version (\d+) committed on 2 worker", log) == [str(v) for v in versions], log[-4000:]
+    assert re.findall(r"sync of version (\d+) committed on 2 worker", log) == ["1", "2"], log[-4000:]
     assert "leaked shared_memory" not in log, log[-4000:]
+
+
+def test_two_workers_land_every_push_over_shm_and_the_cli_says_one_line_per_server(
+    qwen2_shm: tuple[Served, contextlib.ExitStack],
+    model_dir: Path,
+    checkpoint: dict[str, torch.Tensor],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    served = qwen2_shm[0]
+    _lands_bit_exact(served, model_dir)
+    capsys.readouterr()
+    assert cli.main(["push", "--model", str(model_dir), "--to", served.url, "--timeout", str(WAIT_S)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0] == f"{served.url}: committed version 3" and len(out) == 2, out
+    assert out[1].startswith("version 3: committed on 1 of 1 servers"), out
+    sent = served.http.get("/weight_info").json()["last_sync"]["bytes"]
+    assert sent <= 0.6 * sum(t.nbytes for t in checkpoint.values()), "a worker gets its boxes, read as slices"
 
 
 @pytest.mark.fault(
@@ -155,9 +176,13 @@ def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_gener
     "/health names the engine failed",
 )
 def test_a_worker_killed_mid_sync_leaves_the_previous_version_or_503s(
-    model_dir: Path, checkpoint: dict[str, torch.Tensor], expected: list[int], observe: Any
+    qwen2_shm: tuple[Served, contextlib.ExitStack],
+    checkpoint: dict[str, torch.Tensor],
+    expected: list[int],
+    observe: Any,
 ) -> None:
-    with serving(model_dir, "shm") as served:
+    served, stack = qwen2_shm
+    with stack:  # the server ends with this test
         with WeightSender(served.addresses, timeout=WAIT_S, bucket_bytes=1 << 16) as sender:
             assert sender.push(checkpoint, 1).ok
             gate, reports, errors = threading.Event(), [], []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 from weightsync.serving.control import SyncControl
@@ -101,7 +102,8 @@ def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:
     assert not gated("GET", "/v1/models")
 
 
-def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
+def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it(tmp_path: Path) -> None:
+    from weightsync.serving.config import ServeConfig
     from weightsync.serving.http import Face
 
     reached, sent = [], []
@@ -117,11 +119,14 @@ def test_a_websocket_without_the_token_is_closed_before_vllm_sees_it() -> None:
 
     async def both() -> None:
         control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=1)  # type: ignore[arg-type]
-        face = Face(app, control=control, token="t", open_generation=False, ready_timeout=0.0, request_limit=1 << 20)
+        (tmp_path / "config.json").write_text("{}")
+        token = "t" * 16  # ServeConfig's shortest
+        config = ServeConfig(model=str(tmp_path), auth_token=token, ready_timeout=0.0, max_request_bytes=1 << 20)
+        face = Face(app, control, config)
         scope = {"type": "websocket", "path": "/v1/realtime", "headers": []}
         await face(scope, receive, send)
         assert reached == [] and sent == [{"type": "websocket.close", "code": 1008}]
-        await face(scope | {"headers": [(b"authorization", b"Bearer t")]}, receive, send)
+        await face(scope | {"headers": [(b"authorization", f"Bearer {token}".encode())]}, receive, send)
         assert reached == ["/v1/realtime"]
 
     asyncio.run(both())

@@ -41,18 +41,13 @@ def describe(exc: BaseException, command: str) -> tuple[int, str]:
         return USAGE, one_line(exc)
     if isinstance(exc, ImportError):
         return FAILED, missing_package(exc, command)
-    if refused_token(exc):
+    if isinstance(exc, AuthError) or (isinstance(exc, ServerError) and exc.status in (401, 403)):  # refused the token
         return FAILED, f"{one_line(exc)} (give the servers' token with --auth-token or ${TOKEN_ENV})"
     if isinstance(exc, (WeightSyncError, OSError)):
         return FAILED, one_line(exc)
     program, _, subcommand = command.partition(" ")
     again = " ".join(filter(None, [program, "--traceback", subcommand]))
     return FAILED, f"unexpected {type(exc).__name__}: {one_line(exc)} ({again} ... shows where)"
-
-
-def refused_token(exc: BaseException) -> bool:
-    """A server or peer refused us for a missing or wrong auth token."""
-    return isinstance(exc, AuthError) or (isinstance(exc, ServerError) and exc.status in (401, 403))
 
 
 def missing_package(exc: ImportError, command: str) -> str:

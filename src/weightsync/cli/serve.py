@@ -6,6 +6,7 @@ weightsync serve --engine hf --model DIR --load-format dummy --port 8000 --trans
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -151,28 +152,17 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
     from weightsync.serving.background import bind
     from weightsync.serving.config import ServeConfig
     from weightsync.serving.engines import engine_adapter
-    from weightsync.serving.foreground import Ready
+    from weightsync.serving.foreground import Ready, ServeOptions
 
+    # every field of ServeConfig but the receiver's is the flag of its name
+    flags = {
+        field.name: getattr(args, field.name) for field in dataclasses.fields(ServeConfig) if field.name != "receiver"
+    }
     config = ServeConfig(
-        model=args.model,
-        engine=args.engine,
-        load_format=args.load_format,
-        transport=args.transport,
+        **(flags | {"auth_token": auth_token(args)}),
         receiver=ReceiverOptions(
             host=args.receiver_host, port=args.receiver_port, timeout=args.sync_timeout, verify=args.verify
         ),
-        sync_mode=args.sync_mode,
-        ready_timeout=args.ready_timeout,
-        drain_timeout=args.drain_timeout,
-        served_model_name=args.served_model_name,
-        auth_token=auth_token(args),
-        allow_unauthenticated_generation=args.allow_unauthenticated_generation,
-        host=args.host,
-        staged=args.staged,
-        max_request_bytes=args.max_request_bytes,
-        chat_template=args.chat_template,
-        max_lora_rank=args.max_lora_rank,
-        lora_versions=args.lora_versions,
     )
     if config.engine == "vllm":
         from weightsync.serving.vllm.noise import quiet_vllm
@@ -204,11 +194,13 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
             adapter.serve(
                 config,
                 sock,
-                extra_args=extra,
-                announce=announce,
-                log_level=args.log_level,
-                note=footprint.note,
-                shutdown_timeout=ENGINE_SHUTDOWN_S,  # then the footprint ends what is left of the engine
+                ServeOptions(
+                    extra,
+                    announce,
+                    args.log_level,
+                    note=footprint.note,
+                    shutdown_timeout=ENGINE_SHUTDOWN_S,  # then the footprint ends what is left of the engine
+                ),
             )
         )
     finally:

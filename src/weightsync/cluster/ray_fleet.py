@@ -136,7 +136,6 @@ class Placement:
     max_restarts: int = 0
 
     def actor_options(self) -> dict[str, Any]:
-        """Ray's `.options()` for a server actor."""
         options = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         # While Ray restarts a server, calls to it wait for the new process instead of failing,
         # so a restarting server is re-learned, not dropped.
@@ -272,8 +271,6 @@ class RolloutFleet:
             return self._checked(FleetReport(report, dropped | died, joined, addresses))
 
     def _checked(self, report: FleetReport) -> FleetReport:
-        """`report`, or SyncFailed carrying it when a live server did not commit (and the fleet
-        raises on failure)."""
         if self._raise_on_failure and not report.ok:
             live = [o for o in report.sync.outcomes if o.address not in report.dropped_addresses]
             raise SyncFailed(dataclasses.replace(report.sync, outcomes=tuple(live)).failure(), report)
@@ -282,8 +279,6 @@ class RolloutFleet:
     def _drop_dead_among(self, report: SyncReport) -> dict[str, str]:
         """Servers whose push failed because they died meanwhile (killed between the check before
         the push and the push itself): dropped like those found dead before it."""
-        import ray
-
         failed = {outcome.address for outcome in report.failed}
         suspects = {
             name: self._actors[name] for name, info in self._members.items() if failed.intersection(info.addresses)
@@ -292,11 +287,17 @@ class RolloutFleet:
             return {}
         alive = self._describe(suspects)
         died = {name: "died during the push" for name in suspects if name not in alive}
-        for name in died:
-            ray.kill(self._actors.pop(name))
-            self._members.pop(name, None)
-            log.warning("fleet: dropped %s: died during the push", name)
+        for name, why in died.items():
+            self._drop(name, why)
         return died
+
+    def _drop(self, name: str, why: str) -> None:
+        """Kill member `name` (a hung one must not linger half in the fleet) and forget it."""
+        import ray
+
+        ray.kill(self._actors.pop(name))
+        self._members.pop(name, None)
+        log.warning("fleet: dropped %s: %s", name, why)
 
     def catch_up(self, source: Any) -> FleetReport | None:
         """Bring every live server that lacks the fleet's version to it, from `source`, which
@@ -330,8 +331,6 @@ class RolloutFleet:
 
     def _refresh(self) -> tuple[dict[str, str], tuple[str, ...]]:
         """Describe every member: drop the dead, re-learn the restarted (new process)."""
-        import ray
-
         described = self._describe(self._actors)
         dropped: dict[str, str] = {}
         joined = []
@@ -339,14 +338,11 @@ class RolloutFleet:
             info = described.get(name)
             if info is None:
                 dropped[name] = f"did not answer within {self._timeout} s (the actor or its node died)"
-                ray.kill(self._actors.pop(name))  # a hung one must not linger half in the fleet
-                self._members.pop(name, None)
+                self._drop(name, dropped[name])
                 continue
             if (name, info.pid) not in self._synced:
                 joined.append(name)  # new, or restarted by Ray (a new process that holds nothing)
             self._members[name] = info
-        for name, why in dropped.items():
-            log.warning("fleet: dropped %s: %s", name, why)
         self._regroup(joined)
         return dropped, tuple(joined)
 

@@ -360,8 +360,7 @@ class _LoopIterator:
     push running on another thread: the trainer's gathers stay on the thread verl runs them on."""
 
     def __init__(self, weights: Any, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        self._aiter: AsyncIterator[Named] | None = weights.__aiter__() if hasattr(weights, "__aiter__") else None
-        self._iter: Iterator[Named] | None = None if self._aiter is not None else iter(weights)
+        self._items = _items(weights)
         self._loop = loop
         self._timeout = timeout
 
@@ -380,17 +379,10 @@ class _LoopIterator:
         return item
 
     async def _step(self) -> Named | None:
-        if self._aiter is not None:
-            try:
-                name, tensor = await self._aiter.__anext__()
-            except StopAsyncIteration:
-                return None
-        else:
-            assert self._iter is not None
-            try:
-                name, tensor = next(self._iter)
-            except StopIteration:
-                return None
+        try:
+            name, tensor = await anext(self._items)
+        except StopAsyncIteration:
+            return None
         return name, _full(tensor)
 
 
@@ -416,19 +408,15 @@ async def _stage(weights: Iterable[Named] | AsyncIterator[Named]) -> list[Named]
     async for name, tensor in _items(weights):
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"verl's weights must yield (name, tensor) pairs, got {type(tensor).__name__}")
-        keep = tensor if _is_dtensor(tensor) or tensor.device.type == "cpu" else tensor.detach().to("cpu")
+        keep = tensor if hasattr(tensor, "full_tensor") or tensor.device.type == "cpu" else tensor.detach().to("cpu")
         staged.append((name, keep))
     return staged
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "full_tensor")
-
-
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on this rank: gathered if it is a DTensor shard (a collective)."""
-    if _is_dtensor(tensor):
-        return tensor.full_tensor().detach()  # type: ignore[attr-defined]
+    if hasattr(tensor, "full_tensor"):
+        return tensor.full_tensor().detach()
     return tensor.detach()
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from weightsync.errors import ResourceError
 from weightsync.serving.config import ServeConfig
 from weightsync.serving.engines import ENGINES, engine_adapter
-from weightsync.serving.foreground import Ready
+from weightsync.serving.foreground import Ready, ServeOptions
 
 if TYPE_CHECKING:
     from weightsync.serving.hf.server import RolloutServer
@@ -87,7 +87,9 @@ class BackgroundServer:
 
         async def main() -> None:
             started["loop"], started["stop"] = asyncio.get_running_loop(), asyncio.Event()
-            await adapter.serve(self.config, self._sock, announce=announce, log_level="warning", stop=started["stop"])
+            await adapter.serve(
+                self.config, self._sock, ServeOptions(announce=announce, log_level="warning", stop=started["stop"])
+            )
 
         def run() -> None:
             try:

@@ -148,9 +148,7 @@ class ServeConfig:
     @property
     def request_limit(self) -> int:
         """The largest request body accepted, in bytes."""
-        if self.max_request_bytes is not None:
-            return self.max_request_bytes
-        return default_max_request_bytes(self.model)
+        return self.max_request_bytes or default_max_request_bytes(self.model)
 
 
 def model_dtype(model_dir: str) -> str:

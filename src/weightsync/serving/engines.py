@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 from weightsync.errors import ConfigError
 
 if TYPE_CHECKING:
-    import asyncio
     import socket
 
     from weightsync.serving.config import ServeConfig
-    from weightsync.serving.foreground import Ready
+    from weightsync.serving.foreground import ServeOptions
 
 __all__ = ["ENGINES", "EngineAdapter", "EngineEntry", "engine_adapter", "require_engine"]
 
@@ -32,22 +31,9 @@ class EngineAdapter(Protocol):
         """Imports (and a heap freeze) before the port listens: the command only, not a server
         on a thread."""
 
-    async def serve(
-        self,
-        config: ServeConfig,
-        sock: socket.socket,
-        *,
-        extra_args: Sequence[str] = (),
-        announce: Callable[[Ready], None] = lambda ready: None,
-        log_level: str = "info",
-        stop: asyncio.Event | None = None,
-        note: Callable[[], None] = lambda: None,
-        shutdown_timeout: float | None = None,
-    ) -> list[int]:
-        """Serve on `sock` until SIGTERM/SIGINT or `stop` is set (serving/foreground.py):
-        `announce(Ready)` once it serves; `note()` while the engine's processes start and stop
-        (serving/footprint.py); the engine's own shutdown gets `shutdown_timeout` seconds (None:
-        as long as it takes). Returns the signals caught.
+    async def serve(self, config: ServeConfig, sock: socket.socket, options: ServeOptions) -> list[int]:
+        """Serve on `sock` until SIGTERM/SIGINT or `options.stop` is set (serving/foreground.py).
+        Returns the signals caught.
 
         Raises:
             ConfigError: the engine refused the arguments.

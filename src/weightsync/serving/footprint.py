@@ -42,7 +42,7 @@ from pathlib import Path
 
 import psutil
 
-__all__ = ["FOLDER_PREFIX", "Footprint", "end_processes", "reap", "reap_dead"]
+__all__ = ["FOLDER_PREFIX", "Footprint", "end_processes", "reap", "reap_dead", "unlink"]
 
 log = logging.getLogger(__name__)
 
@@ -102,30 +102,26 @@ class Footprint:
     def close(self) -> list[str]:
         """End every descendant, then remove the segments noted, the all-reduce's and the folder.
         Returns the /dev/shm names removed (none on a second call)."""
+        from weightsync.transports.shm import reap_stale_segments  # numpy and more: not at CLI start
+
         if not self._closing.acquire(timeout=CLOSE_WAIT_S):  # another thread is closing it
             return []
         try:
             if self._closed:
                 return []
             self._closed = True
-            return self._close()
+            with contextlib.suppress(psutil.Error):
+                self.note()
+            end_descendants(self.segments)
+            removed = _remove(self.folder, self.segments)
+            removed += reap_stale_segments()  # weightsync's own rings, of a pid of ours now gone
+            variable, tempfile.tempdir = self._previous
+            if variable is None:
+                os.environ.pop("TMPDIR", None)
+            else:
+                os.environ["TMPDIR"] = variable
         finally:
             self._closing.release()
-
-    def _close(self) -> list[str]:
-        from weightsync.transports.shm import reap_stale_segments  # numpy and more: not at CLI start
-
-        with contextlib.suppress(psutil.Error):
-            self.note()
-        end_descendants(self.segments)
-        removed = _remove(self.folder, self.segments)
-        removed += reap_stale_segments()  # weightsync's own rings, of a pid of ours now gone
-        variable, tempdir = self._previous
-        tempfile.tempdir = tempdir
-        if variable is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = variable
         if removed:
             log.info("removed %d shared-memory segments the engine left: %s", len(removed), ", ".join(removed))
         return removed
@@ -256,12 +252,18 @@ def _remove(folder: Path, segments: set[str]) -> list[str]:
         ids = {f"{entry.name}-" for entry in folder.iterdir() if RENDEZVOUS.fullmatch(entry.name)}
         if ids:
             names |= {name for name in os.listdir(SHM_DIR) if name.startswith(tuple(ids))}
+    removed = unlink(names)
+    shutil.rmtree(folder, ignore_errors=True)
+    return removed
+
+
+def unlink(names: set[str]) -> list[str]:
+    """Unlink /dev/shm `names`; returns those that were there."""
     removed = []
     for name in sorted(names):
         with contextlib.suppress(FileNotFoundError):
             (SHM_DIR / name).unlink()
             removed.append(name)
-    shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 

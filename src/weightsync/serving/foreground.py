@@ -1,15 +1,16 @@
 """A rollout server's port served until it is stopped, the same way for every engine adapter.
 
     http_server(app, log_level)   uvicorn without its own signal handling
-    stopped_by_signals(http)      SIGTERM and SIGINT stop it gracefully; yields the signals caught
-    stop_on(event, http)          a `stop` event (a BackgroundServer's close) stops it too
+    stopped_by_signals(http, stop)  SIGTERM and SIGINT stop it gracefully, and so does `stop`
+                                  (a BackgroundServer's close); yields the signals caught
     Ready                         what an adapter's `serve` announces once it serves
+    ServeOptions                  how the caller runs an adapter's `serve`
     EngineThread                  an engine built, and later shut down, on a thread of its own
     serve_engine(...)             the whole of an adapter's `serve` for an engine in processes
                                   of its own (vLLM, SGLang): the port answers while the engine
                                   builds, then the adapter's app, until stopped
 
-An engine adapter's `serve(config, sock, ...)` runs on an event loop until one of those stops it,
+An engine adapter's `serve(config, sock, options)` runs on an event loop until one of those stops it,
 and returns the signals caught: the command turns a SIGINT into the exit status of Ctrl-C (130),
 a SIGTERM, how a server is stopped, into 0.
 """
@@ -23,12 +24,12 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
 
-from weightsync.serving.config import Health
+from weightsync.serving.config import Health, ServeConfig
 from weightsync.serving.http import Starting
 
 __all__ = [
@@ -36,9 +37,9 @@ __all__ = [
     "EngineThread",
     "Port",
     "Ready",
+    "ServeOptions",
     "http_server",
     "serve_engine",
-    "stop_on",
     "stopped_by_signals",
 ]
 
@@ -55,6 +56,22 @@ class Ready:
 
     addresses: tuple[str, ...]
     server: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How the caller runs an adapter's `serve` (engines.EngineAdapter): the engine's own
+    arguments; `announce(Ready)` once it serves; `stop`, once set, stops it as SIGTERM does;
+    `note()` while the engine's processes start and stop (serving/footprint.py); the seconds the
+    engine's own shutdown gets (None: as long as it takes; a caller that bounds it ends what is
+    left of the engine's processes, and need not wait for a build to stop)."""
+
+    extra_args: Sequence[str] = ()
+    announce: Callable[[Ready], None] = lambda ready: None
+    log_level: str = "info"
+    stop: asyncio.Event | None = None
+    note: Callable[[], None] = lambda: None
+    shutdown_timeout: float | None = None
 
 
 class _Server(uvicorn.Server):
@@ -79,29 +96,32 @@ def http_server(app: Any, log_level: str) -> uvicorn.Server:
 
 
 @contextlib.contextmanager
-def stopped_by_signals(http: uvicorn.Server) -> Iterator[list[int]]:
-    """SIGTERM/SIGINT stop the server gracefully; yields the signals caught (none are installed
-    off the main thread: there the caller stops it, with `stop_on`)."""
+def stopped_by_signals(http: uvicorn.Server, stop: asyncio.Event | None = None) -> Iterator[list[int]]:
+    """SIGTERM/SIGINT stop the server gracefully, and so does `stop` once set; yields the signals
+    caught (none are installed off the main thread: there the caller stops it, with `stop`)."""
     loop = asyncio.get_running_loop()
     caught: list[int] = []
 
-    def stop(sig: int) -> None:
+    def on_signal(sig: int) -> None:
         caught.append(sig)
         http.should_exit = True
 
     installed = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(ValueError, RuntimeError):  # not the main thread: the caller stops us
-            loop.add_signal_handler(sig, stop, sig)
+            loop.add_signal_handler(sig, on_signal, sig)
             installed.append(sig)
+    watch = asyncio.create_task(_stop_on(stop, http)) if stop is not None else None
     try:
         yield caught
     finally:
+        if watch is not None:
+            watch.cancel()
         for sig in installed:
             loop.remove_signal_handler(sig)
 
 
-async def stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
+async def _stop_on(stop: asyncio.Event, http: uvicorn.Server) -> None:
     await stop.wait()
     http.should_exit = True
 
@@ -200,22 +220,15 @@ class Port:
 
 async def serve_engine(
     name: str,
+    config: ServeConfig,
+    sock: Any,
     build: Callable[[], Any],
     run: Callable[[Any, Port, Callable[[Ready], None]], Awaitable[None]],
-    sock: Any,
-    *,
-    loading: str,
-    announce: Callable[[Ready], None],
-    log_level: str,
-    stop: asyncio.Event | None,
-    note: Callable[[], None],
-    shutdown_timeout: float | None,
+    options: ServeOptions,
 ) -> list[int]:
-    """Serve `sock` until SIGTERM/SIGINT (or `stop`): 503 "loading engine" (`loading` says why)
-    while `build()` makes the engine on its `EngineThread`, then `run(engine, port, ready)`
-    until the port stops, then the engine's own shutdown, given `shutdown_timeout` seconds (None:
-    as long as it takes; a caller that bounds it ends what is left of the engine's processes,
-    and need not wait for a build to stop). `note()` is called while the engine's processes
+    """Serve `sock` until SIGTERM/SIGINT (or `options.stop`): 503 "loading engine" while
+    `build()` makes engine `name` on its `EngineThread`, then `run(engine, port, ready)` until the
+    port stops, then the engine's own shutdown. `note()` is called while the engine's processes
     start, once they serve (`ready`, which also announces), and before they stop. Returns the
     signals caught.
 
@@ -223,20 +236,20 @@ async def serve_engine(
         Exception: the engine could not be built, or `run` failed.
     """
     front = Starting()
-    http = http_server(front, log_level)
-    with stopped_by_signals(http) as caught:
+    http = http_server(front, options.log_level)
+    note = options.note
+    with stopped_by_signals(http, options.stop) as caught:
         port = Port(front, http, asyncio.create_task(http.serve(sockets=[sock])), caught)
-        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
         try:
-            front.health = Health(False, "loading engine", loading)
+            front.health = Health(False, "loading engine", f"loading the {config.engine} engine for {config.model}")
             owner = EngineThread(name, build, NOTE_EVERY_S)
-            engine = await owner.wait(note, port.serving if shutdown_timeout is not None else None)
+            engine = await owner.wait(note, port.serving if options.shutdown_timeout is not None else None)
             if engine is None:  # stopped while the engine loaded
                 return caught
 
             def ready(up: Ready) -> None:
                 note()  # every engine process is up: the most they map
-                announce(up)
+                options.announce(up)
 
             noting = asyncio.create_task(_note_every(note, NOTE_SERVING_S))
             try:
@@ -245,7 +258,7 @@ async def serve_engine(
             finally:
                 noting.cancel()
                 note()  # what the engine's processes map, before they go
-                owner.shutdown(shutdown_timeout)
+                owner.shutdown(options.shutdown_timeout)
         except BaseException as exc:
             front.health = Health(False, "failed", f"the server could not start: {exc}")
             raise
@@ -253,8 +266,6 @@ async def serve_engine(
             http.should_exit = True
             with contextlib.suppress(BaseException):
                 await port.serving
-            if watch is not None:
-                watch.cancel()
     return caught
 
 

@@ -145,44 +145,22 @@ def add_routes(app: FastAPI, control: SyncControl, served: Served, metrics: Call
 
 
 class Face:
-    """Auth, the body limit and the gate around an engine's app (the module docstring).
+    """Auth, the body limit and the gate around an engine's app (the module docstring), as the
+    server's `config` sets them: its token (None: an open server), whether /v1/* is admitted
+    without it, the seconds a gated request waits for a servable version, the largest body.
 
     Args:
         app: the engine's app (with its own middleware inside).
         control: the server's sync control.
-        token: the bearer token, or None for an open server.
-        open_generation: admit /v1/* without the token (--allow-unauthenticated-generation).
-        ready_timeout: seconds a gated request waits for a servable version (--ready-timeout).
-        request_limit: the largest request body, in bytes (--max-request-bytes).
+        config: the server's.
     """
 
-    def __init__(
-        self,
-        app: ASGIApp,
-        *,
-        control: SyncControl,
-        token: str | None,
-        open_generation: bool,
-        ready_timeout: float,
-        request_limit: int,
-    ) -> None:
-        self.app = BodyLimit(app, limit=request_limit, hint=" (weightsync serve --max-request-bytes)")
+    def __init__(self, app: ASGIApp, control: SyncControl, config: ServeConfig) -> None:
+        self.app = BodyLimit(app, limit=config.request_limit, hint=" (weightsync serve --max-request-bytes)")
         self.control = control
-        self.token = token
-        self.open_generation = open_generation
-        self.ready_timeout = ready_timeout
-
-    @classmethod
-    def of(cls, app: ASGIApp, control: SyncControl, config: ServeConfig) -> Face:
-        """The face `weightsync serve` puts around `app`, from its config."""
-        return cls(
-            app,
-            control=control,
-            token=config.auth_token,
-            open_generation=config.allow_unauthenticated_generation,
-            ready_timeout=config.ready_timeout,
-            request_limit=config.request_limit,
-        )
+        self.token = config.auth_token
+        self.open_generation = config.allow_unauthenticated_generation
+        self.ready_timeout = config.ready_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket" and not self._admitted(scope, scope["path"]):

@@ -20,18 +20,12 @@ from __future__ import annotations
 import contextvars
 import itertools
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from weightsync.serving.control import SyncControl
+from weightsync.serving.http import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["RECORDER", "Labeller", "Recorder", "Span", "WeightVersionMiddleware"]
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[..., Awaitable[None]]
 
 Span = dict[str, int | None]
 """{"version", "start", "end"}: output tokens [start, end) of a choice came from `version`."""

@@ -4,7 +4,7 @@ Both run the engine's own app in this process and its workers in processes of th
 own; each adapter supplies its launch (arguments, build, warm-up, app) and a `WorkerEngine`
 (the control's `Engine`, plus how a start message reaches its workers). The rest is here, once:
 
-    serve(name, config, sock, build, run, ...)    the adapter's `serve` (engines.EngineAdapter):
+    serve(name, config, sock, build, run, options)  the adapter's `serve` (engines.EngineAdapter):
                                                   the port answers while `build` runs on a
                                                   thread, the engine's processes inherit the
                                                   token (workers.start.token_inherited)
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 from weightsync.errors import ResourceError
 from weightsync.serving.config import AUTO_VERSION, Health, ServeConfig
 from weightsync.serving.control import Engine, SyncControl
-from weightsync.serving.foreground import Port, Ready, serve_engine
-from weightsync.serving.http import Face, add_routes
+from weightsync.serving.foreground import Port, Ready, ServeOptions, serve_engine
+from weightsync.serving.http import ASGIApp, Face, add_routes
 from weightsync.serving.labels import WeightVersionMiddleware
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.stats import Served
@@ -38,8 +38,6 @@ __all__ = ["WorkerEngine", "run", "serve", "start_receivers"]
 
 RPC_TIMEOUT_S = 120.0
 """Seconds starting the workers' receivers may take."""
-
-ASGIApp = Callable[..., Awaitable[None]]
 
 
 class WorkerEngine(Engine, Protocol):
@@ -65,30 +63,12 @@ async def serve(
     sock: socket.socket,
     build: Callable[[], Any],
     run: Callable[[Any, Port, Callable[[Ready], None]], Awaitable[None]],
-    *,
-    announce: Callable[[Ready], None] = lambda ready: None,
-    log_level: str = "info",
-    stop: asyncio.Event | None = None,
-    note: Callable[[], None] = lambda: None,
-    shutdown_timeout: float | None = None,
+    options: ServeOptions,
 ) -> list[int]:
-    """An adapter's `serve` (engines.EngineAdapter, for the keywords): 503s while `build()`
-    makes engine `name` on a thread, the shared token in the environment its processes start
-    in, then `run(engine, port, ready)` until the port stops (foreground.serve_engine)."""
-    loading = f"loading the {config.engine} engine for {config.model}"
+    """An adapter's `serve` (foreground.serve_engine), the shared token in the environment the
+    engine's processes start in."""
     with token_inherited(config.auth_token):
-        return await serve_engine(
-            name,
-            build,
-            run,
-            sock,
-            loading=loading,
-            announce=announce,
-            log_level=log_level,
-            stop=stop,
-            note=note,
-            shutdown_timeout=shutdown_timeout,
-        )
+        return await serve_engine(name, config, sock, build, run, options)
 
 
 async def run(
@@ -141,7 +121,7 @@ async def run(
         add_routes(app, control, served, metrics=metrics.render if route else None)
         # Wrapped around the engine's app rather than added to it: its app built its middleware
         # stack already (vLLM's build_app), and FastAPI refuses additions after that.
-        front = outer(Face.of(WeightVersionMiddleware(app, control, config.model_name), control, config))
+        front = outer(Face(WeightVersionMiddleware(app, control, config.model_name), control, config))
         try:
             async with app.router.lifespan_context(app):
                 port.front.app = front

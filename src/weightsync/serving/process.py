@@ -56,7 +56,6 @@ PARENT_GONE_GRACE_S = 5.0
 STOP_TIMEOUT_S = 10.0
 """Seconds `ChildProcess.close` waits for the child to stop, before SIGKILL."""
 
-
 STDOUT_CLOSED_EXIT_S = 5.0
 """Seconds a child whose stdout closed gets to exit, so that a caller polling `alive()` sees it end."""
 
@@ -146,8 +145,10 @@ class ChildProcess:
         return f"{head}; {where} ends: {last}" if last else f"{head}; {where} is empty"
 
     def kill(self) -> None:
-        """SIGKILL to the child and everything it started (its process group), then reap."""
-        self._kill_group()
+        """SIGKILL to the child and everything it started (its process group), then reap. Called
+        while the child is alive or unreaped, so the group id is still the child's own."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(STOP_TIMEOUT_S)
 
     def stop(self) -> None:
@@ -180,7 +181,7 @@ class ChildProcess:
 
     def _exited_within(self, timeout: float) -> bool:
         """Whether the child exits within `timeout`, leaving it unreaped (a zombie keeps its
-        process group id reserved for `_kill_group`)."""
+        process group id reserved for `kill`)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -217,12 +218,6 @@ class ChildProcess:
             else:
                 log.warning("pid %d still runs %.0f s after SIGKILL to its group", process.pid, timeout)
                 return
-
-    def _kill_group(self) -> None:
-        """SIGKILL the child's process group (its session: the child and all it started). Called
-        while the child is alive or unreaped, so the group id is still the child's own."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
 
     def _relay_stderr(self) -> None:
         """The child's stderr into its log file, or onto ours line by line until it is told to

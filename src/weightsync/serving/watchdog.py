@@ -76,11 +76,7 @@ def watch(pid: int, folder: Path) -> list[str]:
     # once the others are gone, if it is given the chance (footprint.end_processes)
     footprint.end_processes(left, END_WAIT_S)
     removed: list[str] = footprint.reap(pid, str(folder.parent))
-    for name in sorted(segments):
-        with contextlib.suppress(FileNotFoundError):
-            (footprint.SHM_DIR / name).unlink()
-            removed.append(name)
-    return removed
+    return removed + footprint.unlink(segments)
 
 
 @contextlib.contextmanager

@@ -75,7 +75,7 @@ def create_app(server: RolloutServer) -> Face:
         return await answer(lambda request_id: chat_completions(server, body, request_id), "chatcmpl")
 
     add_routes(app, server.control, server.served, metrics=server.metrics.render)
-    return Face.of(app, server.control, config)
+    return Face(app, server.control, config)
 
 
 def plain(errors: Sequence[Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -38,14 +39,12 @@ def build_model(model_dir: str | Path, load_format: LoadFormat = "dummy") -> Any
         raise ConfigError(f"{model_dir} has no config.json")
     if load_format == "auto":
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")
-    elif load_format == "dummy":
+    else:
         config = AutoConfig.from_pretrained(model_dir)
         dtype = getattr(config, "dtype", None) or torch.float32
         with no_init_weights():  # torch.empty only: pages stay untouched until a sync writes them
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.tie_weights()  # from_config leaves ties to loading, which dummy skips
-    else:
-        raise ConfigError(f"load_format must be 'dummy' or 'auto', got {load_format!r}")
     return model.eval().requires_grad_(False)
 
 
@@ -89,6 +88,9 @@ class HFEngine(StepEngine):
         self.model = build_model(model_dir, load_format)
         self._eos_ids = _eos_ids(self.model)
         self._vocab_size = self.model.get_input_embeddings().num_embeddings
+        # transformers 5.24 takes and returns the KV cache as `cache` (`past_key_values` warns
+        # there, deprecated); 5.19 as `past_key_values` only
+        self._cache = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.max_model_len: int = getattr(self.model.config, "max_position_embeddings", None) or 2048
         """Longest prompt + completion: the model's context (its max_position_embeddings)."""
         self._requests: dict[str, _Request] = {}
@@ -142,8 +144,8 @@ class HFEngine(StepEngine):
         adapter = request.adapter
         if self._lora is not None:
             self._lora.activate(None if adapter is None else adapter.engine_id)
-        out = self.model(input_ids=request.next_input, past_key_values=request.cache, use_cache=True)
-        request.cache = out.past_key_values
+        out = self.model(input_ids=request.next_input, use_cache=True, **{self._cache: request.cache})
+        request.cache = out[self._cache]
         logits = out.logits[0, -1].float()
         token = _sample(logits, request.params.temperature, request.generator)
         logprob, top = None, None

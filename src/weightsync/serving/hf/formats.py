@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from weightsync.serving.hf.generation import Delta, Output
+from weightsync.serving.hf.generation import Delta, Generation, Output
 from weightsync.serving.hf.schemas import (
     ChatChoice,
     ChatChunk,
@@ -75,26 +75,17 @@ class Format(ABC):
     def stream_choice(self, index: int, output: Output, delta: Delta, first: bool) -> BaseModel:
         """One choice's part of a chunk: what `delta` brings; `first`: the choice's first chunk."""
 
-    def response(
-        self,
-        request_id: str,
-        created: int,
-        model: str,
-        outputs: list[Output],
-        tokens: tuple[int, int],
-        version: int,
-        base_version: int | None = None,
-    ) -> Envelope:
+    def response(self, request_id: str, created: int, model: str, generation: Generation) -> Envelope:
         """The whole response (not streamed)."""
-        choices = [self.choice(index, output, output.whole()) for index, output in enumerate(outputs)]
+        outputs = generation.outputs
         return self.response_type(
             id=request_id,
             created=created,
             model=model,
-            choices=choices,
-            usage=usage(*tokens),
-            weight_version=version,
-            base_version=base_version,
+            choices=[self.choice(index, output, output.whole()) for index, output in enumerate(outputs)],
+            usage=usage(*generation.usage()),
+            weight_version=generation.weight_version,
+            base_version=generation.base_version,
         )
 
     def chunk(
@@ -111,8 +102,9 @@ class Format(ABC):
             base_version=output.base_version,
         )
 
-    def usage_chunk(self, request_id: str, created: int, model: str, tokens: tuple[int, int], version: int) -> Envelope:
+    def usage_chunk(self, request_id: str, created: int, model: str, generation: Generation) -> Envelope:
         """The last chunk of a stream that asked for usage: no choices."""
+        tokens, version = generation.usage(), generation.weight_version
         return self.chunk_type(
             id=request_id, created=created, model=model, choices=[], usage=usage(*tokens), weight_version=version
         )

@@ -86,16 +86,7 @@ async def generate(
     failed = generation.failure
     if failed is not None:  # never a 200 without output: the engine's error, with its status
         return error(failed.error_status, failed.error or "the engine failed")
-    response = fmt.response(
-        request_id,
-        created,
-        model,
-        generation.outputs,
-        generation.usage(),
-        generation.weight_version,
-        generation.base_version,
-    )
-    return JSONResponse(dump(response))
+    return JSONResponse(dump(fmt.response(request_id, created, model, generation)))
 
 
 def sampling(body: GenerationRequest, logprobs: int | None, adapter: str | None) -> Callable[[int], SamplingParams]:

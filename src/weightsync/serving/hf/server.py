@@ -47,7 +47,6 @@ FAILED_STEPS_UNHEALTHY = 3
 
 
 def build_engine(config: ServeConfig) -> StepEngine:
-    """The transformers engine `config` describes."""
     require_engine(config.engine)
     from weightsync.serving.hf.engine import HFEngine
 

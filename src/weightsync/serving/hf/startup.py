@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from weightsync.errors import ConfigError
 from weightsync.serving.config import Health, ServeConfig
 from weightsync.serving.engines import require_engine
-from weightsync.serving.foreground import Ready, http_server, stop_on, stopped_by_signals
+from weightsync.serving.foreground import Ready, ServeOptions, http_server, stopped_by_signals
 from weightsync.serving.hf.app import create_app
 from weightsync.serving.hf.server import RolloutServer
 from weightsync.serving.http import Starting
@@ -53,44 +53,31 @@ def check(config: ServeConfig, extra_args: Sequence[str] = ()) -> None:
         raise ConfigError("--engine-args are for --engine vllm")
 
 
-async def serve(
-    config: ServeConfig,
-    sock: socket.socket,
-    *,
-    extra_args: Sequence[str] = (),
-    announce: Callable[[Ready], None] = lambda ready: None,
-    log_level: str = "info",
-    stop: asyncio.Event | None = None,
-    note: Callable[[], None] = lambda: None,
-    shutdown_timeout: float | None = None,
-) -> list[int]:
-    """Serve on `sock` until SIGTERM/SIGINT (or `stop` is set): 503s while the engine builds on
-    a thread, then the app; `announce(ready)` once it serves. Returns the signals caught. The
-    engine lives in this process: there is nothing to `note`, and its close is not bounded.
+async def serve(config: ServeConfig, sock: socket.socket, options: ServeOptions) -> list[int]:
+    """Serve on `sock` until SIGTERM/SIGINT (or `options.stop` is set): 503s while the engine
+    builds on a thread, then the app. The engine lives in this process: there is nothing to
+    `note`, and its close is not bounded.
 
     Raises:
         ConfigError: engine arguments were given, or the engine cannot run the model.
     """
-    check(config, extra_args)
+    check(config, options.extra_args)
     loop = asyncio.get_running_loop()
     startup = Startup(config)
-    http = http_server(startup.front, log_level)
+    http = http_server(startup.front, options.log_level)
 
     def built() -> None:  # on the build thread
         server = startup.server
         if server is None:  # could not start: stop serving, and raise why below
             http.should_exit = True
             return
-        loop.call_soon_threadsafe(announce, Ready((server.receiver.address,), server))
+        loop.call_soon_threadsafe(options.announce, Ready((server.receiver.address,), server))
 
-    with stopped_by_signals(http) as caught:
-        watch = asyncio.create_task(stop_on(stop, http)) if stop is not None else None
+    with stopped_by_signals(http, options.stop) as caught:
         try:
             startup.start(built)
             await http.serve(sockets=[sock])
         finally:
-            if watch is not None:
-                watch.cancel()
             startup.close()
     if startup.error is not None:
         raise startup.error

@@ -54,23 +54,7 @@ async def stream(
         generation.cancel()
         metrics.requests.labels(str(failed.error_status)).inc()
         return error(failed.error_status, failed.error or "the engine failed")
-    return StreamingResponse(
-        _events(generation, fmt, created, model, include_usage, metrics, list(dict.fromkeys(started))),
-        media_type="text/event-stream",
-    )
-
-
-async def _events(
-    generation: Generation,
-    fmt: Format,
-    created: int,
-    model: str,
-    include_usage: bool,
-    metrics: ServerMetrics,
-    ready: list[int],
-) -> AsyncIterator[str]:
     request_id = generation.request_id
-    status = 200
     sent: set[int] = set()
 
     def chunk(index: int) -> str:
@@ -79,26 +63,29 @@ async def _events(
         sent.add(index)
         return event(dump(fmt.chunk(request_id, created, model, index, output, output.delta(), first)))
 
-    try:
-        for index in ready:
-            yield chunk(index)
-        while not generation.finished:
-            index = await generation.next()
-            failed = generation.outputs[index]
-            if failed.error is not None:
-                status = failed.error_status
-                yield event(error_body(status, failed.error))
-                break
-            yield chunk(index)
-        else:
-            if include_usage:
-                usage = fmt.usage_chunk(request_id, created, model, generation.usage(), generation.weight_version)
-                yield event(dump(usage))
-    except Exception as exc:  # a bug of ours mid-stream: say so in the stream, as the engine's failures are
-        log.exception("streamed request %s failed", request_id)
-        status = 500
-        yield event(error_body(status, f"the server failed: {type(exc).__name__}: {exc}"))
-    finally:  # done, failed, or the client went away: nothing of this request keeps generating
-        generation.cancel()
-        metrics.requests.labels(str(status)).inc()
-    yield DONE
+    async def events() -> AsyncIterator[str]:
+        status = 200
+        try:
+            for index in dict.fromkeys(started):
+                yield chunk(index)
+            while not generation.finished:
+                index = await generation.next()
+                failed = generation.outputs[index]
+                if failed.error is not None:
+                    status = failed.error_status
+                    yield event(error_body(status, failed.error))
+                    break
+                yield chunk(index)
+            else:
+                if include_usage:
+                    yield event(dump(fmt.usage_chunk(request_id, created, model, generation)))
+        except Exception as exc:  # a bug of ours mid-stream: say so in the stream, as the engine's failures are
+            log.exception("streamed request %s failed", request_id)
+            status = 500
+            yield event(error_body(status, f"the server failed: {type(exc).__name__}: {exc}"))
+        finally:  # done, failed, or the client went away: nothing of this request keeps generating
+            generation.cancel()
+            metrics.requests.labels(str(status)).inc()
+        yield DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -40,7 +40,7 @@ from weightsync.integrations.sglang.trainer import LOADER
 from weightsync.serving import own_server
 from weightsync.serving.config import PauseMode, ServeConfig
 from weightsync.serving.error_body import error
-from weightsync.serving.foreground import Port, Ready, stopped_by_signals
+from weightsync.serving.foreground import Port, Ready, ServeOptions, stopped_by_signals
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.sglang.launch import build_engine, serve_app, sglang_args, warm_up
 from weightsync.serving.sglang.launch import preload as preload_sglang
@@ -240,10 +240,10 @@ def preload(config: ServeConfig) -> None:
     preload_sglang()
 
 
-async def serve(config: ServeConfig, sock: socket.socket, *, extra_args: Sequence[str] = (), **how: Any) -> list[int]:
-    """The adapter's `serve` (engines.EngineAdapter: `how` holds its other keywords): SGLang's
-    own server, ready once every worker's receiver is."""
-    args = sglang_args(config, int(sock.getsockname()[1]), extra_args)
+async def serve(config: ServeConfig, sock: socket.socket, options: ServeOptions) -> list[int]:
+    """The adapter's `serve` (engines.EngineAdapter): SGLang's own server, ready once every
+    worker's receiver is."""
+    args = sglang_args(config, int(sock.getsockname()[1]), options.extra_args)
 
     async def run(engine: Any, port: Port, ready: Callable[[Ready], None]) -> None:
         sglang = _Engine(engine.tokenizer_manager, engine.server_args.tp_size, config.receiver.timeout)
@@ -252,7 +252,7 @@ async def serve(config: ServeConfig, sock: socket.socket, *, extra_args: Sequenc
         with _signals_kept(port, sglang):
             await _serve_engine(config, engine, sglang, port, ready)
 
-    return await own_server.serve("SGLang", config, sock, functools.partial(build_engine, args), run, **how)
+    return await own_server.serve("SGLang", config, sock, functools.partial(build_engine, args), run, options)
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ from typing import Any
 from weightsync.integrations.vllm.internals import serve_lora
 from weightsync.serving import own_server
 from weightsync.serving.config import PauseMode, ServeConfig
-from weightsync.serving.foreground import Port, Ready
+from weightsync.serving.foreground import Port, Ready, ServeOptions
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
@@ -134,11 +134,11 @@ def preload(config: ServeConfig) -> None:
     preload_vllm(config.model)
 
 
-async def serve(config: ServeConfig, sock: socket.socket, *, extra_args: Sequence[str] = (), **how: Any) -> list[int]:
-    """The adapter's `serve` (engines.EngineAdapter: `how` holds its other keywords): vLLM's
-    own server, ready once every worker's receiver is. A caller that bounds `shutdown_timeout`
-    ends what is left of vLLM's processes once `serve` returns."""
-    args = vllm_namespace(config, extra_args)
+async def serve(config: ServeConfig, sock: socket.socket, options: ServeOptions) -> list[int]:
+    """The adapter's `serve` (engines.EngineAdapter): vLLM's own server, ready once every
+    worker's receiver is. A caller that bounds `shutdown_timeout` ends what is left of vLLM's
+    processes once `serve` returns."""
+    args = vllm_namespace(config, options.extra_args)
     if config.chat_template is None and not args.chat_template:
         tokenizer, _ = load_tokenizer(config.model)
         if tokenizer is not None and not tokenizer.chat_template:
@@ -147,7 +147,7 @@ async def serve(config: ServeConfig, sock: socket.socket, *, extra_args: Sequenc
     async def run(engine: Any, port: Port, ready: Callable[[Ready], None]) -> None:
         await _serve_engine(config, args, engine, port, ready)
 
-    return await own_server.serve("vLLM", config, sock, functools.partial(build_async_llm, args), run, **how)
+    return await own_server.serve("vLLM", config, sock, functools.partial(build_async_llm, args), run, options)
 
 
 async def _serve_engine(
