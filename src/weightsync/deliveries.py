@@ -181,7 +181,7 @@ class Outgoing:
     specs: list[TensorSpec]
     """Every tensor as it travels (wire dtypes, after any cast)."""
     layout: SourceLayout | None
-    """A sharded source's: which rows each rank holds; None: one sender holds every tensor."""
+    """A sharded source's: which box of each tensor each rank holds; None: one sender holds every tensor."""
     adapter: Adapter | None
 
     @property
@@ -345,7 +345,7 @@ class DeliveryPlanner:
 
     def _cut_plan(self, specs: list[TensorSpec], layout: SourceLayout, bucket_bytes: int) -> tuple[Plan, str]:
         """`regions.part_plan` and its id, the same as last time for the same arguments."""
-        key = (tuple(specs), layout.world, layout.rows, bucket_bytes)
+        key = (tuple(specs), layout.world, layout.held, bucket_bytes)
         found = self._cut_plans.get(key)
         if found is None:
             plan = part_plan(specs, layout, bucket_bytes)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tests.models import save_model
 from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
 from weightsync.digest import source_digest
 from weightsync.messages import Want
+from weightsync.source import Held, SourceLayout
 
 TRANSPORTS = ["inproc", "shm", "tcp", "collective"]
 TIMEOUT_S = 10.0
@@ -87,9 +89,33 @@ def push_from_ranks(addresses: list[str], sources: list[object], version: int) -
     )
 
 
+class BoxShards(RowShards):
+    """Rank `rank` of 2 holding boxes of every tensor along any dimension (as Megatron's tensor
+    parallelism splits a model): rows of embed, columns of q and down (unevenly), the norm whole
+    on rank 1, the experts split along their middle dimension."""
+
+    HELD: dict[str, tuple[Held | None, ...]] = {
+        "embed": (((0, 5),), ((5, 9),)),
+        "q": (((0, 8), (0, 4)), ((0, 8), (4, 8))),
+        "norm": (None, ()),
+        "down": (((0, 8), (0, 5)), ((0, 8), (5, 12))),
+        "experts": (((0, 4), (0, 2)), ((0, 4), (2, 6))),
+    }
+
+    def layout(self) -> SourceLayout:
+        return SourceLayout(self.rank, self.world, tuple(self.HELD[name] for name in self.full))
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.full.items():
+            held = self.HELD[name][self.rank]
+            yield name, tensor[tuple(slice(a, b) for a, b in held)] if held is not None else tensor[:0]
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: str, world: int) -> None:
+@pytest.mark.parametrize(("split", "world"), [(RowShards, 1), (RowShards, 2), (RowShards, 3), (BoxShards, 2)])
+def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(
+    transport: str, split: type[RowShards], world: int
+) -> None:
     full = model()
     whole = {name: torch.zeros_like(t) for name, t in full.items()}
     kept = {name: torch.zeros_like(t) for name, t in full.items()}
@@ -101,7 +127,7 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: s
     ]
     with receivers[0].start(), receivers[1].start(), receivers[2].start():
         addresses = [receiver.address for receiver in receivers]
-        reports = push_from_ranks(addresses, [RowShards(full, rank, world) for rank in range(world)], 1)
+        reports = push_from_ranks(addresses, [split(full, rank, world) for rank in range(world)], 1)
         assert all(report.ok for report in reports), [report.summary() for report in reports]
         assert all(receiver.version == 1 and receiver.state == "ready" for receiver in receivers)
 
