@@ -136,13 +136,13 @@ def bucket_items(
 
 
 def part_items(
-    plan: Plan, layout: SourceLayout, held: Iterator[tuple[str, torch.Tensor]]
+    plan: Plan, layout: SourceLayout, held: Iterator[tuple[str, torch.Tensor]], boxed: bool = False
 ) -> Iterator[tuple[int, list[BucketItem]]]:
     """The buckets of this rank's part of `plan` (`layout.rank`), each piece with what it is cut
     from: the intersection of its box with the box this rank holds, a view of `held`'s tensor
-    made contiguous, whose bytes are the rank's runs of the tensor in order (`held_runs`), and
-    its offset made relative to it. `held` yields every tensor of the plan in plan order, and is
-    consumed lazily."""
+    (`boxed`: the box itself, as read) made contiguous, whose bytes are the rank's runs of the
+    tensor in order (`held_runs`), and its offset made relative to it. `held` yields every tensor
+    of the plan in plan order, and is consumed lazily."""
     current: tuple[int, torch.Tensor] | None = None
     sent = 0
     walked = enumerate(held)
@@ -150,7 +150,7 @@ def part_items(
         items = []
         for piece in plan.buckets[index]:
             if current is None or current[0] != piece.tensor:
-                current, sent = (piece.tensor, _held_cut(plan, layout, piece.tensor, walked)), 0
+                current, sent = (piece.tensor, _held_cut(plan, layout, piece.tensor, walked, boxed)), 0
             items.append(
                 BucketItem(
                     Piece(piece.tensor, sent, piece.bucket_offset, piece.nbytes),
@@ -163,7 +163,11 @@ def part_items(
 
 
 def _held_cut(
-    plan: Plan, layout: SourceLayout, tensor: int, walked: Iterator[tuple[int, tuple[str, torch.Tensor]]]
+    plan: Plan,
+    layout: SourceLayout,
+    tensor: int,
+    walked: Iterator[tuple[int, tuple[str, torch.Tensor]]],
+    boxed: bool,
 ) -> torch.Tensor:
     """Tensor `tensor`'s part this rank holds, as a contiguous view (or copy) of what `held`
     yields for it."""
@@ -174,7 +178,7 @@ def _held_cut(
         if index > tensor or name != spec.name:
             break
         box = layout.held[tensor][layout.rank]
-        cut = _cut(spec, local, box or ())
+        cut = local.detach() if boxed else _cut(spec, local, box or ())
         if cut.numel() * _wire_dtype(spec).itemsize != sum(n for _, n in held_runs(spec, box)):
             raise PlanError(f"{name!r}: this rank holds {list(local.shape)}, which does not fit its layout")
         return cut if cut.is_contiguous() else cut.contiguous()

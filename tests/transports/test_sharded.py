@@ -150,6 +150,38 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(
     assert reports[0].whole_tensors == ("experts", "norm"), "worker 0 named neither: sent whole, and said"
 
 
+def test_a_checkpoint_sends_each_receiver_its_boxes_read_as_slices(tmp_path: Path, monkeypatch: Any) -> None:
+    """`weightsync push --model DIR` to a tensor-parallel server: each worker is sent its boxes,
+    read from the files as slices (no whole tensor read), and holds the digest of the whole."""
+    from safetensors.torch import save_file
+
+    from weightsync.checkpoint import SafetensorsSource
+
+    full = model()
+    save_file(full, str(tmp_path / "model.safetensors"))
+    kept = {name: torch.zeros_like(t) for name, t in full.items()}
+    loader = Loads(WORKER_1)
+    monkeypatch.setattr(SafetensorsSource, "tensors", lambda self: pytest.fail("a whole tensor was read"))
+    with (
+        WeightReceiver(Keeps(kept, WORKER_0), "tcp", timeout=TIMEOUT_S) as one,
+        WeightReceiver(loader, "tcp", timeout=TIMEOUT_S) as two,
+        WeightSender([one.address, two.address], timeout=TIMEOUT_S) as sender,
+    ):
+        report = sender.push(SafetensorsSource(tmp_path), 1)
+    for want in WORKER_0:
+        assert_bit_exact(kept[want.name][box(want)], full[want.name][box(want)], want.name)
+    for want in WORKER_1:
+        assert_bit_exact(loader.loaded[want.name], full[want.name][box(want)], want.name)
+    sent = [sum(full[w.name][box(w)].nbytes for w in WORKER_0) + full["norm"].nbytes + full["experts"].nbytes]
+    sent.append(sum(t.nbytes for t in loader.loaded.values()))
+    assert [outcome.wire_bytes for outcome in report.outcomes] == sent, "each receiver is sent its boxes"
+    monkeypatch.undo()
+    with WeightReceiver(Loads(WORKER_1), "tcp", timeout=TIMEOUT_S) as three:
+        with WeightSender([three.address], timeout=TIMEOUT_S, verify="bucket") as sender:
+            report = sender.push(SafetensorsSource(tmp_path), 1)
+        assert report.content_digest == three.content_digest == source_digest(full)
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
 def test_a_failed_part_aborts_the_sync_on_every_receiver_and_the_next_push_lands(transport: str) -> None:
     first, second = model(0), model(10)
@@ -268,3 +300,43 @@ def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, transpor
     for name, tensor in checkpoint.items():
         assert_bit_exact(landed[name], tensor, name)
     assert receiver.content_digest == source_digest(checkpoint), "the digest of the checkpoint, pushed in parts"
+
+
+def half_rows(checkpoint: dict[str, torch.Tensor], worker: int) -> tuple[Want, ...]:
+    """What tensor-parallel worker `worker` of two keeps: half the rows of every matrix, the rest whole."""
+    wants = []
+    for name, tensor in checkpoint.items():
+        rows = len(tensor) // 2 if tensor.dim() == 2 else 0
+        first, end = (worker * rows, rows + worker * (len(tensor) - rows)) if rows else (0, len(tensor))
+        wants.append(Want(name, (first, *[0] * (tensor.dim() - 1)), (end, *tensor.shape[1:])))
+    return tuple(wants)
+
+
+@pytest.mark.slow
+def test_the_docs_sharded_program_runs_as_written(tmp_path: Path) -> None:
+    """docs/deployment.md's sharded trainer, as written, on two ranks (torchrun, gloo) into two
+    tensor-parallel workers (receivers keeping half the rows of every matrix)."""
+    from safetensors.torch import load_file
+
+    from tests.doc_snippets import write_program
+
+    heading = "## A sharded trainer into tensor-parallel engines: every rank pushes its part"
+    program = write_program("docs/deployment.md", heading, tmp_path / "sharded_push.py")
+    save_model("qwen2", tmp_path / "model")
+    checkpoint = load_file(tmp_path / "model" / "model.safetensors")
+    held = [{name: torch.zeros_like(t) for name, t in checkpoint.items()} for _ in range(2)]
+    with (
+        WeightReceiver(Keeps(held[0], half_rows(checkpoint, 0)), "tcp", timeout=60) as one,
+        WeightReceiver(Keeps(held[1], half_rows(checkpoint, 1)), "tcp", timeout=60) as two,
+    ):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(program)]
+        command += [str(tmp_path / "model"), one.address, two.address]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = [line.split(" committed on 2 of 2 receivers")[0] for line in done.stdout.splitlines()]
+        assert said == ["version 1", "version 2", "version 3"], done.stdout
+        assert one.version == two.version == 3 and one.content_digest == two.content_digest != "", "one version"
+    embedding = "model.embed_tokens.weight"
+    assert not torch.equal(held[0][embedding][:4], checkpoint[embedding][:4]), "trained, then pushed"
+    assert torch.equal(held[0][embedding][-4:], torch.zeros_like(checkpoint[embedding][-4:])), "worker 0: its half"
