@@ -178,7 +178,7 @@ def _wait_healthy(url: str, child: ChildProcess) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"vLLM did not serve within {START_TIMEOUT_S} s")
 
 
