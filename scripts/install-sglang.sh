@@ -24,6 +24,7 @@ if "$venv/bin/python" -c 'import sglang, weightsync.integrations.sglang' >/dev/n
     exit 0
 fi
 gpu=""
+quiet=()
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
 echo "sglang [1/4] creating $venv with $(python3 --version) (a few seconds)"
 python3 -m venv "$venv"
@@ -32,10 +33,13 @@ if [[ -n "$gpu" ]]; then
     "${pip[@]}" install --quiet "$requirement"
 else
     echo "sglang [2/4] installing torch 2.14.1 and $requirement without its CUDA requirements (about 1 min)"
+    # pip's resolver would list those CUDA requirements as missing after each install (walls of ERROR lines):
+    # expected here, so not printed
+    quiet=(--no-warn-conflicts)
     "${pip[@]}" install --quiet "torch==2.14.1" "torchvision==0.29.1"
-    "${pip[@]}" install --quiet --no-deps "$requirement"
+    "${pip[@]}" install --quiet "${quiet[@]}" --no-deps "$requirement"
     echo "sglang [3/4] installing what SGLang's CPU path imports (about 2 min)"
-    "${pip[@]}" install --quiet "torch==2.14.1" numpy aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq \
+    "${pip[@]}" install --quiet "${quiet[@]}" "torch==2.14.1" numpy aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq \
         psutil setproctitle msgspec pybase64 pydantic python-multipart requests transformers==5.19.0 \
         tokenizers==0.23.2 pillow prometheus-client partial_json_parser interegular einops tqdm \
         openai==2.8.0 openai-harmony==0.0.4 sentencepiece tiktoken safetensors huggingface_hub distro \
@@ -50,7 +54,7 @@ fi
 echo "sglang [4/4] installing weightsync from this checkout, and checking that both import (about 20 s)"
 # An editable build writes the C extensions and weightsync.egg-info into the checkout: one build
 # at a time (scripts/test.sh builds this venv beside .venv; the lock is the checkout's folder).
-flock . "${pip[@]}" install --quiet -e ".[server,demo]" "python-dateutil<3" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+flock . "${pip[@]}" install --quiet "${quiet[@]}" -e ".[server,demo]" "python-dateutil<3" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
 # Fail here, not in the tests, if the venv is broken.
 SGLANG_USE_CPU_ENGINE="${SGLANG_USE_CPU_ENGINE:-$([[ -z "$gpu" ]] && echo 1 || echo 0)}" "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

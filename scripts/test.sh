@@ -48,6 +48,11 @@ fi
 if [[ -z "${WEIGHTSYNC_SKIP_VERL:-}" ]]; then
     step verl ./scripts/install-verl.sh
 fi
+# megatron-core (0.16.1, the newest for Python 3.11) for weightsync.integrations.megatron's tests;
+# WEIGHTSYNC_SKIP_MEGATRON=1 skips it (its tests then skip).
+if [[ -z "${WEIGHTSYNC_SKIP_MEGATRON:-}" ]]; then
+    step megatron ./scripts/install-megatron.sh
+fi
 # NIXL for the nixl transport's tests; WEIGHTSYNC_SKIP_NIXL=1 skips it (its tests then skip).
 if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
     step nixl ./scripts/install-nixl.sh

@@ -293,10 +293,11 @@ class RowShards:
 
     def layout(self) -> SourceLayout:
         rows = tuple(chunk_rows(t.shape[0], self.world) if t.dim() > 1 else None for t in self.full.values())
-        return SourceLayout(self.rank, self.world, rows)
+        return SourceLayout.from_rows(self.rank, self.world, rows)
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for (name, tensor), bounds in zip(self.full.items(), self.layout().rows, strict=True):
+        rows = (chunk_rows(t.shape[0], self.world) if t.dim() > 1 else None for t in self.full.values())
+        for (name, tensor), bounds in zip(self.full.items(), rows, strict=True):
             if name == self.fail_at:
                 raise RuntimeError(f"rank {self.rank} lost {name}")
             yield name, tensor if bounds is None else tensor[bounds[self.rank] : bounds[self.rank + 1]]

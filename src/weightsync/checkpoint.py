@@ -1,18 +1,21 @@
 """A WeightSource over a safetensors checkpoint directory, read one tensor at a time.
 
 `metas()` reads only the headers; `tensors()` loads each tensor just before the sender needs it,
-so pushing a checkpoint never holds more than one tensor of it in memory.
+so pushing a checkpoint never holds more than one tensor of it in memory; `boxes(specs)` reads
+only the boxes a receiver keeps (a tensor-parallel worker's), as slices of the files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from weightsync.errors import ConfigError
+from weightsync.messages import TensorSpec
 from weightsync.source import TensorMeta
 
 __all__ = ["SafetensorsSource"]
@@ -60,6 +63,20 @@ class SafetensorsSource:
                 for file, meta in self._metas:
                     if file == path:
                         yield meta.name, handle.get_tensor(meta.name)
+
+    def boxes(self, specs: Sequence[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each of `specs` (a whole tensor, or a box of one) in order, a box read as a slice: no
+        whole tensor is built for it."""
+        files = {meta.name: path for path, meta in self._metas}
+        with contextlib.ExitStack() as stack:
+            handles = {path: stack.enter_context(self._safe_open(path, framework="pt")) for path in self._files}
+            for spec in specs:
+                handle = handles[files[spec.name]]
+                if spec.region is None:
+                    yield spec.name, handle.get_tensor(spec.name)
+                else:
+                    box = tuple(slice(a, a + n) for a, n in zip(spec.region.start, spec.shape, strict=True))
+                    yield spec.name, handle.get_slice(spec.name)[box]
 
 
 def _shard_files(model_dir: Path) -> list[Path]:

@@ -141,6 +141,9 @@ class Part:
         return sum(piece.nbytes for index in part_buckets(self.plan, self.part) for piece in self.plan.buckets[index])
 
     def items(self) -> Iterator[tuple[int, list[BucketItem]]]:
+        boxes = getattr(self.source, "boxes", None)  # a checkpoint reads each box as a slice
+        if boxes is not None and self.layout.world == 1:
+            return part_items(self.plan, self.layout, boxes(self.plan.tensors), boxed=True)
         return part_items(self.plan, self.layout, rank_tensors(self.source))
 
     def held(self) -> list[torch.Tensor]:
@@ -178,7 +181,7 @@ class Outgoing:
     specs: list[TensorSpec]
     """Every tensor as it travels (wire dtypes, after any cast)."""
     layout: SourceLayout | None
-    """A sharded source's: which rows each rank holds; None: one sender holds every tensor."""
+    """A sharded source's: which box of each tensor each rank holds; None: one sender holds every tensor."""
     adapter: Adapter | None
 
     @property
@@ -342,7 +345,7 @@ class DeliveryPlanner:
 
     def _cut_plan(self, specs: list[TensorSpec], layout: SourceLayout, bucket_bytes: int) -> tuple[Plan, str]:
         """`regions.part_plan` and its id, the same as last time for the same arguments."""
-        key = (tuple(specs), layout.world, layout.rows, bucket_bytes)
+        key = (tuple(specs), layout.world, layout.held, bucket_bytes)
         found = self._cut_plans.get(key)
         if found is None:
             plan = part_plan(specs, layout, bucket_bytes)
@@ -376,12 +379,13 @@ def _cut(
 ) -> bool:
     """Whether a push is cut per group of receivers: a sharded source always; else where some
     receiver keeps boxes, unless receivers keep different ones and the source makes its tensors
-    on demand (it is walked once: every receiver is sent whole tensors, said once)."""
+    on demand and cannot read boxes (it is walked once: every receiver is sent whole tensors,
+    said once)."""
     if layout is not None:
         return True
     if all(spec.region is None for _, specs in groups for spec in specs):
         return False
-    if len(groups) > 1 and getattr(source, "holds_tensors", False) is not True:
+    if len(groups) > 1 and getattr(source, "holds_tensors", False) is not True and not hasattr(source, "boxes"):
         _say_walked_once()
         return False
     return True

@@ -3,8 +3,8 @@
 The sender keeps a baseline: the wire bytes of its last push, one copy of the model in the wire
 dtype, in host memory (a 2 GiB bf16 model costs 2 GiB of host RAM), plus that version's content
 digest. Each push with `delta=True` diffs every tensor, as sent (after any cast), bitwise against
-the baseline, updates the baseline in place (one native pass per tensor, `_native/deltadiff.c`;
-numpy where it is not built), and encodes each tensor's changes the cheapest way (sparse, bitmap
+the baseline, updates the baseline in place (one native pass per tensor, `_native/deltadiff.c`,
+which also hashes the new version for the content digest; numpy where it is not built), and encodes each tensor's changes the cheapest way (sparse, bitmap
 or dense: patch.py).
 
 The patch is an ordinary `Plan` whose tensors carry an `encoding`, so it is bucketed, chunked,
@@ -35,7 +35,7 @@ from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import PlanError
 from weightsync.messages import TensorSpec
 from weightsync.pack import byte_view
-from weightsync.patch import BITS, NATIVE, NATIVE_SIZES, element_bits, encode, native_threads
+from weightsync.patch import BITS, NATIVE, NATIVE_SIZES, crc_room, element_bits, encode, joined_crc, native_threads
 from weightsync.plan import dense_nbytes, tensor_nbytes
 from weightsync.source import TensorMeta, WeightSource
 
@@ -236,10 +236,12 @@ class Baseline:
         self._patches.reset(full_bytes)
         patched: list[TensorSpec] = []
         payloads: list[torch.Tensor] = []
+        hashes: list[int | None] = []
         changed = total = 0
         for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
             _check_yielded(spec, name, tensor)
             old = self.tensors.get(name)
+            crc = None
             if old is None or old.element_size() not in BITS:
                 old = self.tensors[name] = _copy(tensor, dtype_from_name(spec.dtype))
                 patch_spec, payload, num_changed = spec, None, old.numel()
@@ -247,35 +249,39 @@ class Baseline:
                 old.copy_(tensor.detach())
                 patch_spec, payload, num_changed = spec, None, old.numel()
             else:
-                indices, values = self._changes(tensor, old)
+                indices, values, crc = self._changes(tensor, old)
                 patch_spec, payload = encode(indices, values, old.numel(), spec, self._patches.take)
                 num_changed = indices.size
+            hashes.append(crc)
             patched.append(patch_spec)
             # dense: the baseline itself (ours, not the caller's, which may change)
             payloads.append(old if payload is None else torch.from_numpy(payload))
             changed += num_changed
             total += old.numel()
-        self._content = _digest_later(specs, [self.tensors[spec.name] for spec in specs])
+        if None in hashes:
+            self._content = _digest_later(specs, [self.tensors[spec.name] for spec in specs])
+        else:  # every tensor hashed by its diff
+            self._content = Pending.now(content_digest(specs, [crc for crc in hashes if crc is not None]))
         return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes)
 
-    def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int | None]:
         """Update `old` (the baseline) to `tensor` as sent; the flat indices of the elements whose
-        bits changed and their new bits (bytes). Views of scratch buffers: valid until the next
-        call. One native pass where it is built (an fp32 source cast to bf16 in the same pass),
-        else numpy's."""
+        bits changed, their new bits (bytes), and the new version's CRC32C where the pass gave it.
+        Views of scratch buffers: valid until the next call. One native pass where it is built
+        (an fp32 source cast to bf16 in the same pass, and hashed), else numpy's (not hashed)."""
         numel, size = old.numel(), old.element_size()
         if NATIVE is None or size not in NATIVE_SIZES or numel >= 1 << 31:
             new = self._as_sent(tensor, old.dtype)
             indices = _update(new, old)
-            return indices, np.take(element_bits(new), indices).view(np.uint8)
+            return indices, np.take(element_bits(new), indices).view(np.uint8), None
         indices, values = self._outputs(numel, size)
-        source = tensor.detach()
+        source, crcs, threads = tensor.detach(), crc_room(), native_threads()
         if source.device.type == "cpu" and source.is_contiguous() and (source.dtype, old.dtype) == _CAST_BF16:
-            count = NATIVE.cast_diff(element_bits(source), element_bits(old), indices, values, native_threads())
+            count = NATIVE.cast_diff(element_bits(source), element_bits(old), indices, values, threads, crcs)
         else:
             new = self._as_sent(source, old.dtype)
-            count = NATIVE.diff(element_bits(new), element_bits(old), size, indices, values, native_threads())
-        return indices[:count], values[: count * size]
+            count = NATIVE.diff(element_bits(new), element_bits(old), size, indices, values, threads, crcs)
+        return indices[:count], values[: count * size], joined_crc(crcs)
 
     def _outputs(self, numel: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         """Scratch for the native diff's output, room for every element of the largest tensor:

@@ -6,7 +6,7 @@ the order the tensors were pushed in, nor on how the push cut them into buckets.
 `source_digest` computes the same digest from the trainer's tensors or a checkpoint on disk,
 without sending a byte, so that what a server holds can be checked against what should be there
 (`weightsync digest`). `held_shares` is one trainer rank's part of it in a sharded push: what it
-computes from the rows it holds, which the receivers combine with the other ranks'. A push that
+computes from the box of each tensor it holds, which the receivers combine with the other ranks'. A push that
 needs one of these beside its buckets computes it on a thread of its own while they go out: a
 `Pending` hash, which the commit waits for.
 """
@@ -27,8 +27,8 @@ from weightsync.errors import PlanError
 from weightsync.messages import TensorShare, TensorSpec
 from weightsync.pack import piece_bytes, write_piece
 from weightsync.plan import tensor_nbytes, wire_specs
-from weightsync.regions import held_range
-from weightsync.source import ShardedSource, SourceLayout, WeightSource, as_source
+from weightsync.regions import held_runs
+from weightsync.source import Held, ShardedSource, SourceLayout, WeightSource, as_source
 
 __all__ = ["Pending", "held_shares", "rank_tensors", "source_digest"]
 
@@ -83,29 +83,37 @@ def rank_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
 def held_shares(
     source: WeightSource, layout: SourceLayout, cast: torch.dtype | Mapping[str, torch.dtype] | None = None
 ) -> tuple[TensorShare, ...]:
-    """This rank's share of every tensor's hash in a sharded push (checksum.share): its rows of
-    a tensor split by rows, a whole tensor it sends, nothing of the others. Reads only what the
-    rank holds; the receivers combine every rank's shares into the version's content digest."""
+    """This rank's share of every tensor's hash in a sharded push (checksum.share): one share
+    per run of bytes of the box it holds of a tensor (`regions.held_runs`), nothing of the
+    others. Reads only what the rank holds; the receivers combine every rank's shares into the
+    version's content digest."""
     specs = wire_specs(source.metas(), cast)
     shares = []
     for index, (spec, (name, tensor)) in enumerate(zip(specs, rank_tensors(source), strict=True)):
-        bounds = layout.rows[index]
-        first, end = held_range(spec, bounds, layout.rank, layout.owner(index))
-        held = 0
-        if end > first:
-            if tensor.numel() * dtype_from_name(spec.dtype).itemsize != end - first:
-                rows = "the whole" if bounds is None else f"rows [{bounds[layout.rank]}, {bounds[layout.rank + 1]}) of"
-                raise PlanError(f"{name}: this rank holds {tuple(tensor.shape)}, not {rows} {spec.shape}")
-            held = _hash(spec, tensor, end - first)
+        box = layout.held[index][layout.rank]
+        runs = held_runs(spec, box)
+        if runs and tensor.numel() * dtype_from_name(spec.dtype).itemsize != sum(n for _, n in runs):
+            raise PlanError(f"{name}: this rank holds {tuple(tensor.shape)}, not {_said(box)} {spec.shape}")
+        held, end, sent = 0, 0, 0  # Horner: each run's hash shifted past the bytes up to the next run's end
+        for first, nbytes in runs:
+            held = share(held, first + nbytes - end) ^ _hash(spec, tensor, nbytes, sent)
+            end, sent = first + nbytes, sent + nbytes
         shares.append(TensorShare(spec.name, spec.dtype, spec.shape, share(held, tensor_nbytes(spec) - end)))
     return tuple(shares)
 
 
-def _hash(spec: TensorSpec, tensor: torch.Tensor, nbytes: int) -> int:
-    """The hash of `tensor`'s `nbytes` bytes in `spec`'s wire dtype."""
+def _said(box: Held | None) -> str:
+    """How an error names box `box` of a tensor."""
+    if not box:
+        return "the whole"
+    return f"rows [{box[0][0]}, {box[0][1]}) of" if len(box) == 1 else f"the box {box} of"
+
+
+def _hash(spec: TensorSpec, tensor: torch.Tensor, nbytes: int, first: int = 0) -> int:
+    """The hash of `tensor`'s `nbytes` bytes from byte `first`, in `spec`'s wire dtype."""
     wire_dtype = dtype_from_name(spec.dtype)
-    view = piece_bytes(tensor, wire_dtype, 0, nbytes)
+    view = piece_bytes(tensor, wire_dtype, first, nbytes)
     if view is None:  # a cast, a GPU tensor or a strided one: converted once, on the host
         view = np.empty(nbytes, dtype=np.uint8)
-        write_piece(tensor, wire_dtype, 0, nbytes, view)
+        write_piece(tensor, wire_dtype, first, nbytes, view)
     return tensor_hash(view)

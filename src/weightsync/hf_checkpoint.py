@@ -33,7 +33,7 @@ import torch
 from weightsync.errors import ConfigError
 from weightsync.module_source import ModuleSource, gathered
 from weightsync.reads import Box, view_box
-from weightsync.source import SourceLayout, TensorMeta
+from weightsync.source import Held, SourceLayout, TensorMeta, row_boxes, whole_on
 
 __all__ = ["HFCheckpointSource", "checkpoint_metas"]
 
@@ -129,14 +129,15 @@ class HFCheckpointSource:
         module = self._module.layout()
         if module is None:
             return None
-        rows: list[tuple[int, ...] | None] = []
+        held: list[tuple[Held | None, ...]] = []
         self._pieces, self._whole = {}, {}
-        for index, (meta, bounds) in enumerate(zip(self._module.metas(), module.rows, strict=True)):
+        for index, meta in enumerate(self._module.metas()):
+            bounds = self._module.rows_of(meta.name)
             pieces = self._place(meta, bounds, index % module.world, module)
             self._pieces[meta.name] = pieces
-            for (_, owner, _), entry in zip(pieces, self._checkpoint[meta.name], strict=True):
-                rows.append(bounds if owner < 0 else _held_by(owner, entry.shape, module.world))
-        return SourceLayout(module.rank, module.world, tuple(rows))
+            for _, owner, _ in pieces:
+                held.append(row_boxes(bounds) if owner < 0 and bounds is not None else whole_on(owner, module.world))
+        return SourceLayout(module.rank, module.world, tuple(held))
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every checkpoint tensor as this rank holds it (`ShardedSource.held`), in `metas()`
@@ -188,12 +189,6 @@ class HFCheckpointSource:
 
 _EMPTY = torch.empty(0)
 """What `held` yields for a checkpoint tensor another rank sends (never read)."""
-
-
-def _held_by(owner: int, shape: tuple[int, ...], world: int) -> tuple[int, ...]:
-    """Row boundaries by which rank `owner` alone holds a tensor of `shape` whole."""
-    rows = shape[0] if shape else 1
-    return tuple(0 if rank <= owner else rows for rank in range(world + 1))
 
 
 def _piece_boxes(meta: TensorMeta, converter: Any, config: Any) -> list[Box] | None:

@@ -159,6 +159,8 @@ class Landing:
         """Tensors whose bytes stay in the transport's buffer until their bucket is delivered."""
         self._delivered: dict[int, int] = {}
         """verify="full": the hash of each tensor handed to the sink or copied out of staging."""
+        self._patched: dict[int, int] = {}
+        """The hash of each destination its patch's apply took on the way (`apply_patch`)."""
         self._bounce: torch.Tensor | None = None
 
     def _destination(self, index: int) -> torch.Tensor | None:
@@ -232,8 +234,13 @@ class Landing:
         travelled), or None when some tensor has no destination to hash."""
         if not self.patchable:
             return None
-        digests = tensor_hashes([byte_view(dest.cpu()) for dest in self._dest if dest is not None])
-        return content_digest(self.plan.tensors, digests)
+        held = [(i, dest) for i, dest in enumerate(self._dest) if dest is not None]
+        rest = [(i, dest) for i, dest in held if i not in self._patched]  # not hashed by their apply
+        hashed = dict(self._patched)
+        hashed.update(
+            zip((i for i, _ in rest), tensor_hashes([byte_view(dest.cpu()) for _, dest in rest]), strict=True)
+        )
+        return content_digest(self.plan.tensors, [hashed[i] for i, _ in held])
 
     def check_tensors(self, expected: Sequence[int]) -> None:
         """verify="full": every tensor, where it finally sits, hashes as the sender's did."""
@@ -453,7 +460,9 @@ class Landing:
         if payload is None:
             raise PlanError(f"patch of {spec.name!r} completed with no bytes landed")
         self._touch(self.sink.traits.live_destinations)
-        apply_patch(dest, spec, payload)
+        crc = apply_patch(dest, spec, payload)
+        if crc is not None:
+            self._patched[tensor] = crc
 
     def _landed(self, piece: Piece) -> np.ndarray:
         """The piece's bytes where they landed, in host memory (a copy for a device destination)."""

@@ -33,7 +33,7 @@ __all__ = [
     "Welcome",
 ]
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 """Bumped whenever a peer of another version would misread us (3: collective buckets go down a chain
 of send/recv instead of one gloo broadcast; 4: a tensor may travel encoded, as a patch; 5:
 `NixlTarget` and `NixlWrites`, new messages in the union; 6: an shm ring's staging area carries the
@@ -49,7 +49,8 @@ plan's buckets may come from several senders (`Plan.parts`, `Offer.part`); 13: t
 CRC32C, which compose, and the `Commit` of a part carries its sender's `TensorShare`s, and
 `Committed` the content digest committed; 14: the content a patch applies to is `delta_base`
 wherever it travels (`Welcome`, `Offer`, `Committed`), and a `Commit`'s version digest is
-`content_digest`, as in `Committed`)."""
+`content_digest`, as in `Committed`; 15: a receiver refuses a version at or below the last it
+committed unless the `Offer` says `allow_older`)."""
 
 
 class Region(msgspec.Struct, frozen=True, array_like=True):
@@ -200,6 +201,9 @@ class Offer(Message, frozen=True):
     part: int = 0
     """Sharded sync: which of the plan's parts this sender carries (`Plan.parts`); the receiver
     takes one offer of the same plan from each part's sender into one sync."""
+    allow_older: bool = False
+    """The pusher said so: the receiver takes `version` though it is at or below the last one it
+    committed (which it refuses otherwise: versions only go forward)."""
 
 
 class Accept(Message, frozen=True):

@@ -56,6 +56,8 @@ class ModuleSource:
         """This push's tensors `layout()` gathered that this rank sends."""
         self._layout: SourceLayout | None = None
         """This push's layout (`layout()`)."""
+        self._rows: dict[str, tuple[int, ...] | None] = {}
+        """This push's row boundaries of each tensor (`layout()`; None: held whole)."""
         named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
         if buffers:
             persistent = {name for name, _ in module.named_buffers() if _is_persistent(module, name)}
@@ -101,7 +103,8 @@ class ModuleSource:
                 if index % world == rank:
                     self._gathered[index] = full
             rows.append(bounds)
-        self._layout = SourceLayout(rank, world, tuple(rows))
+        self._rows = dict(zip((name for name, _ in self._entries), rows, strict=True))
+        self._layout = SourceLayout.from_rows(rank, world, rows)
         return self._layout
 
     @property
@@ -111,9 +114,7 @@ class ModuleSource:
 
     def rows_of(self, name: str) -> tuple[int, ...] | None:
         """The row boundaries of tensor `name` in this push's layout (None: whole)."""
-        if self._layout is None:
-            return None
-        return dict(zip((entry for entry, _ in self._entries), self._layout.rows, strict=True)).get(name)
+        return self._rows.get(name)
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor as this rank holds it (`ShardedSource.held`): its local rows of a sharded

@@ -50,6 +50,9 @@ class SenderOptions:
     reached over a network transport (tcp, collective, nixl); "all", over every transport. Costs
     one host copy of the model in the wire dtype; a push some receiver may take as a patch is
     verified at least as "bucket", any other as `verify` says."""
+    allow_older_version: bool = False
+    """Receivers take a version at or below the last one they committed, which they refuse
+    otherwise (versions only go forward): to move them back on purpose."""
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout)

@@ -26,8 +26,8 @@ from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
 from weightsync.messages import Piece, Plan, TensorSpec
 from weightsync.plan import part_buckets
-from weightsync.regions import SourceLayout, held_range
-from weightsync.source import TensorMeta
+from weightsync.regions import held_runs
+from weightsync.source import Held, SourceLayout, TensorMeta
 
 try:
     from weightsync._native import streamcopy as _streamcopy
@@ -136,58 +136,66 @@ def bucket_items(
 
 
 def part_items(
-    plan: Plan, layout: SourceLayout, held: Iterator[tuple[str, torch.Tensor]]
+    plan: Plan, layout: SourceLayout, held: Iterator[tuple[str, torch.Tensor]], boxed: bool = False
 ) -> Iterator[tuple[int, list[BucketItem]]]:
     """The buckets of this rank's part of `plan` (`layout.rank`), each piece with what it is cut
-    from: the part of its box this rank holds, a view of `held`'s tensor (this rank's rows of
-    it, or the whole tensor), and its offset made relative to that view. `held` yields every
-    tensor of the plan in plan order, and is consumed lazily."""
-    current: tuple[int, torch.Tensor, int] | None = None
+    from: the intersection of its box with the box this rank holds, a view of `held`'s tensor
+    (`boxed`: the box itself, as read) made contiguous, whose bytes are the rank's runs of the
+    tensor in order (`held_runs`), and its offset made relative to it. `held` yields every tensor
+    of the plan in plan order, and is consumed lazily."""
+    current: tuple[int, torch.Tensor] | None = None
+    sent = 0
     walked = enumerate(held)
     for index in part_buckets(plan, layout.rank):
         items = []
         for piece in plan.buckets[index]:
             if current is None or current[0] != piece.tensor:
-                current = _held_cut(plan, layout, piece.tensor, walked)
-            _, cut, first = current
-            moved = Piece(piece.tensor, piece.tensor_offset - first, piece.bucket_offset, piece.nbytes)
-            items.append(BucketItem(moved, cut, _wire_dtype(plan.tensors[piece.tensor])))
+                current, sent = (piece.tensor, _held_cut(plan, layout, piece.tensor, walked, boxed)), 0
+            items.append(
+                BucketItem(
+                    Piece(piece.tensor, sent, piece.bucket_offset, piece.nbytes),
+                    current[1],
+                    _wire_dtype(plan.tensors[piece.tensor]),
+                )
+            )
+            sent += piece.nbytes
         yield index, items
 
 
 def _held_cut(
-    plan: Plan, layout: SourceLayout, tensor: int, walked: Iterator[tuple[int, tuple[str, torch.Tensor]]]
-) -> tuple[int, torch.Tensor, int]:
-    """Tensor `tensor`'s part this rank holds, as a view of what `held` yields for it, and the
-    byte of the tensor (or box) where that part starts."""
+    plan: Plan,
+    layout: SourceLayout,
+    tensor: int,
+    walked: Iterator[tuple[int, tuple[str, torch.Tensor]]],
+    boxed: bool,
+) -> torch.Tensor:
+    """Tensor `tensor`'s part this rank holds, as a contiguous view (or copy) of what `held`
+    yields for it."""
     spec = plan.tensors[tensor]
     for index, (name, local) in walked:
         if index < tensor:
             continue
         if index > tensor or name != spec.name:
             break
-        bounds = layout.rows[tensor]
-        first, end = held_range(spec, bounds, layout.rank, layout.owner(tensor))
-        cut = _cut(spec, local, bounds[layout.rank] if bounds is not None else 0)
-        if cut.numel() != (end - first) // _wire_dtype(spec).itemsize:
+        box = layout.held[tensor][layout.rank]
+        cut = local.detach() if boxed else _cut(spec, local, box or ())
+        if cut.numel() * _wire_dtype(spec).itemsize != sum(n for _, n in held_runs(spec, box)):
             raise PlanError(f"{name!r}: this rank holds {list(local.shape)}, which does not fit its layout")
-        return tensor, (cut if cut.is_contiguous() else cut.contiguous()), first
+        return cut if cut.is_contiguous() else cut.contiguous()
     raise PlanError(f"the source's held tensors do not follow the plan at {spec.name!r}")
 
 
-def _cut(spec: TensorSpec, local: torch.Tensor, first_row: int) -> torch.Tensor:
-    """The rows this rank holds of `spec`'s box (the whole tensor for a spec without one), a
-    view of `local`, which holds rows [first_row, first_row + len(local)) of the tensor."""
-    if spec.region is None and first_row == 0:
-        return local.detach()
-    start = spec.region.start if spec.region is not None else (0,) * len(spec.shape)
+def _cut(spec: TensorSpec, local: torch.Tensor, box: Held) -> torch.Tensor:
+    """The intersection of `spec`'s box (the whole tensor for a spec without one) with `box`, a
+    view of `local`, which holds `box` of the tensor."""
     view = local.detach()
-    if view.dim():
-        low = min(max(start[0] - first_row, 0), view.shape[0])
-        high = min(max(start[0] + spec.shape[0] - first_row, 0), view.shape[0])
-        view = view[low : max(low, high)]
-    for dim in range(1, view.dim()):
-        view = view.narrow(dim, start[dim], spec.shape[dim])
+    start = spec.region.start if spec.region is not None else (0,) * len(spec.shape)
+    for dim in range(min(view.dim(), len(spec.shape))):
+        first = box[dim][0] if dim < len(box) else 0
+        low = min(max(start[dim] - first, 0), view.shape[dim])
+        high = min(max(start[dim] + spec.shape[dim] - first, low), view.shape[dim])
+        if (low, high) != (0, view.shape[dim]):
+            view = view.narrow(dim, low, high - low)
     return view
 
 

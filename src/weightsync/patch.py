@@ -12,7 +12,9 @@ below about one change in 384 elements.
 A patch travels as an ordinary planned tensor whose `TensorSpec` carries its `encoding` and
 `count`; `encode` picks the cheapest encoding on the sender (delta.py), `apply_patch` writes one
 into its destination on the receiver (landing.py). Elements are compared and written by their
-bits (NaN payloads, -0.0), natively where `_native/deltadiff.c` is built, else with numpy.
+bits (NaN payloads, -0.0), natively where `_native/deltadiff.c` is built, else with numpy. The
+native diff and blocks apply also hash the tensor they leave behind, in the same pass
+(`crc_room`, `joined_crc`): neither side then reads the whole model again for the content digest.
 """
 
 from __future__ import annotations
@@ -26,12 +28,23 @@ import msgspec
 import numpy as np
 import torch
 
+from weightsync.checksum import share
 from weightsync.dtypes import dtype_from_name
 from weightsync.errors import PlanError
 from weightsync.messages import TensorSpec
 from weightsync.plan import INDEX_BYTES, PATCH_BLOCK, tensor_nbytes
 
-__all__ = ["BITS", "NATIVE", "NATIVE_SIZES", "apply_patch", "element_bits", "encode", "native_threads"]
+__all__ = [
+    "BITS",
+    "NATIVE",
+    "NATIVE_SIZES",
+    "apply_patch",
+    "crc_room",
+    "element_bits",
+    "encode",
+    "joined_crc",
+    "native_threads",
+]
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """An integer dtype per element size: elements are compared by their bits (NaN payloads, -0.0)."""
@@ -52,6 +65,19 @@ NATIVE_SIZES = (2, 4)
 def native_threads() -> int:
     """Threads for the native diff: torch's intra-op count, which the caller already tunes."""
     return max(1, torch.get_num_threads())
+
+
+def crc_room() -> np.ndarray:
+    """Where a native pass puts each of its threads' (CRC32C, bytes after its range) pairs."""
+    return np.zeros(2 * (NATIVE.MAX_THREADS if NATIVE is not None else 1), dtype=np.uint64)
+
+
+def joined_crc(crcs: np.ndarray) -> int:
+    """The CRC32C of a whole tensor from its threads' pairs (`crc_room`): the XOR of their shares."""
+    crc = 0
+    for part, after in crcs.reshape(-1, 2).tolist():
+        crc ^= share(part, after)
+    return crc
 
 
 def element_bits(tensor: torch.Tensor) -> np.ndarray:
@@ -108,8 +134,9 @@ def _blocks(numel: int) -> int:
     return -(-numel // PATCH_BLOCK)
 
 
-def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> None:
-    """Write the patch `payload` (its uint8 bytes, as planned by `spec`) into `dest` in place.
+def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> int | None:
+    """Write the patch `payload` (its uint8 bytes, as planned by `spec`) into `dest` in place; the
+    CRC32C of `dest` as it then is, where the native blocks apply hashed it on the way, else None.
 
     Raises:
         PlanError: the payload names elements outside the tensor, or its blocks' counts disagree
@@ -120,7 +147,7 @@ def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> 
     if payload.numel() != tensor_nbytes(spec):
         raise PlanError(f"patch of {spec.name!r} is {payload.numel()} bytes, its plan says {tensor_nbytes(spec)}")
     if count == 0:
-        return
+        return None
     raw = payload.numpy()
     bits = _NP_BITS[dtype_from_name(spec.dtype).itemsize]
     if spec.encoding == "sparse":
@@ -130,22 +157,26 @@ def apply_patch(dest: torch.Tensor, spec: TensorSpec, payload: torch.Tensor) -> 
         if int(where.min()) < 0 or int(where.max()) >= numel:
             raise PlanError(f"patch of {spec.name!r} names elements outside its {numel}")
         _scatter(dest, where, values)
-        return
+        return None
     values = _aligned(raw[: count * np.dtype(bits).itemsize], bits)
     counts = _aligned(raw[values.nbytes : values.nbytes + 2 * _blocks(numel)], np.uint16)
     offsets = raw[values.nbytes + counts.nbytes :]
     if dest.device.type == "cpu" and NATIVE is not None and dest.element_size() in NATIVE_SIZES:
+        crcs = crc_room()
         try:
-            NATIVE.apply_blocks(element_bits(dest), dest.element_size(), counts, offsets, values, native_threads())
+            NATIVE.apply_blocks(
+                element_bits(dest), dest.element_size(), counts, offsets, values, native_threads(), crcs
+            )
         except IndexError as exc:
             raise PlanError(f"patch of {spec.name!r}: {exc}") from None
-        return
+        return joined_crc(crcs)
     if int(counts.sum()) != count or int(counts.max()) > PATCH_BLOCK:
         raise PlanError(f"patch of {spec.name!r}: its blocks count {int(counts.sum())} changes, its plan says {count}")
     where = np.repeat(np.arange(counts.size, dtype=np.int64) * PATCH_BLOCK, counts) + offsets
     if where.size and int(where.max()) >= numel:
         raise PlanError(f"patch of {spec.name!r} names elements outside its {numel}")
     _scatter(dest, where, values)
+    return None
 
 
 def _scatter(dest: torch.Tensor, where: np.ndarray, values: np.ndarray) -> None:

@@ -7,7 +7,8 @@ One receive loop per connected sender; its `_sync` is the mirror of the sender's
     setup       the data plane takes what the sender sets up between syncs (a ring to map)
     sync        Offer -> begin (check the plan, sink.begin) -> Accept
                 (an Offer of a LoRA adapter lands in `sink.adapter_sink(adapter)` instead;
-                a refused Offer -> sink.refused -> Failed, and the sync never began;
+                a refused Offer (one at or below the last version committed, unless it says
+                `allow_older`) -> sink.refused -> Failed, and the sync never began;
                 an Abort instead of the Offer -> sink.refused, and the sender leaves)
                 data_plane.begin(landing); for each bucket k: data_plane.receive(k, landing)
                 data_plane.finish(landing); Commit -> commit (verify, sink.commit) -> Committed
@@ -88,6 +89,9 @@ class ReceiverStatus:
     state: ReceiverState = "empty"
     version: int | None = None
     """The last committed version the sink holds intact, or None."""
+    last_committed: int | None = None
+    """The last version committed here, kept while dirty: an offer at or below it is refused
+    unless it says `allow_older` (versions only go forward)."""
     content_digest: str = ""
     """The content digest of `version` when its sync was verified, else ""."""
     last_error: str = ""
@@ -405,6 +409,12 @@ class WeightReceiver:
             raise PlanError("a plan in parts carries neither a patch nor an adapter")
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
+        last = self._status.last_committed
+        if offer.adapter is None and not offer.allow_older and last is not None and offer.version <= last:
+            raise NegotiationError(
+                f"version {offer.version} is not above version {last}, committed here last: versions only go "
+                "forward (push a higher one, or allow_older_version=True to move it back)"
+            )
         if offer.delta_base and offer.delta_base != self._status.delta_base:
             raise NegotiationError(
                 f"version {offer.version} is a patch onto content {offer.delta_base}; this receiver holds "
@@ -450,7 +460,13 @@ class WeightReceiver:
             mode = "delta" if landing.delta else "full"
             base = content if landing.patchable else ""
             self._set(
-                state="ready", version=commit.version, content_digest=content, last_error="", mode=mode, delta_base=base
+                state="ready",
+                version=commit.version,
+                last_committed=commit.version,
+                content_digest=content,
+                last_error="",
+                mode=mode,
+                delta_base=base,
             )
         self._release()
         return content

@@ -1,24 +1,29 @@
-"""The slice plan of a sharded sync: boxes of tensors, which rows each sender holds, and the plan
+"""The slice plan of a sharded sync: boxes of tensors, which box each sender holds, and the plan
 one receiver is sent.
 
     Want, Region (messages.py)  the box of a tensor a receiver keeps; where a box sits in its tensor
-    SourceLayout (source.py)    which rows (dimension 0) of each tensor each trainer rank holds
+    SourceLayout (source.py)    which box of each tensor each trainer rank holds
     checked_wants               a receiver's wants, checked against the tensors pushed
     receiver_specs              what a receiver is sent: its box of each tensor, or the whole tensor
     cuts                        the receivers grouped by what they keep, with what each group is sent
     part_plan                   the plan for one receiver: its boxes in buckets, one part per rank
-    held_range                  the bytes of one box that one rank holds
+    held_runs                   the runs of bytes of one box that one rank holds
     sent_whole                  the tensors a receiver keeping boxes is sent whole (it named none)
 
-The rows of a box that one rank holds are a contiguous run of the box's bytes (rows are the
-outermost dimension of its row-major layout), so a part is ordinary pieces (`tensor`,
-`tensor_offset`, ...) of the box: every data plane moves it unchanged. Everything here is pure
-and the same on every rank: every sender computes the same plan for a receiver, and the
+What one rank holds of a box is a box too, the intersection of the two: runs of the box's bytes
+in its row-major layout (one run where the rank holds rows, one per row where it holds columns),
+so a part is ordinary pieces (`tensor`, `tensor_offset`, ...) of the box: every data plane moves
+it unchanged, and no receiver knows how the trainer was split. A rank's runs of a tensor, in
+order, are its intersection's bytes in row-major order: it sends them from one view of what it
+holds. Everything here is pure and the same on every rank: every sender computes the same plan for a receiver, and the
 receiver checks that all of them offer it (`Offer.plan_id`).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+import operator
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -27,13 +32,13 @@ import torch
 from weightsync.errors import PlanError
 from weightsync.messages import Piece, Plan, Region, TensorSpec, Want
 from weightsync.plan import pack_segments, tensor_nbytes
-from weightsync.source import SourceLayout
+from weightsync.source import Held, SourceLayout
 
 __all__ = [
     "Box",
     "checked_wants",
     "cuts",
-    "held_range",
+    "held_runs",
     "part_plan",
     "receiver_specs",
     "region_view",
@@ -101,39 +106,59 @@ def region_view(tensor: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     ]
 
 
-def held_range(spec: TensorSpec, bounds: tuple[int, ...] | None, rank: int, owner: int) -> tuple[int, int]:
-    """The bytes [first, end) of `spec` (a whole tensor, or a box of one) that `rank` holds, where
-    the tensor's rows are split at `bounds` (None: every rank holds it whole, `owner` sends it)."""
+def held_runs(spec: TensorSpec, held: Held | None) -> list[tuple[int, int]]:
+    """The runs of bytes `(first, nbytes)` of `spec` (a whole tensor, or a box of one) that a
+    rank holding box `held` of the tensor holds, in order: its box's intersection with `spec`'s,
+    one run per row of the intersection along the dimensions it does not span whole."""
+    if held is None:
+        return []
+    shape = spec.shape
+    start = spec.region.start if spec.region is not None else (0,) * len(shape)
+    low, high = [], []
+    for dim, extent in enumerate(shape):
+        first, stop = held[dim] if dim < len(held) else (start[dim], start[dim] + extent)
+        low.append(min(max(first - start[dim], 0), extent))
+        high.append(min(max(stop - start[dim], 0), extent))
+    if any(b <= a for a, b in zip(low, high, strict=True)):
+        return []
     nbytes = tensor_nbytes(spec)
-    if bounds is None:
-        return (0, nbytes) if rank == owner else (0, 0)
-    first_row = spec.region.start[0] if spec.region is not None and spec.shape else 0
-    num_rows = spec.shape[0] if spec.shape else 1
-    row_bytes = nbytes // num_rows if num_rows else 0
-    low = min(max(bounds[rank] - first_row, 0), num_rows)
-    high = min(max(bounds[rank + 1] - first_row, 0), num_rows)
-    return (low * row_bytes, max(low, high) * row_bytes)
+    split = max((dim for dim in range(len(shape)) if (low[dim], high[dim]) != (0, shape[dim])), default=-1)
+    if split < 0:
+        return [(0, nbytes)]
+    element = nbytes // math.prod(shape)
+    inner = math.prod(shape[split + 1 :])
+    strides = [math.prod(shape[dim + 1 :]) for dim in range(split + 1)]
+    run = (high[split] - low[split]) * inner * element
+    rows = itertools.product(*(range(low[dim], high[dim]) for dim in range(split)))
+    return [(sum(map(operator.mul, (*row, low[split]), strides)) * element, run) for row in rows]
 
 
 def part_plan(specs: Sequence[TensorSpec], layout: SourceLayout, bucket_bytes: int) -> Plan:
     """The plan for one receiver sent `specs` (`receiver_specs`) by the ranks of `layout`: the
-    buckets of part m carry the bytes rank m holds, in tensor order; one part for one sender.
-    A tensor of no bytes travels as one empty piece in the first part.
+    buckets of part m carry the runs of bytes rank m holds (`held_runs`), in tensor order; one
+    part for one sender. A tensor of no bytes travels as one empty piece in the first part.
 
     Raises:
-        PlanError: `layout` does not describe `specs`.
+        PlanError: `layout` does not describe `specs`, or its boxes do not cover a tensor once.
     """
-    if len(layout.rows) != len(specs):
-        raise PlanError(f"the source's layout names {len(layout.rows)} tensors, the push {len(specs)}")
+    if len(layout.held) != len(specs):
+        raise PlanError(f"the source's layout names {len(layout.held)} tensors, the push {len(specs)}")
+    runs = [
+        [held_runs(spec, boxes[rank]) for spec, boxes in zip(specs, layout.held, strict=True)]
+        for rank in range(layout.world)
+    ]
+    for index, spec in enumerate(specs):
+        if sum(n for rank in range(layout.world) for _, n in runs[rank][index]) != tensor_nbytes(spec):
+            raise PlanError(f"the trainer ranks' boxes {layout.held[index]} do not cover {spec.name!r} once")
     buckets: list[tuple[Piece, ...]] = []
     parts = []
     for rank in range(layout.world):
         parts.append(len(buckets))
         segments = []
         for index, spec in enumerate(specs):
-            first, end = held_range(spec, layout.rows[index], rank, layout.owner(index))
-            if end > first or (rank == 0 and tensor_nbytes(spec) == 0):
-                segments.append((index, first, end - first))
+            if rank == 0 and tensor_nbytes(spec) == 0:
+                segments.append((index, 0, 0))
+            segments += [(index, first, nbytes) for first, nbytes in runs[rank][index]]
         buckets += pack_segments(segments, bucket_bytes)
     total = sum(tensor_nbytes(spec) for spec in specs)
     return Plan(bucket_bytes, tuple(specs), tuple(buckets), total, tuple(parts) if layout.world > 1 else ())

@@ -21,7 +21,8 @@ The rule (docs/failure-semantics.md), for every engine: a version is labelled on
 worker landed it and nothing went wrong; when no worker's weights changed, the previous version
 serves on, labelled as before; otherwise (some worker's weights changed, or nobody knows) the
 engine says it is not ready and serves nothing until a push lands, and it is never labelled with
-a version it does not hold.
+a version it does not hold. A worker that refused the push (its plan, or a version at or below the
+last it committed: versions only go forward) is intact.
 
 Every wait is bounded (the update call by `wait_s`, each agreement by its own timeout), and a
 control-plane thread is never joined on the error path.

@@ -132,6 +132,8 @@ class WeightSender:
             commit); one with no such receiver (delta=True, shared memory only) is verified as
             `verify` says, like a push without delta. The report's `mode` says what each
             receiver got.
+        allow_older_version: receivers take a version at or below the last one they committed,
+            which they refuse otherwise (versions only go forward; docs/failure-semantics.md).
     """
 
     def __init__(self, addresses: Sequence[str] | str, options: SenderOptions | None = None, **kwargs: Any) -> None:
@@ -258,7 +260,10 @@ class WeightSender:
         """One plan to its receivers: offer, buckets, commit."""
         plan = delivery.plan
         failures = dict(failures)
-        offer = Offer(version, plan, delivery.identity, verify, delivery.delta_base, adapter, delivery.part)
+        allow_older = self.options.allow_older_version
+        offer = Offer(
+            version, plan, delivery.identity, verify, delivery.delta_base, adapter, delivery.part, allow_older
+        )
         # a delivery beside others goes only through the carriers of its own receivers
         carriers = [c for c in self._carriers if not delivery.own_plane or delivery.addresses & set(c.addresses)]
         planes = {carrier.name: carrier.plane_for(delivery) for carrier in carriers}

@@ -190,12 +190,16 @@ class StagedSink(WeightSink):
     Args:
         inner: the engine's sink; `begin` must only check the plan (it runs while serving).
         batch_bytes: how much `commit` hands to `inner.load` at a time.
+        whole: hand `inner` every tensor at each commit, those a patch left unchanged too (an
+            engine that reloads whole layers: vLLM's layerwise reload would process a layer fed
+            only some of its tensors with the rest unset). False: only what changed.
     """
 
     traits = SinkTraits(live_destinations=False)
 
-    def __init__(self, inner: WeightSink, batch_bytes: int = 64 << 20) -> None:
+    def __init__(self, inner: WeightSink, batch_bytes: int = 64 << 20, *, whole: bool = False) -> None:
         self.inner = inner
+        self.whole = whole
         self._wrote_live = False
         self.batch_bytes = batch_bytes
         self._standby: dict[str, torch.Tensor] = {}
@@ -227,7 +231,7 @@ class StagedSink(WeightSink):
         batch: list[tuple[str, torch.Tensor]] = []
         size = 0
         for spec in self._plan.tensors:
-            if spec.encoding != "dense" and spec.count == 0:
+            if spec.encoding != "dense" and spec.count == 0 and not self.whole:
                 continue  # a delta sync left it unchanged: the engine holds it already
             tensor = self._standby[spec.name]
             dest = self.inner.destination(spec.name)

@@ -16,6 +16,7 @@ import torch
 from weightsync.errors import ConfigError
 
 __all__ = [
+    "Held",
     "ShardedSource",
     "SourceLayout",
     "StateDictSource",
@@ -24,6 +25,8 @@ __all__ = [
     "as_source",
     "chunk_rows",
     "held_tensors",
+    "row_boxes",
+    "whole_on",
 ]
 
 
@@ -59,38 +62,60 @@ class WeightSource(Protocol):
         ...
 
 
+Held = tuple[tuple[int, int], ...]
+"""A box of a tensor by its leading dimensions: elements [start, stop) along each of the first
+`len(held)` dimensions, every later dimension whole; () is the whole tensor."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SourceLayout:
-    """Which rows of each tensor each of the `world` trainer ranks holds, the same on every rank
-    but for `rank`.
+    """Which box of each tensor each of the `world` trainer ranks holds, the same on every rank
+    but for `rank`. The boxes of one tensor do not overlap and together cover it: a tensor some
+    ranks hold alike (a replicated norm) is held, in this layout, by the one that sends it.
 
     Attributes:
         rank: this sender's rank (the part of every plan it carries).
         world: how many ranks send (the parts of every plan).
-        rows: per tensor, in source order: the row boundaries (`world + 1` of them: rank r holds
-            rows [rows[r], rows[r + 1]) of dimension 0), or None where every rank holds the whole
-            tensor and rank `index % world` sends it.
+        held: per tensor, in source order: per rank, the box it holds (`Held`), or None.
     """
 
     rank: int
     world: int
-    rows: tuple[tuple[int, ...] | None, ...]
+    held: tuple[tuple[Held | None, ...], ...]
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world:
             raise ConfigError(f"rank {self.rank} of a world of {self.world}")
-        for bounds in self.rows:
-            if bounds is not None and (len(bounds) != self.world + 1 or list(bounds) != sorted(bounds)):
-                raise ConfigError(f"row boundaries {bounds} do not split a tensor over {self.world} ranks")
+        for boxes in self.held:
+            if len(boxes) != self.world or any(a > b for box in boxes if box for a, b in box):
+                raise ConfigError(f"boxes {boxes} do not place a tensor over {self.world} ranks")
 
     @classmethod
     def whole(cls, num_tensors: int) -> SourceLayout:
         """One sender holding every tensor whole."""
-        return cls(0, 1, (None,) * num_tensors)
+        return cls(0, 1, (((),),) * num_tensors)
 
-    def owner(self, tensor: int) -> int:
-        """The rank that sends tensor `tensor` where every rank holds it whole."""
-        return tensor % self.world
+    @classmethod
+    def from_rows(cls, rank: int, world: int, rows: Iterable[tuple[int, ...] | None]) -> SourceLayout:
+        """A layout by rows: per tensor, the row boundaries (`world + 1` of them: rank r holds
+        rows [rows[r], rows[r + 1]) of dimension 0), or None where every rank holds it whole and
+        rank `index % world` sends it."""
+        held = []
+        for index, bounds in enumerate(rows):
+            if bounds is not None and (len(bounds) != world + 1 or list(bounds) != sorted(bounds)):
+                raise ConfigError(f"row boundaries {bounds} do not split a tensor over {world} ranks")
+            held.append(row_boxes(bounds) if bounds is not None else whole_on(index % world, world))
+        return cls(rank, world, tuple(held))
+
+
+def row_boxes(bounds: tuple[int, ...]) -> tuple[Held, ...]:
+    """Each rank's rows [bounds[r], bounds[r + 1]) of dimension 0, as boxes."""
+    return tuple(((low, high),) for low, high in zip(bounds, bounds[1:], strict=False))
+
+
+def whole_on(owner: int, world: int) -> tuple[Held | None, ...]:
+    """Rank `owner` holding a tensor whole, no other rank any of it."""
+    return tuple(() if rank == owner else None for rank in range(world))
 
 
 def chunk_rows(num_rows: int, world: int) -> tuple[int, ...]:
@@ -110,15 +135,15 @@ class ShardedSource(WeightSource, Protocol):
     """
 
     def layout(self) -> SourceLayout | None:
-        """Which rows of each tensor each rank holds, or None when the source is not sharded (one
+        """Which box of each tensor each rank holds, or None when the source is not sharded (one
         rank pushes it whole). Called once per push, by every rank at the same point: it may
         gather (a collective) what cannot be sent in part."""
         ...
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor in `metas()` order as this rank holds it: its rows of a tensor split by
-        rows, the whole tensor where every rank holds it (or this rank sends what `layout`
-        gathered). Runs no collective, and may be walked several times per push, from several
+        """Every tensor in `metas()` order as this rank holds it: a tensor of the shape of its box
+        in `layout()` (the whole tensor for the box `()`; anything, never read, where it holds
+        none). Runs no collective, and may be walked several times per push, from several
         threads at once."""
         ...
 

@@ -67,6 +67,19 @@ def test_a_run_that_changes_nothing_syncs_nothing_but_its_first_push(tmp_path) -
     assert [(r["wire_bytes"], r["changed_fraction"]) for r in records] == [(0, 0.0), (0, 0.0)]
 
 
+def test_at_bf16_and_a_small_rate_most_weights_keep_their_bits_and_syncs_are_patches(tmp_path) -> None:
+    config = DemoConfig(
+        mode="colocated", steps=3, lr=1e-5, wire_dtype="bfloat16", out=tmp_path, progress=False, delta="all"
+    )
+    records = run(config)
+    assert [r["sync_modes"] for r in records] == [["delta"]] * 3
+    for record in records:
+        assert 0.0 < record["changed_fraction"] < 0.5
+        assert 0 < record["wire_bytes"] < record["sync_bytes"] / 2
+    plot(records, tmp_path / "plot.png")  # the delta syncs are marked at their bytes
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
 def readme_exercise() -> list[str]:
     from tests.doc_snippets import snippet
 

@@ -22,6 +22,7 @@ Skipped where vLLM is not installed (scripts/install-vllm.sh installs it).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import re
@@ -306,6 +307,33 @@ def _served_equals_vllms_own_load(server: Served, source: VLLMWeightSource) -> N
     finally:
         engine.shutdown()
     assert _checksums(server.url) == pushed
+
+
+def test_delta_pushes_through_vllms_own_api_land_as_patches_bit_exact(server, trainer_model) -> None:
+    """With `delta`, the trainer API's workers land in a standby copy (docs/delta.md): after a full
+    push, sparse changes travel as patches to every worker, each commit verified against the
+    content digest, and vLLM serves what transformers generates from the changed model."""
+    model = copy.deepcopy(trainer_model)
+    source = _source(server.kind, model)
+    engine = _engine(server.url, source, "tcp", delta=True)
+    try:
+        first = engine.send_weights()
+        assert first is not None and first.ok and {o.mode for o in first.outcomes} == {"full"}, first
+        for step in range(2):
+            with torch.no_grad():
+                for parameter in model.parameters():
+                    flat = parameter.view(-1)
+                    flat[step::97] += 0.01  # about 1% of the elements
+            report = engine.send_weights()
+            assert report is not None and report.ok, report
+            assert {o.mode for o in report.outcomes} == {"delta"}, report.summary()
+            assert report.wire_bytes < first.wire_bytes / 4, (report.wire_bytes, first.wire_bytes)
+            assert report.content_digest == source_digest(list(source)), report
+        assert _label(server.url) == str(engine.version)
+        for prompt in PROMPTS:
+            assert _greedy(server.url, prompt) == _reference(model, prompt)
+    finally:
+        engine.shutdown()
 
 
 def test_bad_plans_fail_loudly_and_label_nothing(server, trainer_model) -> None:

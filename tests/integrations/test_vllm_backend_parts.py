@@ -265,6 +265,45 @@ def test_a_worker_that_refuses_the_sender_fails_the_round_before_any_window_open
         engine.shutdown()
 
 
+def test_versions_go_forward_through_vllms_trainer_api_unless_the_options_allow_older() -> None:
+    """The trainer refuses a version at or below its last label; a restarted trainer (its count
+    back at 0) is refused by the worker's receiver, which remembers what it committed, and vLLM
+    keeps its weights; `allow_older_version` lifts both."""
+    pytest.importorskip("vllm")
+    from weightsync import ConfigError, SenderOptions, SyncFailed, WeightReceiver, WeightSender
+    from weightsync.integrations.vllm.trainer import WeightsyncTrainerEngine
+
+    class Client:  # vLLM's client: every call of the update window does nothing here
+        def __getattr__(self, name: str) -> object:
+            return lambda *args, **kwargs: None
+
+    model = torch.nn.Linear(3, 2)
+    held = {name: torch.zeros_like(tensor) for name, tensor in model.state_dict().items()}
+
+    def trainer(**options: object) -> WeightsyncTrainerEngine:
+        sender = WeightSender([worker.address], SenderOptions(timeout=30, raise_on_failure=False, **options))  # type: ignore[arg-type]
+        return WeightsyncTrainerEngine(client=Client(), source=ModuleSource(model), sender=sender)  # type: ignore[arg-type]
+
+    with WeightReceiver(held, "tcp", timeout=30) as worker:
+        first = trainer()
+        assert first.send_weights(5) is not None and worker.version == 5
+        with pytest.raises(ConfigError, match=r"above the last one \(5\), got 3"):
+            first.send_weights(3)
+        first.shutdown()
+        restarted = trainer()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        with pytest.raises(SyncFailed, match="version 1 is not above version 5, committed here last") as refused:
+            restarted.send_weights()
+        assert "the previous weights serve" in str(refused.value) and worker.version == 5
+        assert not torch.equal(held["weight"], model.weight.detach())
+        restarted.shutdown()
+        allowed = trainer(allow_older_version=True)
+        assert allowed.send_weights(1) is not None and allowed.send_weights(1) is not None
+        assert worker.version == 1 and torch.equal(held["weight"], model.weight.detach())
+        allowed.shutdown()
+
+
 def test_vllms_window_says_not_ready_by_its_label_and_pauses_only_what_it_owns() -> None:
     """`VLLMWindow` (the one rule on vLLM's trainer API): not ready is the weight version
     `not-ready` and, through an HTTP client's server, vLLM's own `/pause`, resumed by the next

@@ -83,6 +83,7 @@ class _Gated:
 
 WEIGHT_INFO = {
     "version": (int, type(None)),
+    "last_committed": (int, type(None)),
     "state": str,
     "last_error": str,
     "last_sync": dict,

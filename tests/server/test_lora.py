@@ -183,10 +183,13 @@ def test_a_request_in_flight_finishes_on_its_adapter_version(served) -> None:
 
 
 def test_a_server_without_the_adapter_names_what_it_serves(served) -> None:
-    _, server, _ = served
+    model_dir, server, sender = served
+    tensors, adapter = adapter_from_peft(peft_policy(model_dir, seed=3), "listed")
+    assert sender.push(tensors, version=1, adapter=adapter).ok
     with pytest.raises(ServerError) as caught:
         server.client.completions(PROMPT, model="absent", max_tokens=2)
     assert caught.value.status == 404 and "absent" in str(caught.value)
+    assert "'listed'" in str(caught.value), "the adapters served are named (vLLM's own names only the base model)"
 
 
 @pytest.mark.parametrize("staged", [False, True])

@@ -1,6 +1,6 @@
 """`weightsync push` behaves like `WeightSender.push`: per-server results, the reachable servers
 pushed to, a non-zero status when any failed, each error once and no success line before it;
-`--cast`; and no silent move back to an older version."""
+`--cast`; and no move back to an older version, silent or not, unless asked."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import ENGINES
 from tests.server.conftest import live_server
-from weightsync import cli
+from weightsync import PlanError, SyncFailed, WeightSender, cli
+from weightsync.errors import one_line
 
 DEAD = "http://127.0.0.1:9"
 
@@ -72,6 +73,40 @@ def test_an_older_version_needs_allow_older_version(tiny_models, capsys) -> None
         flags = ("--version", "3", "--allow-older-version")
         assert push(capsys, "--model", str(model), "--to", server.url, *flags)[0] == 0
         assert server.client.weight_info()["version"] == 3
+
+
+@pytest.mark.fault(
+    "a push labelled at or below the last committed version, to a ready and to a dirty server",
+    expected="refused before a byte moves, one line naming both versions; the previous weights serve on "
+    "(a dirty server stays dirty); `weightsync push` without --version pushes the last committed + 1",
+)
+def test_a_server_never_takes_an_older_version_even_while_dirty(tiny_models, capsys, observe) -> None:
+    from tests.server.checks import PROMPT, _Gated
+
+    model = tiny_models["qwen2"]
+    weights = load_file(model / "model.safetensors")
+    with live_server(model) as server, WeightSender([server.address], timeout=10, bucket_bytes=1 << 12) as sender:
+        assert push(capsys, "--model", str(model), "--to", server.url, "--version", "5")[0] == 0
+        before = server.client.completions(PROMPT, max_tokens=8, temperature=0)["choices"][0]["token_ids"]
+        with pytest.raises(SyncFailed, match="version 3 is not above version 5, committed here last") as refused:
+            sender.push({name: tensor * 2 for name, tensor in weights.items()}, 3)
+        after = server.client.completions(PROMPT, max_tokens=8, temperature=0)
+        assert after["weight_version"] == 5 and after["choices"][0]["token_ids"] == before
+        assert server.client.health()["status"] == "ok"
+        with pytest.raises(PlanError):  # the source breaks after some buckets reached the live weights
+            sender.push(_Gated(weights, broken=True), 6)
+        info = server.client.weight_info()
+        assert (info["state"], info["version"], info["last_committed"]) == ("dirty", None, 5), info
+        with pytest.raises(SyncFailed, match="versions only go forward"):
+            sender.push(weights, 1)
+        assert server.client.weight_info()["state"] == "dirty"
+        status, out, err = push(capsys, "--model", str(model), "--to", server.url, "--version", "5")
+        assert status == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+        assert f"--version 5 is the same as version 5, which {server.url} committed last" in err
+        status, out, err = push(capsys, "--model", str(model), "--to", server.url)
+        assert status == 0 and out.splitlines()[0] == f"{server.url}: committed version 6", (out, err)
+        assert server.client.health()["status"] == "ok"
+    observe(f"`{one_line(refused.value)[:110]}...`; version 5 served on, same tokens; dirty: refused too")
 
 
 def test_cast_pushes_a_bfloat16_checkpoint_into_a_float32_server(tiny_models, tmp_path, capsys) -> None:

@@ -11,7 +11,8 @@ the first push. Checked:
 - a push of checkpoint 1 serves exactly what the server started on checkpoint 1 serves (greedy);
 - the official `openai` client: completions (n > 1) and chat, streamed and not, with
   `weight_version` on every response, chunk and choice, and spans once a choice ends;
-- a push that fails (a tensor missing) is refused and the previous version serves on;
+- a push that fails (a tensor missing) is refused and the previous version serves on; so is a
+  push of an older version (versions only go forward);
 - under load (clients generating while checkpoints 0 and 1 are pushed back to back), every
   response's greedy output is that of the checkpoint its version names;
 - SIGTERM stops the server with status 0; SIGKILL to the other server (as the OOM killer sends
@@ -255,6 +256,20 @@ def test_a_push_missing_a_tensor_is_refused_and_the_previous_version_serves(
         sender.push(partial, 2)
     assert "PlanError" in str(failed.value) and "plan lacks" in str(failed.value)
     assert dummy.version() == 1
+    assert dummy.greedy(PROMPTS[0])[0] == expected[0]
+
+
+def test_an_older_version_is_refused_and_the_previous_version_serves(
+    dummy: Served, weights: list[dict[str, Any]], expected: list[list[int]]
+) -> None:
+    """Versions only go forward (docs/failure-semantics.md): other weights under version 1 (the
+    one serving) or 0 are refused before a byte moves, and version 1 serves on, unchanged."""
+    for version in (1, 0):
+        report = dummy.push(weights[0], version)
+        assert not report.ok and report.failed[0].refused, report.failed
+        assert f"version {version} is not above version 1, committed here last" in report.failed[0].error
+    info = dummy.http.get("/weight_info").json()
+    assert (info["version"], info["last_committed"]) == (1, 1), info
     assert dummy.greedy(PROMPTS[0])[0] == expected[0]
 
 

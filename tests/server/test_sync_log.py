@@ -29,3 +29,19 @@ def test_each_sync_and_each_refused_push_is_one_line(tiny_models, caplog) -> Non
     warned = [r for r in caplog.records if r.levelno >= logging.WARNING and "'extra.weight'" in r.getMessage()]
     assert [r.name for r in warned] == ["weightsync.receiver"], [(r.name, r.getMessage()) for r in warned]
     assert warned[0].getMessage().startswith("push of version 2 refused ("), warned[0].getMessage()
+
+
+def test_serve_s_sync_lines_come_whatever_an_engine_makes_of_the_root_logger() -> None:
+    """vLLM's app sets the root logger to ERROR as it builds (it imports SageMaker's routes): the
+    server's sync lines still come, at the level `weightsync serve --log-level` names."""
+    from weightsync.cli.serve import configure_logging
+
+    root, ours = logging.getLogger(), logging.getLogger("weightsync")
+    levels = root.level, ours.level
+    try:
+        configure_logging("info")
+        root.setLevel(logging.ERROR)  # what vLLM's build_app leaves
+        assert logging.getLogger("weightsync.serving.control").isEnabledFor(logging.INFO)
+    finally:
+        root.setLevel(levels[0])
+        ours.setLevel(levels[1])

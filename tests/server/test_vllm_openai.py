@@ -1,8 +1,8 @@
 """`weightsync serve --engine vllm` is vLLM's own OpenAI server with weightsync's parts on top,
 driven here with the `openai` client: completions and chat (the tokenizer's chat template),
 streamed and not, n > 1, logprobs; the gate before the first sync, bearer auth, weight_version on
-every response and chunk, pushes that change what is served, and a keep-mode response that spans
-a sync reporting both versions.
+every response and chunk, pushes that change what is served, an older version refused (the
+previous weights serve on), and a keep-mode response that spans a sync reporting both versions.
 
 One server process for the module (a vLLM start costs 20-30 s here), in keep mode with a token;
 the tests run in file order: the gate is checked before the first push.
@@ -124,9 +124,11 @@ def checkpoint(model_dir: Path) -> dict[str, Any]:
 
 @pytest.fixture
 def pushed(vllm_server: Served, checkpoint: dict[str, Any]) -> Served:
-    """The server serving the checkpoint (pushed as version 1 if nothing is served yet)."""
-    if vllm_server.http.get("/health").json()["version"] is None:
-        assert vllm_server.push(checkpoint, 1).ok
+    """The server serving the checkpoint (pushed as the last committed version + 1 if nothing is
+    served now)."""
+    info = vllm_server.http.get("/weight_info").json()
+    if info["version"] is None:
+        assert vllm_server.push(checkpoint, (info["last_committed"] or 0) + 1).ok
     return vllm_server
 
 
@@ -326,12 +328,26 @@ def test_a_sync_that_fails_after_reaching_vllm_leaves_it_dirty_until_the_next_go
     with pytest.raises(openai.APIStatusError) as refused:
         pushed.greedy()
     assert refused.value.status_code == 503 and refused.value.response.json()["state"] == "dirty"
-    assert pushed.http.get("/weight_info").json()["version"] is None
+    info = pushed.http.get("/weight_info").json()
+    assert (info["version"], info["last_committed"]) == (None, version), info
+    older = pushed.push(checkpoint, version)  # dirty, it still takes no version at or below its last
+    assert not older.ok and "versions only go forward" in older.failed[0].error, older.failed
+    assert pushed.http.get("/health").json()["state"] == "dirty"
 
     assert pushed.push(checkpoint, version + 2).ok
     assert pushed.http.get("/health").status_code == 200
     assert pushed.greedy().weight_version == version + 2
     observe(f"PlanError at the sender; dirty (503 on /health and on requests); version {version + 2} serves after")
+
+
+def test_an_older_version_is_refused_and_the_previous_weights_serve(pushed: Served, checkpoint: dict[str, Any]) -> None:
+    before = pushed.greedy()
+    version = before.weight_version
+    refused = pushed.push({name: tensor * 2 for name, tensor in checkpoint.items()}, version - 1)
+    assert not refused.ok and refused.failed[0].refused, refused.failed
+    assert f"version {version - 1} is not above version {version}, committed here last" in refused.failed[0].error
+    after = pushed.greedy()
+    assert after.weight_version == version and after.choices[0].token_ids == before.choices[0].token_ids
 
 
 @pytest.mark.fault(

@@ -69,11 +69,11 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, transport: str, *options: str) -> Iterator[Served]:
+def serving(model_dir: Path, transport: str, *options: str, log: Path | None = None) -> Iterator[Served]:
     command = [sys.executable, "-m", "weightsync", "serve", "--engine", "vllm", "--model", str(model_dir)]
     command += ["--port", "0", "--ready-timeout", "1", "--transport", transport, "--vllm-args", TP2, *options]
     footprints = Footprints()
-    process = ChildProcess(command, env=os.environ | ENV)
+    process = ChildProcess(command, env=os.environ | ENV, log_path=log)
     try:
         line = process.wait_for_line("weightsync serve:", START_S)
         assert line is not None, process.why_not_started("weightsync serve --engine vllm -tp 2", START_S)
@@ -146,12 +146,18 @@ def test_two_workers_land_every_push_bit_exact_and_serve_what_transformers_gener
     model_dir = tiny_models.get(kind) or tmp_path / kind
     if kind not in tiny_models:
         save_model(kind, model_dir)
-    with serving(model_dir, transport) as served:
+    with serving(model_dir, transport, log=tmp_path / "server.log") as served:
         _lands_bit_exact(served, model_dir)
+    log = (tmp_path / "server.log").read_text()  # the server's stderr, its stop included
+    assert re.findall(r"sync of version (\d+) committed on 2 worker", log) == ["1", "2"], log[-4000:]
+    assert "leaked shared_memory" not in log, log[-4000:]
 
 
 def test_two_workers_land_every_push_over_shm_and_the_cli_says_one_line_per_server(
-    qwen2_shm: tuple[Served, contextlib.ExitStack], model_dir: Path, capsys: pytest.CaptureFixture[str]
+    qwen2_shm: tuple[Served, contextlib.ExitStack],
+    model_dir: Path,
+    checkpoint: dict[str, torch.Tensor],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     served = qwen2_shm[0]
     _lands_bit_exact(served, model_dir)
@@ -160,6 +166,8 @@ def test_two_workers_land_every_push_over_shm_and_the_cli_says_one_line_per_serv
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0] == f"{served.url}: committed version 3" and len(out) == 2, out
     assert out[1].startswith("version 3: committed on 1 of 1 servers"), out
+    sent = served.http.get("/weight_info").json()["last_sync"]["bytes"]
+    assert sent <= 0.6 * sum(t.nbytes for t in checkpoint.values()), "a worker gets its boxes, read as slices"
 
 
 @pytest.mark.fault(

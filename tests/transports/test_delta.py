@@ -20,6 +20,7 @@ from weightsync.landing import Landing
 from weightsync.messages import Failed, Offer
 from weightsync.patch import apply_patch
 from weightsync.plan import build_plan, plan_id, wire_specs
+from weightsync.sink import CallableSink
 from weightsync.source import as_source
 
 BUCKET = 1 << 16
@@ -377,6 +378,31 @@ def test_a_staged_receiver_is_patched_in_its_standby_copy() -> None:
             assert report.ok and report.outcomes[0].mode == ("full" if version == 0 else "delta")
             assert_all_bit_exact(live, trainer.as_sent())
     assert isinstance(receiver, WeightReceiver)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_a_staged_engine_gets_what_a_patch_changed_or_with_whole_every_tensor(whole: bool) -> None:
+    from weightsync.sink import StagedSink
+
+    weights = {"a": torch.zeros(64), "b": torch.ones(64), "c": torch.full((64,), 2.0)}
+    fed: list[list[str]] = []
+    held: dict[str, torch.Tensor] = {}
+
+    def load(batch: list[tuple[str, torch.Tensor]]) -> None:
+        fed[-1].extend(name for name, _ in batch)
+        held.update((name, tensor.clone()) for name, tensor in batch)
+
+    with (
+        receiving(StagedSink(CallableSink(load), whole=whole), "shm") as receiver,
+        sending(receiver.address, delta="all", bucket_bytes=BUCKET) as sender,
+    ):
+        for version in range(3):
+            fed.append([])
+            weights = dict(weights, b=weights["b"].clone().index_fill_(0, torch.tensor([version]), -1.0))
+            report = sender.push(weights, version)
+            assert report.ok and report.outcomes[0].mode == ("full" if version == 0 else "delta")
+            assert_all_bit_exact(held, weights)
+    assert fed == [["a", "b", "c"], ["a", "b", "c"] if whole else ["b"], ["a", "b", "c"] if whole else ["b"]]
 
 
 # --- who gets a patch is declared: network receivers (delta=True), or all ---------------------

@@ -1,5 +1,6 @@
 """The two loops and what they return: a push's deadline, the receiver's one status value, the
-sink told whether the served weights are intact, options given once."""
+sink told whether the served weights are intact, options given once, versions that only go
+forward unless the sender allows an older one."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from weightsync import (
     ReceiverOptions,
     SenderOptions,
     SinkTraits,
+    SyncFailed,
     TensorMeta,
     TransferTimeout,
     WeightSink,
@@ -135,3 +137,43 @@ def test_each_receiver_reports_where_its_sync_went(transport: str) -> None:
         assert parts == pytest.approx(times.total_s, abs=1e-6) and times.total_s <= report.seconds
         failed = sender.push({"refused": torch.zeros(3)}, version=2)
         assert not failed.ok and failed.outcomes[0].times is None
+
+
+class FailingSource(SlowSource):
+    """Yields its first three tensors, then raises: the push fails after bucket 0 landed."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from list(self._tensors.items())[:3]
+        raise RuntimeError("the trainer's source broke")
+
+
+def test_a_version_at_or_below_the_last_committed_is_refused_also_while_dirty() -> None:
+    dest = {name: torch.zeros(256) for name in weights(0)}
+    with receiving(dest, "shm") as receiver, sending(receiver.address, bucket_bytes=1024) as sender:
+        assert sender.push(weights(5), version=5).ok
+        with pytest.raises(SyncFailed, match="versions only go forward"):
+            sender.push(weights(6), version=5)  # the same version, other content
+        with pytest.raises(RuntimeError, match="broke"):
+            sender.push(FailingSource(weights(6), 0), version=6)
+        assert (receiver.state, receiver.version, receiver.status.last_committed) == ("dirty", None, 5)
+        held = {name: tensor.clone() for name, tensor in dest.items()}
+        for older in (1, 5):
+            with pytest.raises(SyncFailed, match=f"version {older} is not above version 5, committed here last"):
+                sender.push(weights(older), version=older)
+        assert all(torch.equal(dest[name], held[name]) for name in dest)  # nothing of a refused push lands
+        assert (receiver.state, receiver.status.last_committed) == ("dirty", 5)
+        assert sender.push(weights(6), version=6).ok
+        assert (receiver.state, receiver.version, receiver.status.last_committed) == ("ready", 6, 6)
+
+
+def test_allow_older_version_moves_a_receiver_back() -> None:
+    dest = {name: torch.zeros(256) for name in weights(0)}
+    with receiving(dest, "tcp") as receiver:
+        with sending(receiver.address) as sender:
+            assert sender.push(weights(5), version=5).ok
+        with sending(receiver.address, allow_older_version=True) as sender:
+            assert sender.push(weights(2), version=2).ok
+        assert (receiver.version, receiver.status.last_committed) == (2, 2)
+        assert all(torch.equal(tensor, torch.full((256,), 2.0)) for tensor in dest.values())
+        with sending(receiver.address) as sender:  # from there on, forward again from 2
+            assert sender.push(weights(3), version=3).ok

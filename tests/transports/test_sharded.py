@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from tests.models import save_model
 from weightsync import SyncReport, TensorDictSink, WeightReceiver, WeightSender, WeightSink
 from weightsync.digest import source_digest
 from weightsync.messages import Want
+from weightsync.source import Held, SourceLayout
 
 TRANSPORTS = ["inproc", "shm", "tcp", "collective"]
 TIMEOUT_S = 10.0
@@ -87,9 +89,33 @@ def push_from_ranks(addresses: list[str], sources: list[object], version: int) -
     )
 
 
+class BoxShards(RowShards):
+    """Rank `rank` of 2 holding boxes of every tensor along any dimension (as Megatron's tensor
+    parallelism splits a model): rows of embed, columns of q and down (unevenly), the norm whole
+    on rank 1, the experts split along their middle dimension."""
+
+    HELD: dict[str, tuple[Held | None, ...]] = {
+        "embed": (((0, 5),), ((5, 9),)),
+        "q": (((0, 8), (0, 4)), ((0, 8), (4, 8))),
+        "norm": (None, ()),
+        "down": (((0, 8), (0, 5)), ((0, 8), (5, 12))),
+        "experts": (((0, 4), (0, 2)), ((0, 4), (2, 6))),
+    }
+
+    def layout(self) -> SourceLayout:
+        return SourceLayout(self.rank, self.world, tuple(self.HELD[name] for name in self.full))
+
+    def held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.full.items():
+            held = self.HELD[name][self.rank]
+            yield name, tensor[tuple(slice(a, b) for a, b in held)] if held is not None else tensor[:0]
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: str, world: int) -> None:
+@pytest.mark.parametrize(("split", "world"), [(RowShards, 1), (RowShards, 2), (RowShards, 3), (BoxShards, 2)])
+def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(
+    transport: str, split: type[RowShards], world: int
+) -> None:
     full = model()
     whole = {name: torch.zeros_like(t) for name, t in full.items()}
     kept = {name: torch.zeros_like(t) for name, t in full.items()}
@@ -101,7 +127,7 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: s
     ]
     with receivers[0].start(), receivers[1].start(), receivers[2].start():
         addresses = [receiver.address for receiver in receivers]
-        reports = push_from_ranks(addresses, [RowShards(full, rank, world) for rank in range(world)], 1)
+        reports = push_from_ranks(addresses, [split(full, rank, world) for rank in range(world)], 1)
         assert all(report.ok for report in reports), [report.summary() for report in reports]
         assert all(receiver.version == 1 and receiver.state == "ready" for receiver in receivers)
 
@@ -122,6 +148,38 @@ def test_every_rank_sends_its_rows_and_each_receiver_gets_its_boxes(transport: s
     boxes[1] = sum(full[w.name][box(w)].nbytes for w in WORKER_0) + full["norm"].nbytes + full["experts"].nbytes
     assert received == boxes, "every receiver is sent its boxes, each element once"
     assert reports[0].whole_tensors == ("experts", "norm"), "worker 0 named neither: sent whole, and said"
+
+
+def test_a_checkpoint_sends_each_receiver_its_boxes_read_as_slices(tmp_path: Path, monkeypatch: Any) -> None:
+    """`weightsync push --model DIR` to a tensor-parallel server: each worker is sent its boxes,
+    read from the files as slices (no whole tensor read), and holds the digest of the whole."""
+    from safetensors.torch import save_file
+
+    from weightsync.checkpoint import SafetensorsSource
+
+    full = model()
+    save_file(full, str(tmp_path / "model.safetensors"))
+    kept = {name: torch.zeros_like(t) for name, t in full.items()}
+    loader = Loads(WORKER_1)
+    monkeypatch.setattr(SafetensorsSource, "tensors", lambda self: pytest.fail("a whole tensor was read"))
+    with (
+        WeightReceiver(Keeps(kept, WORKER_0), "tcp", timeout=TIMEOUT_S) as one,
+        WeightReceiver(loader, "tcp", timeout=TIMEOUT_S) as two,
+        WeightSender([one.address, two.address], timeout=TIMEOUT_S) as sender,
+    ):
+        report = sender.push(SafetensorsSource(tmp_path), 1)
+    for want in WORKER_0:
+        assert_bit_exact(kept[want.name][box(want)], full[want.name][box(want)], want.name)
+    for want in WORKER_1:
+        assert_bit_exact(loader.loaded[want.name], full[want.name][box(want)], want.name)
+    sent = [sum(full[w.name][box(w)].nbytes for w in WORKER_0) + full["norm"].nbytes + full["experts"].nbytes]
+    sent.append(sum(t.nbytes for t in loader.loaded.values()))
+    assert [outcome.wire_bytes for outcome in report.outcomes] == sent, "each receiver is sent its boxes"
+    monkeypatch.undo()
+    with WeightReceiver(Loads(WORKER_1), "tcp", timeout=TIMEOUT_S) as three:
+        with WeightSender([three.address], timeout=TIMEOUT_S, verify="bucket") as sender:
+            report = sender.push(SafetensorsSource(tmp_path), 1)
+        assert report.content_digest == three.content_digest == source_digest(full)
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "collective"])
@@ -242,3 +300,43 @@ def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, transpor
     for name, tensor in checkpoint.items():
         assert_bit_exact(landed[name], tensor, name)
     assert receiver.content_digest == source_digest(checkpoint), "the digest of the checkpoint, pushed in parts"
+
+
+def half_rows(checkpoint: dict[str, torch.Tensor], worker: int) -> tuple[Want, ...]:
+    """What tensor-parallel worker `worker` of two keeps: half the rows of every matrix, the rest whole."""
+    wants = []
+    for name, tensor in checkpoint.items():
+        rows = len(tensor) // 2 if tensor.dim() == 2 else 0
+        first, end = (worker * rows, rows + worker * (len(tensor) - rows)) if rows else (0, len(tensor))
+        wants.append(Want(name, (first, *[0] * (tensor.dim() - 1)), (end, *tensor.shape[1:])))
+    return tuple(wants)
+
+
+@pytest.mark.slow
+def test_the_docs_sharded_program_runs_as_written(tmp_path: Path) -> None:
+    """docs/deployment.md's sharded trainer, as written, on two ranks (torchrun, gloo) into two
+    tensor-parallel workers (receivers keeping half the rows of every matrix)."""
+    from safetensors.torch import load_file
+
+    from tests.doc_snippets import write_program
+
+    heading = "## A sharded trainer into tensor-parallel engines: every rank pushes its part"
+    program = write_program("docs/deployment.md", heading, tmp_path / "sharded_push.py")
+    save_model("qwen2", tmp_path / "model")
+    checkpoint = load_file(tmp_path / "model" / "model.safetensors")
+    held = [{name: torch.zeros_like(t) for name, t in checkpoint.items()} for _ in range(2)]
+    with (
+        WeightReceiver(Keeps(held[0], half_rows(checkpoint, 0)), "tcp", timeout=60) as one,
+        WeightReceiver(Keeps(held[1], half_rows(checkpoint, 1)), "tcp", timeout=60) as two,
+    ):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(program)]
+        command += [str(tmp_path / "model"), one.address, two.address]
+        env = os.environ | {"OMP_NUM_THREADS": "1"}
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        said = [line.split(" committed on 2 of 2 receivers")[0] for line in done.stdout.splitlines()]
+        assert said == ["version 1", "version 2", "version 3"], done.stdout
+        assert one.version == two.version == 3 and one.content_digest == two.content_digest != "", "one version"
+    embedding = "model.embed_tokens.weight"
+    assert not torch.equal(held[0][embedding][:4], checkpoint[embedding][:4]), "trained, then pushed"
+    assert torch.equal(held[0][embedding][-4:], torch.zeros_like(checkpoint[embedding][-4:])), "worker 0: its half"

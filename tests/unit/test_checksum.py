@@ -87,6 +87,6 @@ def test_parts_that_hashed_different_tensors_fail() -> None:
 
 def test_a_rank_that_holds_other_rows_than_its_layout_says_fails() -> None:
     full = {"embed": random_tensor(torch.float32, (4, 2), 0)}
-    layout = SourceLayout(0, 2, ((0, 3, 4),))  # says rows [0, 3); Rows holds torch.chunk's [0, 2)
+    layout = SourceLayout.from_rows(0, 2, ((0, 3, 4),))  # says rows [0, 3); Rows holds torch.chunk's [0, 2)
     with pytest.raises(PlanError, match=r"not rows \[0, 3\)"):
         held_shares(RowShards(full, 0, 2), layout)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from weightsync import delta
+from weightsync.patch import crc_room, joined_crc
 from weightsync.plan import wire_specs
 from weightsync.source import as_source
 
@@ -50,11 +51,13 @@ def check_diff(new: np.ndarray, base: np.ndarray, threads: int) -> None:
     itemsize = new.dtype.itemsize
     where, values = reference(new, base)
     indices, out = outputs(new.size, itemsize)
-    count = native.diff(new, base, itemsize, indices, out, threads)
+    crcs = crc_room()
+    count = native.diff(new, base, itemsize, indices, out, threads, crcs)
     assert count == where.size
     assert np.array_equal(indices[:count], where)
     assert np.array_equal(out[: count * itemsize].view(new.dtype), values)
     assert np.array_equal(base, new)  # the baseline now holds the new version
+    assert joined_crc(crcs) == crc32c.crc32c(new.tobytes())  # and the pass hashed it
 
 
 @settings(max_examples=80, deadline=None)
@@ -117,7 +120,9 @@ def test_cast_diff_rounds_exactly_as_torch(src: np.ndarray, base_seed: int, thre
     base = np.where(rng.random(src.size) < 0.5, expected, rng.integers(0, 1 << 16, src.size, dtype=np.uint16))
     where, values = reference(expected, base)
     indices, out = outputs(src.size, 2)
-    count = native.cast_diff(src.view(np.float32), base, indices, out, threads)
+    crcs = crc_room()
+    count = native.cast_diff(src.view(np.float32), base, indices, out, threads, crcs)
+    assert joined_crc(crcs) == crc32c.crc32c(expected.tobytes())
     assert count == where.size
     assert np.array_equal(indices[:count], where)
     assert np.array_equal(out[: count * 2].view(np.uint16), values)
@@ -131,9 +136,11 @@ def test_cast_diff_splits_a_large_tensor_exactly() -> None:
     base[::97] ^= 1
     where, values = reference(expected, base)
     indices, out = outputs(src.size, 2)
-    count = native.cast_diff(src, base, indices, out, 4)
+    crcs = crc_room()
+    count = native.cast_diff(src, base, indices, out, 4, crcs)
     assert np.array_equal(indices[:count], where) and np.array_equal(out[: count * 2].view(np.uint16), values)
     assert np.array_equal(base, expected)
+    assert joined_crc(crcs) == crc32c.crc32c(expected.tobytes())
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -262,7 +269,9 @@ def test_a_blocks_patch_writes_exactly_its_elements_natively_and_with_numpy(
             assert patched.encoding == "blocks" and patched.count == where.size and payload is not None
             encoded[built] = payload
             out = torch.from_numpy(dest.copy()).view(torch.bfloat16 if itemsize == 2 else torch.float32)
-            patch.apply_patch(out, patched, torch.from_numpy(payload))
+            crc = patch.apply_patch(out, patched, torch.from_numpy(payload))
+            # the native apply hashes the destination it leaves (where there was a change to apply)
+            assert crc == (crc32c.crc32c(expected.tobytes()) if built is not None and where.size else None)
         assert np.array_equal(out.view(torch.int16 if itemsize == 2 else torch.int32).numpy().view(bits), expected)
     assert np.array_equal(encoded[native], encoded[None])
 

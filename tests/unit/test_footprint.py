@@ -22,8 +22,9 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 # a socket in $TMPDIR. The child is still running at close: close must end it first.
 SERVER = textwrap.dedent(
     """
-    import json, subprocess, sys, time
+    import json, logging, subprocess, sys, time
     from weightsync.serving.footprint import Footprint
+    logging.basicConfig(level="INFO")
     CHILD = '''
     import os, socket, sys, tempfile, time
     from multiprocessing import shared_memory, resource_tracker
@@ -63,6 +64,7 @@ def test_close_ends_the_tree_and_removes_what_it_made_and_nothing_else(tmp_path:
         assert result["child"] is not None  # ended before anything was removed
         allreduce = "vllm_dist_" + "ab" * 16 + "-tp:0-[0-1]-cpushm_0"
         assert sorted(result["removed"]) == sorted([result["segment"], allreduce])
+        assert "removed 2 shared-memory segments the engine left: " in done.stderr, done.stderr  # any engine's
         assert not Path("/dev/shm", result["segment"]).exists() and not Path("/dev/shm", allreduce).exists()
         assert Path(result["folder"]).parent == tmp_path and not Path(result["folder"]).exists()
         assert list(tmp_path.iterdir()) == []
@@ -92,18 +94,21 @@ def test_a_dead_servers_leftovers_are_reaped_and_a_live_ones_are_not(tmp_path: P
             Path("/dev/shm", name).unlink(missing_ok=True)
 
 
-# A server (this script) whose engine process holds a semaphore of multiprocessing's spawn context,
-# as vLLM's processes do: registered with the resource tracker (the server's child), left in
-# /dev/shm as sem.mp-* until the tracker unlinks it. Killed first, the tracker never did.
+# A server (this script) whose engine process holds a semaphore of multiprocessing's spawn context
+# and a shared-memory segment, as vLLM's processes do: registered with the resource tracker (the
+# server's child), left in /dev/shm as sem.mp-* and psm_* until the tracker unlinks them. Killed
+# first, the tracker never did; the segment, which the server unlinks itself, it called leaked.
 TRACKED = textwrap.dedent(
     """
     import multiprocessing, os, sys, time
+    from multiprocessing import shared_memory
     from pathlib import Path
     from weightsync.serving.footprint import Footprint
 
     def hold(path):
         lock = multiprocessing.get_context("spawn").Lock()
-        Path(path).write_text(lock._semlock.name)
+        segment = shared_memory.SharedMemory(create=True, size=4096)
+        Path(path).write_text(lock._semlock.name + " " + segment.name)
         time.sleep(600)
 
     if __name__ == "__main__":
@@ -112,6 +117,7 @@ TRACKED = textwrap.dedent(
         engine.start()
         while not os.path.exists(sys.argv[1]) or not Path(sys.argv[1]).read_text():
             time.sleep(0.05)
+        footprint.note()
         footprint.close()
         os._exit(0)
     """
@@ -129,5 +135,7 @@ def test_close_lets_the_resource_tracker_unlink_what_killed_processes_registered
         env=os.environ | {"PYTHONPATH": SRC, "TMPDIR": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr
-    name = "sem." + named.read_text().lstrip("/")
+    semaphore, segment = named.read_text().split()
+    name = "sem." + semaphore.lstrip("/")
     assert name.startswith("sem.mp-") and not (Path("/dev/shm") / name).exists(), (name, done.stderr)
+    assert not (Path("/dev/shm") / segment).exists() and "leaked shared_memory" not in done.stderr, done.stderr

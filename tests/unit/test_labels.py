@@ -13,14 +13,15 @@ from weightsync.serving.labels import Labeller, Recorder
 from weightsync.serving.metrics import ServerMetrics
 
 
-def label(messages: list[dict[str, Any]], recorder: Recorder) -> list[dict[str, Any]]:
+def label(messages: list[dict[str, Any]], recorder: Recorder, adapters: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     sent: list[dict[str, Any]] = []
 
     async def send(message: Any) -> None:
         sent.append(dict(message))
 
     control = SyncControl(None, mode="wait", drain_timeout=1.0, metrics=ServerMetrics(), version=4)
-    labeller = Labeller(send, recorder, control)
+    control.adapters.update(dict.fromkeys(adapters))  # type: ignore[arg-type]  # only their names are read
+    labeller = Labeller(send, recorder, control, "tiny")
 
     async def run() -> None:
         for message in messages:
@@ -71,6 +72,24 @@ def test_error_answers_pass_unchanged() -> None:
     start = {"type": "http.response.start", "status": 400, "headers": []}
     body = {"type": "http.response.body", "body": b'{"error": {"message": "bad"}}', "more_body": False}
     assert label([start, body], Recorder()) == [start, body]
+
+
+def test_sglang_s_unnamed_model_is_the_served_name_its_metadata_strings_and_a_404_names_the_adapters() -> None:
+    start = {"type": "http.response.start", "status": 200, "headers": []}
+    spans = [{"version": "3", "start": 0, "end": 1}]  # SGLang's, in a field that OpenAI types as strings
+    metadata = {"weight_version": "3", "weight_versions": spans}
+    body = json.dumps({"model": "default", "metadata": metadata, "choices": [{"index": 0, "text": "a"}]}).encode()
+    sent = label([start, {"type": "http.response.body", "body": body, "more_body": False}], Recorder())
+    payload = json.loads(sent[1]["body"])
+    assert payload["model"] == "tiny" and payload["metadata"] == {"weight_version": "3"}, payload
+    vllm_s = {"message": "The model `x` does not exist. Valid aliases: tiny.", "param": "model", "code": 404}
+    body = json.dumps({"error": vllm_s}).encode()
+    messages = [start | {"status": 404}, {"type": "http.response.body", "body": body, "more_body": False}]
+    sent = label(messages, Recorder(), adapters=("reviewer", "critic"))
+    assert json.loads(sent[1]["body"])["error"]["message"] == (
+        "The model `x` does not exist. Valid aliases: tiny. LoRA adapters served: 'reviewer', 'critic'."
+    )
+    assert (b"content-length", str(len(sent[1]["body"])).encode()) in sent[0]["headers"]
 
 
 def test_every_post_that_may_run_the_model_waits_at_the_gate() -> None:

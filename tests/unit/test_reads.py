@@ -138,12 +138,13 @@ class Ranks:
         return iter(self.full.items())
 
     def layout(self) -> SourceLayout:
-        return SourceLayout(
+        return SourceLayout.from_rows(
             self.rank, self.world, tuple(chunk_rows(t.shape[0], self.world) for t in self.full.values())
         )
 
     def held(self):  # type: ignore[no-untyped-def]
-        for (name, tensor), bounds in zip(self.full.items(), self.layout().rows, strict=True):
+        for name, tensor in self.full.items():
+            bounds = chunk_rows(tensor.shape[0], self.world)
             yield name, tensor[bounds[self.rank] : bounds[self.rank + 1]]
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from weightsync import PlanError
 from weightsync.messages import Piece, Plan, TensorSpec, Want
 from weightsync.plan import check_plan, part_buckets, tensor_nbytes
-from weightsync.regions import checked_wants, cuts, held_range, part_plan, receiver_specs, region_view, sent_whole
+from weightsync.regions import checked_wants, cuts, held_runs, part_plan, receiver_specs, region_view, sent_whole
 from weightsync.source import SourceLayout, chunk_rows
 
 
@@ -28,7 +28,7 @@ SPECS = [spec("embed", 10, 4), spec("norm", 4), spec("o", 6, 8), spec("scalar"),
 
 def layout(rank: int, world: int, specs: list[TensorSpec] = SPECS) -> SourceLayout:
     rows = tuple(chunk_rows(s.shape[0], world) if s.shape and s.name != "norm" else None for s in specs)
-    return SourceLayout(rank, world, rows)
+    return SourceLayout.from_rows(rank, world, rows)
 
 
 def test_chunk_rows_cuts_as_torch_chunk_does() -> None:
@@ -82,8 +82,8 @@ def test_each_part_carries_exactly_the_rows_its_rank_holds(world: int) -> None:
             for piece in plan.buckets[index]:
                 carried[piece.tensor] = carried.get(piece.tensor, 0) + piece.nbytes
         for tensor, s in enumerate(specs):
-            first, end = held_range(s, layout(rank, world).rows[tensor], rank, layout(rank, world).owner(tensor))
-            assert carried.get(tensor, 0) == end - first, (rank, s.name)
+            runs = held_runs(s, layout(rank, world).held[tensor][rank])
+            assert carried.get(tensor, 0) == sum(nbytes for _, nbytes in runs), (rank, s.name)
 
 
 def test_check_plan_refuses_parts_that_overlap_leave_gaps_or_break_order() -> None:
@@ -131,7 +131,25 @@ def test_any_part_plan_covers_every_box_once(shapes: list[tuple[int, int]], worl
     boxes = {s.name: ((min(cut, s.shape[0]), 0), s.shape) for s in specs if cut and s.shape[0] > cut}
     sent = receiver_specs(specs, boxes)
     rows = tuple(chunk_rows(s.shape[0], world) if i % 2 == 0 else None for i, s in enumerate(specs))
-    plan = part_plan(sent, SourceLayout(0, world, rows), bucket)
+    plan = part_plan(sent, SourceLayout.from_rows(0, world, rows), bucket)
     check_plan(plan, 1 << 20)
     assert plan.total_bytes == sum(math.prod(s.shape) * 4 for s in sent)
     assert isinstance(plan, Plan)
+
+
+def test_a_rank_holding_columns_holds_one_run_per_row_of_its_box() -> None:
+    o = spec("o", 3, 8)
+    assert held_runs(o, ((0, 3), (2, 6))) == [(8, 16), (40, 16), (72, 16)]
+    assert held_runs(o, ()) == held_runs(o, ((0, 3),)) == [(0, 96)]
+    assert held_runs(o, None) == held_runs(o, ((3, 3),)) == []
+    (rows_1_to_3,) = receiver_specs([o], {"o": ((1, 0), (3, 8))})
+    assert held_runs(rows_1_to_3, ((0, 3), (2, 6))) == [(8, 16), (40, 16)]
+    assert held_runs(spec("experts", 4, 6, 8), ((0, 4), (0, 2))) == [(192 * e, 64) for e in range(4)]
+
+
+def test_boxes_that_do_not_cover_a_tensor_once_are_refused() -> None:
+    halves = (((0, 3), (0, 4)), ((0, 3), (4, 8)))
+    part_plan([spec("o", 3, 8)], SourceLayout(0, 2, (halves,)), 128)
+    for bad in [(((0, 3), (0, 4)), ((0, 3), (3, 8))), (((0, 3), (0, 4)), None)]:
+        with pytest.raises(PlanError, match="do not cover 'o' once"):
+            part_plan([spec("o", 3, 8)], SourceLayout(0, 2, (bad,)), 128)

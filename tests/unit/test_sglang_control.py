@@ -1,6 +1,7 @@
 """The SGLang backend's control messages and landings, without SGLang: what the trainer writes
 into SGLang's update call decodes in a worker as exactly the message sent, anything else is
-refused, and each worker's `LandResult` travels back through the trainer's store."""
+refused, each worker's `LandResult` travels back through the trainer's store, and the trainer
+takes no version at or below its last label unless told."""
 
 from __future__ import annotations
 
@@ -119,3 +120,20 @@ def test_sglangs_window_reads_each_workers_result_and_says_not_ready_by_its_labe
     assert client.calls[-1] == f"label[{NOT_READY!r}]" and not window.ready
     window.finish(8, Outcome("label"))
     assert client.calls[-1] == "label['8']" and window.ready
+
+
+def test_the_trainer_takes_no_version_at_or_below_its_last_label_unless_allowed() -> None:
+    from weightsync.errors import ConfigError, WeightSyncError
+    from weightsync.integrations.sglang.trainer import SGLangEngine
+    from weightsync.options import SenderOptions
+
+    weights = {"w": torch.zeros(1)}
+    with SGLangEngine("http://127.0.0.1:9") as engine:
+        engine.version = 5
+        with pytest.raises(ConfigError, match=r"above the last one labelled \(5\), got 5"):
+            engine.push(weights, 5)
+    with SGLangEngine("http://127.0.0.1:9", options=SenderOptions(allow_older_version=True)) as engine:
+        engine.version = 5
+        with pytest.raises(WeightSyncError) as raised:  # past the check: it connects to SGLang, which is not there
+            engine.push(weights, 3)
+        assert not isinstance(raised.value, ConfigError), raised.value

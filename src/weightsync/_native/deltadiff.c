@@ -8,15 +8,19 @@
  * output, and an fp32 source is rounded to bf16 in registers, never stored. The range is split
  * over `threads` POSIX threads; the GIL is released throughout.
  *
- *   diff(new, base, itemsize, indices, values, threads) -> count
+ *   diff(new, base, itemsize, indices, values, threads[, crcs]) -> count
  *       new, base: same length, elements of `itemsize` bytes (2 or 4) compared by their bits
  *       (NaN payloads and -0.0 are changes when their bits change).
- *   cast_diff(src, base, indices, values, threads) -> count
+ *   cast_diff(src, base, indices, values, threads[, crcs]) -> count
  *       src: float32, base: bfloat16 of as many elements; src is rounded to bf16 as torch rounds
  *       it (nearest even; every NaN becomes 0xFFFF) and compared with base.
  *
  * Their indices (int32) and values (itemsize bytes each) are writable buffers with room for every
- * element; the first `count` of each are the changes, in ascending index order. Tensors of
+ * element; the first `count` of each are the changes, in ascending index order. With `crcs` (a
+ * writable uint64 buffer of 2 * MAX_THREADS), each thread also hashes the new version of its range
+ * while it is in cache: pair t is its CRC32C and the bytes of the tensor after its range
+ * (checksum.share combines them into the tensor's CRC32C; unused pairs are zero), so the
+ * content digest costs no pass of its own. Tensors of
  * 2**31 elements or more are refused (the numpy path handles them).
  *
  *   apply(dest, itemsize, indices, values, threads)
@@ -28,9 +32,10 @@
  *   block_offsets(indices, counts, offsets)
  *       the sender's side: ascending int32 indices -> each block's count (counts, zeroed here)
  *       and each index's low byte (offsets, as many as indices).
- *   apply_blocks(dest, itemsize, counts, offsets, values, threads)
+ *   apply_blocks(dest, itemsize, counts, offsets, values, threads[, crcs])
  *       the receiver's side: the k-th change lands at 256 * its block + offsets[k]; the counts,
- *       their sum and the last block's offsets are checked before any write.
+ *       their sum and the last block's offsets are checked before any write. With `crcs`, every
+ *       block is hashed where it sits right after its writes, as the diff does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -59,9 +64,95 @@ typedef struct {
     void *values;
     int64_t start, stop; /* element range [start, stop) */
     int64_t count;       /* changes found, written at indices[start], values[start] */
+    uint32_t *crc;       /* NULL, or the running CRC32C of the new version of the range */
 } job;
 
 static int use_avx2 = 0;
+static uint32_t crc_table[256];
+
+static void crc_table_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
+        crc_table[i] = c;
+    }
+}
+
+/* A chunk of this many elements is diffed, then hashed while it is in cache. */
+#define HASH_CHUNK 4096
+
+#if HAVE_AVX2_BUILD
+/* crc32 has a latency of 3 cycles and a throughput of 1: three streams of STREAM bytes run at
+ * once, then join, each register shifted past the bytes after it (`shift`'s tables). */
+#define STREAM 2728
+static uint32_t shift_table[4][256];
+
+static uint32_t shift(uint32_t c)
+{
+    return shift_table[0][c & 0xff] ^ shift_table[1][(c >> 8) & 0xff] ^ shift_table[2][(c >> 16) & 0xff] ^
+           shift_table[3][c >> 24];
+}
+
+__attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n)
+{
+    uint64_t c = crc;
+    for (; n >= 3 * STREAM; n -= 3 * STREAM, p += 3 * STREAM) {
+        uint64_t b = 0, d = 0, w0, w1, w2;
+        for (size_t k = 0; k < STREAM; k += 8) {
+            memcpy(&w0, p + k, 8);
+            memcpy(&w1, p + STREAM + k, 8);
+            memcpy(&w2, p + 2 * STREAM + k, 8);
+            c = _mm_crc32_u64(c, w0);
+            b = _mm_crc32_u64(b, w1);
+            d = _mm_crc32_u64(d, w2);
+        }
+        c = shift(shift((uint32_t)c) ^ (uint32_t)b) ^ (uint32_t)d;
+    }
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = _mm_crc32_u64(c, w);
+    }
+    uint32_t c32 = (uint32_t)c;
+    for (; n; n--)
+        c32 = _mm_crc32_u8(c32, *p++);
+    return c32;
+}
+#endif
+
+#if HAVE_AVX2_BUILD
+/* shift_table[k][v]: the register v << 8k carried past STREAM zero bytes (a linear map). */
+static void shift_table_init(void)
+{
+    for (int k = 0; k < 4; k++)
+        for (uint32_t v = 0; v < 256; v++) {
+            uint32_t c = v << (8 * k);
+            for (int z = 0; z < STREAM; z++)
+                c = crc_table[c & 0xff] ^ (c >> 8);
+            shift_table[k][v] = c;
+        }
+}
+#endif
+
+/* CRC32C's register over n more bytes (no pre- or post-inversion: the caller's). */
+static inline void crc_update(uint32_t *crc, const void *p, size_t n)
+{
+    if (crc == NULL)
+        return;
+#if HAVE_AVX2_BUILD
+    if (use_avx2) { /* every AVX2 CPU has SSE4.2's crc32 */
+        *crc = crc_hw(*crc, p, n);
+        return;
+    }
+#endif
+    const uint8_t *b = p;
+    uint32_t c = *crc;
+    while (n--)
+        c = crc_table[(c ^ *b++) & 0xff] ^ (c >> 8);
+    *crc = c;
+}
 
 static inline uint16_t round_bf16(uint32_t u)
 {
@@ -187,39 +278,46 @@ __attribute__((target("avx2"))) static int64_t cast_avx2(const uint32_t *src, ui
 }
 #endif
 
-/* One job: its range, its changes written from its own start in the outputs (each job's range
- * has room for all of its elements there). */
-static void *run_job(void *arg)
+/* The changes in [i, stop) of a job's range, written after the n it found before them. */
+static int64_t run_range(const job *j, int64_t i, int64_t stop, int64_t n)
 {
-    job *j = (job *)arg;
-    int32_t *idx = j->indices + j->start;
-    uint16_t *val16 = (uint16_t *)j->values + j->start;
-    uint32_t *val32 = (uint32_t *)j->values + j->start;
+    int32_t *idx = j->indices + j->start + n;
+    uint16_t *val16 = (uint16_t *)j->values + j->start + n;
+    uint32_t *val32 = (uint32_t *)j->values + j->start + n;
 #if HAVE_AVX2_BUILD
     if (use_avx2) {
         switch (j->kind) {
         case SAME16:
-            j->count = same16_avx2(j->src, j->base, idx, val16, j->start, j->stop);
-            return NULL;
+            return same16_avx2(j->src, j->base, idx, val16, i, stop);
         case SAME32:
-            j->count = same32_avx2(j->src, j->base, idx, val32, j->start, j->stop);
-            return NULL;
+            return same32_avx2(j->src, j->base, idx, val32, i, stop);
         case CAST_F32_BF16:
-            j->count = cast_avx2(j->src, j->base, idx, val16, j->start, j->stop);
-            return NULL;
+            return cast_avx2(j->src, j->base, idx, val16, i, stop);
         }
     }
 #endif
     switch (j->kind) {
     case SAME16:
-        j->count = same16_scalar(j->src, j->base, idx, val16, j->start, j->stop, 0);
-        break;
+        return same16_scalar(j->src, j->base, idx, val16, i, stop, 0);
     case SAME32:
-        j->count = same32_scalar(j->src, j->base, idx, val32, j->start, j->stop, 0);
-        break;
-    case CAST_F32_BF16:
-        j->count = cast_scalar(j->src, j->base, idx, val16, j->start, j->stop, 0);
-        break;
+        return same32_scalar(j->src, j->base, idx, val32, i, stop, 0);
+    default:
+        return cast_scalar(j->src, j->base, idx, val16, i, stop, 0);
+    }
+}
+
+/* One job: its range, its changes written from its own start in the outputs (each job's range
+ * has room for all of its elements there); hashing, a chunk at a time, while it is in cache. */
+static void *run_job(void *arg)
+{
+    job *j = (job *)arg;
+    size_t wire = j->kind == SAME32 ? 4 : 2;
+    int64_t chunk = j->crc ? HASH_CHUNK : j->stop - j->start + 1;
+    j->count = 0;
+    for (int64_t i = j->start; i < j->stop; i += chunk) {
+        int64_t stop = i + chunk < j->stop ? i + chunk : j->stop;
+        j->count += run_range(j, i, stop, j->count);
+        crc_update(j->crc, (char *)j->base + i * wire, wire * (size_t)(stop - i));
     }
     return NULL;
 }
@@ -241,12 +339,28 @@ static void run_jobs(void *(*fn)(void *), char *jobs, size_t job_size, int n)
     }
 }
 
+/* The (CRC32C, bytes after) pairs of n jobs, whose element ranges end at stops[t], into crcs
+ * (NULL: none asked), the rest zeroed. */
+static void put_crcs(uint64_t *crcs, const uint32_t *running, const int64_t *stops, int n, int64_t numel,
+                     size_t itemsize)
+{
+    if (crcs == NULL)
+        return;
+    memset(crcs, 0, 2 * MAX_THREADS * sizeof(uint64_t));
+    for (int t = 0; t < n; t++) {
+        crcs[2 * t] = ~running[t];
+        crcs[2 * t + 1] = (uint64_t)(numel - stops[t]) * itemsize;
+    }
+}
+
 /* Split [0, numel) over up to `threads` jobs, run them, and pack their outputs into one
  * ascending run. A job whose thread could not start runs on the calling thread. Returns the count. */
 static int64_t run_split(enum kind kind, const void *src, void *base, int32_t *indices, void *values,
-                         size_t itemsize, int64_t numel, int threads)
+                         size_t itemsize, int64_t numel, int threads, uint64_t *crcs)
 {
     job jobs[MAX_THREADS];
+    uint32_t running[MAX_THREADS];
+    int64_t stops[MAX_THREADS];
     int64_t most = numel / MIN_PER_THREAD;
     int count = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     if (count > most)
@@ -255,9 +369,12 @@ static int64_t run_split(enum kind kind, const void *src, void *base, int32_t *i
     for (int t = 0; t < count; t++) {
         int64_t start = t * step < numel ? t * step : numel;
         int64_t stop = (t + 1) * step < numel && t + 1 < count ? (t + 1) * step : numel;
-        jobs[t] = (job){kind, src, base, indices, values, start, stop, 0};
+        running[t] = 0xffffffffu;
+        stops[t] = stop;
+        jobs[t] = (job){kind, src, base, indices, values, start, stop, 0, crcs ? &running[t] : NULL};
     }
     run_jobs(run_job, (char *)jobs, sizeof(job), count);
+    put_crcs(crcs, running, stops, count, numel, itemsize);
     int64_t total = jobs[0].count;
     for (int t = 1; t < count; t++) {
         if (jobs[t].count && jobs[t].start != total) {
@@ -294,29 +411,48 @@ static int contiguous(Py_buffer *views[], int n)
     return 1;
 }
 
-/* Check the outputs, run the diff without the GIL, release the four buffers. `numel` < 0: the
- * caller found the inputs' sizes wrong and set the error. */
-static PyObject *run_checked(enum kind kind, Py_buffer *views[4], int64_t numel, size_t itemsize, int threads)
+/* The optional crcs buffer's memory (NULL where none was given); sets a Python error and returns
+ * 0 where it is too small for MAX_THREADS pairs. */
+static int crcs_of(Py_buffer *crcs, uint64_t **out)
+{
+    *out = NULL;
+    if (crcs->obj == NULL)
+        return 1;
+    if (crcs->len < (Py_ssize_t)(2 * MAX_THREADS * sizeof(uint64_t)) || ((uintptr_t)crcs->buf & 7)) {
+        PyErr_Format(PyExc_ValueError, "deltadiff: crcs needs room for %d aligned uint64 pairs", MAX_THREADS);
+        return 0;
+    }
+    *out = crcs->buf;
+    return 1;
+}
+
+/* Check the outputs, run the diff without the GIL, release the buffers (views[4]: crcs, maybe
+ * empty). `numel` < 0: the caller found the inputs' sizes wrong and set the error. */
+static PyObject *run_checked(enum kind kind, Py_buffer *views[5], int64_t numel, size_t itemsize, int threads)
 {
     int64_t count = -1;
-    if (numel >= 0 && contiguous(views, 4) && check_outputs(views[2], views[3], numel, itemsize) == 0) {
+    uint64_t *crcs;
+    if (numel >= 0 && contiguous(views, 4) && check_outputs(views[2], views[3], numel, itemsize) == 0 &&
+        crcs_of(views[4], &crcs)) {
         Py_BEGIN_ALLOW_THREADS
-        count = run_split(kind, views[0]->buf, views[1]->buf, views[2]->buf, views[3]->buf, itemsize, numel, threads);
+        count = run_split(kind, views[0]->buf, views[1]->buf, views[2]->buf, views[3]->buf, itemsize, numel, threads,
+                          crcs);
         Py_END_ALLOW_THREADS
     }
-    for (int k = 0; k < 4; k++)
-        PyBuffer_Release(views[k]);
+    for (int k = 0; k < 5; k++)
+        if (views[k]->obj != NULL)
+            PyBuffer_Release(views[k]);
     return count < 0 ? NULL : PyLong_FromLongLong(count);
 }
 
 static PyObject *deltadiff_diff(PyObject *self, PyObject *args)
 {
-    Py_buffer new, base, indices, values;
+    Py_buffer new, base, indices, values, crcs = {0};
     Py_ssize_t itemsize;
     int threads;
-    if (!PyArg_ParseTuple(args, "y*w*nw*w*i:diff", &new, &base, &itemsize, &indices, &values, &threads))
+    if (!PyArg_ParseTuple(args, "y*w*nw*w*i|w*:diff", &new, &base, &itemsize, &indices, &values, &threads, &crcs))
         return NULL;
-    Py_buffer *views[] = {&new, &base, &indices, &values};
+    Py_buffer *views[] = {&new, &base, &indices, &values, &crcs};
     int64_t numel = -1;
     if ((itemsize != 2 && itemsize != 4) || new.len != base.len || new.len % itemsize)
         PyErr_Format(PyExc_ValueError, "diff: itemsize %zd (2 or 4), new %zd bytes, base %zd", itemsize, new.len,
@@ -328,11 +464,11 @@ static PyObject *deltadiff_diff(PyObject *self, PyObject *args)
 
 static PyObject *deltadiff_cast_diff(PyObject *self, PyObject *args)
 {
-    Py_buffer src, base, indices, values;
+    Py_buffer src, base, indices, values, crcs = {0};
     int threads;
-    if (!PyArg_ParseTuple(args, "y*w*w*w*i:cast_diff", &src, &base, &indices, &values, &threads))
+    if (!PyArg_ParseTuple(args, "y*w*w*w*i|w*:cast_diff", &src, &base, &indices, &values, &threads, &crcs))
         return NULL;
-    Py_buffer *views[] = {&src, &base, &indices, &values};
+    Py_buffer *views[] = {&src, &base, &indices, &values, &crcs};
     int64_t numel = -1;
     if (src.len != 2 * base.len || base.len % 2)
         PyErr_Format(PyExc_ValueError, "cast_diff: float32 source of %zd bytes for a bf16 base of %zd", src.len,
@@ -475,8 +611,9 @@ typedef struct {
     const uint16_t *counts; /* this job's blocks' counts */
     const uint8_t *offsets; /* and their changes, from this job's first */
     const char *values;
-    int64_t first_block, blocks;
+    int64_t first_block, blocks, numel;
     size_t itemsize;
+    uint32_t *crc; /* NULL, or the running CRC32C of the job's blocks as written */
 } block_job;
 
 static void *scatter_blocks(void *arg)
@@ -494,6 +631,12 @@ static void *scatter_blocks(void *arg)
         else
             for (uint16_t k = 0; k < n; k++, off++, val += 4)
                 memcpy(base + 4 * (size_t)*off, val, 4);
+        if ((b + 1) % (HASH_CHUNK / PATCH_BLOCK) == 0 || b + 1 == j->blocks) { /* hash a chunk while in cache */
+            int64_t from = (j->first_block + b / (HASH_CHUNK / PATCH_BLOCK) * (HASH_CHUNK / PATCH_BLOCK)) * PATCH_BLOCK;
+            int64_t to = (j->first_block + b + 1) * PATCH_BLOCK < j->numel ? (j->first_block + b + 1) * PATCH_BLOCK
+                                                                            : j->numel;
+            crc_update(j->crc, j->dest + (size_t)from * j->itemsize, (size_t)(to - from) * j->itemsize);
+        }
     }
     return NULL;
 }
@@ -523,16 +666,18 @@ static int64_t check_blocks(const uint16_t *counts, int64_t blocks, const uint8_
 
 static PyObject *deltadiff_apply_blocks(PyObject *self, PyObject *args)
 {
-    Py_buffer dest, counts, offsets, values;
+    Py_buffer dest, counts, offsets, values, crc_view = {0};
     Py_ssize_t itemsize;
     int threads;
-    if (!PyArg_ParseTuple(args, "w*ny*y*y*i:apply_blocks", &dest, &itemsize, &counts, &offsets, &values, &threads))
+    uint64_t *crcs = NULL;
+    if (!PyArg_ParseTuple(args, "w*ny*y*y*i|w*:apply_blocks", &dest, &itemsize, &counts, &offsets, &values, &threads,
+                          &crc_view))
         return NULL;
-    Py_buffer *views[] = {&dest, &counts, &offsets, &values};
+    Py_buffer *views[] = {&dest, &counts, &offsets, &values, &crc_view};
     PyObject *result = NULL;
     int64_t numel = itemsize > 0 ? dest.len / itemsize : 0, count = offsets.len;
     int64_t blocks = counts.len / (Py_ssize_t)sizeof(uint16_t);
-    if (!contiguous(views, 4))
+    if (!contiguous(views, 4) || !crcs_of(&crc_view, &crcs))
         ;
     else if ((itemsize != 2 && itemsize != 4) || dest.len % itemsize || counts.len % sizeof(uint16_t) ||
              blocks != (numel + PATCH_BLOCK - 1) / PATCH_BLOCK || values.len != count * itemsize ||
@@ -551,15 +696,20 @@ static PyObject *deltadiff_apply_blocks(PyObject *self, PyObject *args)
         bad = check_blocks(counts.buf, blocks, offsets.buf, count, numel, per_job, starts);
         if (bad < 0) {
             block_job jobs[MAX_THREADS];
+            uint32_t running[MAX_THREADS];
+            int64_t stops[MAX_THREADS];
             for (int t = 0; t < n; t++) {
                 int64_t first = t * per_job < blocks ? t * per_job : blocks;
                 int64_t last = first + per_job < blocks ? first + per_job : blocks;
+                running[t] = 0xffffffffu;
+                stops[t] = last * PATCH_BLOCK < numel ? last * PATCH_BLOCK : numel;
                 jobs[t] = (block_job){dest.buf, (const uint16_t *)counts.buf + first,
                                       (const uint8_t *)offsets.buf + starts[t],
-                                      (const char *)values.buf + starts[t] * itemsize, first, last - first,
-                                      (size_t)itemsize};
+                                      (const char *)values.buf + starts[t] * itemsize, first, last - first, numel,
+                                      (size_t)itemsize, crcs ? &running[t] : NULL};
             }
             run_jobs(scatter_blocks, (char *)jobs, sizeof(block_job), n);
+            put_crcs(crcs, running, stops, n, numel, (size_t)itemsize);
         }
         Py_END_ALLOW_THREADS
         if (bad >= 0)
@@ -568,8 +718,9 @@ static PyObject *deltadiff_apply_blocks(PyObject *self, PyObject *args)
         else
             result = Py_NewRef(Py_None);
     }
-    for (int k = 0; k < 4; k++)
-        PyBuffer_Release(views[k]);
+    for (int k = 0; k < 5; k++)
+        if (views[k]->obj != NULL)
+            PyBuffer_Release(views[k]);
     return result;
 }
 
@@ -588,15 +739,15 @@ static PyObject *deltadiff_portable(PyObject *self, PyObject *arg)
 
 static PyMethodDef methods[] = {
     {"diff", deltadiff_diff, METH_VARARGS,
-     "diff(new, base, itemsize, indices, values, threads) -> count: changed elements, baseline updated."},
+     "diff(new, base, itemsize, indices, values, threads[, crcs]) -> count: changed elements, baseline updated."},
     {"cast_diff", deltadiff_cast_diff, METH_VARARGS,
-     "cast_diff(src_f32, base_bf16, indices, values, threads) -> count: diff of src rounded to bf16."},
+     "cast_diff(src_f32, base_bf16, indices, values, threads[, crcs]) -> count: diff of src rounded to bf16."},
     {"apply", deltadiff_apply, METH_VARARGS,
      "apply(dest, itemsize, indices, values, threads): dest[indices[k]] = values[k], every index checked first."},
     {"block_offsets", deltadiff_block_offsets, METH_VARARGS,
      "block_offsets(indices, counts, offsets): each 256-element block's count and each index's offset in it"},
     {"apply_blocks", deltadiff_apply_blocks, METH_VARARGS,
-     "apply_blocks(dest, itemsize, counts, offsets, values, threads): write a blocks patch"},
+     "apply_blocks(dest, itemsize, counts, offsets, values, threads[, crcs]): write a blocks patch"},
     {"portable", deltadiff_portable, METH_O,
      "portable(on) -> previous: use the portable loops even where AVX2 is there (tests compare both)."},
     {NULL, NULL, 0, NULL},
@@ -616,7 +767,11 @@ PyMODINIT_FUNC PyInit_deltadiff(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "AVX2", use_avx2) < 0) {
+    crc_table_init();
+#if HAVE_AVX2_BUILD
+    shift_table_init();
+#endif
+    if (PyModule_AddIntConstant(m, "AVX2", use_avx2) < 0 || PyModule_AddIntConstant(m, "MAX_THREADS", MAX_THREADS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

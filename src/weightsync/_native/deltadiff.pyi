@@ -6,6 +6,8 @@ from typing_extensions import Buffer
 
 AVX2: int
 """1 when this CPU has AVX2, so the diff compares 32 bytes at a time, else 0."""
+MAX_THREADS: int
+"""The most threads a pass splits over: `crcs` holds this many (CRC32C, bytes after) pairs."""
 
 def diff(
     new: Buffer | np.ndarray[Any, Any],
@@ -14,10 +16,12 @@ def diff(
     indices: Buffer | np.ndarray[Any, Any],
     values: Buffer | np.ndarray[Any, Any],
     threads: int,
+    crcs: np.ndarray[Any, Any] | None = None,
     /,
 ) -> int:
     """Compare new with base by bits, copy the changed elements into base; their indices (int32)
-    and values go to the first `count` slots of indices and values. Returns count."""
+    and values go to the first `count` slots of indices and values. Returns count. With crcs,
+    each thread's (CRC32C of the new bytes of its range, bytes after it) pair goes there."""
 
 def cast_diff(
     src: Buffer | np.ndarray[Any, Any],
@@ -25,6 +29,7 @@ def cast_diff(
     indices: Buffer | np.ndarray[Any, Any],
     values: Buffer | np.ndarray[Any, Any],
     threads: int,
+    crcs: np.ndarray[Any, Any] | None = None,
     /,
 ) -> int:
     """diff of the float32 src rounded to bf16 as torch rounds it, against the bf16 base."""
@@ -59,7 +64,8 @@ def apply_blocks(
     offsets: Buffer | np.ndarray[Any, Any],
     values: Buffer | np.ndarray[Any, Any],
     threads: int,
+    crcs: np.ndarray[Any, Any] | None = None,
     /,
 ) -> None:
-    """Write a "blocks" patch into dest; IndexError, with nothing written, if its counts do not
+    """Write a "blocks" patch into dest (with crcs: and hash dest, as `diff` does); IndexError, with nothing written, if its counts do not
     fit dest or do not add up to the number of offsets."""

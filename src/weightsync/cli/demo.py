@@ -80,6 +80,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     demo.add_argument("--delta-all", action="store_true", help="send only what changed over every transport (shm too)")
     demo.add_argument(
+        "--wire-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the dtype the servers hold, each push casting the float32 policy to it; with --delta-all and --lr 1e-5 "
+        "most bf16 weights keep their bits each step and the plot shows delta syncs (docs/delta.md)",
+    )
+    demo.add_argument(
         "--lora",
         action="store_true",
         help="train a LoRA adapter on the policy (its own weights frozen after a little pretraining on a neighbouring "
@@ -170,6 +177,7 @@ def demo_config(args: argparse.Namespace, engine: str) -> DemoConfig:
         kill_server_at=args.kill_server_at,
         progress=args.progress,
         delta="all" if args.delta_all else args.delta,
+        wire_dtype=args.wire_dtype,
         lora_rank=(args.lora_rank or LORA_RANK) if lora else 0,
         pretrain_steps=LORA_PRETRAIN_STEPS if lora else 0,
     )

@@ -57,11 +57,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="with an adapter folder: the name requests ask for it by (default: the folder's name)",
     )
     push.add_argument("--to", nargs="+", required=True, metavar="URL", help="server URLs (http://HOST:PORT)")
-    push.add_argument("--version", type=at_least(0), default=None, help="weight version (default: highest served + 1)")
+    push.add_argument(
+        "--version", type=at_least(0), default=None, help="weight version (default: highest committed + 1)"
+    )
     push.add_argument(
         "--allow-older-version",
         action="store_true",
-        help="push a --version lower than one a server already serves (it moves that server back)",
+        help="push a --version at or below the last one a server committed (it moves that server back)",
     )
     push.add_argument("--timeout", type=positive_seconds, default=60.0, help="seconds any wait may last")
     push.add_argument("--verify", choices=VERIFY_MODES, default="off", help="bucket or full checksums")
@@ -86,7 +88,12 @@ def run(args: argparse.Namespace) -> int:
     cast = dtype_from_name(args.cast) if args.cast else None
     # the report is read here, server by server: every outcome is printed, then the exit status says
     options = SenderOptions(
-        timeout=args.timeout, verify=args.verify, auth_token=auth_token(args), cast=cast, raise_on_failure=False
+        timeout=args.timeout,
+        verify=args.verify,
+        auth_token=auth_token(args),
+        cast=cast,
+        raise_on_failure=False,
+        allow_older_version=args.allow_older_version,
     )
     with ServerGroup(options) as group:
         infos, errors = group.join(args.to, waiting_line("push"))
@@ -126,8 +133,9 @@ def failures_by_server(report: SyncReport, urls: dict[str, str]) -> dict[str, li
 
 
 def in_flags(message: str) -> str:
-    """A receiver's message in this command's words: its fix `cast=torch.X` (the Python API's) is
-    `--cast X` here."""
+    """A receiver's message in this command's words: its fixes `cast=torch.X` and
+    `allow_older_version=True` (the Python API's) are `--cast X` and `--allow-older-version` here."""
+    message = message.replace("allow_older_version=True", "--allow-older-version")
     return re.sub(r"cast=torch\.(\w+)", r"--cast \1", message)
 
 
@@ -178,9 +186,11 @@ def what_to_push(model: str, adapter_name: str | None) -> tuple[Any, Adapter | N
 
 
 def served_versions(infos: dict[str, dict[str, Any]], adapter: Adapter | None) -> dict[str, int]:
-    """The version each server serves of what is pushed: its base weights, or the adapter."""
+    """The version each server committed last of what is pushed: its base weights (also while
+    dirty), or the adapter."""
     if adapter is None:
-        return {url: info["version"] for url, info in infos.items() if info["version"] is not None}
+        last = {url: info.get("last_committed", info["version"]) for url, info in infos.items()}
+        return {url: version for url, version in last.items() if version is not None}
     return {
         url: served["version"]
         for url, info in infos.items()
@@ -190,19 +200,20 @@ def served_versions(infos: dict[str, dict[str, Any]], adapter: Adapter | None) -
 
 
 def choose_version(asked: int | None, served: dict[str, int], allow_older: bool) -> int:
-    """--version, or the highest version any server serves (of `served`, by URL), plus one.
+    """--version, or the highest version any server committed (of `served`, by URL), plus one.
 
     Raises:
-        ConfigError: --version is lower than what a server serves, without --allow-older-version.
+        ConfigError: --version is at or below what a server committed, without --allow-older-version.
     """
     if asked is None:
         return max(served.values(), default=0) + 1
-    newer = {url: version for url, version in served.items() if version > asked}
-    if newer and not allow_older:
-        url, version = max(newer.items(), key=lambda item: item[1])
+    not_older = {url: version for url, version in served.items() if version >= asked}
+    if not_older and not allow_older:
+        url, version = max(not_older.items(), key=lambda item: item[1])
+        than = "lower than" if version > asked else "the same as"
         raise ConfigError(
-            f"--version {asked} is lower than version {version}, which {url} serves: that would move it back; "
-            "give --allow-older-version to push it anyway, or leave --version out (highest served + 1)"
+            f"--version {asked} is {than} version {version}, which {url} committed last: versions only go "
+            "forward; give --allow-older-version to push it anyway, or leave --version out (highest committed + 1)"
         )
     return asked
 

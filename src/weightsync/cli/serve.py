@@ -213,7 +213,10 @@ def run_server(args: argparse.Namespace, footprint: Footprint) -> int:
 
 
 def configure_logging(level: str) -> None:
-    """weightsync's own log lines (syncs, refused pushes, start-up) on stderr at `level`."""
+    """weightsync's own log lines (syncs, refused pushes, start-up) on stderr at `level`, set on
+    weightsync's logger: an engine may set the root's later (vLLM's app, importing SageMaker's
+    routes, sets it to ERROR, and no sync was logged)."""
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    logging.getLogger("weightsync").setLevel(level.upper())

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from weightsync.demo import grpo, task
 from weightsync.demo.report import StepLog
 from weightsync.demo.rollouts import STARTUP_TIMEOUT_S, FleetOptions, LocalRollouts, Request, Sample, ServerFleet
+from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError
 from weightsync.lora import Adapter, adapter_from_peft, base_from_peft
 from weightsync.module_source import ModuleSource
@@ -72,6 +73,10 @@ class DemoConfig:
     demo's servers are on shm, where True sends every push whole (the sender says so, once); at
     this learning rate nearly every weight moves every step, so even "all" mostly goes full;
     steps.jsonl records what each push moved."""
+    wire_dtype: str = "float32"
+    """The dtype the servers hold and each push casts the float32 policy to. At "bfloat16" and a
+    learning rate of 1e-5 most weights keep their bf16 bits from step to step, so a delta push
+    (`delta="all"`) carries a patch: `weightsync demo --delta-all --wire-dtype bfloat16 --lr 1e-5`."""
     final_lr_fraction: float = 1.0
     """The learning rate falls linearly from `lr` at the first step to `lr` x this at the last
     (1.0: constant). Adam's steps keep their size however small the gradient, so once nearly
@@ -106,7 +111,7 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
     torch.set_num_threads(1)  # the rollout servers need the other core
     config.out.mkdir(parents=True, exist_ok=True)
     model_dir = config.out / "policy"
-    policy = task.build_policy(model_dir, seed=config.seed)
+    policy = task.build_policy(model_dir, seed=config.seed, served_dtype=config.wire_dtype)
     if config.pretrain_steps:
         task.pretrain(policy, config.pretrain_steps, seed=config.seed)
     model: torch.nn.Module = policy  # under LoRA, PEFT's model over it
@@ -187,12 +192,18 @@ def run(config: DemoConfig, on_step: OnStep | None = None) -> list[dict[str, Any
 
 def start_rollouts(config: DemoConfig, model_dir: Path) -> Rollouts:
     if config.mode == "colocated":
-        return LocalRollouts(model_dir, config.timeout, max_lora_rank=config.lora_rank, delta=config.delta)
+        return LocalRollouts(model_dir, config.timeout, config.lora_rank, config.delta, _cast(config))
     if config.mode == "disaggregated":
         startup_timeout = config.startup_timeout or STARTUP_TIMEOUT_S[config.engine]
         options = FleetOptions(startup_timeout=startup_timeout, max_lora_rank=config.lora_rank, log_dir=config.out)
-        return ServerFleet(model_dir, config.servers, config.engine, config.timeout, options, delta=config.delta)
+        fleet = (model_dir, config.servers, config.engine, config.timeout, options)
+        return ServerFleet(*fleet, delta=config.delta, cast=_cast(config))
     raise ConfigError(f"mode must be 'disaggregated' or 'colocated', got {config.mode!r}")
+
+
+def _cast(config: DemoConfig) -> torch.dtype | None:
+    """What each push casts the float32 policy to (`DemoConfig.wire_dtype`): None, nothing."""
+    return None if config.wire_dtype == "float32" else dtype_from_name(config.wire_dtype)
 
 
 def with_adapter(model: torch.nn.Module, rank: int) -> torch.nn.Module:

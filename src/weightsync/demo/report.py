@@ -57,6 +57,9 @@ def plot(records: list[dict[str, Any]], path: Path, *, engine: str = "", mode: s
     wire = [r.get("wire_bytes", r["sync_bytes"]) / 1024 for r in records]
     bytes_axis.plot(steps, wire, color="tab:purple", label="on the wire")
     bytes_axis.plot(steps, [r["sync_bytes"] / 1024 for r in records], color="tab:gray", linestyle=":", label="pushed")
+    patched = [(r["step"], r["wire_bytes"] / 1024) for r in records if "delta" in r.get("sync_modes", ())]
+    if patched:  # the syncs that carried a patch (delta), at their bytes on the wire
+        bytes_axis.scatter(*zip(*patched, strict=True), color="tab:purple", s=9, label=f"delta sync ({len(patched)})")
     if any("model_bytes" in r and r["model_bytes"] != r["sync_bytes"] for r in records):  # an adapter is pushed
         model = [r.get("model_bytes", r["sync_bytes"]) / 1024 for r in records]
         bytes_axis.plot(steps, model, color="black", linestyle="--", linewidth=0.8, label="the whole model")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
 from weightsync.auth import resolve_token
 from weightsync.client import ServerGroup
@@ -69,13 +70,21 @@ class Request:
 class LocalRollouts:
     """An hf engine in this process, synced through `inproc` (colocated / hybrid mode)."""
 
-    def __init__(self, model_dir: Path, timeout: float, max_lora_rank: int = 0, delta: Delta = False) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        timeout: float,
+        max_lora_rank: int = 0,
+        delta: Delta = False,
+        cast: torch.dtype | None = None,
+    ) -> None:
         from weightsync.serving.hf.engine import HFEngine
 
         self.engine = HFEngine(model_dir, load_format="dummy", max_lora_rank=max_lora_rank)
         self.receiver = WeightReceiver(self.engine.weight_sink(), transport="inproc", timeout=timeout).start()
         # each push's report is read by the loop (`receivers_committed`): a failure is a record, not an end
-        self._sender = WeightSender([self.receiver.address], timeout=timeout, delta=delta, raise_on_failure=False)
+        address = [self.receiver.address]
+        self._sender = WeightSender(address, timeout=timeout, delta=delta, cast=cast, raise_on_failure=False)
         self.events: list[str] = []
 
     def push(self, tensors: Any, version: int, adapter: Adapter | None = None, base: Any = None) -> SyncReport:
@@ -254,6 +263,7 @@ class ServerFleet:
             engine's `STARTUP_TIMEOUT_S`, no LoRA, logs on stderr).
         restart: start a replacement for a server that died (it rejoins after the next push).
         delta: `WeightSender`'s `delta` for the pushes.
+        cast: the dtype every push casts to (None: as the policy holds it).
     """
 
     def __init__(
@@ -265,11 +275,12 @@ class ServerFleet:
         options: FleetOptions | None = None,
         restart: bool = True,
         delta: Delta = False,
+        cast: torch.dtype | None = None,
     ) -> None:
         self._model_dir, self._engine, self._timeout, self._restart = model_dir, engine, timeout, restart
         self._options = options or FleetOptions(startup_timeout=STARTUP_TIMEOUT_S[engine])
         # each push's report is read: a server that failed it is dropped, the run goes on
-        self._group = ServerGroup(timeout=timeout, delta=delta, raise_on_failure=False)
+        self._group = ServerGroup(timeout=timeout, delta=delta, cast=cast, raise_on_failure=False)
         self._lock = threading.RLock()  # generation (a background thread) and pushes both drop servers
         self._closed = False
         self.joining: list[_Server] = []

@@ -77,8 +77,9 @@ def save_char_tokenizer(path: Path, vocab: dict[str, int], chat_template: str | 
     fast.save_pretrained(path)
 
 
-def build_policy(path: Path, seed: int = 0) -> PreTrainedModel:
-    """A tiny Qwen2-shaped causal LM from a config (no download), random weights from `seed`.
+def build_policy(path: Path, seed: int = 0, served_dtype: str = "float32") -> PreTrainedModel:
+    """A tiny Qwen2-shaped causal LM from a config (no download), random weights from `seed`,
+    trained in float32 and served in `served_dtype` (what the pushes cast to).
 
     `path` gets its config and tokenizer, what a rollout server starting on dummy weights needs;
     no weights: `save_policy` writes the trained ones at the end of a run. head_dim 32 keeps it
@@ -99,11 +100,12 @@ def build_policy(path: Path, seed: int = 0) -> PreTrainedModel:
         eos_token_id=EOS_ID,
         pad_token_id=VOCAB["<pad>"],
         bos_token_id=None,
-        dtype="float32",  # named in config.json: the servers build this dtype, the one the trainer pushes
+        dtype=served_dtype,  # named in config.json: the servers build this dtype, the one the trainer pushes
         architectures=["Qwen2ForCausalLM"],  # how an engine (SGLang, vLLM) finds its model class
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.dtype = served_dtype  # from_config wrote the dtype it built in
     path.mkdir(parents=True, exist_ok=True)
     (path / "model.safetensors").unlink(missing_ok=True)  # an earlier run's weights are not this policy's
     model.config.save_pretrained(path)

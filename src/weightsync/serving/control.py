@@ -175,6 +175,10 @@ class SyncControl:
         self.sync_timeout = sync_timeout
         self.metrics = metrics
         self.version = version
+        self.last_committed = version
+        """The version served last, kept while dirty (/weight_info's `last_committed`): a push's
+        default version is above it, and every worker's receiver refuses one at or below the
+        last it committed."""
         self.dirty = False
         self.stats = SyncStats()
         self.receivers: dict[int, ReceiverChanged] = {}
@@ -287,9 +291,10 @@ class SyncControl:
             self.stats = self.stats.next(event.version, event.total_bytes, event.bucket_bytes, self.metrics)
 
     async def _open(self, version: int) -> None:
-        """Open the window of `version` (once, whichever worker asks first) and wait until it is."""
+        """Open the window of `version` (once, whichever worker asks first; again for a push of
+        a version whose window was decided: a retry) and wait until it is."""
         window = self._window
-        if window is None or window.version != version:
+        if window is None or window.version != version or window.decided.done():
             if window is not None and not window.decided.done():
                 raise SinkError(f"version {version} refused: the sync of version {window.version} is in progress")
             window = self._window = _Window(version)
@@ -477,7 +482,7 @@ class SyncControl:
         return ""
 
     def _committed(self, version: int) -> None:
-        self.version = version
+        self.version = self.last_committed = version
         self.dirty = False
         self._owners.pop("dirty", None)
         self._counting = None
@@ -559,6 +564,7 @@ class SyncControl:
         )
         return {
             "version": self.version,
+            "last_committed": self.last_committed,
             "state": self.state(),
             "last_error": receiver.last_error,
             "last_sync": self.stats.to_json() | {"times": times},

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
@@ -111,7 +112,7 @@ class Footprint:
             self._closed = True
             with contextlib.suppress(psutil.Error):
                 self.note()
-            end_descendants()
+            end_descendants(self.segments)
             removed = _remove(self.folder, self.segments)
             removed += reap_stale_segments()  # weightsync's own rings, of a pid of ours now gone
             variable, tempfile.tempdir = self._previous
@@ -122,7 +123,7 @@ class Footprint:
         finally:
             self._closing.release()
         if removed:
-            log.info("removed %d shared-memory segments vLLM left: %s", len(removed), ", ".join(removed))
+            log.info("removed %d shared-memory segments the engine left: %s", len(removed), ", ".join(removed))
         return removed
 
     def __enter__(self) -> Footprint:
@@ -132,12 +133,13 @@ class Footprint:
         self.close()
 
 
-def end_descendants(timeout: float = END_WAIT_S) -> None:
+def end_descendants(segments: Iterable[str] = (), timeout: float = END_WAIT_S) -> None:
     """SIGKILL to every descendant of this process; wait up to `timeout` for them to end (reaping
     our children). Called once the engine had its own chance to stop: what is left is stuck, or
     ignores SIGTERM (Python's resource tracker does). The tracker goes last (`end_processes`),
-    after our own end of its pipe is closed (`_release_resource_tracker`)."""
-    end_processes(_descendants(), timeout, before_trackers=_release_resource_tracker)
+    after our own end of its pipe is closed (`_release_resource_tracker`), forgetting `segments`
+    (which the caller unlinks)."""
+    end_processes(_descendants(), timeout, before_trackers=functools.partial(_release_resource_tracker, segments))
 
 
 def end_processes(
@@ -174,16 +176,22 @@ def _is_resource_tracker(process: psutil.Process) -> bool:
         return False
 
 
-def _release_resource_tracker() -> None:
+def _release_resource_tracker(segments: Iterable[str]) -> None:
     """Close this process's end of its resource tracker's pipe (the tracker's own `_stop`, but
     without its unbounded wait: `end_processes` bounds it), so that the tracker, once its other
-    holders are gone, cleans up and exits."""
+    holders are gone, cleans up and exits. First it forgets the shared-memory segments among
+    `segments` (their creators were killed before unlinking them): they are unlinked once, by the
+    caller, and the tracker, finding none left, warns of no leak."""
     from multiprocessing import resource_tracker
 
     tracker = resource_tracker._resource_tracker
     fd = getattr(tracker, "_fd", None)
     if fd is None:
         return
+    for name in sorted(segment for segment in segments if segment.startswith("psm_")):
+        with contextlib.suppress(Exception):  # registered first: forgetting a name it never held would raise there
+            tracker.register(f"/{name}", "shared_memory")
+            tracker.unregister(f"/{name}", "shared_memory")
     with contextlib.suppress(OSError):
         os.close(fd)
     # ended (and reaped) by end_processes; a later use starts a new one (private fields: the stdlib

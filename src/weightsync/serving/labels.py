@@ -4,7 +4,10 @@
 /v1/completions and /v1/chat/completions get `weight_version` (int) on the response and on every
 streamed chunk, and per choice `weight_versions` spans [{"version", "start", "end"}] over its
 output tokens once the choice ends. A request run on a LoRA adapter names the adapter's version,
-and the base weights' as `base_version`.
+and the base weights' as `base_version`. Their `model` is the served model's name where the engine
+says "default" (SGLang, for a request that named none), and a 404 for an unknown model names the
+LoRA adapters served too (vLLM names only the base model). Their `metadata` keeps only strings, as
+OpenAI's type says (SGLang adds its own spans there, a list the `openai` client warns about).
 
 The versions come from the engine's own per-request record: its adapter wraps the engine call the
 OpenAI handlers make, and notes each output's versions in the `Recorder` of the HTTP request
@@ -58,13 +61,17 @@ RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("weig
 LABELLED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Responses that carry weight_version."""
 
+UNNAMED = "default"
+"""The model SGLang's responses name for a request that named none."""
+
 
 class WeightVersionMiddleware:
     """ASGI middleware: labels the responses of `LABELLED_PATHS` with weight versions (module docstring)."""
 
-    def __init__(self, app: ASGIApp, control: SyncControl) -> None:
+    def __init__(self, app: ASGIApp, control: SyncControl, model: str) -> None:
         self.app = app
         self.control = control
+        self.model = model
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LABELLED_PATHS:
@@ -73,18 +80,20 @@ class WeightVersionMiddleware:
         recorder = Recorder()
         token = RECORDER.set(recorder)
         try:
-            await self.app(scope, receive, Labeller(send, recorder, self.control))
+            await self.app(scope, receive, Labeller(send, recorder, self.control, self.model))
         finally:
             RECORDER.reset(token)
 
 
 class Labeller:
-    """The `send` of one versioned request: adds weight versions to its JSON body or SSE chunks."""
+    """The `send` of one versioned request: adds weight versions to its JSON body or SSE chunks,
+    and the adapters to a 404's message; `model`: the served model's name."""
 
-    def __init__(self, send: Send, recorder: Recorder, control: SyncControl) -> None:
+    def __init__(self, send: Send, recorder: Recorder, control: SyncControl, model: str) -> None:
         self.send = send
         self.recorder = recorder
         self.control = control
+        self.model = model
         self.start: Message | None = None
         self.stream = False
         self.status = 200
@@ -95,12 +104,12 @@ class Labeller:
             self.status = int(message["status"])
             headers = dict(message.get("headers") or [])
             self.stream = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-            if self.stream or self.status != 200:
+            if self.stream or self.status not in (200, 404):
                 await self.send(message)
             else:
                 self.start = message  # sent with the body, whose length changes
             return
-        if message["type"] != "http.response.body" or self.status != 200:
+        if message["type"] != "http.response.body" or self.status not in (200, 404):
             await self.send(message)
             return
         self.buffer += message.get("body", b"")
@@ -114,7 +123,7 @@ class Labeller:
             return
         if more:
             return
-        body = self._json(self.buffer)
+        body = self._json(self.buffer) if self.status == 200 else self._not_found(self.buffer)
         assert self.start is not None
         kept = [(k, v) for k, v in self.start.get("headers", []) if k.lower() != b"content-length"]
         kept.append((b"content-length", str(len(body)).encode()))
@@ -127,6 +136,10 @@ class Labeller:
         if adapter is not None:  # the version of what the request named: its LoRA adapter
             payload["base_version"], newest = newest, adapter
         payload["weight_version"] = newest
+        if payload.get("model") == UNNAMED:
+            payload["model"] = self.model
+        if isinstance(payload.get("metadata"), dict):
+            payload["metadata"] = {key: value for key, value in payload["metadata"].items() if isinstance(value, str)}
         for choice in payload.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
@@ -150,6 +163,18 @@ class Labeller:
             self._label(payload, final=True)
             return json.dumps(payload).encode()
         return body
+
+    def _not_found(self, body: bytes) -> bytes:
+        try:
+            payload = json.loads(body)
+            found = payload["error"]
+        except (ValueError, TypeError, KeyError):
+            return body
+        if not isinstance(found, dict) or found.get("param") != "model":
+            return body
+        adapters = ", ".join(repr(name) for name in self.control.adapters) or "none"
+        found["message"] = f"{str(found.get('message', '')).rstrip()} LoRA adapters served: {adapters}."
+        return json.dumps(payload).encode()
 
     def _event(self, event: bytes) -> bytes:
         prefix = b"data: "

@@ -121,7 +121,7 @@ async def run(
         add_routes(app, control, served, metrics=metrics.render if route else None)
         # Wrapped around the engine's app rather than added to it: its app built its middleware
         # stack already (vLLM's build_app), and FastAPI refuses additions after that.
-        front = outer(Face(WeightVersionMiddleware(app, control), control, config))
+        front = outer(Face(WeightVersionMiddleware(app, control, config.model_name), control, config))
         try:
             async with app.router.lifespan_context(app):
                 port.front.app = front

@@ -56,7 +56,8 @@ class Start(msgspec.Struct, frozen=True, kw_only=True, tag="start"):
     """`weightsync serve`'s doorbell socket: the server, not a trainer, runs each round (the
     worker's sink rings the server's control as a push arrives)."""
     staged: bool = False
-    """(with `bell`) land each sync in host memory first; generation pauses only for the load."""
+    """Land each sync in a standby copy in host memory first, where a delta push's patch applies
+    (the trainer API sets it with `delta`); with `bell`, generation pauses only for the load."""
     drain_timeout: float = DEFAULT_TIMEOUT_S
     """(with `bell`) seconds the server may take to pause generation for a sync."""
     lora_versions: int = 0

@@ -73,7 +73,8 @@ class SGLangEngine:
         url: the server, e.g. "http://127.0.0.1:30000".
         transport: how the bytes travel: "shm" (same host; one ring read by every TP worker),
             "tcp", "collective" or "nixl" (any host).
-        options: the sender's options (bucket size, cast, verification, timeout, token);
+        options: the sender's options (bucket size, cast, verification, timeout, token,
+            `allow_older_version`);
             `raise_on_failure` is not among them: a failed round always raises.
         pause_mode: how SGLang pauses generation for the round (`client.PauseMode`).
         receiver_host: where each worker's receiver listens (networked transports).
@@ -167,7 +168,8 @@ class SGLangEngine:
         checkpoint's names) into every TP worker and label them `version` in SGLang.
 
         Raises:
-            ConfigError: `version` is not an integer above the last one labelled.
+            ConfigError: `version` is not an integer above the last one labelled (unless the
+                options say `allow_older_version`; every worker's receiver refuses it too).
             SyncFailed: a worker refused the sender, or the round failed (the source raised, a
                 worker refused the push or did not land it whole, an SGLang route failed inside
                 the window); nothing was labelled. The message says whether the previous weights
@@ -178,8 +180,11 @@ class SGLangEngine:
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ConfigError(f"version must be a non-negative integer, got {version!r}")
-        if self.version is not None and version <= self.version:
-            raise ConfigError(f"version must be above the last one labelled ({self.version}), got {version}")
+        if self.version is not None and version <= self.version and not self.options.allow_older_version:
+            raise ConfigError(
+                f"version must be above the last one labelled ({self.version}), got {version} "
+                "(allow_older_version=True in the options moves SGLang back)"
+            )
         if self._sender is None:
             self.connect()
         sender = self._require()

@@ -84,8 +84,8 @@ class WeightsyncTrainerInitInfo(TrainerInitInfo):
             workers' addresses (workers/rendezvous.py); loopback by default, the trainer's reachable
             address when the workers run on other hosts.
         receiver_host: where each worker's receiver listens (networked transports).
-        options: the sender's options: bucket size, cast, verification, delta, timeout, token
-            (`raise_on_failure` is not among them: `send_weights` always raises `SyncFailed`,
+        options: the sender's options: bucket size, cast, verification, delta, timeout, token,
+            `allow_older_version` (`raise_on_failure` is not among them: `send_weights` always raises `SyncFailed`,
             once it has ended vLLM's update).
         sharded: every trainer rank pushes the rows it holds (an FSDP2 trainer; module
             docstring): every rank calls `trainer_init` and `send_weights`, with
@@ -250,6 +250,7 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 receiver=ReceiverOptions(
                     host=init_info.receiver_host, timeout=options.timeout, verify=options.verify
                 ).without_token(),
+                staged=bool(options.delta),  # a patch lands in a standby copy (docs/delta.md)
             )
             client.init_weight_transfer_engine(as_init_info(worker_info))
             workers = rendezvous.collect()
@@ -263,7 +264,8 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         source).
 
         Raises:
-            ConfigError: `version` is not larger than the last one.
+            ConfigError: `version` is not larger than the last one (unless the options say
+                `allow_older_version`: every worker's receiver refuses it too).
             Whatever the source's index (`metadata()`) raised: no window was opened.
             SyncFailed: some worker did not land the version, or refused this sender (then no
                 update window was opened); none was labelled, no worker is left inside an
@@ -278,8 +280,12 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
                 pass
             return None
         version = self.version + 1 if version is None else version
-        if isinstance(version, bool) or not isinstance(version, int) or version <= self.version:
-            raise ConfigError(f"version must be an integer above the last one ({self.version}), got {version!r}")
+        floor = -1 if self.sender.options.allow_older_version else self.version
+        if isinstance(version, bool) or not isinstance(version, int) or version <= floor:
+            raise ConfigError(
+                f"version must be an integer above the last one ({self.version}), got {version!r} "
+                "(allow_older_version=True in the options moves vLLM back)"
+            )
         agreement = self.ranks if self.ranks is not None else SOLO
         wait_s = self.sender.options.timeout + RPC_MARGIN_S
         report = run_round(

@@ -22,6 +22,10 @@ keep (`workers.layout.kept_boxes`: a dry run of `load_weights` on tensors withou
 receiver names them to every sender (`Welcome.wants`), so a tensor-parallel worker is sent only
 its boxes, by every trainer rank that holds some of them.
 
+Staged (`Start.staged`), a sync lands in a standby copy first, where a delta push's patch is
+applied and checked whole; at commit vLLM's reload is fed every tensor of it (`StagedSink(whole=True)`:
+a layer fed only some of its tensors would be processed with the rest unset; docs/delta.md).
+
 A push that arrives outside a start/finish window is refused before any byte moves, and so is a
 plan that does not match the model's checkpoint (a name twice, a name missing, a wrong shape or
 dtype, an empty sync): vLLM's layerwise reload counts elements, not names, and would otherwise
@@ -286,7 +290,7 @@ class WeightsyncWorkerEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsync
         layout = checkpoint_layout(self.model_config.model, self.model_config.dtype)
         timeout = start.options(rank).timeout
         self._sink = _WindowSink(layout, timeout=timeout, deferred=bool(start.bell), kept=self._kept(layout))
-        inner: WeightSink = StagedSink(self._sink) if start.staged else self._sink
+        inner: WeightSink = StagedSink(self._sink, whole=True) if start.staged else self._sink
         loras = None
         if start.bell and start.lora_versions:
             memory = LoraMemory(self.model)
