@@ -11,7 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-flock . "${pip[@]}" install --quiet -e ".[nixl]" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+if ! "$venv/bin/python" -c 'import nixl' >/dev/null 2>&1; then # setup.sh may have (WEIGHTSYNC_EXTRAS)
+    flock . "${pip[@]}" install --quiet -e ".[nixl]" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+fi
 # Fail here, not in the tests, if the venv is broken.
 "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

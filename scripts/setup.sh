@@ -5,11 +5,13 @@
 # Durations are those measured on a fresh clone on the 2-core dev machine (packages from a local
 # mirror; downloading them takes longer). A set-up already done (same pyproject.toml, setup.py and
 # torch, and both are installed) is not redone: a later run takes a second. --force redoes it.
+# WEIGHTSYNC_EXTRAS=nixl (scripts/test.sh's) adds extras to a fresh install: one editable build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 started=$SECONDS
 stamp=.venv/.weightsync-setup
+extras="dev${WEIGHTSYNC_EXTRAS:+,$WEIGHTSYNC_EXTRAS}"
 wanted="$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1) ${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 if [[ "${1:-}" != "--force" && -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] \
         && .venv/bin/python -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("weightsync")))' \
@@ -22,6 +24,8 @@ python3 -m venv .venv
 echo "setup [2/3] installing ${WEIGHTSYNC_TORCH:-torch==2.13.0} into .venv (about 20 s)"
 "${pip[@]}" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 echo "setup [3/3] installing weightsync and its test and demo dependencies (about 40 s)"
-flock . "${pip[@]}" -e ".[dev]" # one build of this checkout at a time (see install-sglang.sh)
+# torch again: an extra that requires "torch" (nixl) keeps this one. One build of this checkout at
+# a time (see install-sglang.sh).
+flock . "${pip[@]}" -e ".[$extras]" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 echo "$wanted" > "$stamp"
 echo "setup: .venv ready in $((SECONDS - started)) s"

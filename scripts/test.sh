@@ -35,6 +35,9 @@ if [[ -z "${WEIGHTSYNC_SKIP_SGLANG:-}" ]]; then
     side=$!
     set +m
 fi
+# NIXL (the [nixl] extra) in setup's own install, not a second editable build; WEIGHTSYNC_SKIP_NIXL=1
+# leaves it out (its tests then skip).
+[[ -n "${WEIGHTSYNC_SKIP_NIXL:-}" ]] || export WEIGHTSYNC_EXTRAS=nixl
 step setup ./scripts/setup.sh
 # Real vLLM (CPU build) for the vllm engine tests; WEIGHTSYNC_SKIP_VLLM=1 skips them.
 if [[ -z "${WEIGHTSYNC_SKIP_VLLM:-}" ]]; then

@@ -2,9 +2,11 @@
 ("One rule for every engine's round").
 
 One engine of each kind for the whole module: the transformers engine behind `weightsync serve
---engine hf` (the server's control decides), stock vLLM at TP=1 driven through vLLM's own trainer
-API (`WeightsyncTrainerEngine`), and stock SGLang driven by `SGLangEngine` (both through
-`weightsync.round.run_round`). Each takes a good push, then each fault, then a good push again:
+--engine hf` (the server's control decides) and stock SGLang driven by `SGLangEngine` (through
+`weightsync.round.run_round`); stock vLLM at TP=1, driven through vLLM's own trainer API
+(`WeightsyncTrainerEngine`), takes the same `Target` on tests/integrations/test_vllm_backend.py's
+TP=1 server (the doc's command, one vLLM start for both). Each takes a good push, then each fault,
+then a good push again:
 
 - a worker refuses the plan (it lacks a tensor): keep, everywhere;
 - the trainer dies mid-round (its source raises half way through the push);
@@ -25,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -160,9 +160,9 @@ def _options() -> SenderOptions:
     return SenderOptions(timeout=TIMEOUT_S, bucket_bytes=BUCKET, raise_on_failure=True)
 
 
-@pytest.fixture(scope="module", params=list(LANDS_WHOLE))
+@pytest.fixture(scope="module", params=["hf", "sglang"])
 def target(request: pytest.FixtureRequest, checkpoint: Path) -> Iterator[Target]:
-    yield from {"hf": _hf, "vllm": _vllm, "sglang": _sglang}[request.param](checkpoint)
+    yield from {"hf": _hf, "sglang": _sglang}[request.param](checkpoint)
 
 
 def _hf(checkpoint: Path) -> Iterator[Target]:
@@ -171,28 +171,6 @@ def _hf(checkpoint: Path) -> Iterator[Target]:
 
     with live_server(checkpoint, receiver=ReceiverOptions(timeout=TIMEOUT_S)) as server:
         yield Target("hf", server.url, list(server.addresses))
-
-
-def _vllm(checkpoint: Path) -> Iterator[Target]:
-    pytest.importorskip("vllm")
-    from tests.helpers import free_port
-    from tests.integrations.test_vllm_backend import _wait_healthy, doc_server_command
-    from weightsync.serving.process import ChildProcess
-
-    port = free_port()
-    env, command = doc_server_command(checkpoint, port)
-    command += ["--tensor-parallel-size", "1", "--distributed-executor-backend", "uni"]
-    places = [Path("/dev/shm"), Path(tempfile.gettempdir())]
-    before = {path for place in places for path in place.glob("vllm_dist_*")}
-    child = ChildProcess(command, env=os.environ | env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, child)
-        yield Target("vllm", url)
-    finally:
-        child.close()
-        for path in {path for place in places for path in place.glob("vllm_dist_*")} - before:
-            path.unlink(missing_ok=True)
 
 
 def _sglang(checkpoint: Path) -> Iterator[Target]:

@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from tests.doc_snippets import snippet, write_program  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
+from tests.integrations.test_one_round import FAULTS, Target, _the_rule_holds  # noqa: E402
 from tests.models import save_model  # noqa: E402
 from weightsync import HFCheckpointSource, SenderOptions, SyncFailed, WeightSender  # noqa: E402
 from weightsync.digest import source_digest  # noqa: E402
@@ -178,7 +179,7 @@ def _wait_healthy(url: str, child: ChildProcess) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise AssertionError(f"vLLM did not serve within {START_TIMEOUT_S} s")
 
 
@@ -434,3 +435,14 @@ def test_a_refused_round_fails_at_once_and_the_next_round_is_labelled(server, tr
     finally:
         httpx.post(f"{server.url}/resume", timeout=30).raise_for_status()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("server", [("qwen2", 1)], ids=["qwen2-tp1"], indirect=True)
+def test_the_same_fault_gives_the_same_documented_outcome(server: Served, fault: str) -> None:
+    """tests/integrations/test_one_round.py's rule on vLLM, on this module's TP=1 server (last: the
+    faults leave it as the rule says, and the recovering push gives it the checkpoint again)."""
+    from safetensors.torch import load_file
+
+    with Target("vllm", server.url).connected() as target:
+        _the_rule_holds(target, load_file(server.checkpoint / "model.safetensors"), fault)
