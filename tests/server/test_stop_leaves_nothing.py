@@ -139,7 +139,6 @@ PARENT = textwrap.dedent(
     """
     import sys, time
     from weightsync.serving.process import ChildProcess
-from weightsync.serving.vllm.noise import triton_unusable
     child = ChildProcess(sys.argv[1:])
     print(child.pid, child.wait_for_line("weightsync serve: http://", {start}) is not None, flush=True)
     time.sleep(3600)
