@@ -89,7 +89,7 @@ class SGLangServer:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)
         raise RuntimeError(f"SGLang did not serve within {timeout:g} s:\n{self.tail()}")
 
     def tail(self, num_lines: int = 40) -> str:
