@@ -8,8 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 logs="$(mktemp -d)"
 side=""
+checker=""
 cleanup() {
     if [[ -n "$side" ]]; then kill -TERM -- "-$side" 2>/dev/null || true; fi # its process group
+    if [[ -n "$checker" ]]; then kill -TERM "$checker" 2>/dev/null || true; fi
     rm -rf "$logs"
 }
 trap cleanup EXIT
@@ -59,7 +61,10 @@ if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
 fi
 step ruff .venv/bin/ruff check .
 step ruff-format .venv/bin/ruff format --check .
-step mypy .venv/bin/mypy  # [tool.mypy] in pyproject.toml: the package, strict on the core
+# mypy ([tool.mypy] in pyproject.toml: the package, strict on the core) beside the first tests,
+# which run on one core: its status is taken after pytest's, and fails the run the same.
+step mypy .venv/bin/mypy &
+checker=$!
 if [[ -n "$side" ]]; then
     status=0
     wait "$side" || status=$?
@@ -67,7 +72,11 @@ if [[ -n "$side" ]]; then
     [[ $status -eq 0 ]] || exit "$status"
 fi
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"  # NIXL's UCX stays on loopback
-.venv/bin/pytest -q --durations=25 "$@"  # the slowest tests, to keep the run short
+tests=0
+.venv/bin/pytest -q --durations=25 "$@" || tests=$?  # the slowest tests, to keep the run short
+wait "$checker"
+checker=""
+((tests == 0)) || exit "$tests"
 # The transport's own nixl tests (contract, wire, faults) again over UCX's tcp transport, the path a
 # host pair without RDMA takes (the run above used UCX's default, shared memory); the engines' nixl
 # cases move weights through the same transport code, so they run once. Arguments replace the paths.
