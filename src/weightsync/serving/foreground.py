@@ -8,7 +8,8 @@
     EngineThread                  an engine built, and later shut down, on a thread of its own
     serve_engine(...)             the whole of an adapter's `serve` for an engine in processes
                                   of its own (vLLM, SGLang): the port answers while the engine
-                                  builds, then the adapter's app, until stopped
+                                  builds, then the adapter's app, until stopped; the engine's
+                                  processes inherit the token (workers.start.token_inherited)
 
 An engine adapter's `serve(config, sock, options)` runs on an event loop until one of those stops it,
 and returns the signals caught: the command turns a SIGINT into the exit status of Ctrl-C (130),
@@ -31,6 +32,7 @@ import uvicorn
 
 from weightsync.serving.config import Health, ServeConfig
 from weightsync.serving.http import Starting
+from weightsync.workers.start import token_inherited
 
 __all__ = [
     "GRACEFUL_SHUTDOWN_S",
@@ -229,8 +231,8 @@ async def serve_engine(
     """Serve `sock` until SIGTERM/SIGINT (or `options.stop`): 503 "loading engine" while
     `build()` makes engine `name` on its `EngineThread`, then `run(engine, port, ready)` until the
     port stops, then the engine's own shutdown. `note()` is called while the engine's processes
-    start, once they serve (`ready`, which also announces), and before they stop. Returns the
-    signals caught.
+    start, once they serve (`ready`, which also announces), and before they stop. The engine's
+    processes start with the shared token in their environment. Returns the signals caught.
 
     Raises:
         Exception: the engine could not be built, or `run` failed.
@@ -238,7 +240,7 @@ async def serve_engine(
     front = Starting()
     http = http_server(front, options.log_level)
     note = options.note
-    with stopped_by_signals(http, options.stop) as caught:
+    with stopped_by_signals(http, options.stop) as caught, token_inherited(config.auth_token):
         port = Port(front, http, asyncio.create_task(http.serve(sockets=[sock])), caught)
         try:
             front.health = Health(False, "loading engine", f"loading the {config.engine} engine for {config.model}")

@@ -2,12 +2,9 @@
 
 Both run the engine's own app in this process and its workers in processes of the engine's
 own; each adapter supplies its launch (arguments, build, warm-up, app) and a `WorkerEngine`
-(the control's `Engine`, plus how a start message reaches its workers). The rest is here, once:
+(the control's `Engine`, plus how a start message reaches its workers), and serves it with
+`foreground.serve_engine`. The rest is here, once:
 
-    serve(name, config, sock, build, run, options)  the adapter's `serve` (engines.EngineAdapter):
-                                                  the port answers while `build` runs on a
-                                                  thread, the engine's processes inherit the
-                                                  token (workers.start.token_inherited)
     run(config, engine, app, port, ...)           the sync control, the doorbell, every worker's
                                                   receiver started, the routes and the face
                                                   around the engine's app, its lifespan, until
@@ -18,23 +15,22 @@ own; each adapter supplies its launch (arguments, build, warm-up, app) and a `Wo
 from __future__ import annotations
 
 import asyncio
-import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from weightsync.errors import ResourceError
 from weightsync.serving.config import AUTO_VERSION, Health, ServeConfig
 from weightsync.serving.control import Engine, SyncControl
-from weightsync.serving.foreground import Port, Ready, ServeOptions, serve_engine
+from weightsync.serving.foreground import Port, Ready
 from weightsync.serving.http import ASGIApp, Face, add_routes
 from weightsync.serving.labels import WeightVersionMiddleware
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.stats import Served
 from weightsync.workers.doorbell import Doorbell
 from weightsync.workers.rendezvous import Rendezvous, WorkerAddress
-from weightsync.workers.start import Start, token_inherited
+from weightsync.workers.start import Start
 
-__all__ = ["WorkerEngine", "run", "serve", "start_receivers"]
+__all__ = ["WorkerEngine", "run", "start_receivers"]
 
 RPC_TIMEOUT_S = 120.0
 """Seconds starting the workers' receivers may take."""
@@ -55,20 +51,6 @@ class WorkerEngine(Engine, Protocol):
 
     async def stop_workers(self) -> None:
         """Close every worker's receiver, as the server stops (bounded; nothing raises)."""
-
-
-async def serve(
-    name: str,
-    config: ServeConfig,
-    sock: socket.socket,
-    build: Callable[[], Any],
-    run: Callable[[Any, Port, Callable[[Ready], None]], Awaitable[None]],
-    options: ServeOptions,
-) -> list[int]:
-    """An adapter's `serve` (foreground.serve_engine), the shared token in the environment the
-    engine's processes start in."""
-    with token_inherited(config.auth_token):
-        return await serve_engine(name, config, sock, build, run, options)
 
 
 async def run(

@@ -40,7 +40,7 @@ from weightsync.integrations.sglang.trainer import LOADER
 from weightsync.serving import own_server
 from weightsync.serving.config import PauseMode, ServeConfig
 from weightsync.serving.error_body import error
-from weightsync.serving.foreground import Port, Ready, ServeOptions, stopped_by_signals
+from weightsync.serving.foreground import Port, Ready, ServeOptions, serve_engine, stopped_by_signals
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.sglang.launch import build_engine, serve_app, sglang_args, warm_up
 from weightsync.serving.sglang.launch import preload as preload_sglang
@@ -250,9 +250,14 @@ async def serve(config: ServeConfig, sock: socket.socket, options: ServeOptions)
         # SGLang's tokenizer manager takes SIGTERM and SIGQUIT on this loop; take them back
         engine.tokenizer_manager.auto_create_handle_loop()
         with _signals_kept(port, sglang):
-            await _serve_engine(config, engine, sglang, port, ready)
+            manager = engine.tokenizer_manager
+            await warm_up(manager, config.model)
+            manager.generate_request = sglang.admit(manager.generate_request)
+            record_versions(manager)
+            # SGLang's weight routes are refused whoever asks, whenever
+            await own_server.run(config, sglang, serve_app(engine), port, ready, metrics=ServerMetrics(), outer=Owned)
 
-    return await own_server.serve("SGLang", config, sock, functools.partial(build_engine, args), run, options)
+    return await serve_engine("SGLang", config, sock, functools.partial(build_engine, args), run, options)
 
 
 @contextlib.contextmanager
@@ -269,18 +274,6 @@ def _signals_kept(port: Port, engine: _Engine) -> Iterator[None]:
             yield
         finally:
             port.caught.extend(ours)
-
-
-async def _serve_engine(
-    config: ServeConfig, engine: Any, sglang: _Engine, port: Port, announce: Callable[[Ready], None]
-) -> None:
-    manager = engine.tokenizer_manager
-    await warm_up(manager, config.model)
-    manager.generate_request = sglang.admit(manager.generate_request)
-    record_versions(manager)
-    app = serve_app(engine)
-    # SGLang's weight routes are refused whoever asks, whenever
-    await own_server.run(config, sglang, app, port, announce, metrics=ServerMetrics(), outer=Owned)
 
 
 def _died(engine: _Engine) -> None:

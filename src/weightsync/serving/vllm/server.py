@@ -36,7 +36,7 @@ from typing import Any
 from weightsync.integrations.vllm.internals import serve_lora
 from weightsync.serving import own_server
 from weightsync.serving.config import PauseMode, ServeConfig
-from weightsync.serving.foreground import Port, Ready, ServeOptions
+from weightsync.serving.foreground import Port, Ready, ServeOptions, serve_engine
 from weightsync.serving.metrics import ServerMetrics
 from weightsync.serving.tokenizer import NO_CHAT_TEMPLATE, load_tokenizer
 from weightsync.serving.vllm.launch import build_async_llm, vllm_namespace, warm_up
@@ -143,11 +143,8 @@ async def serve(config: ServeConfig, sock: socket.socket, options: ServeOptions)
         tokenizer, _ = load_tokenizer(config.model)
         if tokenizer is not None and not tokenizer.chat_template:
             log.warning(NO_CHAT_TEMPLATE, config.model)
-
-    async def run(engine: Any, port: Port, ready: Callable[[Ready], None]) -> None:
-        await _serve_engine(config, args, engine, port, ready)
-
-    return await own_server.serve("vLLM", config, sock, functools.partial(build_async_llm, args), run, options)
+    build = functools.partial(build_async_llm, args)
+    return await serve_engine("vLLM", config, sock, build, functools.partial(_serve_engine, config, args), options)
 
 
 async def _serve_engine(
