@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv, lint, type-check, then run the test suite. Extra arguments go to pytest.
+# Set up .venv, lint, then run the test suite with the type check beside it. Extra arguments go to
+# pytest.
 #
 # Each set-up step prints one line (its own output goes to a log, printed whole if it fails, and
 # the run stops). SGLang's venv (.venv-sglang) shares nothing with .venv, so it is built side by
@@ -11,7 +12,7 @@ side=""
 checker=""
 cleanup() {
     if [[ -n "$side" ]]; then kill -TERM -- "-$side" 2>/dev/null || true; fi # its process group
-    if [[ -n "$checker" ]]; then kill -TERM "$checker" 2>/dev/null || true; fi
+    if [[ -n "$checker" ]]; then kill -TERM -- "-$checker" 2>/dev/null || true; fi # mypy's group
     rm -rf "$logs"
 }
 trap cleanup EXIT
@@ -61,10 +62,13 @@ if [[ -z "${WEIGHTSYNC_SKIP_NIXL:-}" ]]; then
 fi
 step ruff .venv/bin/ruff check .
 step ruff-format .venv/bin/ruff format --check .
-# mypy ([tool.mypy] in pyproject.toml: the package, strict on the core) beside the first tests,
-# which run on one core: its status is taken after pytest's, and fails the run the same.
+# mypy ([tool.mypy] in pyproject.toml: the package, strict on the core) beside the tests, in a
+# process group of its own (for cleanup): its status is taken after pytest's and fails the run the
+# same.
+set -m
 step mypy .venv/bin/mypy &
 checker=$!
+set +m
 if [[ -n "$side" ]]; then
     status=0
     wait "$side" || status=$?
