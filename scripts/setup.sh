@@ -8,7 +8,7 @@
 # WEIGHTSYNC_EXTRAS=nixl (scripts/test.sh's) adds extras to a fresh install: one editable build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+install=(./scripts/install.sh .venv)  # uv, with pip's configuration
 started=$SECONDS
 stamp=.venv/.weightsync-setup
 extras="dev${WEIGHTSYNC_EXTRAS:+,$WEIGHTSYNC_EXTRAS}"
@@ -21,11 +21,11 @@ if [[ "${1:-}" != "--force" && -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] 
 fi
 echo "setup [1/3] creating .venv with $(python3 --version) (a few seconds)"
 python3 -m venv .venv
-echo "setup [2/3] installing ${WEIGHTSYNC_TORCH:-torch==2.13.0} into .venv (about 20 s)"
-"${pip[@]}" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
-echo "setup [3/3] installing weightsync and its test and demo dependencies (about 40 s)"
+echo "setup [2/3] installing ${WEIGHTSYNC_TORCH:-torch==2.13.0} into .venv (about 5 s)"
+"${install[@]}" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+echo "setup [3/3] installing weightsync and its test and demo dependencies (about 10 s)"
 # torch again: an extra that requires "torch" (nixl) keeps this one. One build of this checkout at
 # a time (see install-sglang.sh).
-flock . "${pip[@]}" -e ".[$extras]" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
+flock . "${install[@]}" -e ".[$extras]" "${WEIGHTSYNC_TORCH:-torch==2.13.0}"
 echo "$wanted" > "$stamp"
 echo "setup: .venv ready in $((SECONDS - started)) s"

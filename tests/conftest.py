@@ -5,7 +5,9 @@ cases of a transport whose optional package is not installed (nixl) are skipped 
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -16,6 +18,20 @@ from tests.helpers import TRANSPORTS, missing_package, shm_segments, wait_until
 
 # NIXL's UCX stays on loopback in tests (read by UCX when the first agent starts).
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+# torch.compile runs eagerly in tests and in every process they start. vLLM compiles a few sampler
+# helpers with inductor (logprobs counts, top-k/top-p), a C++ build, at an engine's first request
+# that needs them; in CI one such request outlasted its 30 s bound. The tests check weights and
+# versions, not vLLM's kernels.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker, and every process it starts,
+# has a temporary folder of its own, so that the leftover checks (tests/leftovers.py) see only
+# what their own run made there (vLLM names its rendezvous files, and its segments after them).
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):
+    _tmp = Path(tempfile.gettempdir()) / f"pytest-tmp-{worker}"
+    _tmp.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(_tmp)
 
 # Deterministic by default (same examples every run, nothing written to disk); set
 # HYPOTHESIS_PROFILE=explore for fresh random examples and more of them.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -112,3 +113,16 @@ class Footprints:
         """What the run made that is still there: (/dev/shm names, temporary folder names)."""
         shm, tmp = entries()
         return self.shm & shm, self.tmp & tmp
+
+    def remove(self) -> None:
+        """Remove what `left` finds: for an engine that leaves its segments behind when it stops
+        (stock vLLM's message queues and CPU all-reduce), nothing another run made."""
+        shm, tmp = self.left()
+        for name in shm:
+            (SHM_DIR / name).unlink(missing_ok=True)
+        for name in tmp:
+            path = Path(tempfile.gettempdir()) / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """An FSDP2 trainer whose ranks push: run by torchrun, for bench_sharded.py and the tests.
 
     python -m torch.distributed.run --nproc-per-node 2 -m weightsync_bench.fsdp_ranks \\
-        --model DIR --out DIR (--vllm URL | --to ADDRESS ...) [--mode sharded|full] [--versions N]
+        --model DIR --out DIR (--vllm URL | --to ADDRESS ...) [--mode sharded|full] [--versions N] [--delta]
 
 Each rank loads the checkpoint at DIR (the same weights on every rank) and shards it with FSDP2
 (`init_device_mesh("cpu", (world,))`, `fully_shard` per decoder layer then the model, gloo).
@@ -18,6 +18,10 @@ weightsync's), a mixture-of-experts one in its checkpoint's names (`HFCheckpoint
 Rank r writes OUT/rank{r}.json: per push, whether it committed (or what it raised), its
 seconds, the bytes each worker was sent by this rank, the tensors sent whole, and how much this
 process's peak RSS grew during it (`PeakRss`); and the bytes of the shard this rank holds.
+
+`--delta`: the pushes carry deltas (`SenderOptions(delta=True)`), and before every push but the
+first the trainer steps (`train_step`: about 3% of every parameter's elements move, the same
+whatever the sharding, so that a test can make the weights it must end with).
 
 `--rank1-dies` (a fault, with `--vllm`): rank 1's process exits while it pushes the last
 version, after vLLM's update window opened (it has written its file first).
@@ -51,6 +55,7 @@ def main() -> None:
     parser.add_argument("--bucket-bytes", type=int, default=96 << 10)
     parser.add_argument("--vllm-source", action="store_true", help="vLLM's own ModuleSource (dense)")
     parser.add_argument("--rank1-dies", action="store_true", help="rank 1 exits while it pushes the last version")
+    parser.add_argument("--delta", action="store_true", help="delta pushes, a training step before each but the first")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -65,7 +70,7 @@ def main() -> None:
 
     if args.rank1_dies and rank == 1:
         dies_while_sending(source, push=args.versions, write=write)
-    pushes += push_to_vllm(args, source) if args.vllm else push_to(args, source)
+    pushes += push_to_vllm(args, source, model) if args.vllm else push_to(args, source, model)
     write()
     if all(push["ok"] for push in pushes):  # else a rank is gone: no one to meet
         dist.barrier()
@@ -96,6 +101,29 @@ def trainer_source(model: Any, *, sharded: bool, vllm_source: bool) -> Any:
 
         return VLLMModuleSource(model)
     return ModuleSource(model, sharded=sharded)
+
+
+def train_step(model: torch.nn.Module, step: int) -> None:
+    """Move about 3% of the elements of every parameter of `model` (plain or sharded by FSDP2's
+    `Shard(0)`) by 0.01, chosen by `step`: the same weights whatever the sharding."""
+    with torch.no_grad():
+        for index, (_, param) in enumerate(model.named_parameters()):
+            gen = torch.Generator().manual_seed(step * 1009 + index)
+            moved = (torch.rand(tuple(param.shape), generator=gen) < 0.03).to(param.dtype) * 0.01
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is not None:  # a DTensor: this rank's rows (`torch.chunk`'s cut)
+                size = -(-param.shape[0] // mesh.size())
+                first = mesh.get_local_rank() * size
+                param.to_local().add_(moved[first : first + size])  # type: ignore[attr-defined]
+            else:
+                param.add_(moved)
+
+
+def stepped(model: torch.nn.Module | None, push: Any, step: int, delta: bool) -> Any:
+    """`push`, after a training step where the pushes carry deltas (and this one is not the first)."""
+    if model is not None and delta and step:
+        train_step(model, step)
+    return push
 
 
 def dies_while_sending(source: Any, push: int, write: Any) -> None:
@@ -145,19 +173,29 @@ def measured(push: Any) -> dict[str, Any]:
         "peak_rss_added": added,
         "summary": report.summary(),
         "wire_bytes": {outcome.address: outcome.wire_bytes for outcome in report.outcomes},
+        "modes": {outcome.address: outcome.mode for outcome in report.outcomes},
+        "content_digest": report.content_digest,
         "whole_tensors": list(report.whole_tensors),
     }
 
 
-def push_to(args: argparse.Namespace, source: Any) -> list[dict[str, Any]]:
+def push_to(args: argparse.Namespace, source: Any, model: torch.nn.Module | None = None) -> list[dict[str, Any]]:
+    """`--versions` pushes of `source` by a `WeightSender` to `--to`; with `--delta`, `model`
+    steps between them (`stepped`)."""
     from weightsync import WeightSender
 
-    with WeightSender(args.to, timeout=60, bucket_bytes=args.bucket_bytes, verify="bucket") as sender:
-        versions = range(args.first_version, args.first_version + args.versions)
-        return [measured(lambda v=version: sender.push(source, v)) for version in versions]
+    delta = model is not None and args.delta
+    options = {"timeout": 60, "bucket_bytes": args.bucket_bytes, "verify": "bucket", "delta": delta}
+    with WeightSender(args.to, **options) as sender:
+        return [
+            measured(stepped(model, lambda v=version: sender.push(source, v), step, delta))
+            for step, version in enumerate(range(args.first_version, args.first_version + args.versions))
+        ]
 
 
-def push_to_vllm(args: argparse.Namespace, source: Any) -> list[dict[str, Any]]:
+def push_to_vllm(args: argparse.Namespace, source: Any, model: torch.nn.Module | None = None) -> list[dict[str, Any]]:
+    """`--versions` pushes of `source` through vLLM's trainer API at `--vllm`; with `--delta`,
+    `model` steps between them (`stepped`)."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -167,15 +205,18 @@ def push_to_vllm(args: argparse.Namespace, source: Any) -> list[dict[str, Any]]:
 
     if isinstance(source, WeightSource):
         source = VLLMSource(source)
-    options = SenderOptions(verify="bucket", timeout=120, bucket_bytes=args.bucket_bytes)
+    delta = model is not None and args.delta
+    options = SenderOptions(verify="bucket", timeout=120, bucket_bytes=args.bucket_bytes, delta=delta)
     sharded = args.mode == "sharded"
     info = WeightsyncTrainerInitInfo(rank=dist.get_rank(), transport=args.transport, options=options, sharded=sharded)
     engine = WeightTransferTrainerFactory.trainer_init(
         info, client=HTTPVLLMWeightSyncClient(args.vllm, timeout=300), source=source
     )
     try:
-        versions = range(args.first_version, args.first_version + args.versions)
-        return [measured(lambda v=version: engine.send_weights(version=v)) for version in versions]
+        return [
+            measured(stepped(model, lambda v=version: engine.send_weights(version=v), step, delta))
+            for step, version in enumerate(range(args.first_version, args.first_version + args.versions))
+        ]
     finally:
         engine.shutdown()
 

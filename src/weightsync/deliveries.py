@@ -35,20 +35,48 @@ from typing import Any, ClassVar, Literal, TypeAlias
 import torch
 
 from weightsync.checksum import SyncHashes, Verify, check_verify, stricter
-from weightsync.delta import Baseline, Diff, Step
+from weightsync.delta import Baseline, Diff, Step, patch_plan, rank_diff
 from weightsync.digest import Pending, held_shares, rank_tensors, source_digest
+from weightsync.dtypes import dtype_from_name
 from weightsync.errors import ConfigError, PlanError
-from weightsync.messages import Adapter, Commit, Committed, Plan, TensorShare, TensorSpec, Welcome
+from weightsync.messages import Adapter, Commit, Committed, Piece, Plan, TensorShare, TensorSpec, Welcome
 from weightsync.options import SenderOptions
 from weightsync.pack import BucketItem, bucket_items, part_items
-from weightsync.plan import PlanCache, build_plan, dense_nbytes, part_buckets, plan_id, tensor_nbytes, wire_specs
+from weightsync.plan import (
+    INDEX_BYTES,
+    PlanCache,
+    build_plan,
+    dense_nbytes,
+    part_buckets,
+    plan_id,
+    tensor_nbytes,
+    wire_specs,
+)
 from weightsync.regions import cuts, part_plan, sent_whole
-from weightsync.source import ShardedSource, SourceLayout, TensorMeta, WeightSource, as_source, held_tensors
+from weightsync.source import (
+    Exchanges,
+    ShardedSource,
+    SourceLayout,
+    TensorMeta,
+    WeightSource,
+    as_source,
+    held_tensors,
+)
 from weightsync.transports import get_transport
 from weightsync.transports import names as transport_names
 from weightsync.transports.base import TransportSpec
 
-__all__ = ["Delivery", "DeliveryPlanner", "Outgoing", "Part", "Planned", "Whole", "agreed_digest"]
+__all__ = [
+    "Delivery",
+    "DeliveryPlanner",
+    "Outgoing",
+    "Part",
+    "PatchPart",
+    "Planned",
+    "Whole",
+    "agreed_digest",
+    "patch_plan",
+]
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +185,55 @@ class Part:
         return Commit(version, self.identity, digest), digest
 
 
-Delivery: TypeAlias = Whole | Part
+@dataclasses.dataclass(frozen=True, slots=True)
+class PatchPart:
+    """This rank's part of a sharded push's patches (`patch_plan`) to the receivers holding the
+    version they apply to: its changes to every tensor, as its `payloads` (sparse patches in the
+    whole tensors' indices); its commit carries this rank's shares of the new version's hash,
+    which the receivers combine and check against the weights the patches leave."""
+
+    plan: Plan
+    identity: str
+    payloads: Sequence[torch.Tensor]
+    counts: Sequence[Sequence[int]]
+    """Every rank's number of changes to each tensor (`patch_plan`)."""
+    part: int
+    addresses: frozenset[str]
+    delta_base: str
+    shares: Pending[tuple[TensorShare, ...]] = NO_SHARES
+    mode: ClassVar[Mode] = "delta"
+    own_plane: ClassVar[bool] = False
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(piece.nbytes for index in part_buckets(self.plan, self.part) for piece in self.plan.buckets[index])
+
+    def items(self) -> Iterator[tuple[int, list[BucketItem]]]:
+        """Each bucket of this rank's part, its pieces cut from this rank's payloads: a piece's
+        offset in the tensor's joined patch made relative to this rank's own patch of it."""
+        for index in part_buckets(self.plan, self.part):
+            items = []
+            for piece in self.plan.buckets[index]:
+                spec, mine = self.plan.tensors[piece.tensor], self.counts[self.part][piece.tensor]
+                before = sum(row[piece.tensor] for row in self.counts[: self.part])
+                size = dtype_from_name(spec.dtype).itemsize
+                indices = spec.count * INDEX_BYTES
+                if piece.tensor_offset < indices:
+                    local = piece.tensor_offset - before * INDEX_BYTES
+                else:
+                    local = mine * INDEX_BYTES + piece.tensor_offset - indices - before * size
+                cut = Piece(piece.tensor, local, piece.bucket_offset, piece.nbytes)
+                items.append(BucketItem(cut, self.payloads[piece.tensor], torch.uint8))
+            yield index, items
+
+    def held(self) -> list[torch.Tensor]:
+        return []
+
+    def commit(self, version: int, verify: Verify, hashes: SyncHashes | None) -> tuple[Commit, str]:
+        return Commit(version, self.identity, shares=self.shares.get()), ""
+
+
+Delivery: TypeAlias = Whole | Part | PatchPart
 """One plan and the receivers it goes to, as `WeightSender._deliver` moves it."""
 
 
@@ -233,6 +309,7 @@ class DeliveryPlanner:
         self._cut_plans: dict[tuple[Any, ...], tuple[Plan, str]] = {}
         """Sharded plans and their ids, by what they were built from."""
         self._said_whole: tuple[str, ...] = ()
+        self._timeout = options.timeout
         self._baseline = Baseline() if options.delta else None
         """With delta: the last push, as sent; a receiver holding it gets only what changed."""
 
@@ -241,13 +318,19 @@ class DeliveryPlanner:
         every rank of a sharded source reads at the same point).
 
         Raises:
-            ConfigError: a sharded push with a delta or an adapter.
+            ConfigError: a sharded push with an adapter, or with delta from a source whose ranks
+                cannot exchange their patch sizes (`source.Exchanges`).
         """
         source = as_source(tensors)
         metas = source.metas()
         layout = source.layout() if isinstance(source, ShardedSource) else None  # every rank, in step
-        if layout is not None and (self._baseline is not None or adapter is not None):
-            raise ConfigError("a sharded push carries neither a delta nor a LoRA adapter")
+        if layout is not None and adapter is not None:
+            raise ConfigError("a sharded push carries no LoRA adapter")
+        if layout is not None and layout.world > 1 and self._baseline is not None and not isinstance(source, Exchanges):
+            raise ConfigError(
+                f"a sharded push with delta needs a source whose ranks exchange their patch sizes; "
+                f"{type(source).__name__} has no `exchange` (ModuleSource and MegatronSource do)"
+            )
         return Outgoing(source, metas, wire_specs(metas, self._cast), layout, adapter)
 
     def plan_deliveries(self, outgoing: Outgoing, bucket_bytes: int, live: Mapping[str, Welcome]) -> Planned:
@@ -261,6 +344,8 @@ class DeliveryPlanner:
         baseline = self._baseline
         if outgoing.adapter is None and baseline is None:
             return self._by_wants(outgoing, bucket_bytes, live)
+        if baseline is not None and outgoing.layout is not None and outgoing.layout.world > 1:
+            return self._sharded_delta(baseline, outgoing, bucket_bytes, live)
         takers = [address for address in live if address in self._patchable]
         step = _next_step(baseline, takers, live) if outgoing.adapter is None else "plain"
         if baseline is None or step == "plain":
@@ -304,6 +389,34 @@ class DeliveryPlanner:
                 Whole("delta", plan, plan_id(plan), patches.metas(), patches, patched, diff.base, diff.pending_content)
             )
         return tuple(deliveries)
+
+    def _sharded_delta(
+        self, baseline: Baseline, outgoing: Outgoing, bucket_bytes: int, live: Mapping[str, Welcome]
+    ) -> Planned:
+        """A push from several ranks with delta (docs/delta.md, `delta.rank_diff`): the receivers
+        it may patch that hold the baseline get every rank's patch, as the parts of one plan;
+        the others every rank's boxes of the full version, whole tensors."""
+        layout, source = outgoing.layout, outgoing.source
+        assert layout is not None and isinstance(source, Exchanges)  # noqa: S101  # checked in `outgoing`
+        takers = [address for address in live if address in self._patchable]
+        step = _next_step(baseline, takers, live)
+        if step == "plain":  # no receiver it may patch (their transports: the same on every rank)
+            return self._by_wants(outgoing, bucket_bytes, live)
+        diff = rank_diff(baseline, outgoing.specs, layout, source, step == "diff", self._timeout)
+        patched = frozenset(a for a in takers if diff.worth_it and live[a].delta_base == diff.base)
+        verify = self._verify_for(live, "bucket")
+        shares = Pending.now(diff.shares if verify != "off" else ())
+        deliveries: list[Delivery] = []
+        if full := frozenset(live) - patched:
+            plan, identity = self._cut_plan(outgoing.specs, layout, bucket_bytes)
+            deliveries.append(Part(plan, identity, source, layout, full, False, shares=shares))
+        if patched:
+            plan = patch_plan(outgoing.specs, diff.counts, bucket_bytes)
+            rank = layout.rank
+            deliveries.append(
+                PatchPart(plan, plan_id(plan), diff.payloads, diff.counts, rank, patched, diff.base, shares)
+            )
+        return Planned(tuple(deliveries), verify, diff.changed_fraction if diff.worth_it else 1.0)
 
     def _by_wants(self, outgoing: Outgoing, bucket_bytes: int, live: Mapping[str, Welcome]) -> Planned:
         """A push without delta or adapter (docs/architecture.md): one `Part` per group of

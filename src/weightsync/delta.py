@@ -23,27 +23,34 @@ push (docs/delta.md has both measurements).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator, Sequence
 from typing import Literal, TypeAlias
 
+import msgspec
 import numpy as np
 import torch
 
-from weightsync.checksum import content_digest, tensor_hashes
-from weightsync.digest import Pending
+from weightsync.checksum import combine_shares, content_digest, tensor_hashes
+from weightsync.digest import Pending, box_share
 from weightsync.dtypes import dtype_from_name, dtype_name
-from weightsync.errors import PlanError
-from weightsync.messages import TensorSpec
+from weightsync.errors import ConfigError, PlanError
+from weightsync.messages import Piece, Plan, TensorShare, TensorSpec
 from weightsync.pack import byte_view
 from weightsync.patch import BITS, NATIVE, NATIVE_SIZES, crc_room, element_bits, encode, joined_crc, native_threads
-from weightsync.plan import dense_nbytes, tensor_nbytes
-from weightsync.source import TensorMeta, WeightSource
+from weightsync.plan import INDEX_BYTES, dense_nbytes, pack_segments, tensor_nbytes
+from weightsync.source import Exchanges, Held, ShardedSource, SourceLayout, TensorMeta, WeightSource
 
 __all__ = [
     "DENSE_FRACTION",
     "Baseline",
     "Diff",
+    "Placed",
+    "RankDiff",
     "Step",
+    "patch_element_bytes",
+    "patch_plan",
+    "rank_diff",
 ]
 
 DENSE_FRACTION = 0.5
@@ -116,6 +123,8 @@ class Diff:
     changed_elements: int
     total_elements: int
     full_bytes: int
+    hashes: tuple[int | None, ...] = ()
+    """Each tensor's CRC32C as it now is, where the diff's pass gave it (else None)."""
 
     @property
     def content(self) -> str:
@@ -190,6 +199,35 @@ class _Arena:
         return self._buffer[start : self._used]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placed:
+    """Where a trainer rank's box of a tensor sits in the whole tensor (a sharded push with
+    delta): its patch names elements by their flat index in the whole tensor, so that every
+    rank's patch of it joins into one (`deliveries`)."""
+
+    start: tuple[int, ...]
+    """The box's first element along each of its leading dimensions (`source.Held`)."""
+    extents: tuple[int, ...]
+    whole: tuple[int, ...]
+    """The whole tensor's shape."""
+
+    def whole_indices(self, local: np.ndarray) -> np.ndarray:
+        """The flat indices in the whole tensor of the box's elements at flat `local` (int64)."""
+        lead = len(self.start)
+        local = local.astype(np.int64)
+        if lead == 0:
+            return local
+        inner = math.prod(self.whole[lead:])
+        row, rest = np.divmod(local, inner)
+        if lead == 1:
+            flat: np.ndarray = (row + self.start[0]) * inner + rest
+            return flat
+        coords = np.unravel_index(row, self.extents)
+        moved = tuple(coord + first for coord, first in zip(coords, self.start, strict=True))
+        flat = np.ravel_multi_index(moved, self.whole[:lead]) * inner + rest
+        return flat
+
+
 class Baseline:
     """The sender's copy of its last push, in the wire dtype, in host memory.
 
@@ -210,22 +248,34 @@ class Baseline:
         """The content digest of the version it holds, or "" before the first push."""
         return self._content.get()
 
-    def diff(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
+    def diff(self, specs: Sequence[TensorSpec], source: WeightSource, placed: Sequence[Placed] | None = None) -> Diff:
         """Diff `source` (tensors as `specs` send them) against the baseline, which becomes the
-        new version. A changed tensor set, shape or dtype makes every tensor dense (no base)."""
-        return self._take(specs, source, compare=True)
+        new version. A changed tensor set, shape or dtype makes every tensor dense (no base).
+        `placed`: the tensors are a trainer rank's boxes of whole ones, placed so; every patch
+        is then sparse, in the whole tensor's indices, and the new version's digest is left to
+        the caller (`label`: the ranks' shares make it)."""
+        return self._take(specs, source, compare=True, placed=placed)
 
-    def refresh(self, specs: Sequence[TensorSpec], source: WeightSource) -> Diff:
+    def refresh(
+        self, specs: Sequence[TensorSpec], source: WeightSource, placed: Sequence[Placed] | None = None
+    ) -> Diff:
         """Make `source` the baseline without comparing (a push that goes full to everyone, so
         that the next one can be a patch): a copy. The result offers no patch (no base)."""
-        return self._take(specs, source, compare=False)
+        return self._take(specs, source, compare=False, placed=placed)
+
+    def label(self, content: str) -> None:
+        """The content digest of the version the baseline now holds, found by the caller (a
+        rank's baseline holds boxes: every rank's shares make the whole version's)."""
+        self._content = Pending.now(content)
 
     def _holds(self, spec: TensorSpec) -> bool:
         """Whether the baseline has tensor `spec` in its shape and wire dtype."""
         old = self.tensors.get(spec.name)
         return old is not None and tuple(old.shape) == spec.shape and old.dtype == dtype_from_name(spec.dtype)
 
-    def _take(self, specs: Sequence[TensorSpec], source: WeightSource, compare: bool) -> Diff:
+    def _take(
+        self, specs: Sequence[TensorSpec], source: WeightSource, compare: bool, placed: Sequence[Placed] | None
+    ) -> Diff:
         same_layout = [spec.name for spec in specs] == list(self.tensors) and all(map(self._holds, specs))
         held = self.content  # waits for the last push's digest: it reads what this overwrites
         base = held if same_layout and compare else ""
@@ -238,7 +288,7 @@ class Baseline:
         payloads: list[torch.Tensor] = []
         hashes: list[int | None] = []
         changed = total = 0
-        for spec, (name, tensor) in zip(specs, source.tensors(), strict=True):
+        for index, (spec, (name, tensor)) in enumerate(zip(specs, source.tensors(), strict=True)):
             _check_yielded(spec, name, tensor)
             old = self.tensors.get(name)
             crc = None
@@ -250,7 +300,10 @@ class Baseline:
                 patch_spec, payload, num_changed = spec, None, old.numel()
             else:
                 indices, values, crc = self._changes(tensor, old)
-                patch_spec, payload = encode(indices, values, old.numel(), spec, self._patches.take)
+                if placed is None:
+                    patch_spec, payload = encode(indices, values, old.numel(), spec, self._patches.take)
+                else:
+                    patch_spec, payload = self._sparse(spec, placed[index].whole_indices(indices), values)
                 num_changed = indices.size
             hashes.append(crc)
             patched.append(patch_spec)
@@ -258,11 +311,22 @@ class Baseline:
             payloads.append(old if payload is None else torch.from_numpy(payload))
             changed += num_changed
             total += old.numel()
-        if None in hashes:
+        if placed is not None:
+            pass  # boxes: the caller labels the version (`label`)
+        elif None in hashes:
             self._content = _digest_later(specs, [self.tensors[spec.name] for spec in specs])
         else:  # every tensor hashed by its diff
             self._content = Pending.now(content_digest(specs, [crc for crc in hashes if crc is not None]))
-        return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes)
+        return Diff(base, self._content, tuple(patched), tuple(payloads), changed, total, full_bytes, tuple(hashes))
+
+    def _sparse(self, spec: TensorSpec, indices: np.ndarray, values: np.ndarray) -> tuple[TensorSpec, np.ndarray]:
+        """A sparse patch of `spec`'s changed elements at `indices` (of the whole tensor)."""
+        patched = msgspec.structs.replace(spec, encoding="sparse", count=indices.size)
+        payload = self._patches.take(tensor_nbytes(patched))
+        head = indices.size * INDEX_BYTES
+        payload[:head].view(np.int32)[:] = indices
+        payload[head:] = values
+        return patched, payload
 
     def _changes(self, tensor: torch.Tensor, old: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int | None]:
         """Update `old` (the baseline) to `tensor` as sent; the flat indices of the elements whose
@@ -314,3 +378,130 @@ class Baseline:
     def nbytes(self) -> int:
         """Host memory the baseline holds."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def _box_spec(spec: TensorSpec, box: Held | None) -> TensorSpec:
+    """`spec` as the box `box` of it that a rank holds (no elements where it holds none)."""
+    if box is None:
+        shape: tuple[int, ...] = (0,)
+    else:
+        shape = tuple(stop - first for first, stop in box) + spec.shape[len(box) :]
+    return msgspec.structs.replace(spec, shape=shape)
+
+
+def _placed(spec: TensorSpec, box: Held | None) -> Placed:
+    if not box:
+        return Placed((), (), spec.shape)
+    return Placed(tuple(first for first, _ in box), tuple(stop - first for first, stop in box), spec.shape)
+
+
+def patch_element_bytes(spec: TensorSpec) -> int:
+    """What one changed element costs in a sparse patch of `spec`: its index and its value."""
+    return INDEX_BYTES + dtype_from_name(spec.dtype).itemsize
+
+
+class _Held:
+    """What a rank holds of each tensor (`ShardedSource.held`) as a source of its boxes (an
+    empty tensor where it holds none), for its baseline."""
+
+    def __init__(self, specs: Sequence[TensorSpec], boxes: Sequence[Held | None], source: ShardedSource) -> None:
+        self._specs, self._boxes, self._source = specs, boxes, source
+
+    def metas(self) -> list[TensorMeta]:
+        return [TensorMeta(spec.name, spec.shape, dtype_from_name(spec.source_dtype)) for spec in self._specs]
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for spec, box, (name, tensor) in zip(self._specs, self._boxes, self._source.held(), strict=True):
+            yield name, tensor if box is not None else torch.empty(0, dtype=dtype_from_name(spec.source_dtype))
+
+
+def patch_plan(specs: Sequence[TensorSpec], counts: Sequence[Sequence[int]], bucket_bytes: int) -> Plan:
+    """The plan of a sharded push's patches: each tensor of `specs` as one sparse patch of every
+    rank's changes (`counts[rank][tensor]`), indices in rank order, then values in rank order;
+    the buckets of part m carry rank m's indices and values of every tensor. The same on every
+    rank, from the counts the ranks exchanged."""
+    patches = [
+        msgspec.structs.replace(spec, encoding="sparse", count=sum(row[index] for row in counts))
+        for index, spec in enumerate(specs)
+    ]
+    buckets: list[tuple[Piece, ...]] = []
+    parts = []
+    for rank, row in enumerate(counts):
+        parts.append(len(buckets))
+        segments = []
+        for index, patch in enumerate(patches):
+            before, count, size = (
+                sum(r[index] for r in counts[:rank]),
+                row[index],
+                patch_element_bytes(patch) - INDEX_BYTES,
+            )
+            if rank == 0 and patch.count == 0:
+                segments.append((index, 0, 0))
+            if count:
+                segments.append((index, before * INDEX_BYTES, count * INDEX_BYTES))
+                segments.append((index, patch.count * INDEX_BYTES + before * size, count * size))
+        buckets += pack_segments(segments, bucket_bytes)
+    total = sum(tensor_nbytes(patch) for patch in patches)
+    return Plan(bucket_bytes, tuple(patches), tuple(buckets), total, tuple(parts))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankDiff:
+    """One trainer rank's diff in a sharded push with delta, once the ranks exchanged theirs."""
+
+    base: str
+    """The content digest of the version the patches apply to (every rank's baseline's label)."""
+    counts: tuple[tuple[int, ...], ...]
+    """Every rank's changes to each tensor, in rank order (`patch_plan`)."""
+    payloads: tuple[torch.Tensor, ...]
+    """This rank's patch of each tensor: sparse, in the whole tensor's indices."""
+    shares: tuple[TensorShare, ...]
+    """This rank's shares of the new version's hash (`digest.box_share`)."""
+    worth_it: bool
+    """Every rank diffed against the base, and the joined patches carry at most `DENSE_FRACTION`
+    of the full version's bytes: the same answer on every rank."""
+    changed_fraction: float
+
+
+def rank_diff(
+    baseline: Baseline,
+    specs: Sequence[TensorSpec],
+    layout: SourceLayout,
+    source: Exchanges,
+    compare: bool,
+    timeout: float,
+) -> RankDiff:
+    """Diff what this rank of `layout` holds of `source` (tensors as `specs` send them, whole)
+    against its `baseline` of it (`compare`; else copy it there), then exchange with every rank
+    its patches' sizes and its shares of the new version's hash: one plan, and one content
+    digest, which labels every rank's baseline. A collective: every rank calls it at the same
+    point of a push.
+
+    Raises:
+        CollectiveError: a rank did not get to the exchange within `timeout`.
+        ConfigError: the exchange reached other ranks than those of `layout`.
+    """
+    boxes = [held[layout.rank] for held in layout.held]
+    box_specs = [_box_spec(spec, box) for spec, box in zip(specs, boxes, strict=True)]
+    placed = [_placed(spec, box) for spec, box in zip(specs, boxes, strict=True)]
+    held = _Held(box_specs, boxes, source)  # type: ignore[arg-type]  # an Exchanges is a ShardedSource
+    diff = (baseline.diff if compare else baseline.refresh)(box_specs, held, placed)
+    shares = [
+        box_share(spec, box, spec.name, baseline.tensors[spec.name], crc)
+        for spec, box, crc in zip(specs, boxes, diff.hashes, strict=True)
+    ]
+    counts = [spec.count if diff.base else 0 for spec in diff.specs]
+    every = source.exchange([int(bool(diff.base)), *counts, *(entry.share for entry in shares)], timeout)
+    if len(every) != layout.world:
+        raise ConfigError(f"{len(every)} ranks exchanged their patch sizes; the push is from {layout.world}")
+    n = len(specs)
+    baseline.label(
+        combine_shares(
+            [[msgspec.structs.replace(e, share=row[1 + n + i]) for i, e in enumerate(shares)] for row in every]
+        )
+    )
+    rows = tuple(tuple(row[1 : 1 + n]) for row in every)
+    patch_bytes = sum(count * patch_element_bytes(spec) for row in rows for spec, count in zip(specs, row, strict=True))
+    worth_it = all(row[0] for row in every) and patch_bytes <= DENSE_FRACTION * sum(map(dense_nbytes, specs))
+    total = sum(math.prod(spec.shape) for spec in specs)
+    return RankDiff(diff.base, rows, diff.payloads, tuple(shares), worth_it, sum(map(sum, rows)) / max(1, total))

@@ -30,7 +30,7 @@ from weightsync.plan import tensor_nbytes, wire_specs
 from weightsync.regions import held_runs
 from weightsync.source import Held, ShardedSource, SourceLayout, WeightSource, as_source
 
-__all__ = ["Pending", "held_shares", "rank_tensors", "source_digest"]
+__all__ = ["Pending", "box_share", "held_shares", "rank_tensors", "source_digest"]
 
 T = TypeVar("T")
 
@@ -88,18 +88,30 @@ def held_shares(
     others. Reads only what the rank holds; the receivers combine every rank's shares into the
     version's content digest."""
     specs = wire_specs(source.metas(), cast)
-    shares = []
-    for index, (spec, (name, tensor)) in enumerate(zip(specs, rank_tensors(source), strict=True)):
-        box = layout.held[index][layout.rank]
-        runs = held_runs(spec, box)
-        if runs and tensor.numel() * dtype_from_name(spec.dtype).itemsize != sum(n for _, n in runs):
-            raise PlanError(f"{name}: this rank holds {tuple(tensor.shape)}, not {_said(box)} {spec.shape}")
-        held, end, sent = 0, 0, 0  # Horner: each run's hash shifted past the bytes up to the next run's end
-        for first, nbytes in runs:
-            held = share(held, first + nbytes - end) ^ _hash(spec, tensor, nbytes, sent)
-            end, sent = first + nbytes, sent + nbytes
-        shares.append(TensorShare(spec.name, spec.dtype, spec.shape, share(held, tensor_nbytes(spec) - end)))
-    return tuple(shares)
+    return tuple(
+        box_share(spec, layout.held[index][layout.rank], name, tensor)
+        for index, (spec, (name, tensor)) in enumerate(zip(specs, rank_tensors(source), strict=True))
+    )
+
+
+def box_share(
+    spec: TensorSpec, box: Held | None, name: str, tensor: torch.Tensor, crc: int | None = None
+) -> TensorShare:
+    """The share of tensor `spec`'s hash of the rank holding box `box` of it as `tensor`: its runs
+    of bytes (`regions.held_runs`) hashed, each shifted past the bytes up to the next run's end.
+    `crc`: the CRC32C of `tensor`'s bytes where already known, which spares hashing a box that
+    is one run."""
+    runs = held_runs(spec, box)
+    if runs and tensor.numel() * dtype_from_name(spec.dtype).itemsize != sum(n for _, n in runs):
+        raise PlanError(f"{name}: this rank holds {tuple(tensor.shape)}, not {_said(box)} {spec.shape}")
+    if crc is not None and len(runs) == 1:
+        first, nbytes = runs[0]
+        return TensorShare(spec.name, spec.dtype, spec.shape, share(crc, tensor_nbytes(spec) - first - nbytes))
+    held, end, sent = 0, 0, 0  # Horner: each run's hash shifted past the bytes up to the next run's end
+    for first, nbytes in runs:
+        held = share(held, first + nbytes - end) ^ _hash(spec, tensor, nbytes, sent)
+        end, sent = first + nbytes, sent + nbytes
+    return TensorShare(spec.name, spec.dtype, spec.shape, share(held, tensor_nbytes(spec) - end))
 
 
 def _said(box: Held | None) -> str:

@@ -9,6 +9,7 @@ mixture-of-experts layer holds all its experts in two 3-D tensors (`mlp.experts.
 conversion mapping); this module asks the same conversion, so no name rule is written here:
 
     checkpoint_metas(model, metas)   each model tensor -> the checkpoint tensors it becomes
+    checkpoint_views(model, tensors) the model's tensors under checkpoint names, as views of them
     HFCheckpointSource(model)        a WeightSource that yields those tensors, for a trainer
 
 Per-expert tensors are yielded as views of the fused tensors (no copy): transformers' reverse of
@@ -25,7 +26,7 @@ a stack by experts); any other is gathered and converted by one rank.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from weightsync.module_source import ModuleSource, gathered
 from weightsync.reads import Box, view_box
 from weightsync.source import Held, SourceLayout, TensorMeta, row_boxes, whole_on
 
-__all__ = ["HFCheckpointSource", "checkpoint_metas"]
+__all__ = ["HFCheckpointSource", "checkpoint_metas", "checkpoint_views"]
 
 
 def checkpoint_metas(model: Any, metas: Sequence[TensorMeta]) -> dict[str, list[TensorMeta]]:
@@ -72,6 +73,38 @@ def checkpoint_metas(model: Any, metas: Sequence[TensorMeta]) -> dict[str, list[
     return result
 
 
+def checkpoint_views(model: Any, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`model`'s tensors under the names and shapes its checkpoint holds them in, each a view of
+    a model tensor (no copy): where a sync written in checkpoint layout lands in place.
+
+    Args:
+        model: a transformers `PreTrainedModel`.
+        tensors: model tensors by `state_dict` name (`model.state_dict()`, or tensors of the
+            same names and shapes: a standby copy).
+
+    Returns:
+        checkpoint name -> view: a tensor stored as in the checkpoint under its checkpoint name,
+        a fused one (a stack of experts) cut into one view per checkpoint tensor (module
+        docstring); a tensor whose conversion needs an op only transformers applies (no view
+        has the checkpoint's layout) under its model name.
+
+    Raises:
+        ConfigError: the model's checkpoint joins several tensors into one (`checkpoint_metas`).
+    """
+    metas = [TensorMeta(name, tuple(tensor.shape), tensor.dtype) for name, tensor in tensors.items()]
+    checkpoint = checkpoint_metas(model, metas)
+    views: dict[str, torch.Tensor] = {}
+    for name, (route, converter) in _routes(model, metas, checkpoint).items():
+        names = [meta.name for meta in checkpoint[name]]
+        if route == "as is":
+            views[names[0]] = tensors[name]
+        elif route == "views":
+            views.update(zip(names, _split_as_views(tensors[name], converter, model.config) or [], strict=True))
+        else:
+            views[name] = tensors[name]
+    return views
+
+
 class HFCheckpointSource:
     """The weights of a transformers model in its checkpoint's names and layout: what
     `save_pretrained` would write, yielded one tensor at a time, for a trainer to push.
@@ -98,14 +131,7 @@ class HFCheckpointSource:
         self._whole: dict[str, torch.Tensor] = {}
         """Sharded, this push: the model tensors gathered whole, on the rank that converts them."""
         self._checkpoint = checkpoint_metas(model, self._module.metas())
-        converters = _reverse_converters(model)
-        self._route: dict[str, tuple[str, Any]] = {}
-        """model tensor -> how it becomes checkpoint tensors ("as is", "views", "transformers")
-        and the reversed converter the views follow."""
-        for meta in self._module.metas():
-            converter = _converter_of(meta.name, converters)
-            route = _route(meta, converter, self._checkpoint[meta.name], model.config)
-            self._route[meta.name] = (route, converter)
+        self._route = _routes(model, self._module.metas(), self._checkpoint)
 
     def metas(self) -> list[TensorMeta]:
         return [meta for entries in self._checkpoint.values() for meta in entries]
@@ -138,6 +164,10 @@ class HFCheckpointSource:
             for _, owner, _ in pieces:
                 held.append(row_boxes(bounds) if owner < 0 and bounds is not None else whole_on(owner, module.world))
         return SourceLayout(module.rank, module.world, tuple(held))
+
+    def exchange(self, values: list[int], timeout: float) -> list[list[int]]:
+        """Every rank's `values` (`source.Exchanges`: a sharded push with delta)."""
+        return self._module.exchange(values, timeout)
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every checkpoint tensor as this rank holds it (`ShardedSource.held`), in `metas()`
@@ -232,6 +262,19 @@ def _reverse_converters(model: Any) -> list[Any]:
 def _converter_of(name: str, converters: list[Any]) -> Any:
     """The first reversed converter whose source pattern matches `name`, or None."""
     return next((c for c in converters if c.rename_source_key(name)[1] is not None), None)
+
+
+def _routes(
+    model: Any, metas: Sequence[TensorMeta], checkpoint: dict[str, list[TensorMeta]]
+) -> dict[str, tuple[str, Any]]:
+    """model tensor -> how it becomes its checkpoint tensors (`_route`) and the reversed
+    converter the views follow."""
+    converters = _reverse_converters(model)
+    routes = {}
+    for meta in metas:
+        converter = _converter_of(meta.name, converters)
+        routes[meta.name] = (_route(meta, converter, checkpoint[meta.name], model.config), converter)
+    return routes
 
 
 def _route(meta: TensorMeta, converter: Any, expected: list[TensorMeta], config: Any) -> str:

@@ -146,7 +146,7 @@ class Landing:
         self.failed: BaseException | None = None
         """Why the sync failed (a part's error): every verb raises it from then on."""
         self._arena_offsets, self._arena_bytes = arena_layout(
-            plan, [t for t in sorted(num_pieces) if self.routes[t] in ("arena", "patch")]
+            plan, [t for t in sorted(num_pieces) if self.routes[t] in ("arena", "patch")], in_order=not plan.parts
         )
         self._staging = staging if staging is not None else Staging()
         self._check_staging_fits()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from weightsync.errors import ConfigError
+from weightsync.ranks import Exchange
 from weightsync.source import SourceLayout, TensorMeta, chunk_rows
 
 __all__ = ["ModuleSource"]
@@ -56,6 +57,7 @@ class ModuleSource:
         """This push's tensors `layout()` gathered that this rank sends."""
         self._layout: SourceLayout | None = None
         """This push's layout (`layout()`)."""
+        self._exchange: Exchange | None = None
         self._rows: dict[str, tuple[int, ...] | None] = {}
         """This push's row boundaries of each tensor (`layout()`; None: held whole)."""
         named: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
@@ -107,6 +109,13 @@ class ModuleSource:
         self._layout = SourceLayout.from_rows(rank, world, rows)
         return self._layout
 
+    def exchange(self, values: list[int], timeout: float) -> list[list[int]]:
+        """Every rank's `values` (`source.Exchanges`: a sharded push with delta): the ranks of
+        the parameters' mesh (`layout`'s), else every rank."""
+        if self._exchange is None:
+            self._exchange = Exchange(_mesh_ranks([tensor for _, tensor in self._entries]))
+        return self._exchange(values, timeout)
+
     @property
     def layout_rank(self) -> int:
         """This rank in this push's layout (0 before `layout()`)."""
@@ -150,6 +159,15 @@ def _rank_and_world(tensors: list[torch.Tensor]) -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _mesh_ranks(tensors: list[torch.Tensor]) -> list[int] | None:
+    """The global ranks of the 1-D mesh of the sharded parameters (`_rank_and_world`'s), or None."""
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        if mesh is not None and mesh.ndim == 1:
+            return [int(rank) for rank in mesh.mesh.flatten().tolist()]
+    return None
 
 
 def _row_split(tensor: Any) -> bool:

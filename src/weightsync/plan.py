@@ -73,13 +73,19 @@ def bucket_spans(plan: Plan) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def arena_layout(plan: Plan, tensors: Sequence[int]) -> tuple[dict[int, int], int]:
+def arena_layout(plan: Plan, tensors: Sequence[int], in_order: bool = True) -> tuple[dict[int, int], int]:
     """Where each of `tensors` (chunked, in plan order) sits in an area that holds each whole
     from its first bucket to its last (a receiver's arena, a ring's staging area), and the area's
     size. Two can share a bucket (one ends where the next begins), so each goes at the lowest
-    offset free of the ones still live."""
-    spans = bucket_spans(plan)
+    offset free of the ones still live. Not `in_order` (the parts of a sharded sync land side
+    by side, in no one order), each has its own place."""
     offsets: dict[int, int] = {}
+    if not in_order:
+        size = 0
+        for tensor in tensors:
+            offsets[tensor], size = size, size + align_up(tensor_nbytes(plan.tensors[tensor]))
+        return offsets, size
+    spans = bucket_spans(plan)
     live: list[tuple[int, int, int]] = []  # (offset, end, last bucket)
     size = 0
     for tensor in tensors:

@@ -405,8 +405,8 @@ class WeightReceiver:
             self._checked_plan = offer.plan_id
         if not 0 <= offer.part < max(1, len(offer.plan.parts)):
             raise PlanError(f"the offer carries part {offer.part} of a plan in {len(offer.plan.parts)} parts")
-        if offer.plan.parts and (offer.delta_base or offer.adapter is not None):
-            raise PlanError("a plan in parts carries neither a patch nor an adapter")
+        if offer.plan.parts and offer.adapter is not None:
+            raise PlanError("a plan in parts carries no adapter")
         if offer.verify not in VERIFY_MODES or stricter(check_verify(offer.verify), self._verify) != offer.verify:
             raise NegotiationError(f"receiver requires verify={self._verify!r}; the offer has {offer.verify!r}")
         last = self._status.last_committed
@@ -484,10 +484,11 @@ class WeightReceiver:
             raise PlanError(f"commit of version {commit.version} does not match the sync of version {landing.version}")
         if not commit.content_digest:
             return ""
-        if landing.cut:
+        if landing.cut and not landing.delta:
             # boxes of tensors, or parts of them from several senders: no whole tensor lands
             # here to hash. Every bucket that crossed a wire was checked against its sender's
-            # checksum; the digest is the sender's, of the whole version it pushed.
+            # checksum; the digest is the senders', of the whole version they pushed. (The
+            # parts of a patch leave whole tensors here, which are hashed below.)
             if self._wire and not landing.hashes.complete:
                 raise ChecksumError(f"commit of version {commit.version} has a content digest, the buckets had none")
             return commit.content_digest

@@ -16,6 +16,7 @@ import torch
 from weightsync.errors import ConfigError
 
 __all__ = [
+    "Exchanges",
     "Held",
     "ShardedSource",
     "SourceLayout",
@@ -145,6 +146,18 @@ class ShardedSource(WeightSource, Protocol):
         in `layout()` (the whole tensor for the box `()`; anything, never read, where it holds
         none). Runs no collective, and may be walked several times per push, from several
         threads at once."""
+        ...
+
+
+@runtime_checkable
+class Exchanges(Protocol):
+    """A sharded source whose ranks can tell each other a few integers: what a sharded push with
+    delta needs (every rank's patch sizes make one plan; their hashes, one content digest)."""
+
+    def exchange(self, values: list[int], timeout: float) -> list[list[int]]:
+        """Every rank's `values` (as many on each), in rank order: a collective every rank calls
+        at the same point of a push, which raises `CollectiveError` where a rank does not get
+        there within `timeout` seconds (`weightsync.ranks.Ranks.exchange`)."""
         ...
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import WAIT_S, wait_until
 from tests.models import save_model
-from weightsync import SyncFailed, WeightSyncError
+from weightsync import SenderOptions, SyncFailed, WeightSyncError
 from weightsync.client import RolloutClient, ServerError
 from weightsync.serving.config import ServeConfig
 
@@ -25,6 +25,12 @@ Placement = fleet_module.Placement
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [40, 41, 42]]
+
+START_S = 180
+"""How long a fleet waits for a server actor to start and describe itself: a fresh Ray worker
+imports torch and transformers, over 60 s on a loaded 2-core host."""
+SENDER = SenderOptions(timeout=60, verify="bucket")
+"""How the fleet pushes: the fleet's default options with the timeout these tests always used."""
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,9 @@ def assert_serves(urls: list[str], model: torch.nn.Module, version: int, token: 
 @pytest.mark.parametrize("transport", ["collective", "tcp"])
 def test_fleet_pushes_survives_a_dead_server_and_takes_a_new_one(cluster, policy, transport):
     model, path = policy
-    with RolloutFleet(ServeConfig(model=str(path), transport=transport, ready_timeout=0.5), 2, timeout=60) as fleet:
+    with RolloutFleet(
+        ServeConfig(model=str(path), transport=transport, ready_timeout=0.5), 2, sender=SENDER, timeout=START_S
+    ) as fleet:
         assert len(fleet.servers()) == 2 and fleet.ready_urls() == [], "dummy weights: nobody is ready"
         with RolloutClient(fleet.servers()[0].url, timeout=WAIT_S) as client, pytest.raises(ServerError) as gated:
             client.completions([5, 6], max_tokens=2, temperature=0)
@@ -122,7 +130,9 @@ def test_catch_up_from_a_source_that_moved_on_is_refused(cluster, policy):
     environment); pushes prove it, and HTTP calls without it are refused."""
     model, path = policy
     token = "fleet-token-" + "x" * 16
-    with RolloutFleet(ServeConfig(model=str(path), transport="tcp", auth_token=token), 1, timeout=60) as fleet:
+    with RolloutFleet(
+        ServeConfig(model=str(path), transport="tcp", auth_token=token), 1, sender=SENDER, timeout=START_S
+    ) as fleet:
         step(model, seed=10)
         assert fleet.push(model.state_dict(), 10).ok
         with RolloutClient(fleet.ready_urls()[0], timeout=WAIT_S) as anonymous, pytest.raises(ServerError) as refused:
@@ -147,7 +157,7 @@ def test_catch_up_from_a_source_that_moved_on_is_refused(cluster, policy):
 def test_a_server_ray_restarts_rejoins_on_the_next_push(cluster, policy):
     model, path = policy
     serve = ServeConfig(model=str(path), transport="tcp")
-    with RolloutFleet(serve, 1, placement=Placement(max_restarts=1), timeout=60) as fleet:
+    with RolloutFleet(serve, 1, placement=Placement(max_restarts=1), sender=SENDER, timeout=START_S) as fleet:
         step(model, seed=20)
         assert fleet.push(model.state_dict(), 20).ok
         (before,) = fleet.servers()

@@ -3,7 +3,9 @@ what each rank holds, in the checkpoint's names, with no gather (`MegatronSource
 and expert parallel layouts of one Qwen3-MoE checkpoint, and a tied, biased Qwen2 one, pushed
 in turn into the same receivers. The oracle is the checkpoint the ranks loaded (tests/megatron_cpu.py
 cuts it into Megatron's layout on its own): each receiver lands it bit for bit, or exactly its
-boxes of it, each element once, with the checkpoint's own content digest."""
+boxes of it, each element once, with the checkpoint's own content digest. With delta, the ranks
+step between pushes and each diffs what it holds: the receiver gets patches, and ends with what a
+full push of the same weights gives a fresh receiver."""
 
 from __future__ import annotations
 
@@ -56,9 +58,15 @@ def ranks(model: Path, out: Path, layout: tuple[int, int, int], version: int, *t
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m"]
     command += ["weightsync_bench.megatron_ranks", "--model", str(model), "--out", str(out)]
     command += ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep), "--version", str(version), *target]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    paths = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]  # this checkout's weightsync first
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(paths)}
     subprocess.run(command, check=True, timeout=600, cwd=out, env=env)
-    return [json.loads((out / f"rank{rank}.json").read_text())["pushes"][0] for rank in range(2)]
+    return [pushes[0] for pushes in rank_pushes(out)]
+
+
+def rank_pushes(out: Path) -> list[list[dict[str, Any]]]:
+    """Each rank's pushes, in order, as `megatron_ranks` wrote them to `out`."""
+    return [json.loads((out / f"rank{rank}.json").read_text())["pushes"] for rank in range(2)]
 
 
 def save(kind: str, path: Path) -> None:
@@ -126,3 +134,35 @@ def test_every_megatron_layout_lands_the_checkpoint(index: int, receivers: Any, 
     )
     assert sent == [sum(tensor.nbytes for tensor in checkpoint.values()), kept_bytes], "each element once"
     assert all(push["wire_bytes"][found[0][0].address] > 0 for push in pushes), "both ranks sent a part"
+
+
+DELTA_LAYOUTS = {"qwen3_moe": (1, 1, 2), "qwen2": (2, 1, 1)}
+"""One layout each: experts owned by one rank each, and tensors cut by tensor parallelism (the
+patches' indices are the whole tensors')."""
+
+
+def test_megatron_ranks_push_deltas_of_what_they_hold_exact(receivers: Any, tmp_path: Path) -> None:
+    """Three pushes with delta (a training step before the second and the third), then the last
+    weights in full to a fresh receiver: the second and third reach the receiver that holds the
+    version before as patches, a fraction of a full push, and it ends bit for bit with what the
+    full push gave, and the same content digest."""
+    kind, path, checkpoint, found = receivers
+    (receiver, landed), _ = found
+    full_bytes = sum(tensor.nbytes for tensor in checkpoint.values())
+    reference = {name: torch.zeros_like(tensor) for name, tensor in checkpoint.items()}
+    fresh = WeightReceiver(reference, "tcp", timeout=120)
+    with fresh.start():
+        target = ["--to", receiver.address, "--versions", "3", "--delta", "--then-full-to", fresh.address]
+        ranks(path, tmp_path, DELTA_LAYOUTS[kind], 101, *target)
+    pushes = rank_pushes(tmp_path)
+    assert all(push["ok"] for rank in pushes for push in rank), pushes
+    for rank in pushes:
+        assert [push["modes"][receiver.address] for push in rank[:3]] == ["full", "delta", "delta"], rank
+    for step in (1, 2):
+        sent = sum(rank[step]["wire_bytes"][receiver.address] for rank in pushes)
+        assert 0 < sent < 0.25 * full_bytes, (step, sent, full_bytes)
+    assert receiver.version == fresh.version == 103
+    for name in checkpoint:
+        assert_bit_exact(landed[name], reference[name], name)
+    assert receiver.content_digest == fresh.content_digest != source_digest(checkpoint), "the weights moved"
+    assert pushes[0][2]["content_digest"] == receiver.content_digest

@@ -74,8 +74,19 @@ class WorkerGroup:
         return [handle.update_weights.remote(**kwargs) for handle in self.handles]
 
 
+STARTUP_S = 300
+"""How long a worker process may take to start (Ray's worker, torch and verl imported) on a
+loaded host; the bounds on what the tests check start once the workers are up."""
+
+
 def start(cls: type, *args: Any) -> Any:
     return ray.remote(num_cpus=0, max_restarts=0)(cls).remote(*args)
+
+
+def answering(*handles: Any) -> list[Any]:
+    """The handles, once each worker process is up and answers."""
+    assert ray.get([handle.close.remote() for handle in handles], timeout=STARTUP_S) == [[]] * len(handles)
+    return list(handles)
 
 
 def finalize(*groups: WorkerGroup) -> None:
@@ -95,10 +106,10 @@ def processes():  # type: ignore[no-untyped-def]
         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
     )
     ray.cloudpickle.register_pickle_by_value(verl_workers)
-    live = {
-        "trainer": start(verl_workers.TrainerWorker, 0),
-        "rollouts": [start(verl_workers.RolloutWorker) for _ in range(2)],
-    }
+    trainer, *rollouts = answering(
+        start(verl_workers.TrainerWorker, 0), *(start(verl_workers.RolloutWorker) for _ in range(2))
+    )
+    live = {"trainer": trainer, "rollouts": rollouts}
     yield live
     for handle in [live["trainer"], *live["rollouts"]]:
         assert ray.get(handle.close.remote(), timeout=30) == [], "shared memory left behind"
@@ -112,7 +123,7 @@ def workers(request, processes):  # type: ignore[no-untyped-def]
         pytest.skip(f"{request.param} needs {package!r}, not installed")
     config = engine_config(request.param)
     handles = [processes["trainer"], *processes["rollouts"]]
-    assert ray.get([handle.configure.remote(config) for handle in handles], timeout=60) == [[]] * 3
+    assert ray.get([handle.configure.remote(config) for handle in handles], timeout=STARTUP_S) == [[]] * 3
     trainer, rollout = WorkerGroup(handles[:1]), WorkerGroup(handles[1:])
     manager = CheckpointEngineManager(config, actor_wg=trainer, replicas=[])
     return {"config": config, "manager": manager, "trainer": trainer, "rollout": rollout, "processes": processes}
@@ -169,7 +180,7 @@ def test_a_rollout_worker_killed_mid_sync_fails_the_push_in_time_and_a_new_group
     finalize(trainer, WorkerGroup([survivor]))
 
     # the group changed: the dead worker is replaced; the next sync reaches both
-    newcomer = start(verl_workers.RolloutWorker)
+    (newcomer,) = answering(start(verl_workers.RolloutWorker))
     assert ray.get(newcomer.configure.remote(config), timeout=60) == []
     workers["processes"]["rollouts"] = [survivor, newcomer]
     _, results = sync(workers, WorkerGroup([survivor, newcomer]), 11)

@@ -22,6 +22,7 @@ Skipped where vLLM is not installed (scripts/install-vllm.sh installs it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -29,7 +30,6 @@ import re
 import runpy
 import shlex
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +48,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from tests.doc_snippets import snippet, write_program  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 from tests.integrations.test_one_round import FAULTS, Target, _the_rule_holds  # noqa: E402
+from tests.leftovers import Footprints  # noqa: E402
 from tests.models import save_model  # noqa: E402
 from weightsync import HFCheckpointSource, SenderOptions, SyncFailed, WeightSender  # noqa: E402
 from weightsync.digest import source_digest  # noqa: E402
@@ -66,12 +67,6 @@ PROMPTS = [[10, 20, 30, 40], [5, 6, 7]]
 SMALL_BUCKET = 96 << 10
 """About a tenth of each model: layers span buckets, so vLLM's reload keeps views of a bucket the
 receiver is about to reuse (the worker copies those out)."""
-
-
-def _vllm_leftovers() -> set[Path]:
-    """vLLM's own CPU all-reduce segments and files, which it leaves behind when stopped."""
-    places = [Path("/dev/shm"), Path(tempfile.gettempdir())]
-    return {path for place in places for path in place.glob("vllm_dist_*")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,20 +92,32 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Iterator[Served]:
     """Stock vLLM on dummy weights with the weightsync backend."""
     kind, tp = request.param
+    with stock_vllm(checkpoints[kind], kind, tp) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def stock_vllm(checkpoint: Path, kind: str, tp: int, load_format: str = "dummy") -> Iterator[Served]:
+    """Stock vLLM on `checkpoint` at tensor parallel size `tp` with the weightsync backend, started
+    by docs/integrations/vllm.md's command as written. Once it stops, what it left in /dev/shm and
+    the temporary folder (its message queues, its CPU all-reduce segments and their rendezvous
+    files) is removed: only what its own processes made (tests/leftovers.py)."""
     port = free_port()
-    env, command = doc_server_command(checkpoints[kind], port)  # docs/integrations/vllm.md's, as written
+    env, command = doc_server_command(checkpoint, port)
+    command[command.index("--load-format") + 1] = load_format
     command += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp" if tp > 1 else "uni"]
     env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp > 1 else "auto"}
-    before = _vllm_leftovers()
+    footprints = Footprints()
     child = ChildProcess(command, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, child)
-        yield Served(url, kind, checkpoints[kind])
+        footprints.during(child.pid)
+        yield Served(url, kind, checkpoint)
     finally:
+        footprints.during(child.pid)
         child.close()
-        for path in _vllm_leftovers() - before:
-            path.unlink(missing_ok=True)
+        footprints.remove()
 
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "vllm.md"

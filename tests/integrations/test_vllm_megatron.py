@@ -14,7 +14,6 @@ scripts/install-megatron.sh).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,11 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("megatron.core")
 
-from tests.helpers import free_port  # noqa: E402
 from tests.integrations import test_vllm_backend as vllm  # noqa: E402
 from tests.integrations import test_vllm_sharded  # noqa: E402
 from tests.integrations.test_megatron import ranks  # noqa: E402
 from tests.integrations.test_vllm_sharded import FromDisk, _full_push  # noqa: E402
 from tests.models import save_model  # noqa: E402
-from weightsync.serving.process import ChildProcess  # noqa: E402
 
 pytestmark = test_vllm_sharded.pytestmark
 
@@ -47,26 +44,12 @@ def server(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
     """Stock vLLM at TP=`param` with the weightsync backend, started on the checkpoint's weights."""
     checkpoint = tmp_path_factory.mktemp("qwen3_moe")
     save_model("qwen3_moe", checkpoint)
-    port = free_port()
-    env, command = vllm.doc_server_command(checkpoint, port)
-    command[command.index("--load-format") + 1] = "auto"
-    if request.param > 1:
-        command += ["--tensor-parallel-size", str(request.param), "--distributed-executor-backend", "mp"]
-    env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": "0|1" if request.param > 1 else "0"}
-    before = vllm._vllm_leftovers()
-    child = ChildProcess(command, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        vllm._wait_healthy(url, child)
-        served = vllm.Served(url, "qwen3_moe", checkpoint)
+    with vllm.stock_vllm(checkpoint, "qwen3_moe", request.param, load_format="auto") as served:
+        url = served.url
         yield (
             FromDisk(served, [vllm._greedy(url, prompt) for prompt in vllm.PROMPTS], vllm._checksums(url)),
             request.param,
         )
-    finally:
-        child.close()
-        for path in vllm._vllm_leftovers() - before:
-            path.unlink(missing_ok=True)
 
 
 def test_megatron_layouts_push_their_shards_into_vllm(server: tuple[FromDisk, int], tmp_path: Path) -> None:
@@ -75,6 +58,12 @@ def test_megatron_layouts_push_their_shards_into_vllm(server: tuple[FromDisk, in
     disk, tp = server
     url = disk.served.url
     full_bytes = sum(tensor.nbytes for tensor in load_file(disk.served.checkpoint / "model.safetensors").values())
+    httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+    try:
+        _full_push(disk.served, version=1)
+        full = vllm._checksums(url)  # a full push of the checkpoint's weights, what every layout's must equal
+    finally:
+        httpx.post(f"{url}/resume", timeout=30).raise_for_status()
     for index, layout in enumerate(LAYOUTS):
         version = 10 * (index + 1)
         out = tmp_path / str(index)
@@ -84,8 +73,6 @@ def test_megatron_layouts_push_their_shards_into_vllm(server: tuple[FromDisk, in
             _full_push(disk.served, version=version - 1, plus=1.0)  # other weights: the push must change them all
             pushes = ranks(disk.served.checkpoint, out, layout, version, "--vllm", url)
             sharded = vllm._checksums(url)
-            _full_push(disk.served, version=version + 1)
-            full = vllm._checksums(url)
         finally:
             httpx.post(f"{url}/resume", timeout=30).raise_for_status()
         assert all(push["ok"] for push in pushes), (layout, pushes)
@@ -97,10 +84,5 @@ def test_megatron_layouts_push_their_shards_into_vllm(server: tuple[FromDisk, in
         for address in workers:
             received = sum(push["wire_bytes"][address] for push in pushes)
             assert received <= (MOST_OF_A_FULL_PUSH if tp > 1 else 1.0) * full_bytes, (layout, received, full_bytes)
-    assert vllm._label(url) == str(10 * len(LAYOUTS) + 1)
-    httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
-    try:
-        ranks(disk.served.checkpoint, tmp_path, LAYOUTS[0], 100, "--vllm", url)
-    finally:
-        httpx.post(f"{url}/resume", timeout=30).raise_for_status()
-    assert [vllm._greedy(url, prompt) for prompt in vllm.PROMPTS] == disk.greedy
+    assert vllm._label(url) == str(10 * len(LAYOUTS))
+    assert [vllm._greedy(url, prompt) for prompt in vllm.PROMPTS] == disk.greedy  # the last layout's push serving

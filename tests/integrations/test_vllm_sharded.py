@@ -17,7 +17,6 @@ Skipped where vLLM is not installed (scripts/install-vllm.sh installs it).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,7 +25,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.helpers import free_port  # noqa: E402
 from tests.integrations.test_vllm_backend import (  # noqa: E402
     PROMPTS,
     Served,
@@ -35,14 +33,11 @@ from tests.integrations.test_vllm_backend import (  # noqa: E402
     _greedy,
     _label,
     _Listed,
-    _vllm_leftovers,
-    _wait_healthy,
-    doc_server_command,
+    stock_vllm,
 )
 from tests.models import save_model  # noqa: E402
-from tests.transports.test_sharded import fsdp_ranks  # noqa: E402
+from tests.transports.test_sharded import fsdp_ranks, stepped_weights  # noqa: E402
 from weightsync.round import NOT_READY  # noqa: E402
-from weightsync.serving.process import ChildProcess  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -70,21 +65,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     kind = request.param
     checkpoint = tmp_path_factory.mktemp(kind)
     save_model(kind, checkpoint)
-    port = free_port()
-    env, command = doc_server_command(checkpoint, port)
-    command[command.index("--load-format") + 1] = "auto"
-    command += ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
-    env = os.environ | env | {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    before = _vllm_leftovers()
-    child = ChildProcess(command, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, child)
-        yield FromDisk(Served(url, kind, checkpoint), [_greedy(url, prompt) for prompt in PROMPTS], _checksums(url))
-    finally:
-        child.close()
-        for path in _vllm_leftovers() - before:
-            path.unlink(missing_ok=True)
+    with stock_vllm(checkpoint, kind, tp=2, load_format="auto") as served:
+        yield FromDisk(served, [_greedy(served.url, prompt) for prompt in PROMPTS], _checksums(served.url))
 
 
 def _fsdp_push(server: Served, transport: str, out: Path, versions: int = 1) -> list[list[dict[str, object]]]:
@@ -139,6 +121,39 @@ def test_fsdp2_ranks_push_their_shards_into_vllm_tp2(server: FromDisk, transport
         received = sum(rank[0]["wire_bytes"][address] for rank in reports)  # type: ignore[index]
         assert received <= MOST_OF_A_FULL_PUSH * full_bytes, (address, received, full_bytes)
     assert served == server.greedy
+
+
+def test_fsdp2_ranks_push_deltas_of_their_shards_into_vllm_tp2_exact(server: FromDisk, tmp_path: Path) -> None:
+    """Two FSDP2 ranks stepping between pushes (`fsdp_ranks --delta`): one full push, then three
+    where every rank sends only what changed in its rows, through vLLM's trainer API into the
+    workers' standby copies. vLLM ends with exactly the weights the trainer ends with: its
+    parameters equal a full push of them, and the digest every rank reports is theirs."""
+    from weightsync.digest import source_digest
+    from weightsync.integrations.vllm import VLLMSource
+
+    url = server.served.url
+    expected = stepped_weights(server.served.checkpoint, steps=3)
+    httpx.post(f"{url}/pause", params={"mode": "wait"}, timeout=30).raise_for_status()
+    try:
+        target = ["--vllm", url, "--vllm-source", "--delta"]
+        reports = fsdp_ranks(target, server.served.checkpoint, "tcp", tmp_path, versions=4)
+        patched, label = _checksums(url), _label(url)
+        engine = _engine(url, VLLMSource(expected))
+        try:
+            report = engine.send_weights(version=1)
+            assert report is not None and report.ok, report
+        finally:
+            engine.shutdown()
+        full = _checksums(url)
+    finally:
+        httpx.post(f"{url}/resume", timeout=30).raise_for_status()
+    assert all(push["ok"] for rank in reports for push in rank), reports
+    modes = [sorted(set(push["modes"].values())) for push in reports[0]]
+    assert modes == [["full"], ["delta"], ["delta"], ["delta"]], modes
+    assert label == "4"
+    assert patched == full, "three sharded delta pushes and a full push of the same weights differ"
+    digest = source_digest(expected)
+    assert reports[0][-1]["content_digest"] == reports[1][-1]["content_digest"] == digest
 
 
 def test_a_trainer_rank_that_dies_mid_push_fails_the_push_at_once_and_leaves_vllm_updatable(

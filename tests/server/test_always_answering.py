@@ -32,15 +32,17 @@ SRC = str(Path(__file__).resolve().parents[2] / "src")
 ANSWER_S = 0.1
 """The bound on every answer, from the moment the port listens."""
 
-STRAY_S = 0.5
+STRAY_S = 4.0
 """The dev machine is shared (2 cores, often 3-6 runnable processes): the scheduler alone delays a
-probe now and then. One answer in 50 may take up to this; the bug this guards against took 6-10 s."""
+probe now and then (1.1 s once at load 7 while vLLM loaded; 2.07 s once at load 4-5 with two test
+runs beside it). One answer in 50 (and at least one, however few were probed) may take up to
+this; the bug this guards against took 6-10 s on a quiet host."""
 
 
 def assert_answered_in_time(answers: list[tuple[float, int, str]]) -> None:
     assert all(status for _, status, _ in answers), [state for _, status, state in answers if not status][:3]
     late = sorted(seconds for seconds, _, _ in answers if seconds >= ANSWER_S)
-    assert len(late) <= len(answers) // 50 and all(s < STRAY_S for s in late), (
+    assert len(late) <= max(1, len(answers) // 50) and all(s < STRAY_S for s in late), (
         f"{len(late)} of {len(answers)} answers took {ANSWER_S * 1e3:.0f} ms or more: "
         f"{[round(s * 1e3) for s in late]} ms"
     )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from tests.models import MODEL_KINDS
+from tests.models import MODEL_KINDS, save_model
 from weightsync import PlanError, WeightReceiver, WeightSender
 from weightsync.serving.hf.base import SamplingParams
 from weightsync.serving.hf.engine import HFEngine
@@ -89,3 +92,45 @@ def test_bad_plans_are_refused(tiny_models, change, message) -> None:
     report, state = push_inproc(engine, checkpoint)
     assert not report.ok and state == "empty"
     assert report.failed[0].kind == PlanError.__name__ and message in report.failed[0].error
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    save_model("qwen3_moe", path)
+    return path
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_moe_checkpoint_lands_in_place_in_the_fused_experts(moe_model, tmp_path, staged) -> None:
+    from transformers import AutoModelForCausalLM
+
+    original = load_file(moe_model / "model.safetensors")  # one 2-D tensor per expert and projection
+    assert "model.layers.0.mlp.experts.0.down_proj.weight" in original
+    pushed = {name: tensor + 1.0 for name, tensor in original.items()}
+    save_file(pushed, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for config in ("config.json", "generation_config.json"):
+        shutil.copy(moe_model / config, tmp_path / config)
+    engine = HFEngine(moe_model, "auto", staged=staged)
+    live = {name: t.data_ptr() for name, t in engine.model.state_dict().items()}
+    assert sorted(engine.weight_sink().names) == sorted(original)
+    prompt = [5, 6, 7, 8]
+    for version, weights, model_dir in [(1, pushed, tmp_path), (2, original, moe_model)]:
+        report, state = push_inproc(engine, weights, version)
+        assert report.ok and state == "ready", report
+        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+        held = engine.model.state_dict()
+        assert held.keys() == expected.state_dict().keys()
+        assert all(torch.equal(held[name], tensor) for name, tensor in expected.state_dict().items())
+        assert staged or {name: t.data_ptr() for name, t in held.items()} == live  # written in place
+        tokens = run_to_end(engine, prompt, SamplingParams(max_tokens=12, temperature=0.0))
+        reference = expected.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        assert tokens == reference[0, len(prompt) :].tolist()
+
+
+def test_a_moe_engine_refuses_the_fused_names(moe_model) -> None:
+    engine = HFEngine(moe_model, "auto")
+    fused = {name: t.detach() for name, t in engine.model.state_dict().items()}
+    report, state = push_inproc(engine, fused)
+    assert not report.ok and state == "empty"
+    assert "unknown tensor 'model.layers.0.mlp.experts.gate_up_proj'" in report.failed[0].error

@@ -43,6 +43,9 @@ pytestmark = [
 TOKEN = "vllm-openai-test-token"
 START_S = 240.0
 """vLLM's start here: about 25 s alone, several times that on a loaded 2-core host."""
+REQUEST_S = 120.0
+"""One request's bound: a few tokens take well under a second alone; on a loaded CI host a sampled
+request with logprobs once took over 30 s."""
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}|{% endfor %}"
@@ -66,7 +69,7 @@ class Served:
         self.model_dir = model_dir
         self.name = model_dir.name
         self.http = httpx.Client(base_url=url, timeout=WAIT_S * 3, headers={"authorization": f"Bearer {TOKEN}"})
-        self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, timeout=WAIT_S * 3, max_retries=0)
+        self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, timeout=REQUEST_S, max_retries=0)
 
     def push(self, tensors: Any, version: int) -> Any:
         with WeightSender([self.address], timeout=WAIT_S, auth_token=TOKEN, raise_on_failure=False) as sender:

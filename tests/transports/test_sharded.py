@@ -302,6 +302,44 @@ def test_fsdp2_ranks_push_their_shards_through_weight_sender(kind: str, transpor
     assert receiver.content_digest == source_digest(checkpoint), "the digest of the checkpoint, pushed in parts"
 
 
+def stepped_weights(model_dir: Path, steps: int) -> Any:
+    """The weights the FSDP2 ranks of `fsdp_ranks(..., "--delta")` end with after `steps` training
+    steps (`weightsync_bench.fsdp_ranks.train_step`), as a source of whole tensors in the names
+    they push."""
+    from transformers import AutoModelForCausalLM
+
+    from weightsync_bench.fsdp_ranks import train_step, trainer_source
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    for step in range(1, steps + 1):
+        train_step(model, step)
+    return trainer_source(model, sharded=False, vllm_source=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_fsdp2_ranks_push_deltas_of_their_shards_exact(kind: str, tmp_path: Path) -> None:
+    """A real FSDP2 trainer (2 ranks, gloo) stepping between pushes: every rank diffs its rows
+    against its own baseline, the ranks exchange over torch.distributed, and the receiver lands
+    the patches exact, with the digest of the weights the trainer ends with."""
+    save_model(kind, tmp_path / "model")
+    expected = dict(stepped_weights(tmp_path / "model", steps=3).tensors())
+    landed = {name: torch.zeros_like(tensor) for name, tensor in expected.items()}
+    full_bytes = sum(tensor.nbytes for tensor in expected.values())
+    with WeightReceiver(landed, "tcp", timeout=60) as receiver:
+        ranks = fsdp_ranks(["--to", receiver.address, "--delta"], tmp_path / "model", "tcp", tmp_path, versions=4)
+        assert receiver.version == 4 and receiver.status.mode == "delta"
+    assert all(push["ok"] for rank in ranks for push in rank), ranks
+    assert [push["modes"][receiver.address] for push in ranks[0]] == ["full", "delta", "delta", "delta"]
+    for push in range(1, 4):
+        sent = sum(rank[push]["wire_bytes"][receiver.address] for rank in ranks)
+        assert 0 < sent < 0.5 * full_bytes, (push, sent, full_bytes)
+    for name, tensor in expected.items():
+        assert_bit_exact(landed[name], tensor, name)
+    digest = source_digest(expected)
+    assert receiver.content_digest == digest == ranks[0][-1]["content_digest"] == ranks[1][-1]["content_digest"]
+
+
 def half_rows(checkpoint: dict[str, torch.Tensor], worker: int) -> tuple[Want, ...]:
     """What tensor-parallel worker `worker` of two keeps: half the rows of every matrix, the rest whole."""
     wants = []

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -49,7 +51,10 @@ SERVER = textwrap.dedent(
 )
 
 
-def test_close_ends_the_tree_and_removes_what_it_made_and_nothing_else(tmp_path: Path) -> None:
+def test_close_ends_the_tree_and_removes_what_it_made_and_nothing_else() -> None:
+    # a short folder, not tmp_path (longer under pytest-xdist): the child binds a Unix socket in
+    # the server's folder inside it, and such a path may have at most 107 bytes
+    tmp_path = Path(tempfile.mkdtemp(prefix="fp-"))
     foreign = shared_memory.SharedMemory(create=True, size=4096)  # another run's: must stay
     try:
         done = subprocess.run(
@@ -72,6 +77,7 @@ def test_close_ends_the_tree_and_removes_what_it_made_and_nothing_else(tmp_path:
     finally:
         foreign.close()
         foreign.unlink()
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def test_a_dead_servers_leftovers_are_reaped_and_a_live_ones_are_not(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from transformers.core_model_loading import Chunk, Transpose, WeightConverter, r
 from tests.helpers import Recorder, assert_all_bit_exact, receiving, sending  # noqa: E402
 from tests.models import model_config, save_model  # noqa: E402
 from weightsync import ConfigError, HFCheckpointSource  # noqa: E402
+from weightsync.hf_checkpoint import checkpoint_metas, checkpoint_views  # noqa: E402
+from weightsync.source import TensorMeta  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -51,6 +53,32 @@ def test_experts_are_yielded_one_by_one_as_views_of_the_fused_stacks() -> None:
     assert sent["model.layers.1.mlp.experts.2.gate_proj.weight"].data_ptr() == stack[2, :64].data_ptr()
     assert sent["model.layers.1.mlp.experts.2.up_proj.weight"].data_ptr() == stack[2, 64:].data_ptr()
     assert_all_bit_exact(sent, revert_weight_conversion(model, model.state_dict()))
+
+
+def test_checkpoint_views_cut_the_fused_stacks_in_place() -> None:
+    model = _model("qwen3_moe")
+    state = model.state_dict()
+    views = checkpoint_views(model, state)
+    metas = checkpoint_metas(model, [TensorMeta(name, tuple(t.shape), t.dtype) for name, t in state.items()])
+    assert {name: tuple(v.shape) for name, v in views.items()} == {
+        meta.name: meta.shape for entries in metas.values() for meta in entries
+    }
+    assert_all_bit_exact(views, revert_weight_conversion(model, model.state_dict()))
+    storages = {t.untyped_storage().data_ptr() for t in state.values()}
+    assert all(v.untyped_storage().data_ptr() in storages for v in views.values())  # views, no copy
+    views["model.layers.1.mlp.experts.2.up_proj.weight"].fill_(3.0)
+    views["model.layers.0.mlp.experts.3.down_proj.weight"].fill_(-2.0)
+    stack = state["model.layers.1.mlp.experts.gate_up_proj"]
+    assert (stack[2, 64:] == 3.0).all() and not (stack[2, :64] == 3.0).any() and not (stack[1] == 3.0).any()
+    assert (state["model.layers.0.mlp.experts.down_proj"][3] == -2.0).all()
+
+
+def test_checkpoint_views_keep_a_tensor_only_transformers_converts_under_its_model_name() -> None:
+    model = TransposedDownQwen2(model_config("qwen2"))
+    views = checkpoint_views(model, dict(model.named_parameters()))
+    down = model.model.layers[1].mlp.down_proj.weight
+    assert views["model.layers.1.mlp.down_proj.weight"] is down
+    assert "model.layers.1.mlp.down_t.weight" not in views
 
 
 def test_a_sender_pushes_it_bit_exact() -> None:

@@ -27,6 +27,6 @@ def test_install_sglang_keeps_the_expected_resolver_errors_off_the_terminal() ->
     are expected); every such install says not to."""
     script = (ROOT / "scripts" / "install-sglang.sh").read_text()
     cpu_path = script[script.index('echo "sglang [2/4] installing torch') :]
-    installs = [line for line in cpu_path.splitlines() if '"${pip[@]}" install' in line][1:]  # [0]: torch, first
+    installs = [line for line in cpu_path.splitlines() if '"${install[@]}"' in line][1:]  # [0]: torch, first
     assert len(installs) == 3 and all('"${quiet[@]}"' in line for line in installs), installs
     assert "quiet=(--no-warn-conflicts)" in cpu_path.split("\nfi\n", 1)[0]

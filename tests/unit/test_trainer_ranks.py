@@ -20,7 +20,7 @@ RANK = textwrap.dedent(
     import os, sys, time
     import torch.distributed as dist
     from weightsync.errors import CollectiveError
-    from weightsync.integrations.vllm.ranks import Ranks
+    from weightsync.ranks import Ranks
 
     rank, port, fault = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")

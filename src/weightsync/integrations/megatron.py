@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from weightsync.errors import ConfigError
+from weightsync.ranks import Exchange
 from weightsync.source import Held, SourceLayout, TensorMeta
 
 __all__ = ["LAYER", "MegatronSource"]
@@ -110,6 +111,7 @@ class MegatronSource:
             dist.all_gather_object(everyone, mine, group=group)
         self._metas, self._layout = _placed(everyone, self._rank, world)
         self._local = {name: (param, view) for name, (_, _, _, param, view) in local.items()}
+        self._exchange = Exchange(dist.get_process_group_ranks(group) if group is not None else None)
 
     def metas(self) -> list[TensorMeta]:
         return list(self._metas)
@@ -117,6 +119,11 @@ class MegatronSource:
     def layout(self) -> SourceLayout:
         """Which box of each checkpoint tensor each rank holds (fixed when built)."""
         return self._layout
+
+    def exchange(self, values: list[int], timeout: float) -> list[list[int]]:
+        """Every pushing rank's `values` (`source.Exchanges`: a sharded push with delta), over a
+        gloo group of `group`'s ranks."""
+        return self._exchange(values, timeout)
 
     def held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every checkpoint tensor's box this rank sends, a view of its parameter (a copy where

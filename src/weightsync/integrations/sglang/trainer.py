@@ -28,6 +28,14 @@ call site there; the same round as vLLM's trainer API) through `SGLangWindow`::
     update_weight_version(version)                  only when every worker landed it whole
     continue_generation; check /model_info's weight_version
 
+Sharded (`SGLangEngine(url, sharded=True)` on every rank of a trainer whose ranks each hold a
+part, e.g. Megatron-Core's with a `MegatronSource`): every rank builds the engine and calls
+`push` with its own source, and every rank pushes the part it holds, straight to the TP workers
+(no rank gathers a tensor). Rank 0 alone drives SGLang (the connect, the window, the label) and
+shares the workers' addresses; the ranks agree at each phase of the same round over a gloo group
+of their own (weightsync/ranks.py, the round's `Agreement`), so that they all return, or all
+raise, and a version is labelled only when every rank's part landed on every worker.
+
 A failed round follows the one rule of docs/failure-semantics.md and raises `SyncFailed`. The
 workers land a push only once it arrived whole (worker.py), so a failed transfer leaves the
 previous version serving, labelled as it was, and generation continues. If a worker's
@@ -40,15 +48,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 from types import TracebackType
 from typing import Any
+
+import msgspec
 
 from weightsync.errors import ConfigError, ConnectError, ServerError, WeightSyncError, one_line
 from weightsync.integrations.sglang.client import PauseMode, SGLangClient
 from weightsync.integrations.sglang.control import Land, LandResult, payload, read_results
 from weightsync.options import ReceiverOptions, SenderOptions
+from weightsync.ranks import Ranks
 from weightsync.report import SyncReport
-from weightsync.round import NOT_READY, Outcome, WorkerState, run_round
+from weightsync.round import NOT_READY, SOLO, Outcome, WorkerState, run_round
 from weightsync.sender import WeightSender
 from weightsync.source import as_source
 from weightsync.workers.rendezvous import WorkerAddress, collect, open_store
@@ -83,9 +95,12 @@ class SGLangEngine:
             another host; then the trainer's address that host reaches).
         deadline: seconds a whole round may take (each worker waits this long for the push).
         api_key: SGLang's `--api-key`, if it was started with one.
+        sharded: every trainer rank builds this engine and pushes the part it holds (module
+            docstring); torch.distributed must be up on every rank. False: one trainer process
+            pushes whole tensors.
 
     Raises:
-        ConfigError: a bad argument.
+        ConfigError: a bad argument; sharded without torch.distributed.
     """
 
     def __init__(
@@ -100,6 +115,7 @@ class SGLangEngine:
         rendezvous_host: str = "127.0.0.1",
         deadline: float = 600.0,
         api_key: str | None = None,
+        sharded: bool = False,
     ) -> None:
         if pause_mode not in ("abort", "retract", "in_place"):
             raise ConfigError(f"pause_mode must be 'abort', 'retract' or 'in_place', got {pause_mode!r}")
@@ -120,19 +136,49 @@ class SGLangEngine:
         self.ready = True
         """SGLang serves an intact version (False: a round left its weights mixed; generation
         stays paused until a push lands)."""
+        self.ranks = Ranks(self.options.timeout + HTTP_MARGIN_S) if sharded else None
+        """Sharded: the trainer's ranks, which every push is agreed with (None: one process)."""
         self._store: Any = None
         self._session = ""
         self._sender: WeightSender | None = None
 
     def connect(self) -> list[WorkerAddress]:
-        """Start a receiver in every TP worker and connect a sender to all of them.
+        """Start a receiver in every TP worker and connect a sender to all of them (sharded:
+        rank 0 starts them and shares their addresses; every rank calls this, or `push`).
 
         Raises:
             ServerError: SGLang refused a call (was it started with weightsync's loader?).
-            ConnectError: not every TP worker announced a receiver.
+            ConnectError: not every TP worker announced a receiver (sharded: on every rank).
             ResourceError: the store could not listen on `rendezvous_host`.
+            CollectiveError: sharded, another trainer rank died or did not get here in time.
         """
         self._drop_sender()
+        if self.ranks is None:
+            self.workers = self._start_workers()
+        else:
+            self.workers = self._shared_workers(self.ranks)
+        self._sender = WeightSender([worker.address for worker in self.workers], options=self.options)
+        log.info("weightsync: %d SGLang TP worker(s) over %s", len(self.workers), self.transport)
+        return self.workers
+
+    def _shared_workers(self, ranks: Ranks) -> list[WorkerAddress]:
+        """Rank 0's workers, on every rank (rank 0 starts them).
+
+        Raises:
+            ConnectError: rank 0 could not start them (rank 0 raises its own error).
+        """
+        found: list[WorkerAddress] = []
+        try:
+            if ranks.leads:
+                found = self._start_workers()
+        finally:  # the other ranks wait for these bytes: they get them, or none, whatever happened
+            shared = ranks.share(msgspec.json.encode(found) if found else b"")
+        if not shared:
+            raise ConnectError("no SGLang TP worker announced its receiver (trainer rank 0 could not reach them)")
+        return msgspec.json.decode(shared, type=list[WorkerAddress])
+
+    def _start_workers(self) -> list[WorkerAddress]:
+        """Start every TP worker's receiver; their addresses, by rank."""
         num_ranks = int(self.client.server_info().get("tp_size", 1))
         if self.client.end_stale_update():
             # A trainer died inside a round. Generation stays as it left it: paused, when the
@@ -158,10 +204,7 @@ class SGLangEngine:
                 f"{len(workers)} of SGLang's {num_ranks} TP workers announced a receiver; was it started "
                 f"with --custom-weight-loader {LOADER}? (SGLang's log names the worker's error)"
             )
-        self.workers = sorted(workers, key=lambda worker: worker.rank)
-        self._sender = WeightSender([worker.address for worker in self.workers], options=self.options)
-        log.info("weightsync: %d SGLang TP worker(s) over %s", num_ranks, self.transport)
-        return self.workers
+        return sorted(workers, key=lambda worker: worker.rank)
 
     def push(self, tensors: Any, version: int) -> SyncReport:
         """Push `tensors` (a mapping, (name, tensor) pairs or a `WeightSource`, in the
@@ -176,6 +219,8 @@ class SGLangEngine:
                 serve (generation goes on) or SGLang is not ready (module docstring); `.report`
                 is the push's report, or None when the push itself raised.
             ServerError: pausing generation failed (nothing was opened).
+            CollectiveError: sharded, another trainer rank died or did not get to this push
+                in time; rank 0 decided the window all the same.
             Whatever the source's index raised (nothing was paused).
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -195,6 +240,7 @@ class SGLangEngine:
                 as_source(tensors),
                 version,
                 window,
+                self.ranks if self.ranks is not None else SOLO,
                 wait_s=self.deadline + HTTP_MARGIN_S,
                 deadline=self.deadline,
             )
@@ -308,6 +354,4 @@ def _state(result: LandResult) -> WorkerState:
 
 
 def _new_session() -> str:
-    import secrets
-
     return secrets.token_hex(8)

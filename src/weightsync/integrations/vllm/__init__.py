@@ -11,7 +11,6 @@ through the `vllm.general_plugins` entry point, which calls `register`. Then::
                    start / update / finish lifecycle through the model's own load_weights
     trainer.py     WeightsyncTrainerEngine: a WeightSender behind vLLM's trainer API;
                    VLLMSource: a weightsync WeightSource as vLLM's
-    ranks.py       a sharded push's trainer ranks agreeing
     internals.py   the one module that reads vLLM internals
     (the worker kit, weightsync.workers: the start message, the receiver stack, the rendezvous,
     the checkpoint layout a worker checks a push against)

@@ -25,7 +25,7 @@ generation pauses until a round labels a version.
 Sharded (`WeightsyncTrainerInitInfo(rank=r, sharded=True)`, an FSDP2 trainer): every rank calls
 `trainer_init` and `send_weights` with its `ModuleSource`, and every rank pushes the rows it
 holds, straight to the workers that keep them (no rank gathers a tensor). Rank 0 still drives
-vLLM; the ranks agree at each step over a gloo group of their own (ranks.py, the round's
+vLLM; the ranks agree at each step over a gloo group of their own (weightsync/ranks.py, the round's
 `Agreement`), so that they all return, or all raise, and a version is labelled only when every
 rank's part committed on every worker. A solo trainer is the same round with an agreement of one.
 """
@@ -52,10 +52,10 @@ from vllm.distributed.weight_transfer.base import WeightSource as VLLMWeightSour
 from weightsync.errors import ConfigError, ConnectError, one_line
 from weightsync.integrations.vllm.internals import module_of
 from weightsync.integrations.vllm.plugin import register
-from weightsync.integrations.vllm.ranks import Ranks
 from weightsync.integrations.vllm.worker import as_init_info
 from weightsync.module_source import ModuleSource
 from weightsync.options import ReceiverOptions, SenderOptions
+from weightsync.ranks import Ranks
 from weightsync.report import SyncReport
 from weightsync.round import NOT_READY, SOLO, Outcome, WorkerState, run_round, states_of
 from weightsync.sender import WeightSender

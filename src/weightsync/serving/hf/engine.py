@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from weightsync.errors import ConfigError, RequestError
+from weightsync.hf_checkpoint import checkpoint_views
 from weightsync.lora import AdapterVersion
 from weightsync.serving.config import LoadFormat
 from weightsync.serving.hf.base import SamplingParams, StepEngine, StepOutput, check_request
@@ -95,7 +97,9 @@ class HFEngine(StepEngine):
         """Longest prompt + completion: the model's context (its max_position_embeddings)."""
         self._requests: dict[str, _Request] = {}
         # the base weights' names, taken before any adapter wraps a layer (PEFT renames them)
-        self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True), staged=staged)
+        # under the checkpoint's names, as a sync carries them (one tensor per expert: sink.py)
+        views = functools.partial(checkpoint_views, self.model)
+        self._sink = InPlaceModelSink(self.model.state_dict(keep_vars=True), staged=staged, views=views)
         self._lora: LoraServing | None = None
         if max_lora_rank:
             self._lora = LoraServing(self.model, keep=lora_versions, max_rank=max_lora_rank)

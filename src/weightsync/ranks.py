@@ -1,9 +1,9 @@
 """The trainer's ranks agreeing on one sharded push: the `weightsync.round.Agreement` of a
-sharded round (vLLM's trainer API).
+sharded round (vLLM's trainer API, `SGLangEngine(sharded=True)`).
 
-Every rank pushes its own part (weightsync's sharded sync), but only rank 0 talks to vLLM (the
-update window, the version label). The ranks agree over a gloo group of their own, made once
-by every rank in `trainer_init`::
+Every rank pushes its own part (weightsync's sharded sync), but only rank 0 talks to the engine
+(the update window, the version label). The ranks agree over a gloo group of their own, made once
+by every rank in `trainer_init` (vLLM) or the engine's constructor (SGLang); for vLLM::
 
     rank 0                                   every rank
     rendezvous: the workers' addresses  -->  share(): the same addresses (msgspec JSON bytes)
@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from weightsync.errors import CollectiveError, ConfigError, one_line
 
-__all__ = ["Ranks"]
+__all__ = ["Exchange", "Ranks"]
 
 
 class Ranks:
@@ -36,18 +36,20 @@ class Ranks:
 
     Args:
         timeout: seconds each agreement may wait for the last rank to get there.
+        members: the ranks (of the default group) that agree; default: every rank. Every rank
+            of the default group makes it, at the same point (`torch.distributed.new_group`).
 
     Raises:
         ConfigError: torch.distributed is not initialised.
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, members: list[int] | None = None) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise ConfigError("a sharded push through vLLM's trainer API needs torch.distributed initialised")
+            raise ConfigError("a sharded push from several trainer ranks needs torch.distributed initialised")
         self.timeout = timeout
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        self.group = dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
         self.leads = self.rank == 0
         """Rank 0 drives the engine's window (`weightsync.round.Agreement`)."""
 
@@ -68,6 +70,13 @@ class Ranks:
         self._together("agree", lambda: dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.group))
         return bool(vote.item())
 
+    def exchange(self, values: list[int]) -> list[list[int]]:
+        """Every rank's `values` (as many on each), in rank order."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(self.world)]
+        self._together("exchange their patch sizes", lambda: dist.all_gather(every, mine, group=self.group))
+        return [tensor.tolist() for tensor in every]
+
     def wait(self) -> None:
         """Until every rank got here."""
         self._together("meet", lambda: dist.barrier(group=self.group))
@@ -85,3 +94,17 @@ class Ranks:
                 f"trainer rank {self.rank} of {self.world}: the ranks could not {what} (a rank died, or did not get "
                 f"there within {self.timeout:g} s): {one_line(exc)}"
             ) from exc
+
+
+class Exchange:
+    """`source.Exchanges` for a sharded source: every pushing rank's integers, over a gloo group
+    of `members` (default: every rank) made at the first exchange, by every rank at once."""
+
+    def __init__(self, members: list[int] | None = None) -> None:
+        self._members = members
+        self._ranks: Ranks | None = None
+
+    def __call__(self, values: list[int], timeout: float) -> list[list[int]]:
+        if self._ranks is None:
+            self._ranks = Ranks(timeout, self._members)
+        return self._ranks.exchange(values)
