@@ -77,10 +77,9 @@ if [[ -n "$side" ]]; then
 fi
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"  # NIXL's UCX stays on loopback
 tests=0
-# One process: on this 2-core host two pytest-xdist workers (`-n 2 --dist loadfile` as arguments)
-# made the whole run slower (5,313 s of pytest, where the last serial run, 21 tests fewer, took
-# 2,766 s): the real engines of both workers fight for the same two cores.
-.venv/bin/pytest -q --durations=25 "$@" || tests=$?  # the slowest, to keep it short
+# Two workers (pytest-xdist), a test file each at a time (a module's servers start once): most
+# tests wait on processes starting, and the real engines' starts are mostly one core's work.
+.venv/bin/pytest -q -n 2 --dist loadfile --durations=25 "$@" || tests=$?  # the slowest, to keep it short
 wait "$checker"
 checker=""
 ((tests == 0)) || exit "$tests"

@@ -25,7 +25,7 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 # versions, not vLLM's kernels.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
-# Under pytest-xdist (`-n 2` as an argument to scripts/test.sh) each worker, and every process it starts,
+# Under pytest-xdist (scripts/test.sh runs two workers) each worker, and every process it starts,
 # has a temporary folder of its own, so that the leftover checks (tests/leftovers.py) see only
 # what their own run made there (vLLM names its rendezvous files, and its segments after them).
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):
