@@ -77,9 +77,9 @@ if [[ -n "$side" ]]; then
 fi
 export UCX_NET_DEVICES="${UCX_NET_DEVICES:-lo}"  # NIXL's UCX stays on loopback
 tests=0
-# Two workers (pytest-xdist), a test file each at a time (a module's servers start once): most
-# tests wait on processes starting, and the real engines' starts are mostly one core's work.
-.venv/bin/pytest -q -n 2 --dist loadfile --durations=25 "$@" || tests=$?  # the slowest, to keep it short
+# Two workers (pytest-xdist), a test file each at a time (a module's servers start once), the
+# longest files first (tests/conftest.py's SLOWEST_FIRST): most tests wait on processes starting.
+.venv/bin/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@" || tests=$?  # the slowest, to keep it short
 wait "$checker"
 checker=""
 ((tests == 0)) || exit "$tests"
