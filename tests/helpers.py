@@ -307,21 +307,31 @@ def push_from_ranks(addresses: list[str], sources: list[Any], version: int, **op
     """Each source pushed by a `WeightSender(addresses, **options)` of its own, on a thread of
     its own (as the ranks of a trainer do); the first error a push raised is raised here, once
     every push ended."""
-    reports: list[SyncReport | None] = [None] * len(sources)
+
+    def push(rank: int) -> SyncReport:
+        with WeightSender(addresses, **options) as sender:
+            return sender.push(sources[rank], version=version)
+
+    return pushes_on_threads(push, len(sources), 4 * float(options.get("timeout", WAIT_S)))
+
+
+def pushes_on_threads(push: Callable[[int], SyncReport], ranks: int, timeout: float) -> list[SyncReport]:
+    """`push(rank)` for every rank, each on a thread of its own, each joined within `timeout`;
+    the first error a push raised is raised here, once every push ended."""
+    reports: list[SyncReport | None] = [None] * ranks
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
         try:
-            with WeightSender(addresses, **options) as sender:
-                reports[rank] = sender.push(sources[rank], version=version)
+            reports[rank] = push(rank)
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(sources))]
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(ranks)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(4 * float(options.get("timeout", WAIT_S)))
+        thread.join(timeout)
     if errors:
         raise errors[0]
     assert all(report is not None for report in reports), "a rank's push did not end"

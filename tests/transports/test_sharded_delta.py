@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.helpers import RowShards, assert_all_bit_exact, receiving
+from tests.helpers import RowShards, assert_all_bit_exact, pushes_on_threads, receiving
 from tests.transports.test_sharded import BoxShards
 from weightsync import ConfigError, SyncReport, WeightSender
 from weightsync.digest import source_digest
@@ -95,24 +95,9 @@ class Ranks:
         ]
 
     def push(self, sources: list[Any], version: int) -> list[SyncReport]:
-        reports: list[SyncReport | None] = [None] * len(sources)
-        errors: list[BaseException] = []
-
-        def run(rank: int) -> None:
-            try:
-                reports[rank] = self.senders[rank].push(sources[rank], version=version)
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(sources))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(4 * TIMEOUT_S)
-        if errors:
-            raise errors[0]
-        assert all(report is not None for report in reports), "a rank's push did not end"
-        return [report for report in reports if report is not None]
+        return pushes_on_threads(
+            lambda rank: self.senders[rank].push(sources[rank], version=version), len(sources), 4 * TIMEOUT_S
+        )
 
     def step_and_push(self, source: type[RowShards], full: dict[str, torch.Tensor], version: int) -> list[SyncReport]:
         """The trainer steps (`step`, seeded by `version`), then every rank pushes its part."""
